@@ -1,0 +1,19 @@
+"""mha_ext: multi-head attention as a C extension for NumPy.
+
+    >>> import numpy as np, mha_ext
+    >>> mha = mha_ext.MultiHeadAttention(d_model=512, n_heads=8, seed=0)
+    >>> x = np.random.default_rng(0).standard_normal((2, 10, 512), dtype=np.float32)
+    >>> out, weights = mha(x)          # self-attention: key = value = query
+    >>> out.shape, weights.shape
+    ((2, 10, 512), (2, 8, 10, 10))
+
+The contract is PyTorch's: torch.nn.Linear weight layout, the seed notebook's
+masks (1 = blocked) and torch.nn.MultiheadAttention's (attn_mask,
+key_padding_mask, is_causal).  The numbers come from a C core (src/) that
+releases the GIL and runs on its own worker threads.
+"""
+from ._core import get_num_threads, set_num_threads
+from .module import Linear, MultiHeadAttention
+
+__all__ = ["MultiHeadAttention", "Linear", "set_num_threads", "get_num_threads"]
+__version__ = "0.1.0"

@@ -1,0 +1,36 @@
+"""Build the one extension, mha_ext._core, from src/*.c and mha_ext/_core.c.
+
+The flags stay portable: no -march=native and no fast-math (they would break
+the -inf masks and NaN rows); the instruction set is chosen at run time.
+MHA_EXT_CFLAGS adds flags (for example sanitizers in CI).
+"""
+import glob
+import os
+import shlex
+
+import numpy
+from setuptools import Extension, setup
+
+extra_compile_args = ["-O3", "-std=c11", "-fno-strict-aliasing", "-Wall", "-Wextra",
+                      "-Wno-unused-parameter", "-Wno-missing-field-initializers",
+                      "-Wno-cast-function-type"]
+extra_link_args = ["-lpthread", "-lm"]
+extra = shlex.split(os.environ.get("MHA_EXT_CFLAGS", ""))
+extra_compile_args += extra
+extra_link_args += extra
+
+sources = sorted(glob.glob("src/*.c")) + ["mha_ext/_core.c"]
+
+setup(
+    ext_modules=[
+        Extension(
+            "mha_ext._core",
+            sources=sources,
+            include_dirs=["src", numpy.get_include()],
+            define_macros=[("_GNU_SOURCE", None)],
+            extra_compile_args=extra_compile_args,
+            extra_link_args=extra_link_args,
+            depends=sorted(glob.glob("src/*.h")),
+        )
+    ],
+)

@@ -1,0 +1,86 @@
+/* internal.h: what the files of src/ share and nobody else sees.
+ * Legend as in mha.h: B, Sq, Sk, E, H, Dk, Ek, Ev. */
+#ifndef MHA_INTERNAL_H
+#define MHA_INTERNAL_H
+
+#include "mha.h"
+
+/* ---- checked arithmetic: nonzero on overflow (or a negative operand) ---- */
+static inline int mha_mul(int64_t a, int64_t b, int64_t *r)
+{
+    if (a < 0 || b < 0) return 1;
+    return __builtin_mul_overflow(a, b, r);
+}
+static inline int mha_add(int64_t a, int64_t b, int64_t *r)
+{
+    if (a < 0 || b < 0) return 1;
+    return __builtin_add_overflow(a, b, r);
+}
+/* n scalars of `size` bytes as a byte count that fits size_t and int64_t. */
+static inline int mha_bytes(int64_t n, size_t size, size_t *r)
+{
+    int64_t b;
+    if (mha_mul(n, (int64_t)size, &b)) return 1;
+    *r = (size_t)b;
+    return 0;
+}
+
+/* 64-byte aligned allocation (NULL on failure or bytes == 0 -> a valid
+ * minimal block); free with mha_free. */
+void *mha_alloc(size_t bytes);
+void mha_free(void *p);
+
+/* ---- the dropout / initialisation stream (rng.c) ---- */
+uint64_t mha_stream_key(uint64_t seed, uint64_t counter);
+static inline uint64_t mha_stream_bits(uint64_t key, uint64_t idx)
+{
+    /* SplitMix64's finaliser applied to the idx-th state of the stream. */
+    uint64_t z = key + (idx + 1) * 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+/* uniform in [0, 1) with 53 random bits */
+static inline double mha_stream_uniform(uint64_t key, uint64_t idx)
+{
+    return (double)(mha_stream_bits(key, idx) >> 11) * 0x1.0p-53;
+}
+/* the counter reserved for parameter initialisation */
+#define MHA_INIT_COUNTER UINT64_MAX
+
+/* ---- worker threads (pool.c) ---- */
+/* fn(ctx, task, slot) for every task in [0, n_tasks); slot in [0, max_slots)
+ * names the thread running it, for per-thread scratch.  Runs on the calling
+ * thread alone when n_tasks or max_slots is 1, or when another call holds
+ * the pool. */
+typedef void (*mha_task_fn)(void *ctx, int64_t task, int slot);
+void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx);
+
+/* ---- matrix multiply (gemm.c), row-major with leading dimensions ----
+ * gemm_nt: C (M, N) = A (M, K) · B (N, K)ᵀ   (the torch x·Wᵀ layout)
+ * gemm_nn: C (M, N) = A (M, K) · B (K, N)
+ * bias (N) added to every row when not NULL; accumulate: C += instead of =.
+ * C is never read when accumulate is 0. */
+void mha_gemm_nt_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                     const float *B, int64_t ldb, const float *bias,
+                     float *C, int64_t ldc, int accumulate);
+void mha_gemm_nn_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                     const float *B, int64_t ldb, const float *bias,
+                     float *C, int64_t ldc, int accumulate);
+void mha_gemm_nt_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
+                     const double *B, int64_t ldb, const double *bias,
+                     double *C, int64_t ldc, int accumulate);
+void mha_gemm_nn_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
+                     const double *B, int64_t ldb, const double *bias,
+                     double *C, int64_t ldc, int accumulate);
+
+/* ---- argument checks shared by mha_forward and mha_forward_ref (mha.c) ----
+ * On MHA_OK, sizes hold the element counts of query, key, value, out and
+ * weights (the last even when a->weights is NULL). */
+typedef struct {
+    int64_t n_query, n_key, n_value, n_out, n_weights;
+} mha_sizes;
+mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
+                             const mha_forward_args *a, mha_sizes *sz);
+
+#endif /* MHA_INTERNAL_H */

@@ -1,0 +1,216 @@
+/* mha.c: configuration, parameters, argument checks and the forward pass.
+ * The forward pass itself is forward_impl.h, instantiated for float and
+ * double below.  Legend as in mha.h. */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+const char *mha_status_str(mha_status status)
+{
+    switch (status) {
+    case MHA_OK: return "ok";
+    case MHA_ERR_ARG: return "invalid argument";
+    case MHA_ERR_OVERFLOW: return "size overflow";
+    case MHA_ERR_NOMEM: return "out of memory";
+    }
+    return "unknown status";
+}
+
+size_t mha_dtype_size(mha_dtype dtype)
+{
+    switch (dtype) {
+    case MHA_FLOAT32: return sizeof(float);
+    case MHA_FLOAT64: return sizeof(double);
+    }
+    return 0;
+}
+
+void *mha_alloc(size_t bytes)
+{
+    void *p = NULL;
+    size_t rounded = (bytes + 63) / 64 * 64;
+    if (rounded < bytes) return NULL;
+    if (rounded == 0) rounded = 64;
+    if (posix_memalign(&p, 64, rounded) != 0) return NULL;
+    return p;
+}
+
+void mha_free(void *p) { free(p); }
+
+mha_status mha_param_layout(const mha_config *cfg, int64_t offset[MHA_NPARAM],
+                            int64_t size[MHA_NPARAM], int64_t *total)
+{
+    int64_t E, in[4], pos = 0;
+    int i;
+    if (!cfg || !offset || !size || !total) return MHA_ERR_ARG;
+    if (cfg->d_model <= 0 || cfg->n_heads <= 0 || cfg->kdim <= 0 || cfg->vdim <= 0 ||
+        cfg->d_model % cfg->n_heads != 0 || mha_dtype_size(cfg->dtype) == 0)
+        return MHA_ERR_ARG;
+    E = cfg->d_model;
+    in[0] = E; in[1] = cfg->kdim; in[2] = cfg->vdim; in[3] = E;
+    for (i = 0; i < 4; i++) {
+        if (mha_mul(E, in[i], &size[2 * i])) return MHA_ERR_OVERFLOW;
+        size[2 * i + 1] = cfg->bias ? E : 0;
+    }
+    for (i = 0; i < MHA_NPARAM; i++) {
+        offset[i] = pos;
+        if (mha_add(pos, size[i], &pos)) return MHA_ERR_OVERFLOW;
+    }
+    /* the whole block must also be addressable in bytes */
+    size_t bytes;
+    if (mha_bytes(pos, mha_dtype_size(cfg->dtype), &bytes)) return MHA_ERR_OVERFLOW;
+    *total = pos;
+    return MHA_OK;
+}
+
+mha_status mha_config_check(const mha_config *cfg)
+{
+    int64_t offset[MHA_NPARAM], size[MHA_NPARAM], total;
+    return mha_param_layout(cfg, offset, size, &total);
+}
+
+mha_status mha_params_init(const mha_config *cfg, void *block, uint64_t seed)
+{
+    int64_t offset[MHA_NPARAM], size[MHA_NPARAM], total, i, n;
+    int t;
+    mha_status st = mha_param_layout(cfg, offset, size, &total);
+    if (st != MHA_OK) return st;
+    if (!block) return MHA_ERR_ARG;
+    uint64_t key = mha_stream_key(seed, MHA_INIT_COUNTER);
+    for (t = 0; t < MHA_NPARAM; t++) {
+        /* fan_in: the in_features of the Linear this tensor belongs to */
+        int64_t fan_in = t < MHA_WK ? cfg->d_model
+                       : t < MHA_WV ? cfg->kdim
+                       : t < MHA_WO ? cfg->vdim : cfg->d_model;
+        double bound = 1.0 / sqrt((double)fan_in);
+        n = size[t];
+        for (i = 0; i < n; i++) {
+            uint64_t idx = (uint64_t)(offset[t] + i);
+            double v = (2.0 * mha_stream_uniform(key, idx) - 1.0) * bound;
+            if (cfg->dtype == MHA_FLOAT32) ((float *)block)[offset[t] + i] = (float)v;
+            else ((double *)block)[offset[t] + i] = v;
+        }
+    }
+    return MHA_OK;
+}
+
+mha_status mha_params_from_block(const mha_config *cfg, const void *block, mha_params *p)
+{
+    int64_t offset[MHA_NPARAM], size[MHA_NPARAM], total;
+    const void *t[MHA_NPARAM];
+    int i;
+    mha_status st = mha_param_layout(cfg, offset, size, &total);
+    if (st != MHA_OK) return st;
+    if (!block || !p) return MHA_ERR_ARG;
+    size_t es = mha_dtype_size(cfg->dtype);
+    for (i = 0; i < MHA_NPARAM; i++)
+        t[i] = size[i] ? (const char *)block + (size_t)offset[i] * es : NULL;
+    p->wq = t[MHA_WQ]; p->bq = t[MHA_BQ];
+    p->wk = t[MHA_WK]; p->bk = t[MHA_BK];
+    p->wv = t[MHA_WV]; p->bv = t[MHA_BV];
+    p->wo = t[MHA_WO]; p->bo = t[MHA_BO];
+    return MHA_OK;
+}
+
+static mha_status check_sizes(const mha_config *cfg, int64_t B, int64_t Sq, int64_t Sk,
+                              mha_sizes *sz)
+{
+    int64_t t, E = cfg->d_model;
+    size_t bytes, es = mha_dtype_size(cfg->dtype);
+    mha_status st = mha_config_check(cfg);
+    if (st != MHA_OK) return st;
+    if (B < 0 || Sq < 0 || Sk < 0) return MHA_ERR_ARG;
+    if (mha_mul(B, Sq, &t) || mha_mul(t, E, &sz->n_query)) return MHA_ERR_OVERFLOW;
+    sz->n_out = sz->n_query;
+    if (mha_mul(B, Sk, &t) || mha_mul(t, cfg->kdim, &sz->n_key)) return MHA_ERR_OVERFLOW;
+    if (mha_mul(B, Sk, &t) || mha_mul(t, cfg->vdim, &sz->n_value)) return MHA_ERR_OVERFLOW;
+    if (mha_mul(B, cfg->n_heads, &t) || mha_mul(t, Sq, &t) || mha_mul(t, Sk, &sz->n_weights))
+        return MHA_ERR_OVERFLOW;
+    /* workspaces: Q and the context (B, Sq, E), K and V (B, Sk, E) */
+    if (mha_mul(B, Sk, &t) || mha_mul(t, E, &t) || mha_mul(t, 2, &t) ||
+        mha_add(t, sz->n_out, &t) || mha_add(t, sz->n_out, &t))
+        return MHA_ERR_OVERFLOW;
+    if (mha_bytes(sz->n_query, es, &bytes) || mha_bytes(sz->n_key, es, &bytes) ||
+        mha_bytes(sz->n_value, es, &bytes) || mha_bytes(sz->n_weights, es, &bytes) ||
+        mha_bytes(t, es, &bytes))
+        return MHA_ERR_OVERFLOW;
+    return MHA_OK;
+}
+
+mha_status mha_check_sizes(const mha_config *cfg, int64_t B, int64_t Sq, int64_t Sk)
+{
+    mha_sizes sz;
+    if (!cfg) return MHA_ERR_ARG;
+    return check_sizes(cfg, B, Sq, Sk, &sz);
+}
+
+mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
+                             const mha_forward_args *a, mha_sizes *sz)
+{
+    mha_status st;
+    int64_t H, span;
+    int m, d;
+    if (!cfg || !p || !a || !sz) return MHA_ERR_ARG;
+    st = check_sizes(cfg, a->B, a->Sq, a->Sk, sz);
+    if (st != MHA_OK) return st;
+    H = cfg->n_heads;
+    if (a->n_masks < 0 || a->n_masks > MHA_MAX_MASKS || (a->n_masks > 0 && !a->masks))
+        return MHA_ERR_ARG;
+    if (!(a->dropout >= 0.0 && a->dropout <= 1.0)) return MHA_ERR_ARG; /* NaN too */
+    if (!p->wq || !p->wk || !p->wv || !p->wo) return MHA_ERR_ARG;
+    if (cfg->bias && (!p->bq || !p->bk || !p->bv || !p->bo)) return MHA_ERR_ARG;
+    if (sz->n_query > 0 && (!a->query || !a->out)) return MHA_ERR_ARG;
+    if (sz->n_key > 0 && !a->key) return MHA_ERR_ARG;
+    if (sz->n_value > 0 && !a->value) return MHA_ERR_ARG;
+
+    /* every mask offset b*s0 + h*s1 + i*s2 + j*s3 must fit in int64_t */
+    for (m = 0; m < a->n_masks; m++) {
+        const mha_mask *mk = &a->masks[m];
+        const int64_t dim[4] = {a->B, H, a->Sq, a->Sk};
+        if (!mk->data || (mk->kind != MHA_MASK_BLOCK && mk->kind != MHA_MASK_ADD))
+            return MHA_ERR_ARG;
+        span = 0;
+        for (d = 0; d < 4; d++) {
+            int64_t s = mk->stride[d], reach;
+            if (s == INT64_MIN) return MHA_ERR_OVERFLOW;
+            if (dim[d] == 0) continue;
+            if (mha_mul(s < 0 ? -s : s, dim[d] - 1, &reach) || mha_add(span, reach, &span))
+                return MHA_ERR_OVERFLOW;
+        }
+    }
+    return MHA_OK;
+}
+
+/* ---- the forward pass, for float and double ---- */
+#define T float
+#define SUF(name) name##_f32
+#define EXP expf
+#define SQRT sqrtf
+#include "forward_impl.h"
+#undef T
+#undef SUF
+#undef EXP
+#undef SQRT
+
+#define T double
+#define SUF(name) name##_f64
+#define EXP exp
+#define SQRT sqrt
+#include "forward_impl.h"
+#undef T
+#undef SUF
+#undef EXP
+#undef SQRT
+
+mha_status mha_forward(const mha_config *cfg, const mha_params *p, const mha_forward_args *a)
+{
+    if (!cfg) return MHA_ERR_ARG;
+    switch (cfg->dtype) {
+    case MHA_FLOAT32: return forward_f32(cfg, p, a);
+    case MHA_FLOAT64: return forward_f64(cfg, p, a);
+    }
+    return MHA_ERR_ARG;
+}

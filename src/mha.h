@@ -1,0 +1,149 @@
+/* mha.h: the public C interface of the multi-head attention core.
+ *
+ * The core knows nothing of Python or NumPy: plain pointers, sizes and
+ * strides, status codes.  It never exits or aborts; every failure is a
+ * status returned to the caller.
+ *
+ * Legend (used in every file of src/):
+ *   B   batch              Sq  query length      Sk  key length
+ *   E   d_model            H   heads             Dk  head width = E / H
+ *   Ek  kdim (key width)   Ev  vdim (value width)
+ *
+ * Arrays are row-major.  Inputs and outputs are contiguous; masks carry
+ * element strides so that broadcasting costs nothing (stride 0).
+ * Scalars are float (MHA_FLOAT32) or double (MHA_FLOAT64) throughout one call,
+ * as chosen by mha_config.dtype.
+ */
+#ifndef MHA_H
+#define MHA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    MHA_OK = 0,
+    MHA_ERR_ARG = 1,      /* an argument is NULL, negative or inconsistent */
+    MHA_ERR_OVERFLOW = 2, /* a size or offset does not fit in int64_t/size_t */
+    MHA_ERR_NOMEM = 3     /* an allocation failed */
+} mha_status;
+
+/* A short English description of a status ("ok", "size overflow", ...). */
+const char *mha_status_str(mha_status status);
+
+typedef enum { MHA_FLOAT32 = 0, MHA_FLOAT64 = 1 } mha_dtype;
+
+/* Size in bytes of one scalar of dtype (0 for an unknown dtype). */
+size_t mha_dtype_size(mha_dtype dtype);
+
+typedef struct {
+    int64_t d_model; /* E  > 0 */
+    int64_t n_heads; /* H  > 0, E % H == 0 */
+    int64_t kdim;    /* Ek > 0: width of the key input */
+    int64_t vdim;    /* Ev > 0: width of the value input */
+    int bias;        /* nonzero: the four projections have biases */
+    mha_dtype dtype;
+} mha_config;
+
+/* MHA_OK when every field is in range and the parameter count fits. */
+mha_status mha_config_check(const mha_config *cfg);
+
+/* The parameters live in one contiguous block of scalars, in this order,
+ * each in torch.nn.Linear's (out_features, in_features) layout:
+ *   W_q.weight (E, E)   W_q.bias (E)
+ *   W_k.weight (E, Ek)  W_k.bias (E)
+ *   W_v.weight (E, Ev)  W_v.bias (E)
+ *   W_o.weight (E, E)   W_o.bias (E)
+ * Bias entries have size 0 when cfg->bias == 0. */
+enum {
+    MHA_WQ = 0, MHA_BQ, MHA_WK, MHA_BK, MHA_WV, MHA_BV, MHA_WO, MHA_BO,
+    MHA_NPARAM
+};
+
+/* offset[i] and size[i] (in scalars) of tensor i inside the block, and the
+ * block's total length in *total.  Overflow-checked. */
+mha_status mha_param_layout(const mha_config *cfg, int64_t offset[MHA_NPARAM],
+                            int64_t size[MHA_NPARAM], int64_t *total);
+
+/* Fill a parameter block with U(-1/sqrt(fan_in), 1/sqrt(fan_in)) draws
+ * (torch.nn.Linear's default distribution), deterministically from seed. */
+mha_status mha_params_init(const mha_config *cfg, void *block, uint64_t seed);
+
+/* Pointers to the parameters (usually into one block from mha_param_layout).
+ * Biases are NULL when cfg->bias == 0. */
+typedef struct {
+    const void *wq, *bq; /* (E, E), (E) */
+    const void *wk, *bk; /* (E, Ek), (E) */
+    const void *wv, *bv; /* (E, Ev), (E) */
+    const void *wo, *bo; /* (E, E), (E) */
+} mha_params;
+
+/* Point p at the tensors of a block laid out by mha_param_layout. */
+mha_status mha_params_from_block(const mha_config *cfg, const void *block,
+                                 mha_params *p);
+
+typedef enum {
+    MHA_MASK_BLOCK = 0, /* uint8_t; nonzero = blocked (score -> -inf) */
+    MHA_MASK_ADD = 1    /* scalars of cfg->dtype, added to the scaled scores */
+} mha_mask_kind;
+
+/* A mask over (B, H, Sq, Sk): element (b, h, i, j) is
+ * data[b*stride[0] + h*stride[1] + i*stride[2] + j*stride[3]].
+ * Strides are in elements and may be 0 (broadcast) or negative. */
+typedef struct {
+    mha_mask_kind kind;
+    const void *data;
+    int64_t stride[4];
+} mha_mask;
+
+#define MHA_MAX_MASKS 8
+
+typedef struct {
+    int64_t B, Sq, Sk;    /* B >= 0, Sq >= 0, Sk >= 0 */
+    const void *query;    /* (B, Sq, E)  contiguous */
+    const void *key;      /* (B, Sk, Ek) contiguous */
+    const void *value;    /* (B, Sk, Ev) contiguous */
+    const mha_mask *masks;  /* n_masks masks, all applied together */
+    int n_masks;            /* 0 .. MHA_MAX_MASKS */
+    int is_causal;        /* nonzero: key j > query i is blocked */
+    int zero_masked_rows; /* a row with every key blocked (or Sk == 0):
+                             0 -> its weights and output row are NaN,
+                             1 -> zero weights, context 0 (output = bias) */
+    double dropout;       /* p in [0, 1]; 0 disables dropout */
+    uint64_t seed;        /* dropout stream: element (b, h, i, j) of call */
+    uint64_t counter;     /*   (seed, counter) is kept iff u >= p */
+    void *out;            /* (B, Sq, E) written */
+    void *weights;        /* (B, H, Sq, Sk) written, after dropout; or NULL:
+                             then no (Sq, Sk) buffer per head is allocated */
+} mha_forward_args;
+
+/* The size checks of a call of shape (B, Sq, Sk), with nothing computed or
+ * allocated: MHA_OK, MHA_ERR_ARG or MHA_ERR_OVERFLOW, as mha_forward would
+ * return them.  Lets a caller refuse a shape before allocating its output. */
+mha_status mha_check_sizes(const mha_config *cfg, int64_t B, int64_t Sq, int64_t Sk);
+
+/* The fast forward pass (threaded).  cfg->dtype selects float or double. */
+mha_status mha_forward(const mha_config *cfg, const mha_params *p,
+                       const mha_forward_args *a);
+
+/* The plain reference: the same contract, obvious loops, one thread.
+ * It is the oracle the tests hold mha_forward to. */
+mha_status mha_forward_ref(const mha_config *cfg, const mha_params *p,
+                           const mha_forward_args *a);
+
+/* The dropout stream: the uniform draw in [0, 1) for element index idx of
+ * the stream (seed, counter); idx = ((b*H + h)*Sq + i)*Sk + j. */
+double mha_dropout_uniform(uint64_t seed, uint64_t counter, uint64_t idx);
+
+/* Worker threads used by mha_forward (default: the CPUs this process may
+ * use).  n < 1 is clamped to 1. */
+void mha_set_num_threads(int n);
+int mha_get_num_threads(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MHA_H */

@@ -1,0 +1,176 @@
+/* pool.c: a persistent pool of worker threads.
+ *
+ * One job at a time runs on the pool: a caller that finds it busy (another
+ * Python thread is computing) runs its tasks on its own thread instead, so
+ * concurrent calls never wait on each other and never deadlock.  Tasks are
+ * handed out through one atomic counter; each thread has a fixed slot
+ * number so callers can give it private scratch memory.
+ *
+ * After fork() the child starts with no workers and fresh locks. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define MAX_THREADS 256
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t g_busy;  /* held by the caller whose job runs */
+static pthread_mutex_t g_lock;  /* guards everything below */
+static pthread_cond_t g_wake;   /* workers wait here for a job */
+static pthread_cond_t g_done;   /* the caller waits here for the workers */
+static int g_nthreads;          /* what mha_set_num_threads asked for */
+static int g_nworkers;          /* worker threads started */
+static uint64_t g_generation;   /* bumped for every job */
+static uint64_t g_birth[MAX_THREADS]; /* g_generation when worker i started */
+
+static mha_task_fn g_fn;
+static void *g_ctx;
+static int64_t g_ntasks;
+static atomic_llong g_next;
+static int g_job_workers;       /* workers 0 .. g_job_workers-1 join the job */
+static int g_pending;           /* of those, how many have not finished */
+
+static int default_threads(void)
+{
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0) return n < MAX_THREADS ? n : MAX_THREADS;
+    }
+#endif
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    if (n < 1) n = 1;
+    return n < MAX_THREADS ? (int)n : MAX_THREADS;
+}
+
+static void init_locks(void)
+{
+    pthread_mutex_init(&g_busy, NULL);
+    pthread_mutex_init(&g_lock, NULL);
+    pthread_cond_init(&g_wake, NULL);
+    pthread_cond_init(&g_done, NULL);
+}
+
+static void before_fork(void) { pthread_mutex_lock(&g_busy); pthread_mutex_lock(&g_lock); }
+static void after_fork_parent(void) { pthread_mutex_unlock(&g_lock); pthread_mutex_unlock(&g_busy); }
+static void after_fork_child(void)
+{
+    init_locks();
+    g_nworkers = 0;
+    g_job_workers = 0;
+    g_pending = 0;
+}
+
+static void pool_init(void)
+{
+    init_locks();
+    g_nthreads = default_threads();
+    pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+}
+
+static void run_tasks(int slot)
+{
+    int64_t t;
+    while ((t = (int64_t)atomic_fetch_add(&g_next, 1)) < g_ntasks) g_fn(g_ctx, t, slot);
+}
+
+static void *worker_main(void *arg)
+{
+    int index = (int)(intptr_t)arg;
+    uint64_t seen;
+    pthread_mutex_lock(&g_lock);
+    seen = g_birth[index]; /* a job posted while we started is still ours */
+    for (;;) {
+        while (g_generation == seen) pthread_cond_wait(&g_wake, &g_lock);
+        seen = g_generation;
+        if (index >= g_job_workers) continue;
+        pthread_mutex_unlock(&g_lock);
+        run_tasks(index + 1);
+        pthread_mutex_lock(&g_lock);
+        if (--g_pending == 0) pthread_cond_signal(&g_done);
+    }
+    return NULL;
+}
+
+/* Start workers until `want` exist; returns how many there are. g_lock held. */
+static int start_workers(int want)
+{
+    while (g_nworkers < want) {
+        pthread_t tid;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        g_birth[g_nworkers] = g_generation;
+        int rc = pthread_create(&tid, &attr, worker_main, (void *)(intptr_t)g_nworkers);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break; /* fewer workers: still correct, just slower */
+        g_nworkers++;
+    }
+    return g_nworkers;
+}
+
+void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx)
+{
+    int64_t t;
+    int workers;
+    if (n_tasks <= 0) return;
+    pthread_once(&g_once, pool_init);
+    if (max_slots > 1 && n_tasks > 1 && pthread_mutex_trylock(&g_busy) == 0) {
+        pthread_mutex_lock(&g_lock);
+        workers = g_nthreads < max_slots ? g_nthreads - 1 : max_slots - 1;
+        if (workers > n_tasks - 1) workers = (int)(n_tasks - 1);
+        if (workers > 0) {
+            int have = start_workers(workers);
+            if (have < workers) workers = have;
+        }
+        if (workers > 0) {
+            g_fn = fn;
+            g_ctx = ctx;
+            g_ntasks = n_tasks;
+            atomic_store(&g_next, 0);
+            g_job_workers = workers;
+            g_pending = workers;
+            g_generation++;
+            pthread_cond_broadcast(&g_wake);
+            pthread_mutex_unlock(&g_lock);
+            run_tasks(0);
+            pthread_mutex_lock(&g_lock);
+            while (g_pending > 0) pthread_cond_wait(&g_done, &g_lock);
+            g_job_workers = 0;
+            pthread_mutex_unlock(&g_lock);
+            pthread_mutex_unlock(&g_busy);
+            return;
+        }
+        pthread_mutex_unlock(&g_lock);
+        pthread_mutex_unlock(&g_busy);
+    }
+    for (t = 0; t < n_tasks; t++) fn(ctx, t, 0);
+}
+
+void mha_set_num_threads(int n)
+{
+    pthread_once(&g_once, pool_init);
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    pthread_mutex_lock(&g_lock);
+    g_nthreads = n;
+    pthread_mutex_unlock(&g_lock);
+}
+
+int mha_get_num_threads(void)
+{
+    int n;
+    pthread_once(&g_once, pool_init);
+    pthread_mutex_lock(&g_lock);
+    n = g_nthreads;
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}

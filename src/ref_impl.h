@@ -1,0 +1,119 @@
+/* ref_impl.h: the plain reference forward pass, for T = float and double
+ * (included twice by mha_ref.c).  Obvious loops, one thread, one row of
+ * scores at a time: the oracle the fast path is tested against.
+ * Legend as in mha.h. */
+
+/* y (M, N) = x (M, K) · w (N, K)ᵀ + b (N) */
+static void SUF(ref_linear)(const T *x, const T *w, const T *b, T *y,
+                            int64_t M, int64_t N, int64_t K)
+{
+    int64_t i, o, k;
+    for (i = 0; i < M; i++)
+        for (o = 0; o < N; o++) {
+            T s = 0;
+            for (k = 0; k < K; k++) s += x[i * K + k] * w[o * K + k];
+            y[i * N + o] = b ? s + b[o] : s;
+        }
+}
+
+static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
+                                   const mha_forward_args *a)
+{
+    mha_sizes sz;
+    int64_t B = a ? a->B : 0, Sq = a ? a->Sq : 0, Sk = a ? a->Sk : 0;
+    int64_t E, H, Dk, b, h, i, j, d, n_kv;
+    size_t bytes;
+    T *q = NULL, *k = NULL, *v = NULL, *ctx = NULL, *row = NULL;
+    mha_status st = mha_check_forward(cfg, p, a, &sz);
+    if (st != MHA_OK) return st;
+    if (sz.n_out == 0) return MHA_OK;
+    E = cfg->d_model;
+    H = cfg->n_heads;
+    Dk = E / H;
+    n_kv = B * Sk * E; /* checked by mha_check_forward */
+    st = MHA_ERR_NOMEM;
+    if (mha_bytes(sz.n_out, sizeof(T), &bytes)) return MHA_ERR_OVERFLOW;
+    if (!(q = (T *)mha_alloc(bytes)) || !(ctx = (T *)mha_alloc(bytes))) goto done;
+    if (mha_bytes(n_kv, sizeof(T), &bytes)) { st = MHA_ERR_OVERFLOW; goto done; }
+    if (!(k = (T *)mha_alloc(bytes)) || !(v = (T *)mha_alloc(bytes))) goto done;
+    if (!(row = (T *)mha_alloc((size_t)Sk * sizeof(T)))) goto done;
+
+    SUF(ref_linear)((const T *)a->query, (const T *)p->wq, (const T *)p->bq, q, B * Sq, E, E);
+    SUF(ref_linear)((const T *)a->key, (const T *)p->wk, (const T *)p->bk, k, B * Sk, E, cfg->kdim);
+    SUF(ref_linear)((const T *)a->value, (const T *)p->wv, (const T *)p->bv, v, B * Sk, E, cfg->vdim);
+
+    const T scale = (T)(1.0 / sqrt((double)Dk));
+    const T drop_scale = a->dropout < 1.0 ? (T)(1.0 / (1.0 - a->dropout)) : (T)0;
+    for (b = 0; b < B; b++)
+        for (h = 0; h < H; h++)
+            for (i = 0; i < Sq; i++) {
+                /* scores of query i against every key */
+                T m = -(T)INFINITY, sum = 0;
+                int blocked_row, n;
+                for (j = 0; j < Sk; j++) {
+                    T s = 0;
+                    for (d = 0; d < Dk; d++)
+                        s += q[(b * Sq + i) * E + h * Dk + d] * k[(b * Sk + j) * E + h * Dk + d];
+                    s *= scale;
+                    for (n = 0; n < a->n_masks; n++) {
+                        const mha_mask *mk = &a->masks[n];
+                        int64_t off = b * mk->stride[0] + h * mk->stride[1] +
+                                      i * mk->stride[2] + j * mk->stride[3];
+                        if (mk->kind == MHA_MASK_ADD) s += ((const T *)mk->data)[off];
+                    }
+                    for (n = 0; n < a->n_masks; n++) {
+                        const mha_mask *mk = &a->masks[n];
+                        int64_t off = b * mk->stride[0] + h * mk->stride[1] +
+                                      i * mk->stride[2] + j * mk->stride[3];
+                        if (mk->kind == MHA_MASK_BLOCK && ((const uint8_t *)mk->data)[off])
+                            s = -(T)INFINITY;
+                    }
+                    if (a->is_causal && j > i) s = -(T)INFINITY;
+                    row[j] = s;
+                }
+                /* softmax, with NaN rows where every key is blocked */
+                blocked_row = 1;
+                for (j = 0; j < Sk; j++) {
+                    if (row[j] != -(T)INFINITY) blocked_row = 0;
+                    if (row[j] > m || row[j] != row[j]) m = (m != m) ? m : row[j];
+                }
+                for (j = 0; j < Sk; j++) {
+                    if (blocked_row) {
+                        row[j] = a->zero_masked_rows ? (T)0 : (T)NAN;
+                        continue;
+                    }
+                    row[j] = EXP(row[j] - m);
+                    sum += row[j];
+                }
+                for (j = 0; j < Sk && !blocked_row; j++) {
+                    row[j] /= sum;
+                    if (a->dropout > 0.0) {
+                        uint64_t idx = (((uint64_t)b * (uint64_t)H + (uint64_t)h) * (uint64_t)Sq +
+                                        (uint64_t)i) * (uint64_t)Sk + (uint64_t)j;
+                        if (mha_dropout_uniform(a->seed, a->counter, idx) >= a->dropout)
+                            row[j] *= drop_scale;
+                        else
+                            row[j] = 0;
+                    }
+                }
+                if (a->weights)
+                    for (j = 0; j < Sk; j++)
+                        ((T *)a->weights)[((b * H + h) * Sq + i) * Sk + j] = row[j];
+                for (d = 0; d < Dk; d++) {
+                    T c = 0;
+                    if (blocked_row) c = a->zero_masked_rows ? (T)0 : (T)NAN;
+                    else
+                        for (j = 0; j < Sk; j++) c += row[j] * v[(b * Sk + j) * E + h * Dk + d];
+                    ctx[(b * Sq + i) * E + h * Dk + d] = c;
+                }
+            }
+    SUF(ref_linear)(ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out, B * Sq, E, E);
+    st = MHA_OK;
+done:
+    mha_free(q);
+    mha_free(k);
+    mha_free(v);
+    mha_free(ctx);
+    mha_free(row);
+    return st;
+}

@@ -1,0 +1,212 @@
+/* test_core.c: tests of the C core alone (no Python), run by
+ * tests/test_c_core.py.  Prints "N passed, N failed" and exits nonzero on a
+ * failure.  Legend as in src/mha.h. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mha.h"
+
+static int g_pass, g_fail;
+
+#define CHECK(cond, ...)                                                  \
+    do {                                                                  \
+        if (cond) g_pass++;                                               \
+        else {                                                            \
+            g_fail++;                                                     \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);                   \
+            printf(__VA_ARGS__);                                          \
+            printf("\n");                                                 \
+        }                                                                 \
+    } while (0)
+
+static double lcg_next(uint64_t *s)
+{
+    *s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (double)(*s >> 11) * 0x1.0p-53 * 2.0 - 1.0;
+}
+
+/* E = 2, H = 1, identity weights, zero biases: the answer by hand. */
+static void test_hand_computed(void)
+{
+    double params[4 * 4 + 4 * 2];
+    double q[4] = {1, 0, 0, 1};   /* (B=1, Sq=2, E=2) */
+    double v[4] = {1, 2, 3, 4};   /* (1, Sk=2, 2) */
+    double out[4], w[4];
+    mha_config cfg = {2, 1, 2, 2, 1, MHA_FLOAT64};
+    mha_params p;
+    mha_forward_args a;
+    int64_t off[MHA_NPARAM], size[MHA_NPARAM], total;
+    int t;
+    CHECK(mha_param_layout(&cfg, off, size, &total) == MHA_OK && total == 24, "layout");
+    memset(params, 0, sizeof params);
+    for (t = MHA_WQ; t <= MHA_WO; t += 2) {
+        params[off[t] + 0] = 1;
+        params[off[t] + 3] = 1;
+    }
+    CHECK(mha_params_from_block(&cfg, params, &p) == MHA_OK, "params");
+    memset(&a, 0, sizeof a);
+    a.B = 1; a.Sq = 2; a.Sk = 2;
+    a.query = q; a.key = q; a.value = v;
+    a.out = out; a.weights = w;
+    CHECK(mha_forward(&cfg, &p, &a) == MHA_OK, "forward");
+    /* row 0 scores [1, 0]/sqrt(2): w00 = 1 / (1 + exp(-1/sqrt(2))) */
+    double w00 = 1.0 / (1.0 + exp(-1.0 / sqrt(2.0)));
+    double want_w[4] = {w00, 1 - w00, 1 - w00, w00};
+    double want_out[4] = {w00 * 1 + (1 - w00) * 3, w00 * 2 + (1 - w00) * 4,
+                          (1 - w00) * 1 + w00 * 3, (1 - w00) * 2 + w00 * 4};
+    for (t = 0; t < 4; t++) {
+        CHECK(fabs(w[t] - want_w[t]) < 1e-15, "weight %d: %.17g vs %.17g", t, w[t], want_w[t]);
+        CHECK(fabs(out[t] - want_out[t]) < 1e-14, "out %d: %.17g vs %.17g", t, out[t], want_out[t]);
+    }
+    /* block key 1 for query 0 with a (Sq, Sk) mask broadcast over B and H:
+     * query 0 then sees only key 0, so its output is value 0 exactly */
+    uint8_t blk[4] = {0, 1, 0, 0};
+    mha_mask mk = {MHA_MASK_BLOCK, blk, {0, 0, 2, 1}};
+    a.masks = &mk; a.n_masks = 1;
+    CHECK(mha_forward(&cfg, &p, &a) == MHA_OK, "masked forward");
+    CHECK(w[0] == 1.0 && w[1] == 0.0, "masked weights %g %g", w[0], w[1]);
+    CHECK(out[0] == 1.0 && out[1] == 2.0, "masked out %g %g", out[0], out[1]);
+    /* every key blocked for query 0: NaN row by default, zeros on request */
+    blk[0] = 1;
+    CHECK(mha_forward(&cfg, &p, &a) == MHA_OK, "blocked forward");
+    CHECK(isnan(w[0]) && isnan(w[1]) && isnan(out[0]) && isnan(out[1]), "NaN row");
+    CHECK(!isnan(w[2]) && !isnan(out[2]), "other row finite");
+    a.zero_masked_rows = 1;
+    CHECK(mha_forward(&cfg, &p, &a) == MHA_OK, "zero-row forward");
+    CHECK(w[0] == 0 && w[1] == 0 && out[0] == 0 && out[1] == 0, "zero row");
+    /* the same through the additive kind: -inf blocks, 0 passes */
+    double add[4] = {-INFINITY, -INFINITY, 0, 0};
+    mha_mask mk2 = {MHA_MASK_ADD, add, {0, 0, 2, 1}};
+    a.masks = &mk2; a.zero_masked_rows = 0;
+    CHECK(mha_forward(&cfg, &p, &a) == MHA_OK, "additive forward");
+    CHECK(isnan(w[0]) && fabs(w[2] - want_w[2]) < 1e-15, "additive mask");
+    /* causal: query 0 sees key 0 only */
+    a.n_masks = 0; a.is_causal = 1;
+    CHECK(mha_forward(&cfg, &p, &a) == MHA_OK, "causal");
+    CHECK(w[0] == 1 && w[1] == 0 && fabs(w[2] - want_w[2]) < 1e-15, "causal weights");
+}
+
+/* fast path against the reference, float32 against float64 */
+static void test_fast_vs_ref(int64_t B, int64_t Sq, int64_t Sk, int64_t E, int64_t H,
+                             int64_t Ek, int64_t Ev, int masked, int causal, double p_drop)
+{
+    mha_config c64 = {E, H, Ek, Ev, 1, MHA_FLOAT64}, c32 = c64;
+    int64_t off[MHA_NPARAM], size[MHA_NPARAM], total, i;
+    int64_t nq = B * Sq * E, nk = B * Sk * Ek, nv = B * Sk * Ev, nw = B * H * Sq * Sk;
+    uint64_t s = 12345 + (uint64_t)(B * 7 + Sq * 13 + Sk * 17 + E);
+    c32.dtype = MHA_FLOAT32;
+    mha_param_layout(&c64, off, size, &total);
+    double *P = malloc(total * 8), *X = malloc((nq + nk + nv) * 8);
+    float *P32 = malloc(total * 4), *X32 = malloc((nq + nk + nv) * 4);
+    double *out = malloc(nq * 8), *ref = malloc(nq * 8), *w = malloc((nw + 1) * 8),
+           *wr = malloc((nw + 1) * 8), *out2 = malloc(nq * 8);
+    float *out32 = malloc(nq * 4), *w32 = malloc((nw + 1) * 4);
+    uint8_t *mask = malloc((size_t)(Sq * Sk + 1));
+    mha_params p, p32;
+    mha_forward_args a;
+    mha_mask mk;
+    CHECK(mha_params_init(&c64, P, 7) == MHA_OK, "init");
+    for (i = 0; i < total; i++) P32[i] = (float)(P[i] = (double)(float)P[i]);
+    for (i = 0; i < nq + nk + nv; i++) X32[i] = (float)(X[i] = (double)(float)lcg_next(&s));
+    for (i = 0; i < Sq * Sk; i++) mask[i] = masked && ((i * 7 + 3) % 5 == 0);
+    mha_params_from_block(&c64, P, &p);
+    mha_params_from_block(&c32, P32, &p32);
+    memset(&a, 0, sizeof a);
+    a.B = B; a.Sq = Sq; a.Sk = Sk;
+    a.query = X; a.key = X + nq; a.value = X + nq + nk;
+    mk.kind = MHA_MASK_BLOCK; mk.data = mask;
+    mk.stride[0] = 0; mk.stride[1] = 0; mk.stride[2] = Sk; mk.stride[3] = 1;
+    a.masks = &mk; a.n_masks = masked;
+    a.is_causal = causal;
+    a.dropout = p_drop; a.seed = 99; a.counter = 3;
+    a.out = out; a.weights = w;
+    CHECK(mha_forward(&c64, &p, &a) == MHA_OK, "fast f64");
+    a.out = ref; a.weights = wr;
+    CHECK(mha_forward_ref(&c64, &p, &a) == MHA_OK, "ref f64");
+    a.out = out2; a.weights = NULL;
+    CHECK(mha_forward(&c64, &p, &a) == MHA_OK, "online f64");
+    double e_out = 0, e_w = 0, e_on = 0, e_32 = 0;
+    int nan_mismatch = 0;
+    for (i = 0; i < nq; i++) {
+        if (isnan(out[i]) != isnan(ref[i]) || isnan(out2[i]) != isnan(ref[i])) nan_mismatch++;
+        if (!isnan(ref[i])) {
+            e_out = fmax(e_out, fabs(out[i] - ref[i]));
+            e_on = fmax(e_on, fabs(out2[i] - ref[i]));
+        }
+    }
+    for (i = 0; i < nw; i++) {
+        if (isnan(w[i]) != isnan(wr[i])) nan_mismatch++;
+        else if (!isnan(wr[i])) e_w = fmax(e_w, fabs(w[i] - wr[i]));
+    }
+    a.query = X32; a.key = X32 + nq; a.value = X32 + nq + nk;
+    a.out = out32; a.weights = w32;
+    CHECK(mha_forward(&c32, &p32, &a) == MHA_OK, "fast f32");
+    for (i = 0; i < nq; i++)
+        if (!isnan(ref[i])) e_32 = fmax(e_32, fabs((double)out32[i] - ref[i]));
+    CHECK(nan_mismatch == 0, "NaN positions differ (%d)", nan_mismatch);
+    CHECK(e_out < 1e-12 && e_w < 1e-12 && e_on < 1e-12,
+          "f64 fast vs ref B%lld Sq%lld Sk%lld E%lld H%lld: out %g weights %g online %g",
+          (long long)B, (long long)Sq, (long long)Sk, (long long)E, (long long)H, e_out, e_w, e_on);
+    CHECK(e_32 < 2e-5, "f32 vs f64 B%lld Sq%lld Sk%lld E%lld: %g", (long long)B,
+          (long long)Sq, (long long)Sk, (long long)E, e_32);
+    free(P); free(X); free(P32); free(X32); free(out); free(ref); free(w); free(wr);
+    free(out2); free(out32); free(w32); free(mask);
+}
+
+static void test_status(void)
+{
+    mha_config bad = {10, 3, 10, 10, 1, MHA_FLOAT32};
+    CHECK(mha_config_check(&bad) == MHA_ERR_ARG, "E %% H != 0");
+    mha_config huge = {INT64_C(1) << 40, 1, 1, 1, 1, MHA_FLOAT32};
+    CHECK(mha_config_check(&huge) == MHA_ERR_OVERFLOW, "huge d_model: %d", mha_config_check(&huge));
+    /* a shape whose weights would not fit in int64_t: a status, nothing allocated */
+    mha_config cfg = {8, 2, 8, 8, 1, MHA_FLOAT32};
+    float params[4 * 64 + 32];
+    float dummy[8] = {0};
+    mha_params p;
+    mha_forward_args a;
+    mha_params_from_block(&cfg, params, &p);
+    memset(&a, 0, sizeof a);
+    a.B = INT64_C(1) << 20; a.Sq = INT64_C(1) << 20; a.Sk = INT64_C(1) << 20;
+    a.query = a.key = a.value = dummy;
+    a.out = dummy;
+    CHECK(mha_forward(&cfg, &p, &a) == MHA_ERR_OVERFLOW, "size overflow");
+    CHECK(mha_forward_ref(&cfg, &p, &a) == MHA_ERR_OVERFLOW, "size overflow (ref)");
+    a.B = 1; a.Sq = 1; a.Sk = 1; a.dropout = NAN;
+    CHECK(mha_forward(&cfg, &p, &a) == MHA_ERR_ARG, "NaN dropout");
+    a.dropout = 0; a.B = -1;
+    CHECK(mha_forward(&cfg, &p, &a) == MHA_ERR_ARG, "negative B");
+    a.B = 1; a.query = NULL;
+    CHECK(mha_forward(&cfg, &p, &a) == MHA_ERR_ARG, "NULL query");
+    CHECK(strcmp(mha_status_str(MHA_ERR_OVERFLOW), "size overflow") == 0, "status string");
+}
+
+static void test_dropout_stream(void)
+{
+    /* a pure function of (seed, counter, idx), and about uniform */
+    int64_t i, below = 0, n = 100000;
+    CHECK(mha_dropout_uniform(1, 2, 3) == mha_dropout_uniform(1, 2, 3), "deterministic");
+    CHECK(mha_dropout_uniform(1, 2, 3) != mha_dropout_uniform(1, 3, 3), "counter matters");
+    for (i = 0; i < n; i++) below += mha_dropout_uniform(5, 0, (uint64_t)i) < 0.3;
+    CHECK(fabs((double)below / n - 0.3) < 0.006, "fraction below 0.3: %g", (double)below / n);
+}
+
+int main(void)
+{
+    test_hand_computed();
+    test_status();
+    test_dropout_stream();
+    /* sizes that are multiples of no tile, masks, causal, dropout, cross */
+    test_fast_vs_ref(1, 1, 1, 1, 1, 1, 1, 0, 0, 0.0);
+    test_fast_vs_ref(2, 7, 5, 6, 3, 6, 6, 1, 0, 0.0);
+    test_fast_vs_ref(3, 33, 17, 16, 4, 5, 9, 1, 0, 0.0);
+    test_fast_vs_ref(2, 65, 129, 24, 2, 24, 24, 0, 1, 0.0);
+    test_fast_vs_ref(1, 40, 300, 32, 4, 32, 32, 1, 0, 0.25);
+    test_fast_vs_ref(2, 10, 10, 64, 8, 64, 64, 1, 1, 0.5);
+    test_fast_vs_ref(1, 3, 8, 8, 1, 8, 8, 0, 0, 1.0);
+    printf("%d passed, %d failed\n", g_pass, g_fail);
+    return g_fail != 0;
+}
