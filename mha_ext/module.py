@@ -55,6 +55,18 @@ def _check_real(arr, name):
                         f"got dtype {arr.dtype}")
 
 
+def _assign(target, value, name):
+    """`linear.weight = value` (and `linear.weight += 1`, which Python ends with
+    that assignment) copies value into the module's memory, never rebinds."""
+    if value is target:
+        return
+    arr = _as_array(value, name)
+    _check_real(arr, name)
+    if arr.shape != target.shape:
+        raise ValueError(f"{name} must have shape {target.shape}, got {arr.shape}")
+    target[...] = arr
+
+
 class Linear:
     """The weight (out_features, in_features) and bias (out_features,) of one
     projection, laid out like torch.nn.Linear.  Both are NumPy arrays that share
@@ -72,10 +84,20 @@ class Linear:
         """(out_features, in_features), live memory of the module."""
         return self._weight
 
+    @weight.setter
+    def weight(self, value):
+        _assign(self._weight, value, "weight")
+
     @property
     def bias(self):
         """(out_features,), live memory of the module; None when bias=False."""
         return self._bias
+
+    @bias.setter
+    def bias(self, value):
+        if self._bias is None:
+            raise AttributeError("this module was built with bias=False: it has no bias")
+        _assign(self._bias, value, "bias")
 
     def __repr__(self):
         out, inp = self._weight.shape
