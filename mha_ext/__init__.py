@@ -14,6 +14,9 @@ releases the GIL and runs on its own worker threads.
 """
 from ._core import get_num_threads, set_num_threads
 from .module import Linear, MultiHeadAttention
+from .plot import plot_heads
+from .trace import Step, Trace, trace
 
-__all__ = ["MultiHeadAttention", "Linear", "set_num_threads", "get_num_threads"]
+__all__ = ["MultiHeadAttention", "Linear", "Trace", "Step", "trace", "plot_heads",
+           "set_num_threads", "get_num_threads"]
 __version__ = "0.1.0"

@@ -1,0 +1,205 @@
+"""python -m mha_ext: the demo.
+
+Builds the seed configuration (B=2, S=10, E=512, H=8) or the one given on
+the command line, prints the shape flow of one call, the parameter count
+and, where torch is installed, the largest difference from
+torch.nn.MultiheadAttention loaded with the same weights and the time per
+call of both (same thread count, median of several runs).
+
+    python -m mha_ext [--batch 2] [--seq 10] [--d-model 512] [--heads 8]
+                      [--dtype float32] [--seed 0] [--causal]
+                      [--repeat 20] [--threads N] [--no-torch] [--plot FILE]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import mha_ext
+from mha_ext.plot import plot_heads
+from mha_ext.trace import trace as _trace
+
+
+def _positive(text):
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("%r is not an integer" % text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be at least 1, got %d" % n)
+    return n
+
+
+def _parser():
+    p = argparse.ArgumentParser(
+        prog="python -m mha_ext",
+        description="mha_ext demo: trace one multi-head attention call, count "
+                    "its parameters and compare it with PyTorch (when torch "
+                    "is installed).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-b", "--batch", type=_positive, default=2,
+                   help="batch size B")
+    p.add_argument("-s", "--seq", "--seq-len", dest="seq", type=_positive,
+                   default=10, help="sequence length S (self-attention)")
+    p.add_argument("-e", "--d-model", dest="d_model", type=_positive,
+                   default=512, help="model width E (d_model)")
+    p.add_argument("-n", "--heads", type=_positive, default=8,
+                   help="number of heads H (must divide d_model)")
+    p.add_argument("--dtype", choices=("float32", "float64"),
+                   default="float32", help="floating-point type")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights and of the input")
+    p.add_argument("--causal", action="store_true",
+                   help="block key j > query i (is_causal=True)")
+    p.add_argument("--repeat", type=_positive, default=20,
+                   help="timed runs per library (the median is reported)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="threads for both libraries (default: mha_ext's)")
+    p.add_argument("--no-torch", action="store_true",
+                   help="skip the comparison with torch")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="save the attention heatmaps of batch 0 to FILE "
+                        "(needs matplotlib)")
+    return p
+
+
+def _median_times(fns, repeat, rounds=3):
+    """Median seconds per call of each function.  Each function is timed in
+    blocks of its own (so torch's OpenMP threads, which keep spinning for a
+    while after a call, do not slow the other library down), and the blocks
+    alternate over a few rounds so that both see the same machine load."""
+    times = [[] for _ in fns]
+    rounds = min(rounds, repeat)
+    for r in range(rounds):
+        n = repeat // rounds + (r < repeat % rounds)
+        for i, fn in enumerate(fns):
+            fn()
+            fn()                                # warm-up of the block
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def _ms(seconds):
+    return "%.3f ms" % (seconds * 1e3)
+
+
+def _compare_with_torch(m, x, args, out, weights):
+    try:
+        import torch
+    except ImportError:
+        print("torch is not installed: comparison with torch skipped "
+              "(pip install torch to see it).")
+        return
+    tdtype = torch.float64 if args.dtype == "float64" else torch.float32
+    E, H = args.d_model, args.heads
+    sd = m.state_dict()
+    ref = torch.nn.MultiheadAttention(E, H, dropout=0.0, bias=True,
+                                      batch_first=True, dtype=tdtype)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.from_numpy(np.concatenate(
+            [sd["W_q.weight"], sd["W_k.weight"], sd["W_v.weight"]])))
+        ref.in_proj_bias.copy_(torch.from_numpy(np.concatenate(
+            [sd["W_q.bias"], sd["W_k.bias"], sd["W_v.bias"]])))
+        ref.out_proj.weight.copy_(torch.from_numpy(sd["W_o.weight"]))
+        ref.out_proj.bias.copy_(torch.from_numpy(sd["W_o.bias"]))
+    ref.eval()
+
+    xt = torch.from_numpy(x)
+    tmask = None
+    if args.causal:
+        tmask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool),
+                           diagonal=1)
+
+    def run_torch():
+        with torch.inference_mode():
+            return ref(xt, xt, xt, attn_mask=tmask, need_weights=True,
+                       average_attn_weights=False)
+
+    def run_ours():
+        return m(x, is_causal=args.causal)
+
+    t_out, t_w = run_torch()
+    d_out = float(np.max(np.abs(out - t_out.numpy()), initial=0.0))
+    d_w = float(np.max(np.abs(weights - t_w.numpy()), initial=0.0))
+
+    threads = args.threads
+    if threads is None:
+        threads = (mha_ext.get_num_threads()
+                   if hasattr(mha_ext, "get_num_threads")
+                   else torch.get_num_threads())
+    old_torch = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    if hasattr(mha_ext, "set_num_threads"):
+        old_ours = mha_ext.get_num_threads()
+        mha_ext.set_num_threads(threads)
+    try:
+        t_ours, t_torch = _median_times([run_ours, run_torch], args.repeat)
+    finally:
+        torch.set_num_threads(old_torch)
+        if hasattr(mha_ext, "set_num_threads"):
+            mha_ext.set_num_threads(old_ours)
+
+    print("comparison with torch %s (torch.nn.MultiheadAttention, batch_first,"
+          " same weights, eval mode):" % torch.__version__)
+    print("  largest difference from torch: output %.3g, weights %.3g"
+          % (d_out, d_w))
+    ratio = t_torch / t_ours if t_ours > 0 else float("inf")
+    print("  time per call (median of %d runs, %d thread%s): mha_ext %s, "
+          "torch %s" % (args.repeat, threads, "" if threads == 1 else "s",
+                        _ms(t_ours), _ms(t_torch)))
+    print("  speed-up over torch (torch time / mha_ext time): %.2fx" % ratio)
+
+
+def main(argv=None):
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        m = mha_ext.MultiHeadAttention(args.d_model, args.heads,
+                                       dtype=args.dtype, seed=args.seed)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    m.eval()
+    rng = np.random.default_rng(args.seed)
+    x = rng.standard_normal((args.batch, args.seq, args.d_model)).astype(
+        args.dtype)
+
+    print("mha_ext demo: %r, %s, %s" % (m, args.dtype, "causal" if args.causal
+                                         else "no mask"))
+    print()
+    tr = _trace(m, x, is_causal=args.causal)
+    print(tr)
+    print()
+    E = args.d_model
+    print("parameters: {:,} (4·E² + 4·E with E = {}: W_q, W_k, W_v, W_o "
+          "and their biases)".format(m.num_parameters, E))
+    print()
+    if args.no_torch:
+        print("comparison with torch skipped (--no-torch).")
+    else:
+        _compare_with_torch(m, x, args, tr.output, tr.weights)
+
+    if args.plot:
+        try:
+            fig = plot_heads(
+                tr.weights, batch=0,
+                tokens=["t%d" % i for i in range(args.seq)],
+                title="attention weights of %d heads, batch 0 (seed %d%s)"
+                      % (args.heads, args.seed,
+                         ", causal" if args.causal else ""))
+        except ImportError as exc:
+            print("cannot plot: %s" % exc, file=sys.stderr)
+            return 1
+        fig.savefig(args.plot, dpi=100)
+        print()
+        print("head heatmaps saved to %s" % args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

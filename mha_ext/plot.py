@@ -1,0 +1,161 @@
+"""Heatmaps of attention weights, one panel per head.
+
+Legend: B batch, H heads, Sq query length, Sk key length.
+
+matplotlib is an optional extra (``pip install "mha_ext[plot]"``); it is
+imported only when :func:`plot_heads` is called, and the figure is built
+with ``matplotlib.figure.Figure`` directly (no pyplot, no GUI backend), so it
+works headless and never opens a window.
+"""
+
+import math
+
+import numpy as np
+
+__all__ = ["plot_heads"]
+
+_INSTALL = ('plot_heads needs matplotlib, an optional extra of mha_ext: '
+            'pip install "mha_ext[plot]" (or: pip install matplotlib)')
+
+
+def _matplotlib():
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError(_INSTALL) from exc
+    return matplotlib, Figure
+
+
+def _weights_array(weights):
+    # a Trace, a torch tensor, an ndarray or nested lists -> float ndarray
+    if hasattr(weights, "steps") and hasattr(weights, "weights"):
+        weights = weights.weights
+        if weights is None:
+            raise ValueError("this trace has no weights (need_weights=False)")
+    if hasattr(weights, "detach") and hasattr(weights, "cpu"):
+        weights = weights.detach().cpu().numpy()
+    w = np.asarray(weights)
+    if w.dtype.kind not in "biuf":
+        raise TypeError("weights must be real numbers, got dtype %s" % w.dtype)
+    return w.astype(np.float64)
+
+
+def _labels(tokens, n, what):
+    if tokens is None:
+        return None
+    labels = [str(t) for t in tokens]
+    if len(labels) != n:
+        raise ValueError("%s has %d labels but the weights have %d %s"
+                         % (what, len(labels), n,
+                            "queries" if what == "query_tokens" else "keys"))
+    return labels
+
+
+def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
+               key_tokens=None, cmap="viridis", ncols=None, figsize=None,
+               title=None, vmin=None, vmax=None):
+    """Draw one heatmap per head and return the matplotlib ``Figure``.
+
+    weights       attention weights (B, H, Sq, Sk), as returned by a call, or
+                  unbatched (H, Sq, Sk); a :class:`~mha_ext.Trace` works too.
+                  A NumPy array, a torch tensor or nested lists.
+    batch         which batch element to draw (ignored for 3-D weights).
+    tokens        labels of the sequence, put on both axes (self-attention).
+    query_tokens, key_tokens
+                  labels for the rows (queries) and columns (keys) when they
+                  differ (cross-attention); they override ``tokens``.
+    cmap          a matplotlib colour map name.
+    ncols         panels per row (default: up to 4).
+    figsize       (width, height) in inches (default: from the grid).
+    title         the figure's title (default: "attention weights, batch b").
+    vmin, vmax    the shared colour scale (default: 0 to the largest weight).
+
+    Every panel uses the same colour scale, shown by one colour bar.  Rows
+    that are NaN (a query with every key blocked) are drawn in grey.  Save
+    the figure with ``fig.savefig("heads.png")``.
+    """
+    w = _weights_array(weights)
+    if w.ndim == 4:
+        nb = w.shape[0]
+        if not isinstance(batch, (int, np.integer)) or isinstance(batch, bool):
+            raise TypeError("batch must be an int, got %r" % (batch,))
+        if not -nb <= batch < nb:
+            raise IndexError("batch %d is out of range for %d batch elements"
+                             % (batch, nb))
+        w = w[batch]
+        label_b = "batch %d" % (batch % nb)
+    elif w.ndim == 3:
+        label_b = None
+    else:
+        raise ValueError("weights must be (B, H, Sq, Sk) or (H, Sq, Sk), got "
+                         "shape %s" % (w.shape,))
+    H, Sq, Sk = w.shape
+    if H == 0:
+        raise ValueError("weights have no heads (shape %s)" % (w.shape,))
+    ylab = _labels(query_tokens if query_tokens is not None else tokens,
+                   Sq, "query_tokens" if query_tokens is not None else "tokens")
+    xlab = _labels(key_tokens if key_tokens is not None else tokens,
+                   Sk, "key_tokens" if key_tokens is not None else "tokens")
+
+    matplotlib, Figure = _matplotlib()
+
+    if ncols is None:
+        ncols = min(H, 4)
+    ncols = max(1, min(int(ncols), H))
+    nrows = math.ceil(H / ncols)
+    if figsize is None:
+        cell = 2.6 if max(Sq, Sk) <= 16 else 3.2
+        figsize = (cell * ncols + 1.2, cell * nrows + 0.8)
+
+    finite = w[np.isfinite(w)]
+    if vmin is None:
+        vmin = min(0.0, float(finite.min())) if finite.size else 0.0
+    if vmax is None:
+        vmax = float(finite.max()) if finite.size else 1.0
+        if vmax <= vmin:
+            vmax = vmin + 1.0
+
+    try:
+        cm = matplotlib.colormaps[cmap]
+    except (AttributeError, TypeError):             # matplotlib < 3.5
+        cm = matplotlib.cm.get_cmap(cmap)
+    cm = cm.with_extremes(bad="0.8")
+
+    fig = Figure(figsize=figsize, layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    image = None
+    shown = []
+    for h in range(nrows * ncols):
+        ax = axes[h // ncols][h % ncols]
+        if h >= H:
+            ax.set_visible(False)
+            continue
+        image = ax.imshow(np.ma.masked_invalid(w[h]), cmap=cm, vmin=vmin,
+                          vmax=vmax, aspect="auto", interpolation="nearest")
+        shown.append(ax)
+        ax.set_title("head %d" % h, fontsize=10)
+        left = h % ncols == 0
+        bottom = h + ncols >= H           # no panel below this one
+        if xlab is not None:
+            ax.set_xticks(range(Sk))
+            ax.set_xticklabels(xlab if bottom else [], rotation=90,
+                               fontsize=8)
+        elif not bottom:
+            ax.set_xticklabels([])
+        if ylab is not None:
+            ax.set_yticks(range(Sq))
+            ax.set_yticklabels(ylab if left else [], fontsize=8)
+        elif not left:
+            ax.set_yticklabels([])
+        if bottom:
+            ax.set_xlabel("key")
+        if left:
+            ax.set_ylabel("query")
+    fig.colorbar(image, ax=shown, label="attention weight",
+                 shrink=0.9)
+    if title is None:
+        title = "attention weights" + (", " + label_b if label_b else "")
+    if title:
+        fig.suptitle(title)
+    return fig

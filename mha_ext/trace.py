@@ -1,0 +1,437 @@
+"""Step-by-step trace of one multi-head attention call, for teaching.
+
+Legend: B batch, Sq query length, Sk key length, E d_model, H heads,
+Dk = E / H head width, Ek kdim, Ev vdim.
+
+``trace(module, query, ...)`` (also ``module.trace(query, ...)``) redoes the
+computation of ``module(query, ...)`` in plain NumPy, one step at a time, and
+keeps every intermediate array::
+
+    query            x_q                        [B, Sq, E]
+    Q projection     Q = x_q·W_qᵀ + b_q         [B, Sq, E]
+    Q heads          Q → [B, H, Sq, Dk]         [B, H, Sq, Dk]
+    raw scores       S = Q·Kᵀ / √Dk             [B, H, Sq, Sk]
+    masked scores    S, −∞ where blocked        [B, H, Sq, Sk]
+    softmax          A = softmax(S) along Sk    [B, H, Sq, Sk]
+    dropout          (training and p > 0 only)  [B, H, Sq, Sk]
+    context          C = A·V                    [B, H, Sq, Dk]
+    concat heads     C → [B, Sq, H·Dk]          [B, Sq, E]
+    output projection  out = C·W_oᵀ + b_o       [B, Sq, E]
+
+The module itself is also called, exactly once, with the same arguments, and
+``Trace.output`` / ``Trace.weights`` (and the arrays of the final
+"output projection" step and of the "dropout" step) are what that call
+returned, bit for bit.  The other steps are NumPy's arithmetic in the
+module's dtype and agree with the module to float rounding.
+
+This module is plain Python and NumPy; it imports nothing optional.
+"""
+
+from collections import namedtuple
+import html
+
+import numpy as np
+
+__all__ = ["Step", "Trace", "trace"]
+
+
+class Step(namedtuple("Step", ["name", "formula", "shape", "array", "dims"])):
+    """One step of a :class:`Trace`.
+
+    ``name``     short name, unique within the trace ("Q projection", ...)
+    ``formula``  what the step computes, in the notation of the legend
+    ``shape``    the array's shape, a tuple of ints
+    ``array``    the NumPy array itself
+    ``dims``     the symbolic shape, a tuple of legend names ("B", "H", ...)
+    """
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return "Step(name=%r, formula=%r, shape=%s, dims=%s)" % (
+            self.name, self.formula, _fmt_shape(self.shape),
+            _fmt_dims(self.dims))
+
+
+# Long names of the legend symbols, used in the first row of the table.
+_LONG = {"B": "batch", "Sq": "seq_q", "Sk": "seq_k", "E": "d_model",
+         "H": "n_heads", "Dk": "d_k", "Ek": "kdim", "Ev": "vdim"}
+
+
+def _fmt_shape(shape):
+    return "[" + ", ".join(str(int(n)) for n in shape) + "]"
+
+
+def _fmt_dims(dims):
+    return "[" + ", ".join(dims) + "]"
+
+
+class Trace:
+    """The steps of one attention call.  Build it with ``module.trace(...)``.
+
+    - ``trace.steps``: list of :class:`Step` (name, formula, shape, array,
+      dims), in computation order; also ``len(trace)``, ``iter(trace)``,
+      ``trace[i]`` and ``trace["softmax"]`` (by step name).
+    - ``trace.output``, ``trace.weights``: exactly what the module call
+      returned (``weights`` is ``None`` for ``need_weights=False`` and the
+      mean over heads for ``average_weights=True``).
+    - ``trace.sizes``: the legend values, e.g. ``{"B": 2, "Sq": 10, ...}``.
+    - ``trace.info``: dtype, training, dropout, which masks blocked or were
+      added, and ``"numpy_output"``, the NumPy steps' own output (it agrees
+      with ``trace.output`` to float rounding).
+    - ``print(trace)`` shows the shape flow as a table; in Jupyter the trace
+      renders as an HTML table.
+    """
+
+    def __init__(self, steps, output, weights, sizes, info, unbatched=False):
+        self.steps = list(steps)
+        self.output = output
+        self.weights = weights
+        self.sizes = dict(sizes)
+        self.info = dict(info)
+        self.unbatched = bool(unbatched)
+
+    # -- container protocol ----------------------------------------------
+    def __len__(self):
+        return len(self.steps)
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def __contains__(self, name):
+        return any(s.name == name for s in self.steps)
+
+    @property
+    def names(self):
+        """The step names, in order."""
+        return [s.name for s in self.steps]
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            for s in self.steps:
+                if s.name == key:
+                    return s
+            raise KeyError("no step named %r; the steps are: %s"
+                           % (key, ", ".join(self.names)))
+        return self.steps[key]
+
+    # -- display -----------------------------------------------------------
+    def _header(self):
+        z = self.sizes
+        parts = ["%s=%d" % (k, z[k]) for k in ("B", "Sq", "Sk", "E", "H", "Dk")
+                 if k in z]
+        for k in ("Ek", "Ev"):
+            if k in z and z[k] != z["E"]:
+                parts.append("%s=%d" % (k, z[k]))
+        i = self.info
+        mode = "training" if i.get("training") else "eval"
+        if i.get("dropout_active"):
+            mode += ", dropout p=%g" % i["dropout"]
+        title = "MultiHeadAttention trace (%s, %s%s)" % (
+            i.get("dtype", "?"), mode, ", unbatched" if self.unbatched else "")
+        return title, ", ".join(parts)
+
+    def _first_shape(self, step):
+        # "[batch=2, seq_q=10, d_model=512]" for the input rows
+        return "[" + ", ".join("%s=%d" % (_LONG.get(d, d), n)
+                               for d, n in zip(step.dims, step.shape)) + "]"
+
+    def _rows(self):
+        rows = []
+        for s in self.steps:
+            if s.name in ("query", "key", "value"):
+                shape = self._first_shape(s)
+            else:
+                shape = _fmt_shape(s.shape)
+            rows.append((s.name, s.formula, _fmt_dims(s.dims), shape))
+        return rows
+
+    def shape_flow(self):
+        """The symbolic shapes of the query path, joined by arrows:
+        ``[B, Sq, E] → [B, H, Sq, Dk] → [B, H, Sq, Sk] → …``."""
+        flow = []
+        for s in self.steps:
+            if s.name.startswith(("K ", "V ", "key", "value")):
+                continue
+            d = _fmt_dims(s.dims)
+            if not flow or flow[-1] != d:
+                flow.append(d)
+        return " → ".join(flow)
+
+    def __str__(self):
+        title, sizes = self._header()
+        head = ("step", "formula", "dims", "shape")
+        rows = self._rows()
+        w = [max(len(r[c]) for r in rows + [head]) for c in range(3)]
+
+        def line(r):
+            return "  ".join(r[c].ljust(w[c]) for c in range(3)) + "  " + r[3]
+
+        out = [title, sizes, "", line(head),
+               "  ".join("-" * n for n in w) + "  " + "-" * 5]
+        out += [line(r) for r in rows]
+        out += ["", "shape flow: " + self.shape_flow()]
+        return "\n".join(out)
+
+    def __repr__(self):
+        return self.__str__()
+
+    def _repr_html_(self):
+        title, sizes = self._header()
+        e = html.escape
+        parts = ['<table class="mha-trace">',
+                 "<caption>%s<br><small>%s</small></caption>"
+                 % (e(title), e(sizes)),
+                 "<thead><tr><th>step</th><th>formula</th><th>dims</th>"
+                 "<th>shape</th></tr></thead>", "<tbody>"]
+        for r in self._rows():
+            parts.append("<tr><td>%s</td><td><code>%s</code></td>"
+                         "<td><code>%s</code></td><td><code>%s</code></td></tr>"
+                         % tuple(e(c) for c in r))
+        parts.append("</tbody></table>")
+        parts.append("<p><small>shape flow: <code>%s</code></small></p>"
+                     % e(self.shape_flow()))
+        return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# The computation
+
+
+def _as_array(x, dtype):
+    """x as an ndarray of dtype (torch tensors, also ones needing grad)."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        x = x.detach().cpu().numpy()
+    return np.array(x, dtype=dtype)     # a copy: steps never alias inputs
+
+
+def _as_mask(x):
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _linear(x, weight, bias):
+    # x (..., in), weight (out, in), bias (out,) or None -> (..., out)
+    y = x @ weight.T
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def _softmax(s, zero_rows):
+    # s (B, H, Sq, Sk) with -inf where blocked; rows with every key blocked
+    # (or Sk == 0) give NaN, or 0 when zero_rows
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+        dead = np.isneginf(m)
+        e = np.exp(s - np.where(dead, 0, m))
+        a = e / np.sum(e, axis=-1, keepdims=True)
+    if zero_rows:
+        a = np.where(dead, 0, a)
+    else:
+        a = np.where(dead, np.nan, a)
+    return a.astype(s.dtype, copy=False)
+
+
+def trace(module, query, key=None, value=None, mask=None, **kwargs):
+    """Run ``module(query, key, value, mask, **kwargs)`` step by step.
+
+    Takes exactly the arguments of a call (``attn_mask``,
+    ``key_padding_mask``, ``is_causal``, ``need_weights``,
+    ``average_weights``, ``masked_rows``) and returns a :class:`Trace`.
+
+    The module is called once with the same arguments; ``trace.output`` and
+    ``trace.weights`` are that call's results, bit for bit.  Errors in the
+    arguments are the call's own errors, raised before anything else.
+
+    Dropout: in training mode with ``dropout > 0`` a trace consumes one draw
+    of the module's dropout stream, exactly like one call, so
+    ``m.trace(x); m(x)`` gives the same second result as ``m(x); m(x)``.  In
+    that mode the "dropout" step holds the weights after dropout as the call
+    drew them; the call is then made with ``need_weights=True,
+    average_weights=False`` (the draw does not depend on them) and
+    ``trace.weights`` is reduced afterwards: ``None`` for
+    ``need_weights=False``, the NumPy mean over heads for
+    ``average_weights=True``.  In eval mode (or with p = 0) the call is made
+    with exactly the given keywords.
+
+    Unbatched inputs (query (Sq, E)) are traced with the batch dimension
+    dropped from every step.
+    """
+    dtype = np.dtype(module.dtype)
+    need_weights = bool(kwargs.get("need_weights", True))
+    average = bool(kwargs.get("average_weights", False))
+    p = float(module.dropout)
+    dropout_active = bool(module.training) and p > 0.0
+
+    call_kw = dict(kwargs)
+    if dropout_active:
+        call_kw["need_weights"] = True
+        call_kw["average_weights"] = False
+    output, weights = module(query, key, value, mask, **call_kw)
+    dropped = None
+    if dropout_active:
+        dropped = weights
+        if not need_weights:
+            weights = None
+        elif average:
+            weights = dropped.mean(axis=-3)
+
+    # The call has validated everything; now redo it in NumPy.
+    key_defaulted = key is None
+    value_defaulted = value is None
+    if key is None:
+        key = query
+    if value is None:
+        value = key
+    xq = _as_array(query, dtype)
+    xk = _as_array(key, dtype)
+    xv = _as_array(value, dtype)
+    unbatched = xq.ndim == 2
+    if unbatched:
+        xq, xk, xv = xq[None], xk[None], xv[None]
+
+    B, Sq, E = xq.shape
+    Sk = xk.shape[1]
+    H = int(module.n_heads)
+    Dk = E // H
+    sizes = {"B": B, "Sq": Sq, "Sk": Sk, "E": E, "H": H, "Dk": Dk,
+             "Ek": xk.shape[2], "Ev": xv.shape[2]}
+
+    wq, wk, wv, wo = module.W_q, module.W_k, module.W_v, module.W_o
+    bias = wq.bias is not None
+    steps = []
+
+    def add(name, formula, dims, array):
+        steps.append((name, formula, dims, array))
+
+    add("query", "x_q", ("B", "Sq", "E"), xq)
+    add("key", "x_k = x_q" if key_defaulted else "x_k", ("B", "Sk", "Ek"), xk)
+    add("value", "x_v = x_k" if value_defaulted else "x_v",
+        ("B", "Sk", "Ev"), xv)
+
+    b = (lambda n: " + b_" + n) if bias else (lambda n: "")
+    q = _linear(xq, wq.weight, wq.bias)
+    k = _linear(xk, wk.weight, wk.bias)
+    v = _linear(xv, wv.weight, wv.bias)
+    add("Q projection", "Q = x_q·W_qᵀ" + b("q"), ("B", "Sq", "E"), q)
+    add("K projection", "K = x_k·W_kᵀ" + b("k"), ("B", "Sk", "E"), k)
+    add("V projection", "V = x_v·W_vᵀ" + b("v"), ("B", "Sk", "E"), v)
+
+    qh = q.reshape(B, Sq, H, Dk).transpose(0, 2, 1, 3)
+    kh = k.reshape(B, Sk, H, Dk).transpose(0, 2, 1, 3)
+    vh = v.reshape(B, Sk, H, Dk).transpose(0, 2, 1, 3)
+    add("Q heads", "Q → [B, H, Sq, Dk]", ("B", "H", "Sq", "Dk"), qh)
+    add("K heads", "K → [B, H, Sk, Dk]", ("B", "H", "Sk", "Dk"), kh)
+    add("V heads", "V → [B, H, Sk, Dk]", ("B", "H", "Sk", "Dk"), vh)
+
+    scale = dtype.type(1.0 / np.sqrt(Dk))
+    raw = (qh @ kh.transpose(0, 1, 3, 2)) * scale
+    add("raw scores", "S = Q·Kᵀ / √Dk", ("B", "H", "Sq", "Sk"), raw)
+
+    blocked, added, why_blocked, why_added = _masks(
+        mask, kwargs, unbatched, B, H, Sq, Sk, dtype)
+    masked = raw
+    formula = "S"
+    if added is not None:
+        masked = masked + added
+        formula = "S + " + " + ".join(why_added)
+    if blocked is not None:
+        masked = np.where(blocked, dtype.type(-np.inf), masked)
+        formula += ", −∞ where " + " or ".join(why_blocked)
+    if added is None and blocked is None:
+        formula = "S (no mask given)"
+    masked = masked.astype(dtype, copy=False)
+    add("masked scores", formula, ("B", "H", "Sq", "Sk"), masked)
+
+    zero_rows = kwargs.get("masked_rows", "nan") == "zero"
+    a = _softmax(masked, zero_rows)
+    add("softmax", "A = softmax(S) along Sk" +
+        (" (blocked rows → 0)" if zero_rows else ""),
+        ("B", "H", "Sq", "Sk"), a)
+
+    if dropout_active:
+        a = np.asarray(dropped)[None] if unbatched else np.asarray(dropped)
+        add("dropout", "A = A·keep / (1 − p), p = %g" % p,
+            ("B", "H", "Sq", "Sk"), a)
+
+    ctx = (a @ vh).astype(dtype, copy=False)
+    add("context", "C = A·V (per head)", ("B", "H", "Sq", "Dk"), ctx)
+    cat = ctx.transpose(0, 2, 1, 3).reshape(B, Sq, E)
+    add("concat heads", "C → [B, Sq, H·Dk]", ("B", "Sq", "E"), cat)
+    out_np = _linear(cat, wo.weight, wo.bias)
+    add("output projection", "out = C·W_oᵀ" + b("o"), ("B", "Sq", "E"), out_np)
+
+    final = []
+    for name, formula, dims, arr in steps:
+        arr = np.asarray(arr)
+        if unbatched:
+            arr, dims = arr[0], dims[1:]
+            formula = formula.replace("[B, ", "[")
+        if name == "output projection":
+            arr = output            # the call's own result
+        elif name == "dropout":
+            arr = dropped           # the call's own weights after dropout
+        final.append(Step(name, formula, tuple(arr.shape), arr, tuple(dims)))
+
+    info = {"dtype": dtype.name, "training": bool(module.training),
+            "dropout": p, "dropout_active": dropout_active,
+            "blocked_by": list(why_blocked), "added": list(why_added),
+            "numpy_output": out_np[0] if unbatched else out_np}
+    if unbatched:
+        sizes.pop("B")
+    return Trace(final, output, weights, sizes, info, unbatched=unbatched)
+
+
+def _masks(mask, kwargs, unbatched, B, H, Sq, Sk, dtype):
+    """The masks of API.md §3.1 as (blocked, added, why_blocked, why_added):
+    blocked is a bool array broadcastable to (B, H, Sq, Sk) or None, added a
+    float array of dtype broadcastable likewise or None, and the two lists
+    say in words where they came from."""
+    blocked, added = None, None
+    why_blocked, why_added = [], []
+
+    def block(m, why):
+        nonlocal blocked
+        blocked = m if blocked is None else (blocked | m)
+        why_blocked.append(why)
+
+    def add(m, why):
+        nonlocal added
+        m = m.astype(dtype)
+        added = m if added is None else (added + m)
+        why_added.append(why)
+
+    if mask is not None:
+        m = _as_mask(mask) != 0                         # 1 / True = blocked
+        m = np.broadcast_to(m, (H, Sq, Sk) if unbatched else (B, H, Sq, Sk))
+        block(m[None] if unbatched else m, "mask = 1")
+
+    am = kwargs.get("attn_mask")
+    if am is not None:
+        am = _as_mask(am)
+        if am.ndim == 2:                                # (Sq, Sk)
+            am = am[None, None]
+        elif unbatched:                                 # (H, Sq, Sk)
+            am = am[None]
+        else:                                           # (B·H, Sq, Sk)
+            am = am.reshape(B, H, Sq, Sk)
+        if am.dtype == np.bool_:
+            block(am, "attn_mask")
+        else:
+            add(am, "attn_mask")
+
+    kpm = kwargs.get("key_padding_mask")
+    if kpm is not None:
+        kpm = _as_mask(kpm).reshape(1 if unbatched else B, 1, 1, Sk)
+        if kpm.dtype == np.bool_:
+            block(kpm, "key_padding_mask")
+        else:
+            add(kpm, "key_padding_mask")
+
+    if kwargs.get("is_causal", False):
+        causal = np.triu(np.ones((Sq, Sk), dtype=bool), k=1)[None, None]
+        block(causal, "j > i (causal)")
+
+    return blocked, added, why_blocked, why_added

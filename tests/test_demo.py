@@ -1,0 +1,144 @@
+"""python -m mha_ext: the demo, run as a user would, from another directory."""
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mha_ext
+
+PKG_ROOT = str(Path(mha_ext.__file__).resolve().parent.parent)
+
+
+def need(name):
+    """Import an optional test dependency: skip locally, fail in CI."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("%s is required in CI but is not installed" % name)
+        pytest.skip("%s is not installed" % name)
+
+
+def has(name):
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
+
+
+def run_demo(cwd, *args, hide=()):
+    """Run the demo in cwd (not the source tree) with the package the tests
+    import; `hide` lists top-level modules made unimportable."""
+    path = [PKG_ROOT]
+    if hide:
+        fake = Path(cwd) / "_hidden"
+        for name in hide:
+            (fake / name).mkdir(parents=True, exist_ok=True)
+            (fake / name / "__init__.py").write_text(
+                "raise ModuleNotFoundError(\"No module named '%s'\")\n" % name)
+        path.insert(0, str(fake))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(path + [env.get("PYTHONPATH", "")])
+    env["MPLBACKEND"] = "Agg"
+    return subprocess.run([sys.executable, "-m", "mha_ext", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_seed_configuration(tmp_path):
+    r = run_demo(tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "B=2, Sq=10, Sk=10, E=512, H=8, Dk=64" in out
+    assert "[batch=2, seq_q=10, d_model=512]" in out
+    for shape in ("[2, 10, 512]", "[2, 8, 10, 64]", "[2, 8, 10, 10]"):
+        assert shape in out
+    for step in ("Q projection", "Q heads", "raw scores", "masked scores",
+                 "softmax", "context", "concat heads", "output projection"):
+        assert step in out
+    assert "shape flow: [B, Sq, E] → [B, H, Sq, Dk]" in out
+    assert "parameters: 1,050,624" in out
+    if has("torch"):
+        assert "largest difference from torch" in out
+        assert "time per call" in out
+    else:
+        assert "torch is not installed" in out
+
+
+def test_compares_with_torch(tmp_path):
+    need("torch")
+    for dtype, tol in (("float32", 1e-4), ("float64", 1e-10)):
+        r = run_demo(tmp_path, "--dtype", dtype, "--repeat", "3", "--causal")
+        assert r.returncode == 0, r.stderr
+        found = re.search(r"largest difference from torch: output (\S+), "
+                          r"weights (\S+)", r.stdout)
+        assert found, r.stdout
+        d_out, d_w = float(found.group(1)), float(found.group(2))
+        assert d_out < tol and d_w < tol, (dtype, d_out, d_w)
+        t = re.search(r"mha_ext ([\d.]+) ms, torch ([\d.]+) ms", r.stdout)
+        assert t and float(t.group(1)) > 0 and float(t.group(2)) > 0
+        assert "speed-up over torch" in r.stdout
+
+
+def test_options(tmp_path):
+    r = run_demo(tmp_path, "--batch", "3", "--seq-len", "4", "--d-model",
+                 "48", "--heads", "6", "--dtype", "float64", "--no-torch",
+                 "--causal")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "[batch=3, seq_q=4, d_model=48]" in out
+    assert "[3, 6, 4, 8]" in out and "[3, 6, 4, 4]" in out
+    assert "parameters: 9,408" in out                 # 4·48² + 4·48
+    assert "float64" in out and "causal" in out
+    assert "comparison with torch skipped" in out
+
+
+def test_help_lists_the_options(tmp_path):
+    r = run_demo(tmp_path, "--help")
+    assert r.returncode == 0
+    for opt in ("--batch", "--seq", "--d-model", "--heads", "--dtype",
+                "--plot", "--seed"):
+        assert opt in r.stdout
+
+
+def test_bad_configuration_is_a_clear_error(tmp_path):
+    r = run_demo(tmp_path, "--d-model", "10", "--heads", "3")
+    assert r.returncode == 2
+    assert "10" in r.stderr and "3" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run_demo(tmp_path, "--heads", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_without_torch(tmp_path):
+    r = run_demo(tmp_path, "--seq", "3", "--d-model", "16", "--heads", "2",
+                 hide=("torch",))
+    assert r.returncode == 0, r.stderr
+    assert "torch is not installed" in r.stdout
+    assert "[2, 2, 3, 8]" in r.stdout
+
+
+def test_plot_option(tmp_path):
+    need("matplotlib")
+    png = tmp_path / "out" / "heads.png"
+    png.parent.mkdir()
+    r = run_demo(tmp_path, "--no-torch", "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert str(png) in r.stdout
+
+
+def test_plot_without_matplotlib(tmp_path):
+    r = run_demo(tmp_path, "--no-torch", "--seq", "3", "--d-model", "16",
+                 "--heads", "2", "--plot", str(tmp_path / "x.png"),
+                 hide=("matplotlib",))
+    assert r.returncode == 1
+    assert 'pip install "mha_ext[plot]"' in r.stderr
+    assert "[2, 2, 3, 8]" in r.stdout              # the rest still ran
+    assert not (tmp_path / "x.png").exists()

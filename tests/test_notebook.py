@@ -1,0 +1,74 @@
+"""examples/tour.ipynb executes from top to bottom (nbclient), so it never rots."""
+
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+
+import mha_ext
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "tour.ipynb"
+PKG_ROOT = str(Path(mha_ext.__file__).resolve().parent.parent)
+
+
+def need(name):
+    """Import an optional test dependency: skip locally, fail in CI."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("%s is required in CI but is not installed" % name)
+        pytest.skip("%s is not installed" % name)
+
+
+def has(name):
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
+
+
+def test_notebook_is_clean():
+    nbformat = need("nbformat")
+    nb = nbformat.read(str(NOTEBOOK), as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert 4 <= len(code) <= 10
+    for c in code:                          # stored without outputs
+        assert c.outputs == [] and c.execution_count is None
+
+
+def test_notebook_executes(tmp_path, monkeypatch):
+    nbformat = need("nbformat")
+    nbclient = need("nbclient")
+    need("ipykernel")
+    need("matplotlib")
+    torch_here = has("torch")
+    if not torch_here and os.environ.get("CI"):
+        pytest.fail("torch is required in CI: the notebook compares with it")
+
+    # the kernel finds the package the tests import (source tree or installed)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [PKG_ROOT, os.environ.get("PYTHONPATH", "")]))
+    nb = nbformat.read(str(NOTEBOOK), as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()                        # raises CellExecutionError
+
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs
+                   if o.output_type == "stream")
+    html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert "<table" in html and "masked scores" in html   # the trace's HTML
+    assert "shape flow" in text                           # print(trace)
+    assert images, "the head heatmaps were not displayed"
+    if torch_here:
+        assert "largest difference from torch" in text
+    else:
+        assert "torch is not installed" in text
+    assert list(tmp_path.iterdir()) == []   # the notebook writes no files

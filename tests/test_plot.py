@@ -1,0 +1,169 @@
+"""mha_ext.plot_heads: one heatmap per head, shared colour scale, PNG out.
+
+Legend: B batch, H heads, Sq/Sk query/key length.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mha_ext
+from mha_ext.plot import plot_heads
+
+PKG_ROOT = str(Path(mha_ext.__file__).resolve().parent.parent)
+
+
+def need(name):
+    """Import an optional test dependency: skip locally, fail in CI."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("%s is required in CI but is not installed" % name)
+        pytest.skip("%s is not installed" % name)
+
+
+@pytest.fixture
+def mpl():
+    return need("matplotlib")
+
+
+def attention(B=2, S=7, E=24, H=6, seed=0, **kw):
+    m = mha_ext.MultiHeadAttention(E, H, seed=seed).eval()
+    x = np.random.default_rng(seed).standard_normal((B, S, E))
+    return m(x, **kw)[1]
+
+
+def heatmaps(fig):
+    return [ax for ax in fig.axes if ax.images and ax.get_title()]
+
+
+def test_one_panel_per_head(mpl):
+    from matplotlib.figure import Figure
+    w = attention()                                   # (2, 6, 7, 7)
+    tokens = "the cat sat on the mat .".split()
+    fig = plot_heads(w, tokens=tokens)
+    assert isinstance(fig, Figure)
+    panels = heatmaps(fig)
+    assert len(panels) == 6
+    assert [ax.get_title() for ax in panels] == ["head %d" % h
+                                                 for h in range(6)]
+    for h, ax in enumerate(panels):
+        np.testing.assert_allclose(ax.images[0].get_array(), w[0, h])
+    # one shared colour scale, shown by one colour bar
+    clims = {ax.images[0].get_clim() for ax in panels}
+    assert len(clims) == 1
+    lo, hi = clims.pop()
+    assert lo == 0 and hi == pytest.approx(w[0].max())
+    bars = [ax for ax in fig.axes if ax not in panels and ax.get_visible()]
+    assert len(bars) == 1 and bars[0].get_ylabel() == "attention weight"
+    assert panels[-1].images[0].colorbar.ax is bars[0]
+    # token labels on both axes (left column: queries, bottom row: keys)
+    ys = [t.get_text() for t in panels[0].get_yticklabels()]
+    xs = [t.get_text() for t in panels[-1].get_xticklabels()]
+    assert ys == tokens and xs == tokens
+    assert "batch 0" in fig._suptitle.get_text()
+
+
+def test_saves_png(mpl, tmp_path):
+    w = attention(S=9, H=8, E=32, is_causal=True)
+    fig = plot_heads(w, batch=1, tokens=["t%d" % i for i in range(9)])
+    path = tmp_path / "heads.png"
+    fig.savefig(path, dpi=60)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    img = matplotlib.image.imread(str(path))
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    assert img[..., :3].std() > 0.05                  # not a blank canvas
+
+
+def test_batch_index_and_unbatched(mpl):
+    w = attention(B=3, H=4, E=16)
+    fig = plot_heads(w, batch=2)
+    for h, ax in enumerate(heatmaps(fig)):
+        np.testing.assert_allclose(ax.images[0].get_array(), w[2, h])
+    fig = plot_heads(w, batch=-1)
+    np.testing.assert_allclose(heatmaps(fig)[0].images[0].get_array(),
+                               w[2, 0])
+    fig = plot_heads(w[1])                            # unbatched (H, Sq, Sk)
+    assert len(heatmaps(fig)) == 4
+    np.testing.assert_allclose(heatmaps(fig)[3].images[0].get_array(),
+                               w[1, 3])
+
+
+def test_cross_attention_labels_and_options(mpl):
+    m = mha_ext.MultiHeadAttention(12, 3, seed=1).eval()
+    rng = np.random.default_rng(1)
+    _, w = m(rng.standard_normal((1, 2, 12)), rng.standard_normal((1, 5, 12)))
+    fig = plot_heads(w, query_tokens=["q0", "q1"],
+                     key_tokens=list("abcde"), ncols=2, title="cross",
+                     cmap="magma", figsize=(6, 5))
+    panels = heatmaps(fig)
+    assert len(panels) == 3
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == ["q0", "q1"]
+    bottom = [t.get_text() for t in panels[-1].get_xticklabels()]
+    assert bottom == list("abcde")
+    assert fig._suptitle.get_text() == "cross"
+    assert tuple(fig.get_size_inches()) == (6, 5)
+    assert panels[0].images[0].get_cmap().name.startswith("magma")
+
+
+def test_nan_rows_and_dropout_scale(mpl):
+    mask = np.zeros((4, 4))
+    mask[1] = 1                                     # query 1 sees nothing
+    w = attention(S=4, H=2, E=8, mask=mask)
+    assert np.isnan(w[0, :, 1]).all()
+    fig = plot_heads(w)
+    arr = heatmaps(fig)[0].images[0].get_array()
+    assert np.ma.getmaskarray(arr)[1].all()         # drawn as "bad" (grey)
+    assert np.isfinite(heatmaps(fig)[0].images[0].get_clim()).all()
+    # weights after dropout exceed 1: the scale follows the data
+    w2 = np.full((1, 2, 3, 3), 0.5)
+    w2[0, 1, 0, 0] = 2.0
+    assert heatmaps(plot_heads(w2))[0].images[0].get_clim() == (0, 2.0)
+
+
+def test_accepts_a_trace_and_torch(mpl):
+    m = mha_ext.MultiHeadAttention(16, 4, seed=2).eval()
+    tr = m.trace(np.random.default_rng(2).standard_normal((1, 3, 16)))
+    assert len(heatmaps(plot_heads(tr))) == 4
+
+
+def test_bad_arguments(mpl):
+    w = attention(B=2, H=2, E=8, S=3)
+    with pytest.raises(ValueError, match="shape"):
+        plot_heads(w[0, 0])                               # 2-D
+    with pytest.raises(IndexError, match="batch"):
+        plot_heads(w, batch=2)
+    with pytest.raises(ValueError, match="tokens"):
+        plot_heads(w, tokens=["a", "b"])
+    with pytest.raises(ValueError, match="key_tokens"):
+        plot_heads(w, key_tokens=["a"])
+    with pytest.raises(TypeError):
+        plot_heads(np.array([["a"]]))
+
+
+def test_missing_matplotlib_says_how_to_install(monkeypatch):
+    for name in list(sys.modules):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import fails
+    with pytest.raises(ImportError, match=r'pip install "mha_ext\[plot\]"'):
+        plot_heads(np.full((1, 2, 2, 2), 0.5))
+
+
+def test_import_does_not_import_matplotlib(tmp_path):
+    code = ("import sys, mha_ext, mha_ext.plot; "
+            "print('matplotlib' in sys.modules)")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = PKG_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, env=env, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
