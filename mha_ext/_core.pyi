@@ -1,0 +1,46 @@
+"""Type stubs of the C extension mha_ext._core (see _core.c)."""
+from typing import Any, Literal, Optional, Sequence, Tuple
+
+import numpy as np
+import numpy.typing as npt
+
+def set_num_threads(n: int, /) -> None:
+    """Use n threads (1 to 256) for the library's own parallel work."""
+
+def get_num_threads() -> int:
+    """The number of threads the library uses (default: the CPUs this process may use)."""
+
+class MultiHeadAttention:
+    """The C part of mha_ext.MultiHeadAttention: parameter memory and the forward pass."""
+
+    def __new__(cls, d_model: int, n_heads: int, dropout: float = ..., *, bias: bool = ...,
+                kdim: Optional[int] = ..., vdim: Optional[int] = ...,
+                dtype: npt.DTypeLike = ..., seed: Optional[int] = ...) -> "MultiHeadAttention": ...
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def d_k(self) -> int: ...
+    @property
+    def kdim(self) -> int: ...
+    @property
+    def vdim(self) -> int: ...
+    @property
+    def bias(self) -> bool: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def num_parameters(self) -> int: ...
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+    dropout: float
+    training: bool
+    _counter: int
+    def _forward(self, query: Any, key: Any, value: Any,
+                 masks: Sequence[Tuple[Literal[0, 1], Any]], is_causal: bool,
+                 need_weights: bool, zero_rows: bool, reference: bool,
+                 /) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
+    def _block(self) -> np.ndarray: ...
+    def _layout(self) -> Tuple[Tuple[int, int], ...]: ...
+    def _load(self, block: Any, /) -> None: ...
