@@ -420,7 +420,9 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                     raise ValueError(f"query is unbatched (2-D, shape {q.shape}), so {name} "
                                      f"must be 2-D too, got shape {x.shape}")
             batched = False
-            q3, k3, v3 = q[None], (q[None] if k is q else k[None]), None
+            # keep self-attention visible to the C side (no second copy)
+            q3 = q[None]
+            k3 = q3 if k is q else k[None]
             v3 = k3 if v is k else (q3 if v is q else v[None])
         else:
             batched = True

@@ -164,6 +164,29 @@ def test_plain_parity(torch, dtype, pair, Sq, Sk):
     check(torch, "plain (cross and self attention)", dtype, t, m, q, q, q)
 
 
+def test_seed_configuration_with_every_torch_mask(torch, dtype):
+    """The seed size (B=2, S=10, E=512, H=8) with attn_mask, key_padding_mask
+    and is_causal, on both torch paths (weights and SDPA)."""
+    E_, H_, B_, S = 512, 8, 2, 10
+    t = make_torch_mha(torch, E_, H_, dtype)
+    m = MultiHeadAttention.from_torch(t)
+    q, k, v = inputs(dtype, B_, S, S, E_)
+    rng = np.random.default_rng(14)
+    am = additive(rng, (B_ * H_, S, S), dtype)
+    am[..., 0] = 0.0
+    kpm = rng.random((B_, S)) < 0.3
+    kpm[:, 0] = False
+    causal = np.triu(np.ones((S, S), dtype=bool), k=1)
+    merged = torch_merged(torch, dtype, (B_, H_, S, S), am.reshape(B_, H_, S, S),
+                          kpm[:, None, None, :], causal)
+    item = "seed size E=512 H=8, every torch mask"
+    check(torch, item, dtype, t, m, q, k, v, dict(attn_mask=am, key_padding_mask=kpm,
+                                                  is_causal=True), dict(attn_mask=merged))
+    out, _ = m(q, k, v, attn_mask=am, key_padding_mask=kpm, is_causal=True, need_weights=False)
+    t_out, _ = torch_ref(torch, t, q, k, v, need_weights=False, attn_mask=merged)
+    assert_close(item, dtype, out, t_out)
+
+
 def test_batch_first_false(torch, dtype):
     """A seq-first torch module; our call stays batch-first."""
     t = make_torch_mha(torch, E, H, dtype, batch_first=False)
@@ -452,6 +475,9 @@ def test_average_weights(torch, dtype, pair):
                    dict(key_padding_mask=kpm), dict(key_padding_mask=kpm), average=True)
     assert w.shape == (B, SQ, SK)
     assert_close("average_weights=True", dtype, w, m(q, k, v, key_padding_mask=kpm)[1].mean(1))
+    # pinned: torch averages by default, we do not
+    _, t_default = t(*(tensor(torch, x) for x in (q, k, v)))
+    assert t_default.shape == (B, SQ, SK) and m(q, k, v)[1].shape == (B, H, SQ, SK)
 
 
 @pytest.mark.parametrize("kdim,vdim,bias", [(8, 12, True), (24, 24, True), (16, 16, False),
@@ -488,6 +514,7 @@ def test_torch_tensor_inputs(torch, dtype, pair):
     assert not tk.is_contiguous()
     tv = tensor(torch, v)
     am = torch.from_numpy(additive(np.random.default_rng(11), (B * H, SQ, SK), dtype))
+    am.requires_grad_()
     kpm = torch.zeros(B, SK, dtype=torch.bool)
     kpm[:, -1] = True
     before = [x.detach().clone() for x in (tq, tk, tv)]
@@ -548,6 +575,8 @@ def test_pinned_is_causal_with_attn_mask(torch, dtype, pair):
     t_both, t_w = torch_ref(torch, t, q, k, v, attn_mask=am | causal)
     assert_close("pinned: is_causal + attn_mask = both", dtype, out, t_both)
     assert_close("pinned: is_causal + attn_mask = both", dtype, w, t_w)
+    with pytest.raises(RuntimeError, match="attn_mask"):  # torch: is_causal is a hint
+        torch_ref(torch, t, q, k, v, is_causal=True)
     t_weights_path, _ = torch_ref(torch, t, q, k, v, attn_mask=am, is_causal=True)
     t_sdpa_path, _ = torch_ref(torch, t, q, k, v, attn_mask=am, is_causal=True,
                                need_weights=False)
