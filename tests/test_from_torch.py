@@ -440,3 +440,17 @@ def test_copy_of_a_subclass_keeps_its_attributes():
 
 class Tagged(MultiHeadAttention):
     """A user's subclass (module level, so pickle can find it)."""
+
+
+@pytest.mark.parametrize("bad,exc", [("abc", TypeError), ([[1, 2], [3]], ValueError),
+                                     ("complex", TypeError)])
+def test_load_state_dict_bad_value_is_atomic(torch, bad, exc):
+    sd = dict(make_torch_mha(torch, "float32").state_dict())
+    if bad == "complex":
+        bad = torch.zeros(E, dtype=torch.complex64)
+    sd["out_proj.bias"] = bad  # after the other keys: they must not be loaded either
+    m = MultiHeadAttention(E, H, seed=0)
+    before = m.state_dict()
+    with pytest.raises(exc, match=r"out_proj\.bias"):
+        m.load_state_dict(sd)
+    assert unchanged(m, before)

@@ -419,6 +419,22 @@ def out_projection(torch, t, ctx):
         return t.out_proj(ctx.transpose(-3, -2).flatten(-2))
 
 
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_no_keys_at_all(torch, dtype, pair, need_weights):
+    """Sk = 0: every torch path gives an output of W_o.bias (an empty sum,
+    not a masked row), so we do too, whatever masked_rows says."""
+    t, m = pair
+    q, k, v = inputs(dtype, B, SQ, 0, E)
+    t_out, t_w = torch_ref(torch, t, q, k, v, need_weights=need_weights)
+    for rows in ("nan", "zero"):
+        out, w = m(q, k, v, need_weights=need_weights, masked_rows=rows,
+                   key_padding_mask=np.zeros((B, 0), dtype=bool))
+        assert_close("Sk = 0 (no keys)", dtype, out, t_out)
+        assert np.all(out == m.W_o.bias)
+        if need_weights:
+            assert w.shape == t_w.shape == (B, H, SQ, 0)
+
+
 def test_need_weights_false_vs_sdpa(torch, dtype, pair):
     """need_weights=False, masked_rows="zero" against
     F.scaled_dot_product_attention on the projected heads, with an additive
