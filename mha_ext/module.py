@@ -114,6 +114,11 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
     Parameters: W_q, W_k, W_v, W_o, each with .weight (out, in) and .bias,
     live NumPy views of the module's memory.
+
+    MultiHeadAttention.from_torch(module) copies a torch.nn.MultiheadAttention
+    (or a module with W_q/W_k/W_v/W_o linear children); load_state_dict also
+    takes torch's keys.  pickle and copy.deepcopy give copies that own their
+    memory.
     """
 
     def __init__(self, d_model, n_heads, dropout=0.0, *, bias=True, kdim=None,
@@ -402,10 +407,11 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         Masks (all that are given apply together; blocked scores become -inf):
           mask: the seed notebook's, 0/1 values (1 = blocked), broadcastable to
             (B, H, Sq, Sk); bool, int or float.
-          attn_mask: torch's, (Sq, Sk) or (B*H, Sq, Sk); bool (True =
-            blocked) or float (added to the scores).
-          key_padding_mask: torch's, (B, Sk); bool (True = ignore that key)
-            or float (added).
+          attn_mask: torch's, (Sq, Sk) or (B*H, Sq, Sk) with index b*H + h
+            (unbatched: (H, Sq, Sk)); bool (True = blocked) or float (added
+            to the scores, -inf allowed).
+          key_padding_mask: torch's, (B, Sk) (unbatched: (Sk,)); bool (True =
+            ignore that key) or float (added).
           is_causal: query i does not see key j > i.
         masked_rows: "nan" (default) gives NaN weights and output for a query
           that sees no key, like the seed module; "zero" gives zero weights and
