@@ -23,6 +23,13 @@ __all__ = ["MultiHeadAttention", "Linear"]
 _KEYS = ("W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias",
          "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias")
 
+# torch.nn.MultiheadAttention's keys: packed (kdim == vdim == d_model) or separate
+_TORCH_PACKED = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
+_TORCH_SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
+                   "out_proj.weight", "out_proj.bias")
+_TORCH_KEYS = frozenset(_TORCH_PACKED + _TORCH_SEPARATE)
+_TORCH_UNSUPPORTED = {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}
+
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
 
@@ -33,7 +40,9 @@ def _to_numpy(x):
         x = x.detach()
         if x.device.type != "cpu":
             x = x.cpu()
-        return x.numpy()
+        if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16
+            x = x.float()
+        return x.resolve_conj().resolve_neg().numpy()
     return x
 
 
@@ -65,6 +74,11 @@ def _assign(target, value, name):
     if arr.shape != target.shape:
         raise ValueError(f"{name} must have shape {target.shape}, got {arr.shape}")
     target[...] = arr
+
+
+def _rebuild(cls, d_model, n_heads, kwargs):
+    """Unpickling: a fresh module (its own memory) for __setstate__ to fill."""
+    return cls.__new__(cls, d_model, n_heads, **kwargs)
 
 
 class Linear:
@@ -122,6 +136,11 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
     Parameters: W_q, W_k, W_v, W_o, each with .weight (out, in) and .bias,
     live NumPy views of the module's memory.
+
+    MultiHeadAttention.from_torch(module) copies a torch.nn.MultiheadAttention
+    (or a module with W_q/W_k/W_v/W_o linear children); load_state_dict also
+    takes torch's keys.  pickle and copy.deepcopy give copies that own their
+    memory.
     """
 
     def __init__(self, d_model, n_heads, dropout=0.0, *, bias=True, kdim=None,
@@ -173,8 +192,15 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return {k: self._tensor(_KEYS.index(k)).copy() for k in self._keys()}
 
     def load_state_dict(self, state_dict, strict=True):
-        """Load parameters from a dict like state_dict()'s (NumPy arrays, torch
+        """Load parameters from a dict like state_dict()'s, or from
+        torch.nn.MultiheadAttention's state_dict() (NumPy arrays, torch
         tensors or nested lists as values).
+
+        The seed layout has the keys 'W_q.weight', 'W_q.bias', ... 'W_o.bias'.
+        torch's has 'in_proj_weight' (3E, E), the rows of W_q, W_k and W_v
+        stacked (or 'q_proj_weight', 'k_proj_weight', 'v_proj_weight' when
+        kdim or vdim differ from d_model), 'in_proj_bias' (3E,),
+        'out_proj.weight' and 'out_proj.bias'; no bias keys with bias=False.
 
         A missing key is a KeyError and a wrong shape a ValueError, each naming
         the key; with strict=True an unexpected key is a KeyError too.  On any
@@ -184,7 +210,17 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping of names to arrays, "
                             f"not {type(state_dict).__name__}")
-        keys = self._keys()
+        for k, option in _TORCH_UNSUPPORTED.items():
+            if k in state_dict:
+                raise ValueError(f"state_dict has {k!r}: torch.nn.MultiheadAttention with "
+                                 f"{option} is not supported by mha_ext")
+        seed_keys = self._keys()
+        if (any(k in _TORCH_KEYS for k in state_dict)
+                and not any(k in seed_keys for k in state_dict)):
+            keys, parts = self._torch_layout(state_dict)
+        else:
+            keys = seed_keys
+            parts = {k: (_KEYS.index(k),) for k in keys}
         missing = [k for k in keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in keys]
         if strict and missing:
@@ -198,17 +234,158 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         for k in keys:
             if k not in state_dict:
                 continue
-            i = _KEYS.index(k)
             value = _as_array(state_dict[k], f"state_dict[{k!r}]")
             _check_real(value, f"state_dict[{k!r}]")
-            want = self._tensor(i).shape
+            # a key holds one tensor, or several stacked along the first axis
+            shapes = [self._tensor(i).shape for i in parts[k]]
+            want = (sum(sh[0] for sh in shapes),) + shapes[0][1:]
             if value.shape != want:
                 raise ValueError(f"state_dict[{k!r}] must have shape {want}, "
                                  f"got {value.shape}")
-            offset, size = layout[i]
-            block[offset:offset + size] = value.reshape(-1)
+            row = 0
+            for i, sh in zip(parts[k], shapes):
+                offset, size = layout[i]
+                block[offset:offset + size] = value[row:row + sh[0]].reshape(-1)
+                row += sh[0]
         self._load(block)
         return IncompatibleKeys(missing, unexpected)
+
+    def _torch_layout(self, state_dict):
+        """The keys torch.nn.MultiheadAttention would have for this module, and
+        for each the indices of the C block's tensors it stacks."""
+        E = self.d_model
+        same = self.kdim == E and self.vdim == E
+        separate = any(k in state_dict for k in ("q_proj_weight", "k_proj_weight",
+                                                  "v_proj_weight"))
+        if "in_proj_weight" in state_dict and not same:
+            raise ValueError(
+                f"state_dict['in_proj_weight'] is torch's packed layout, which needs "
+                f"kdim == vdim == d_model; this module has d_model={E}, kdim={self.kdim}, "
+                f"vdim={self.vdim}, so torch stores 'q_proj_weight' ({E}, {E}), "
+                f"'k_proj_weight' ({E}, {self.kdim}) and 'v_proj_weight' ({E}, {self.vdim})")
+        if "in_proj_weight" in state_dict or (same and not separate):
+            keys = list(_TORCH_PACKED)
+        else:
+            keys = list(_TORCH_SEPARATE)
+        if not self.bias:
+            keys = [k for k in keys if not k.endswith("_bias") and not k.endswith(".bias")]
+        parts = {"in_proj_weight": (0, 2, 4), "in_proj_bias": (1, 3, 5),
+                 "q_proj_weight": (0,), "k_proj_weight": (2,), "v_proj_weight": (4,),
+                 "out_proj.weight": (6,), "out_proj.bias": (7,)}
+        return tuple(keys), parts
+
+    @classmethod
+    def from_torch(cls, module, *, dtype=None, seed=None):
+        """A copy of a torch module: torch.nn.MultiheadAttention (either
+        batch_first; mha_ext calls are always batch-first) or any module with
+        W_q, W_k, W_v, W_o linear children (the seed notebook's layout).
+
+        Takes over the weights, biases, kdim/vdim, dtype (float32 or float64;
+        pass dtype= for a float16/bfloat16 module), dropout and training mode.
+        add_bias_kv and add_zero_attn are not supported (ValueError).  The copy
+        owns its memory: later changes to either module do not reach the other.
+        """
+        if hasattr(module, "in_proj_weight") and hasattr(module, "out_proj"):
+            return cls._from_torch_mha(module, dtype, seed)
+        if all(hasattr(module, n) for n in ("W_q", "W_k", "W_v", "W_o")):
+            return cls._from_torch_seed(module, dtype, seed)
+        raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention or a module with "
+                        f"W_q, W_k, W_v, W_o linear children, not {type(module).__name__}")
+
+    @staticmethod
+    def _torch_dtype(tensor, dtype):
+        if dtype is not None:
+            return dtype
+        name = str(tensor.dtype).replace("torch.", "")
+        if name in ("float32", "float64"):
+            return name
+        raise ValueError(f"from_torch: the module's parameters are {name}; mha_ext computes "
+                         f"in float32 or float64, so pass dtype='float32' or 'float64'")
+
+    @staticmethod
+    def _torch_dropout(module):
+        p = getattr(module, "dropout", 0.0)
+        p = getattr(p, "p", p)  # an nn.Dropout child, or a float
+        if p is None:
+            return 0.0
+        return float(p)
+
+    @classmethod
+    def _from_torch_mha(cls, module, dtype, seed):
+        if getattr(module, "bias_k", None) is not None or getattr(module, "bias_v", None) is not None:
+            raise ValueError("from_torch: torch.nn.MultiheadAttention with add_bias_kv=True "
+                             "is not supported (mha_ext has no learned extra key/value)")
+        if getattr(module, "add_zero_attn", False):
+            raise ValueError("from_torch: torch.nn.MultiheadAttention with add_zero_attn=True "
+                             "is not supported (mha_ext adds no zero key/value)")
+        E, H = int(module.embed_dim), int(module.num_heads)
+        kdim, vdim = int(module.kdim), int(module.vdim)
+        w_out = module.out_proj.weight
+        in_bias, out_bias = module.in_proj_bias, module.out_proj.bias
+        bias = in_bias is not None or out_bias is not None
+        m = cls(E, H, cls._torch_dropout(module), bias=bias, kdim=kdim, vdim=vdim,
+                dtype=cls._torch_dtype(w_out, dtype), seed=seed)
+        if module.in_proj_weight is not None:
+            w = _to_numpy(module.in_proj_weight)
+            ws = (w[:E], w[E:2 * E], w[2 * E:])
+        else:
+            ws = tuple(_to_numpy(getattr(module, f"{n}_proj_weight")) for n in "qkv")
+        state = {"W_q.weight": ws[0], "W_k.weight": ws[1], "W_v.weight": ws[2],
+                 "W_o.weight": _to_numpy(w_out)}
+        if bias:
+            b = np.zeros(3 * E) if in_bias is None else _to_numpy(in_bias)
+            state.update({"W_q.bias": b[:E], "W_k.bias": b[E:2 * E], "W_v.bias": b[2 * E:],
+                          "W_o.bias": np.zeros(E) if out_bias is None else _to_numpy(out_bias)})
+        m.load_state_dict(state)
+        m.train(bool(module.training))
+        return m
+
+    @classmethod
+    def _from_torch_seed(cls, module, dtype, seed):
+        lins = [getattr(module, n) for n in ("W_q", "W_k", "W_v", "W_o")]
+        for n, lin in zip(("W_q", "W_k", "W_v", "W_o"), lins):
+            if getattr(lin, "weight", None) is None or getattr(lin.weight, "ndim", 0) != 2:
+                raise TypeError(f"from_torch: {type(module).__name__}.{n} must be a linear "
+                                f"layer with a 2-D .weight")
+        E = int(lins[0].weight.shape[0])
+        H = getattr(module, "n_heads", None) or getattr(module, "num_heads", None)
+        if H is None:
+            d_k = getattr(module, "d_k", None)
+            if d_k is None:
+                raise ValueError(f"from_torch: {type(module).__name__} has no n_heads, "
+                                 f"num_heads or d_k attribute, so the number of heads is unknown")
+            H = E // int(d_k)
+        biases = [getattr(lin, "bias", None) for lin in lins]
+        bias = any(b is not None for b in biases)
+        m = cls(E, int(H), cls._torch_dropout(module), bias=bias,
+                kdim=int(lins[1].weight.shape[1]), vdim=int(lins[2].weight.shape[1]),
+                dtype=cls._torch_dtype(lins[0].weight, dtype), seed=seed)
+        state = {}
+        for n, lin, b in zip(("W_q", "W_k", "W_v", "W_o"), lins, biases):
+            state[f"{n}.weight"] = _to_numpy(lin.weight)
+            if bias:
+                state[f"{n}.bias"] = np.zeros(E) if b is None else _to_numpy(b)
+        m.load_state_dict(state)
+        m.train(bool(module.training))
+        return m
+
+    # ------------------------------------------------------------ copies
+    def __reduce__(self):
+        # the C type's __new__ needs d_model and n_heads: rebuild through it,
+        # then restore parameters, dropout, mode and the dropout stream
+        kwargs = dict(bias=self.bias, kdim=self.kdim, vdim=self.vdim,
+                      dtype=self.dtype.name, seed=self.seed)
+        state = {"params": self.state_dict(), "dropout": self.dropout,
+                 "training": self.training, "counter": self._counter,
+                 "dict": dict(self.__dict__)}
+        return (_rebuild, (type(self), self.d_model, self.n_heads, kwargs), state)
+
+    def __setstate__(self, state):
+        self.load_state_dict(state["params"])
+        self.dropout = state["dropout"]
+        self.training = state["training"]
+        self._counter = state["counter"]
+        self.__dict__.update(state["dict"])
 
     # ------------------------------------------------------------ modes
     def train(self, mode=True):
@@ -252,10 +429,11 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         Masks (all that are given apply together; blocked scores become -inf):
           mask: the seed notebook's, 0/1 values (1 = blocked), broadcastable to
             (B, H, Sq, Sk); bool, int or float.
-          attn_mask: torch's, (Sq, Sk) or (B*H, Sq, Sk); bool (True =
-            blocked) or float (added to the scores).
-          key_padding_mask: torch's, (B, Sk); bool (True = ignore that key)
-            or float (added).
+          attn_mask: torch's, (Sq, Sk) or (B*H, Sq, Sk) with index b*H + h
+            (unbatched: (H, Sq, Sk)); bool (True = blocked) or float (added
+            to the scores, -inf allowed).
+          key_padding_mask: torch's, (B, Sk) (unbatched: (Sk,)); bool (True =
+            ignore that key) or float (added).
           is_causal: query i does not see key j > i.
         masked_rows: "nan" (default) gives NaN weights and output for a query
           that sees no key, like the seed module; "zero" gives zero weights and
@@ -270,7 +448,9 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                     raise ValueError(f"query is unbatched (2-D, shape {q.shape}), so {name} "
                                      f"must be 2-D too, got shape {x.shape}")
             batched = False
-            q3, k3, v3 = q[None], (q[None] if k is q else k[None]), None
+            # keep self-attention visible to the C side (no second copy)
+            q3 = q[None]
+            k3 = q3 if k is q else k[None]
             v3 = k3 if v is k else (q3 if v is q else v[None])
         else:
             batched = True
@@ -291,8 +471,11 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             masks.append(self._attn_mask(attn_mask, batched, B, H, Sq, Sk))
         if key_padding_mask is not None:
             masks.append(self._padding_mask(key_padding_mask, batched, B, Sk))
+        # no key at all (Sk = 0) is not a masked row: the context is an empty
+        # sum, 0, and the output W_o.bias, on every torch path
+        zero_rows = masked_rows == "zero" or Sk == 0
         out, weights = self._forward(q3, k3, v3, masks, bool(is_causal), bool(need_weights),
-                                     masked_rows == "zero", False)
+                                     zero_rows, False)
         if weights is not None and average_weights:
             weights = weights.mean(axis=1)
         if not batched:
