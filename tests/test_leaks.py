@@ -104,6 +104,12 @@ def test_mixed_calls_do_not_leak():
     growth = rss_bytes() - rss0
     print(f"\nRSS growth over {N_CALLS} calls: {growth / 1024:.0f} KiB")
     assert [sys.getrefcount(o) for o in watched] == refs
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):
+        # AddressSanitizer keeps freed memory in quarantine (by design, to
+        # catch use after free): RSS grows without a leak.  The plain and the
+        # PYTHONMALLOC=debug runs of CI hold the bound.
+        pytest.skip(f"RSS bound not meaningful under ASan (grew {growth} bytes); "
+                    f"reference counts checked")
     assert growth < RSS_LIMIT, f"RSS grew by {growth} bytes over {N_CALLS} calls"
 
 
