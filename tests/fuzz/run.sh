@@ -20,7 +20,7 @@ ROOT="$(cd "$HERE/../.." && pwd)"
 SECONDS_TOTAL="${1:-30}"
 CORPUS="${2:-$HERE/corpus}"
 PY="${PYTHON:-python}"
-SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -fno-wrapv"
 mkdir -p "$CORPUS"
 
 if [ -z "${MHA_ASAN_BUILD:-}" ]; then
