@@ -31,6 +31,9 @@ if [ -z "${MHA_ASAN_BUILD:-}" ]; then
     (cd "$MHA_ASAN_BUILD" && MHA_EXT_CFLAGS="$SAN" "$PY" setup.py -q build_ext --inplace >/dev/null)
 fi
 
+# phase 1 imports the installed mha_ext, or else an in-place build in the tree
+(cd "$HERE" && "$PY" -c "import mha_ext._core") 2>/dev/null \
+    || export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 MODE=()
 "$PY" -c "import atheris" 2>/dev/null || { echo "atheris not installed: random mode"; MODE=(--random); }
 LOG="$(mktemp)"
