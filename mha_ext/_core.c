@@ -18,6 +18,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "mha.h"
 
@@ -35,8 +36,11 @@ typedef struct {
     int training;
     uint64_t seed;
     uint64_t counter;                   /* dropout streams used so far */
-    pthread_rwlock_t lock;              /* read: a forward; write: _load */
+    pthread_rwlock_t lock;              /* read: a forward; write: _load, _write_lock */
     int lock_ready;
+    unsigned long writer;               /* thread holding the write lock through
+                                           _write_lock (0: none); under the GIL */
+    long writer_depth;                  /* its nested _write_lock calls */
 } MHAObject;
 
 static int typenum_of(const MHAObject *self)
@@ -126,6 +130,56 @@ static uint64_t random_seed(void)
     return s;
 }
 
+/* The bytes of memory of this machine (INT64_MAX when unknown). */
+static int64_t physical_bytes(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+    int64_t r;
+    if (pages <= 0 || size <= 0 || __builtin_mul_overflow((int64_t)pages, (int64_t)size, &r))
+        return INT64_MAX;
+    return r;
+}
+
+/* n scalars of `size` bytes, added to *total; nonzero on overflow. */
+static int add_bytes(int64_t *total, int64_t n, size_t size)
+{
+    int64_t b;
+    return n < 0 || __builtin_mul_overflow(n, (int64_t)size, &b) ||
+           __builtin_add_overflow(*total, b, total);
+}
+
+/* Take the module's write lock for the calling thread, waiting for running
+ * calls without holding the GIL.  Nested calls by the owning thread only
+ * count.  While a thread owns it, calls from other threads wait, and calls
+ * from the owner itself run without the lock (it already excludes others). */
+static int write_lock(MHAObject *self)
+{
+    unsigned long me = PyThread_get_thread_ident();
+    int rc;
+    if (self->writer == me) {
+        self->writer_depth++;
+        return 0;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = pthread_rwlock_wrlock(&self->lock);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_Format(PyExc_RuntimeError, "cannot lock the module's parameters (error %d)", rc);
+        return -1;
+    }
+    self->writer = me;
+    self->writer_depth = 1;
+    return 0;
+}
+
+static void write_unlock(MHAObject *self)
+{
+    if (--self->writer_depth == 0) {
+        self->writer = 0;
+        pthread_rwlock_unlock(&self->lock);
+    }
+}
+
 static void set_status_error(mha_status st, const char *what)
 {
     if (st == MHA_ERR_NOMEM || st == MHA_ERR_OVERFLOW)
@@ -198,15 +252,35 @@ static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                      mha_status_str(st));
         goto fail;
     }
+    {
+        int64_t need = 0;
+        if (add_bytes(&need, self->total, mha_dtype_size(cfg.dtype)) || need > physical_bytes()) {
+            PyErr_Format(PyExc_MemoryError,
+                         "the %lld parameters of d_model=%lld, kdim=%lld, vdim=%lld need more "
+                         "memory than this machine has", (long long)self->total,
+                         (long long)cfg.d_model, (long long)cfg.kdim, (long long)cfg.vdim);
+            goto fail;
+        }
+    }
     self->block = malloc((size_t)self->total * mha_dtype_size(cfg.dtype) + 64);
     if (!self->block) {
         PyErr_Format(PyExc_MemoryError, "cannot allocate %lld parameters",
                      (long long)self->total);
         goto fail;
     }
-    if (pthread_rwlock_init(&self->lock, NULL) != 0) {
-        PyErr_SetString(PyExc_MemoryError, "cannot create the module's lock");
-        goto fail;
+    {
+        /* writers first: a steady stream of calls must not starve _load */
+        pthread_rwlockattr_t attr;
+        int rc = pthread_rwlockattr_init(&attr);
+        if (rc == 0) {
+            pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+            rc = pthread_rwlock_init(&self->lock, &attr);
+            pthread_rwlockattr_destroy(&attr);
+        }
+        if (rc != 0) {
+            PyErr_SetString(PyExc_MemoryError, "cannot create the module's lock");
+            goto fail;
+        }
     }
     self->lock_ready = 1;
     mha_params_init(&cfg, self->block, seed);
@@ -270,13 +344,36 @@ static PyObject *mha_load(MHAObject *self, PyObject *obj)
         Py_DECREF(arr);
         return NULL;
     }
+    if (write_lock(self) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
-    pthread_rwlock_wrlock(&self->lock);
     memmove(self->block, PyArray_DATA(arr),
             (size_t)self->total * mha_dtype_size(self->cfg.dtype));
-    pthread_rwlock_unlock(&self->lock);
     Py_END_ALLOW_THREADS
+    write_unlock(self);
     Py_DECREF(arr);
+    Py_RETURN_NONE;
+}
+
+/* _write_lock() / _write_unlock(): MultiHeadAttention.editing() (module.py).
+ * In between, in-place writes into the parameter views by this thread are
+ * atomic for calls from other threads: they wait, then see all new values. */
+static PyObject *mha_write_lock(MHAObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (write_lock(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *mha_write_unlock(MHAObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->writer != PyThread_get_thread_ident() || self->writer_depth <= 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "_write_unlock: this thread does not hold the parameters' write lock");
+        return NULL;
+    }
+    write_unlock(self);
     Py_RETURN_NONE;
 }
 
@@ -450,6 +547,34 @@ static PyObject *mha_forward_py(MHAObject *self, PyObject *const *args, Py_ssize
                      mha_status_str(st));
         goto fail;
     }
+    {
+        /* everything the call will allocate: the inputs in the module's dtype,
+         * the output, the weights and the core's workspace (Q and the context
+         * (B, Sq, E), K and V (B, Sk, E)).  More than the machine's memory
+         * could never succeed: refuse it before allocating anything. */
+        size_t es = mha_dtype_size(self->cfg.dtype);
+        /* B*Sq, B*Sk and B*H*Sq are below products mha_check_sizes checked */
+        int64_t need = 0, n_q, n_k, n_v, n_kv, n_w;
+        int over = __builtin_mul_overflow(a.B * a.Sq, E, &n_q) ||
+                   __builtin_mul_overflow(a.B * a.Sk, self->cfg.kdim, &n_k) ||
+                   __builtin_mul_overflow(a.B * a.Sk, self->cfg.vdim, &n_v) ||
+                   __builtin_mul_overflow(a.B * a.Sk, E, &n_kv) ||
+                   __builtin_mul_overflow(a.B * H * a.Sq, a.Sk, &n_w) ||
+                   add_bytes(&need, n_q, es) || add_bytes(&need, n_k, es) ||
+                   add_bytes(&need, n_v, es) || add_bytes(&need, n_q, 3 * es) ||
+                   add_bytes(&need, n_kv, 2 * es) ||
+                   (need_weights && add_bytes(&need, n_w, es));
+        if (over || need > physical_bytes()) {
+            PyErr_Format(PyExc_MemoryError,
+                         "query, key and value of batch %lld, lengths %lld and %lld need %s%lld "
+                         "bytes%s, more than this machine's %lld bytes of memory",
+                         (long long)a.B, (long long)a.Sq, (long long)a.Sk, over ? "over " : "",
+                         (long long)(over ? INT64_MAX : need),
+                         need_weights ? " with the (B, H, Sq, Sk) weights" : "",
+                         (long long)physical_bytes());
+            goto fail;
+        }
+    }
 
     /* masks */
     masks_seq = PySequence_Fast(args[3], "masks must be a sequence of (kind, array) pairs");
@@ -514,11 +639,21 @@ static PyObject *mha_forward_py(MHAObject *self, PyObject *const *args, Py_ssize
         a.counter = self->counter++; /* under the GIL: one stream per call */
     }
     mha_params_from_block(&self->cfg, self->block, &p);
-    Py_BEGIN_ALLOW_THREADS
-    pthread_rwlock_rdlock(&self->lock);
-    st = reference ? mha_forward_ref(&self->cfg, &p, &a) : mha_forward(&self->cfg, &p, &a);
-    pthread_rwlock_unlock(&self->lock);
-    Py_END_ALLOW_THREADS
+    {
+        /* the owner of the write lock (editing()) computes without it */
+        int lock = self->writer != PyThread_get_thread_ident(), rc = 0;
+        Py_BEGIN_ALLOW_THREADS
+        if (lock) rc = pthread_rwlock_rdlock(&self->lock);
+        if (rc == 0) {
+            st = reference ? mha_forward_ref(&self->cfg, &p, &a) : mha_forward(&self->cfg, &p, &a);
+            if (lock) pthread_rwlock_unlock(&self->lock);
+        }
+        Py_END_ALLOW_THREADS
+        if (rc != 0) {
+            PyErr_Format(PyExc_RuntimeError, "cannot lock the module's parameters (error %d)", rc);
+            goto fail;
+        }
+    }
     if (st != MHA_OK) {
         set_status_error(st, "forward");
         goto fail;
@@ -624,6 +759,10 @@ static PyMethodDef mha_methods[] = {
      "_layout()\n--\n\n(offset, size) of W_q.weight, W_q.bias, ... W_o.bias in _block()."},
     {"_load", (PyCFunction)mha_load, METH_O,
      "_load(block)\n--\n\nReplace all parameters at once (atomic for concurrent calls)."},
+    {"_write_lock", (PyCFunction)mha_write_lock, METH_NOARGS,
+     "_write_lock()\n--\n\nHold the parameters' write lock (see editing())."},
+    {"_write_unlock", (PyCFunction)mha_write_unlock, METH_NOARGS,
+     "_write_unlock()\n--\n\nRelease what _write_lock took."},
     {NULL}
 };
 

@@ -10,6 +10,7 @@ Dk = E / H.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import namedtuple
 from collections.abc import Mapping
 
@@ -49,13 +50,18 @@ def _to_numpy(x):
 def _as_array(x, name):
     """x as an ndarray (no copy for an ndarray), with a message naming `name`
     when it cannot be one."""
-    x = _to_numpy(x)
-    if isinstance(x, np.ndarray):
-        return x
     try:
+        x = _to_numpy(x)
+        if isinstance(x, np.ndarray):
+            return x
         return np.asarray(x)
+    except MemoryError as exc:
+        raise MemoryError(f"{name}: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name} must be array-like: {exc}") from None
+    except Exception as exc:  # e.g. an __array__ that raises: still bad input
+        raise TypeError(f"{name} must be array-like, converting it raised "
+                        f"{type(exc).__name__}: {exc}") from exc
 
 
 def _check_real(arr, name):
@@ -386,6 +392,19 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         self.training = state["training"]
         self._counter = state["counter"]
         self.__dict__.update(state["dict"])
+
+    @contextlib.contextmanager
+    def editing(self):
+        """``with mha.editing(): mha.W_q.weight[...] = w`` -- in-place writes
+        into the parameter views made inside the block are atomic for calls
+        from other threads: those wait, and then see all the new values (the
+        writing thread itself may call the module inside the block).  Writes
+        outside such a block are not synchronised with concurrent calls."""
+        self._write_lock()
+        try:
+            yield self
+        finally:
+            self._write_unlock()
 
     # ------------------------------------------------------------ modes
     def train(self, mode=True):
