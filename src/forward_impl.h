@@ -197,6 +197,10 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
         }
         if (a->is_causal && i + 1 < ne) ne = i + 1; /* the rest are exact zeros */
         T sum = f->kern->exp_sum(w, ne, m);
+        if (sum != sum) { /* a NaN score: the reference's whole row is NaN */
+            for (j = 0; j < Sk; j++) w[j] = (T)NAN;
+            ne = Sk;
+        }
         for (j = ne; j < Sk; j++) w[j] = 0;
         f->kern->scale(w, ne, (T)1 / sum);
         if (f->dropout_on)
