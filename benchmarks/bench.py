@@ -138,7 +138,10 @@ def peak_memory_child():
 
 def peak_memory(threads):
     env = dict(os.environ, BENCH_THREADS=str(threads))
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child"],
+    # through a shell that forks: Linux carries ru_maxrss across exec, so a
+    # child exec'd straight from this (large) process would report our peak
+    r = subprocess.run(["/bin/sh", "-c", '"$0" "$@"; exit $?', sys.executable,
+                        os.path.abspath(__file__), "--memory-child"],
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         print(r.stderr, file=sys.stderr)
