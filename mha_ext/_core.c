@@ -810,7 +810,47 @@ static PyObject *get_num_threads(PyObject *m, PyObject *Py_UNUSED(ignored))
     return PyLong_FromLong(mha_get_num_threads());
 }
 
+/* _set_isa(name) / _get_isa() / _isa_available(name): the instruction set of
+ * the fast kernels ("portable", "avx2", "avx512"), for tests and benchmarks
+ * (src/isa.c; the environment variable MHA_EXT_ISA sets the start value). */
+static PyObject *set_isa(PyObject *m, PyObject *arg)
+{
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    (void)m;
+    if (!name) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_set_isa expects a str");
+        return NULL;
+    }
+    if (mha_set_isa(name) != MHA_OK) {
+        PyErr_Format(PyExc_ValueError, "instruction set %R is unknown or not supported by "
+                     "this CPU (portable, avx2, avx512)", arg);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *get_isa(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    (void)m;
+    return PyUnicode_FromString(mha_get_isa());
+}
+
+static PyObject *isa_available(PyObject *m, PyObject *arg)
+{
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    (void)m;
+    if (!name) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_isa_available expects a str");
+        return NULL;
+    }
+    return PyBool_FromLong(mha_isa_available(name));
+}
+
 static PyMethodDef module_methods[] = {
+    {"_set_isa", set_isa, METH_O, "_set_isa(name, /)\n--\n\nUse the kernels of one instruction set."},
+    {"_get_isa", get_isa, METH_NOARGS, "_get_isa()\n--\n\nThe instruction set of the kernels in use."},
+    {"_isa_available", isa_available, METH_O,
+     "_isa_available(name, /)\n--\n\nWhether this CPU and build can run that instruction set."},
     {"set_num_threads", set_num_threads, METH_O,
      "set_num_threads(n, /)\n--\n\n"
      "Use n threads (1 to 256) for the library's own parallel work."},

@@ -1,5 +1,5 @@
 /* forward_impl.h: the threaded forward pass, written once for T = float and
- * T = double (included twice by mha.c with T, SUF, EXP and SQRT defined).
+ * T = double (included twice by mha.c with T, SUF, KT, EXP and SQRT defined).
  *
  *   Q = query·W_qᵀ + b_q        q is (B, Sq, E)
  *   K = key·W_kᵀ + b_k          k is (B, Sk, E)
@@ -9,31 +9,43 @@
  *     ctx_bh = S·V_bh           ctx is (B, Sq, E): the heads concatenated
  *   out = ctx·W_oᵀ + b_o        out is (B, Sq, E)
  *
- * With weights, S is computed straight into the caller's weights array and
- * finished there in place (written once).  Without, an online softmax runs
- * over blocks of keys in per-thread scratch of (QB, KB): no (Sq, Sk) buffer. */
+ * The projections are split into (RM, RN) tiles of C over the threads; each
+ * tile runs the packed GEMM (or, when the whole M is small, the unpacked dot
+ * kernel).  With weights, one pass per (b, h, block of QB queries) computes
+ * S straight into the caller's weights array, finishes the softmax there in
+ * place (written once) and multiplies by V: no second (Sq, Sk) buffer.
+ * Without, an online softmax runs over blocks of KB keys in per-thread
+ * scratch of (QB, KB): no (Sq, Sk) buffer at all.  Causal: keys past the
+ * block's last query are never computed (unless V holds a NaN or inf, which
+ * must still reach every row as 0·NaN does in the reference).
+ * Per-thread scratch (GEMM packing and the online state) is allocated once
+ * per call. */
 
-#define QB 32   /* queries per attention task */
-#define KB 128  /* keys per block of the online softmax */
-#define RM 32   /* rows per projection task */
-#define RN 64   /* output columns per projection task */
+#define QB 64        /* queries per attention task */
+#define KB 256       /* keys per block of the online softmax */
+#define RM 384       /* rows per projection task: packed W reused over them */
+#define SMALL_M 24   /* below this many rows, projections use the dot kernel */
 
 typedef struct {
     const T *x, *w, *b; /* x (M, K), w (N, K), b (N) or NULL */
     T *y;               /* (M, N) */
-    int64_t M, N, K, tiles_n, tiles;
+    int64_t M, N, K, rn, tiles_n, tiles;
 } SUF(linear_job);
 
 typedef struct {
     const mha_forward_args *a;
+    const KT *kern;
     int64_t B, Sq, Sk, E, H, Dk;
     T *q, *k, *v, *ctx;
-    T *scratch;          /* per slot: S (QB, KB), m (QB), l (QB), acc (QB, Dk) */
+    T *kt;               /* K per head, transposed: (B, H, Dk, Sk) */
+    T *scratch;          /* per slot: GEMM packing, then the online state */
     int64_t scratch_len; /* scalars per slot */
     T scale;             /* 1 / sqrt(Dk) */
     T drop_scale;        /* 1 / (1 - p) */
     uint64_t drop_key;
     int dropout_on;
+    int skip_causal;     /* causal and V finite: skip keys past the diagonal */
+    int small;           /* the projections use the dot kernel */
     int64_t n_qblk;
     SUF(linear_job) jobs[3];
     int n_jobs;
@@ -43,24 +55,33 @@ static void SUF(linear_task)(void *ctx, int64_t t, int slot)
 {
     SUF(fwd) *f = (SUF(fwd) *)ctx;
     int j = 0;
-    (void)slot;
     while (t >= f->jobs[j].tiles) t -= f->jobs[j++].tiles;
     const SUF(linear_job) *jb = &f->jobs[j];
-    int64_t i0 = (t / jb->tiles_n) * RM, n0 = (t % jb->tiles_n) * RN;
+    int64_t i0 = (t / jb->tiles_n) * RM, n0 = (t % jb->tiles_n) * jb->rn;
     int64_t m = jb->M - i0 < RM ? jb->M - i0 : RM;
-    int64_t n = jb->N - n0 < RN ? jb->N - n0 : RN;
-    SUF(mha_gemm_nt)(m, n, jb->K, jb->x + i0 * jb->K, jb->K, jb->w + n0 * jb->K, jb->K,
-                     jb->b ? jb->b + n0 : NULL, jb->y + i0 * jb->N + n0, jb->N, 0);
+    int64_t n = jb->N - n0 < jb->rn ? jb->N - n0 : jb->rn;
+    if (f->small)
+        SUF(mha_gemm_small)(f->kern, m, n, jb->K, jb->x + i0 * jb->K, jb->K, jb->w + n0 * jb->K,
+                            jb->K, jb->b ? jb->b + n0 : NULL, jb->y + i0 * jb->N + n0, jb->N, 0);
+    else
+        SUF(mha_gemm)(f->kern, 1, m, n, jb->K, jb->x + i0 * jb->K, jb->K, jb->w + n0 * jb->K,
+                      jb->K, jb->b ? jb->b + n0 : NULL, jb->y + i0 * jb->N + n0, jb->N, 0,
+                      f->scratch + (int64_t)slot * f->scratch_len);
 }
 
+/* Column tiles: wide for the packed GEMM, narrower when that leaves too
+ * few tasks for the threads.  The tiling never changes a result. */
 static void SUF(add_job)(SUF(fwd) *f, const T *x, const T *w, const T *b, T *y,
-                         int64_t M, int64_t N, int64_t K)
+                         int64_t M, int64_t N, int64_t K, int slots)
 {
     SUF(linear_job) *jb = &f->jobs[f->n_jobs++];
+    int64_t rows = (M + RM - 1) / RM;
     jb->x = x; jb->w = w; jb->b = b; jb->y = y;
     jb->M = M; jb->N = N; jb->K = K;
-    jb->tiles_n = (N + RN - 1) / RN;
-    jb->tiles = M > 0 && N > 0 ? (M + RM - 1) / RM * jb->tiles_n : 0;
+    jb->rn = MHA_GEMM_NC;
+    while (jb->rn > 64 && rows * ((N + jb->rn - 1) / jb->rn) < 4 * (int64_t)slots) jb->rn /= 2;
+    jb->tiles_n = (N + jb->rn - 1) / jb->rn;
+    jb->tiles = M > 0 && N > 0 ? rows * jb->tiles_n : 0;
 }
 
 static int64_t SUF(job_tiles)(const SUF(fwd) *f)
@@ -87,7 +108,10 @@ static void SUF(apply_masks)(const SUF(fwd) *f, T *s, int64_t b, int64_t h, int6
         int64_t st = mk->stride[3];
         if (mk->kind != MHA_MASK_ADD) continue;
         const T *d = (const T *)mk->data + base;
-        for (j = 0; j < n; j++) s[j] += d[j * st];
+        if (st == 1)
+            for (j = 0; j < n; j++) s[j] += d[j];
+        else
+            for (j = 0; j < n; j++) s[j] += d[j * st];
     }
     for (m = 0; m < a->n_masks; m++) {
         const mha_mask *mk = &a->masks[m];
@@ -105,15 +129,25 @@ static void SUF(apply_masks)(const SUF(fwd) *f, T *s, int64_t b, int64_t h, int6
     }
 }
 
-/* The largest of s[0..n); NaN as soon as any entry is NaN. */
-static T SUF(row_max)(const T *s, int64_t n, T m)
+/* Scale the scores s[0..n) of row (b, h, i), keys j0.., mask them, and return
+ * their maximum: -inf when every key is blocked, NaN when a score is NaN
+ * and no other key is visible (then the reference's row is all NaN too;
+ * otherwise a NaN score turns the sum, hence the whole row, into NaN). */
+static T SUF(scores_max)(const SUF(fwd) *f, T *s, int64_t b, int64_t h, int64_t i,
+                         int64_t j0, int64_t n)
 {
+    T m;
     int64_t j;
-    for (j = 0; j < n; j++)
-        if (s[j] > m || s[j] != s[j]) {
-            m = s[j];
-            if (m != m) return m;
-        }
+    if (f->a->n_masks == 0 && !f->a->is_causal) {
+        m = f->kern->scale_max(s, n, f->scale);
+    } else {
+        f->kern->scale(s, n, f->scale);
+        SUF(apply_masks)(f, s, b, h, i, j0, n);
+        m = f->kern->max(s, n);
+    }
+    if (m == -(T)INFINITY)
+        for (j = 0; j < n; j++)
+            if (s[j] != s[j]) return s[j];
     return m;
 }
 
@@ -124,6 +158,14 @@ static void SUF(fill_rows)(T *x, int64_t rows, int64_t cols, int64_t ld, T value
         for (c = 0; c < cols; c++) x[r * ld + c] = value;
 }
 
+static void SUF(dropout_row)(const SUF(fwd) *f, T *w, int64_t n, uint64_t idx)
+{
+    int64_t j;
+    for (j = 0; j < n; j++)
+        w[j] = mha_stream_uniform(f->drop_key, idx + (uint64_t)j) >= f->a->dropout
+                   ? w[j] * f->drop_scale : (T)0;
+}
+
 /* Attention with the weights written: task = (b, h, block of queries). */
 static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
 {
@@ -131,42 +173,40 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     const mha_forward_args *a = f->a;
     int64_t bh = t / f->n_qblk, b = bh / f->H, h = bh % f->H;
     int64_t i0 = (t % f->n_qblk) * QB, nq = f->Sq - i0 < QB ? f->Sq - i0 : QB;
-    int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, j;
+    int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, kend = Sk;
     const T nan_or_zero = a->zero_masked_rows ? (T)0 : (T)NAN;
     const T *q_bh = f->q + (b * f->Sq + i0) * E + h * Dk; /* (nq, Dk), ld E */
-    const T *k_bh = f->k + b * Sk * E + h * Dk;           /* (Sk, Dk), ld E */
+    const T *kt_bh = f->kt + bh * Dk * Sk;                /* (Dk, Sk) */
     const T *v_bh = f->v + b * Sk * E + h * Dk;           /* (Sk, Dk), ld E */
     T *c_bh = f->ctx + (b * f->Sq + i0) * E + h * Dk;     /* (nq, Dk), ld E */
     T *w_bh = (T *)a->weights + (bh * f->Sq + i0) * Sk;   /* (nq, Sk) */
-    (void)slot;
+    T *gs = f->scratch + (int64_t)slot * f->scratch_len;
     if (Sk == 0) { /* no key at all: every row is fully blocked */
         SUF(fill_rows)(c_bh, nq, Dk, E, nan_or_zero);
         return;
     }
-    SUF(mha_gemm_nt)(nq, Sk, Dk, q_bh, E, k_bh, E, NULL, w_bh, Sk, 0);
+    if (f->skip_causal && i0 + nq < Sk) kend = i0 + nq; /* later keys: blocked for all */
+    SUF(mha_gemm)(f->kern, 0, nq, kend, Dk, q_bh, E, kt_bh, Sk, NULL, w_bh, Sk, 0, gs);
     for (r = 0; r < nq; r++) {
-        T *w = w_bh + r * Sk, sum = 0, inv;
-        for (j = 0; j < Sk; j++) w[j] *= f->scale;
-        SUF(apply_masks)(f, w, b, h, i0 + r, 0, Sk);
-        T m = SUF(row_max)(w, Sk, -(T)INFINITY);
+        T *w = w_bh + r * Sk;
+        int64_t i = i0 + r, ne = kend, j;
+        T m = SUF(scores_max)(f, w, b, h, i, 0, kend);
         if (m == -(T)INFINITY) { /* every key blocked */
             for (j = 0; j < Sk; j++) w[j] = nan_or_zero;
             continue;
         }
-        for (j = 0; j < Sk; j++) {
-            w[j] = EXP(w[j] - m);
-            sum += w[j];
+        if (a->is_causal && i + 1 < ne) ne = i + 1; /* the rest are exact zeros */
+        T sum = f->kern->exp_sum(w, ne, m);
+        if (sum != sum) { /* a NaN score: the reference's whole row is NaN */
+            for (j = 0; j < Sk; j++) w[j] = (T)NAN;
+            ne = Sk;
         }
-        inv = (T)1 / sum;
-        for (j = 0; j < Sk; j++) w[j] *= inv;
-        if (f->dropout_on) {
-            uint64_t idx = ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)(i0 + r)) * (uint64_t)Sk;
-            for (j = 0; j < Sk; j++)
-                w[j] = mha_stream_uniform(f->drop_key, idx + (uint64_t)j) >= a->dropout
-                           ? w[j] * f->drop_scale : (T)0;
-        }
+        for (j = ne; j < Sk; j++) w[j] = 0;
+        f->kern->scale(w, ne, (T)1 / sum);
+        if (f->dropout_on)
+            SUF(dropout_row)(f, w, ne, ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)i) * (uint64_t)Sk);
     }
-    SUF(mha_gemm_nn)(nq, Dk, Sk, w_bh, Sk, v_bh, E, NULL, c_bh, E, 0);
+    SUF(mha_gemm)(f->kern, 0, nq, Dk, kend, w_bh, Sk, v_bh, E, NULL, c_bh, E, 0, gs);
 }
 
 /* Attention without weights: an online softmax over blocks of KB keys. */
@@ -176,13 +216,14 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     const mha_forward_args *a = f->a;
     int64_t bh = t / f->n_qblk, b = bh / f->H, h = bh % f->H;
     int64_t i0 = (t % f->n_qblk) * QB, nq = f->Sq - i0 < QB ? f->Sq - i0 : QB;
-    int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, j, j0, d;
+    int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, j, j0, d, kend = Sk;
     const T nan_or_zero = a->zero_masked_rows ? (T)0 : (T)NAN;
     const T *q_bh = f->q + (b * f->Sq + i0) * E + h * Dk;
-    const T *k_bh = f->k + b * Sk * E + h * Dk;
+    const T *kt_bh = f->kt + bh * Dk * Sk;
     const T *v_bh = f->v + b * Sk * E + h * Dk;
     T *c_bh = f->ctx + (b * f->Sq + i0) * E + h * Dk;
-    T *s = f->scratch + (int64_t)slot * f->scratch_len; /* (QB, KB) */
+    T *gs = f->scratch + (int64_t)slot * f->scratch_len; /* GEMM packing */
+    T *s = gs + MHA_GEMM_SCRATCH;                        /* (QB, KB) */
     T *mx = s + QB * KB;                                 /* (QB) running max */
     T *l = mx + QB;                                      /* (QB) running sum */
     T *acc = l + QB;                                     /* (QB, Dk) */
@@ -191,36 +232,31 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
         l[r] = 0;
     }
     SUF(fill_rows)(acc, nq, Dk, Dk, (T)0);
-    for (j0 = 0; j0 < Sk; j0 += KB) {
-        int64_t nk = Sk - j0 < KB ? Sk - j0 : KB;
-        SUF(mha_gemm_nt)(nq, nk, Dk, q_bh, E, k_bh + j0 * E, E, NULL, s, KB, 0);
+    if (f->skip_causal && i0 + nq < Sk) kend = i0 + nq;
+    for (j0 = 0; j0 < kend; j0 += KB) {
+        int64_t nk = kend - j0 < KB ? kend - j0 : KB;
+        SUF(mha_gemm)(f->kern, 0, nq, nk, Dk, q_bh, E, kt_bh + j0, Sk, NULL, s, KB, 0, gs);
         for (r = 0; r < nq; r++) {
-            T *srow = s + r * KB, sum = 0, alpha;
-            for (j = 0; j < nk; j++) srow[j] *= f->scale;
-            SUF(apply_masks)(f, srow, b, h, i0 + r, j0, nk);
-            T mnew = SUF(row_max)(srow, nk, mx[r]);
-            if (mnew == -(T)INFINITY) { /* nothing visible yet in this row */
+            T *srow = s + r * KB, sum, alpha, mnew;
+            int64_t i = i0 + r, ne = nk;
+            T bm = SUF(scores_max)(f, srow, b, h, i, j0, nk);
+            if (bm == -(T)INFINITY) { /* nothing visible in this block */
                 for (j = 0; j < nk; j++) srow[j] = 0;
                 continue;
             }
+            mnew = (bm != bm || mx[r] != mx[r]) ? (T)NAN : bm > mx[r] ? bm : mx[r];
             alpha = EXP(mx[r] - mnew);
-            for (j = 0; j < nk; j++) {
-                srow[j] = EXP(srow[j] - mnew);
-                sum += srow[j];
-            }
-            if (f->dropout_on) {
-                uint64_t idx = ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)(i0 + r)) *
-                                   (uint64_t)Sk + (uint64_t)j0;
-                for (j = 0; j < nk; j++)
-                    srow[j] = mha_stream_uniform(f->drop_key, idx + (uint64_t)j) >= a->dropout
-                                  ? srow[j] * f->drop_scale : (T)0;
-            }
+            if (a->is_causal && i + 1 - j0 < ne) ne = i + 1 - j0;
+            sum = f->kern->exp_sum(srow, ne, mnew);
+            for (j = ne; j < nk; j++) srow[j] = 0;
+            if (f->dropout_on)
+                SUF(dropout_row)(f, srow, ne, ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)i) *
+                                                  (uint64_t)Sk + (uint64_t)j0);
             l[r] = l[r] * alpha + sum;
-            if (alpha != (T)1)
-                for (d = 0; d < Dk; d++) acc[r * Dk + d] *= alpha;
+            if (alpha != (T)1) f->kern->scale(acc + r * Dk, Dk, alpha);
             mx[r] = mnew;
         }
-        SUF(mha_gemm_nn)(nq, Dk, nk, s, KB, v_bh + j0 * E, E, NULL, acc, Dk, 1);
+        SUF(mha_gemm)(f->kern, 0, nq, Dk, nk, s, KB, v_bh + j0 * E, E, NULL, acc, Dk, 1, gs);
     }
     for (r = 0; r < nq; r++) {
         T *c = c_bh + r * E;
@@ -231,6 +267,31 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
             for (d = 0; d < Dk; d++) c[d] = acc[r * Dk + d] * inv;
         }
     }
+}
+
+/* kt_bh (Dk, Sk) = K_bh (Sk, Dk)ᵀ for task = (b, h), in 32 x 32 blocks */
+static void SUF(transpose_k_task)(void *ctx, int64_t t, int slot)
+{
+    SUF(fwd) *f = (SUF(fwd) *)ctx;
+    int64_t b = t / f->H, h = t % f->H, Sk = f->Sk, Dk = f->Dk, E = f->E, j0, d0, j, d;
+    const T *k_bh = f->k + b * Sk * E + h * Dk;
+    T *kt_bh = f->kt + t * Dk * Sk;
+    (void)slot;
+    for (j0 = 0; j0 < Sk; j0 += 32)
+        for (d0 = 0; d0 < Dk; d0 += 32) {
+            int64_t je = Sk - j0 < 32 ? Sk : j0 + 32, de = Dk - d0 < 32 ? Dk : d0 + 32;
+            for (d = d0; d < de; d++)
+                for (j = j0; j < je; j++) kt_bh[d * Sk + j] = k_bh[j * E + d];
+        }
+}
+
+/* 1 when every element of x[0..n) is finite */
+static int SUF(all_finite)(const T *x, int64_t n)
+{
+    int64_t i;
+    T z = 0;
+    for (i = 0; i < n; i++) z += x[i] * 0; /* NaN as soon as one is NaN or inf */
+    return z == 0;
 }
 
 static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
@@ -248,6 +309,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
 
     memset(&f, 0, sizeof f);
     f.a = a;
+    f.kern = SUF(mha_kern_get)();
     f.B = a->B; f.Sq = a->Sq; f.Sk = a->Sk;
     f.E = cfg->d_model; f.H = cfg->n_heads; f.Dk = f.E / f.H;
     f.scale = (T)(1.0 / sqrt((double)f.Dk));
@@ -255,6 +317,8 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     f.drop_scale = a->dropout < 1.0 ? (T)(1.0 / (1.0 - a->dropout)) : (T)0;
     f.drop_key = mha_stream_key(a->seed, a->counter);
     f.n_qblk = (f.Sq + QB - 1) / QB;
+    /* the kernel choice depends on the problem alone, never on threads */
+    f.small = f.B * f.Sq < SMALL_M && f.B * f.Sk < SMALL_M;
 
     /* small problems stay on the calling thread */
     slots = mha_get_num_threads();
@@ -263,17 +327,15 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
                        2.0 * (double)f.B * (double)f.Sk * (double)f.E *
                            (double)(cfg->kdim + cfg->vdim) +
                        4.0 * (double)f.B * (double)f.Sq * (double)f.Sk * (double)f.E;
-        if (flops < 4e5) slots = 1;
+        if (flops < 2e6) slots = 1;
     }
 
-    /* workspace: q and ctx (B, Sq, E), k and v (B, Sk, E), per-slot scratch */
-    if (mha_mul(f.B * f.Sk, f.E, &t) || mha_mul(t, 2, &t) || mha_add(t, 2 * sz.n_out, &n_work))
+    /* workspace: q and ctx (B, Sq, E); k, v and kt (B, Sk, E); per-slot scratch */
+    f.scratch_len = MHA_GEMM_SCRATCH;
+    if (!a->weights) f.scratch_len += QB * KB + 2 * QB + QB * f.Dk; /* Dk <= E: checked */
+    if (mha_mul(f.B * f.Sk, f.E, &t) || mha_mul(t, 3, &t) || mha_add(t, 2 * sz.n_out, &n_work) ||
+        mha_mul(f.scratch_len, slots, &n_scratch) || mha_add(n_work, n_scratch, &n_work))
         return MHA_ERR_OVERFLOW;
-    if (!a->weights) {
-        if (mha_mul((int64_t)QB, (int64_t)KB + 2 + f.Dk, &f.scratch_len) ||
-            mha_mul(f.scratch_len, slots, &n_scratch) || mha_add(n_work, n_scratch, &n_work))
-            return MHA_ERR_OVERFLOW;
-    }
     if (mha_bytes(n_work, sizeof(T), &bytes)) return MHA_ERR_OVERFLOW;
     work = (T *)mha_alloc(bytes);
     if (!work) return MHA_ERR_NOMEM;
@@ -281,16 +343,23 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     f.ctx = f.q + sz.n_out;
     f.k = f.ctx + sz.n_out;
     f.v = f.k + f.B * f.Sk * f.E;
-    f.scratch = f.v + f.B * f.Sk * f.E;
+    f.kt = f.v + f.B * f.Sk * f.E;
+    f.scratch = f.kt + f.B * f.Sk * f.E;
 
     /* the three input projections, one parallel pass over all their tiles */
     SUF(add_job)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq, f.q,
-                 f.B * f.Sq, f.E, f.E);
+                 f.B * f.Sq, f.E, f.E, slots);
     SUF(add_job)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk, f.k,
-                 f.B * f.Sk, f.E, cfg->kdim);
+                 f.B * f.Sk, f.E, cfg->kdim, slots);
     SUF(add_job)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, f.v,
-                 f.B * f.Sk, f.E, cfg->vdim);
+                 f.B * f.Sk, f.E, cfg->vdim, slots);
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
+
+    /* K per head, transposed, so that Q·Kᵀ reads it in place */
+    mha_parallel_for(f.Sk > 0 ? f.B * f.H : 0, slots, SUF(transpose_k_task), &f);
+
+    /* a NaN or inf in V must reach every row (0·NaN), so no causal skipping */
+    f.skip_causal = a->is_causal && SUF(all_finite)(f.v, f.B * f.Sk * f.E);
 
     /* attention, per (b, h, block of queries) */
     mha_parallel_for(f.B * f.H * f.n_qblk, slots,
@@ -299,7 +368,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     /* the output projection */
     f.n_jobs = 0;
     SUF(add_job)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out,
-                 f.B * f.Sq, f.E, f.E);
+                 f.B * f.Sq, f.E, f.E, slots);
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
 
     mha_free(work);
@@ -309,4 +378,4 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
 #undef QB
 #undef KB
 #undef RM
-#undef RN
+#undef SMALL_M

@@ -1,19 +1,20 @@
-/* gemm.c: matrix multiply for the projections and the attention tiles.
- * The kernels are in gemm_impl.h, instantiated here for float and double. */
+/* gemm.c: matrix multiply for the projections and the attention tiles: the
+ * loop nest and packing (gemm_impl.h) around the micro-kernels of the ISA
+ * in use (kern_*.c, picked in isa.c), for float and double. */
 #include "internal.h"
 
 #define T float
 #define SUF(name) name##_f32
-#define LANES 8
+#define KT mha_kern_f32
 #include "gemm_impl.h"
 #undef T
 #undef SUF
-#undef LANES
+#undef KT
 
 #define T double
 #define SUF(name) name##_f64
-#define LANES 4
+#define KT mha_kern_f64
 #include "gemm_impl.h"
 #undef T
 #undef SUF
-#undef LANES
+#undef KT

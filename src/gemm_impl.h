@@ -1,140 +1,90 @@
-/* gemm_impl.h: the portable matrix-multiply kernels, written once for
- * T = float and T = double (included twice by gemm.c with T, SUF and LANES).
+/* gemm_impl.h: the matrix-multiply loop nest, written once for T = float and
+ * T = double (included twice by gemm.c with T, SUF and KT defined).
  *
- * gemm_nt: C (M, N) = A (M, K) · B (N, K)ᵀ: rows of A and B are both
- *   contiguous, so each output is a dot product.  LANES partial sums per
- *   output run along k (an explicit, fixed reassociation the compiler can
- *   vectorise without -ffast-math) and are added in a fixed order: the
- *   result never depends on threads or tiling.
- * gemm_nn: C (M, N) = A (M, K) · B (K, N): rows of B are contiguous, so the
- *   kernel broadcasts A[i][k] and runs along j (axpy form). */
+ * BLIS's structure: for each block of NC columns, for each block of KC of
+ * the inner dimension, pack that (KC, NC) block of op(B) into NR-wide
+ * panels (zero-padded: the micro-kernel always runs full tiles); then for
+ * each MR-row panel of A, read in place (it stays in L1 across the panels
+ * of B), run the ISA's micro-kernel over the NR-wide panels.
+ * When op(B) = B (K, N) is row-major, a full NR strip is read in place
+ * (ldbk = ldb) and only a ragged last strip is packed.
+ *
+ * Each C element is summed in the same order whatever the tiling of the
+ * caller: k = 0, 1, ... inside a KC block, blocks added to C in order, the
+ * bias last.  So results do not depend on threads. */
 
-#define NT_MR 2
-#define NT_NR 4
-#define NN_MR 4
-#define NN_NR (4 * LANES)
-
-static inline T SUF(reduce_lanes)(const T *v)
+/* op(B) panel: Bp[k*NR + c] = op(B)(pc + k, j + c), zero for c >= nr */
+static void SUF(pack_b)(int trans_b, int64_t kc, int64_t nr, int64_t NR, const T *B,
+                        int64_t ldb, int64_t pc, int64_t j, T *Bp)
 {
-    T s[LANES];
-    int l, w;
-    for (l = 0; l < LANES; l++) s[l] = v[l];
-    for (w = LANES / 2; w > 0; w /= 2)
-        for (l = 0; l < w; l++) s[l] += s[l + w];
-    return s[0];
-}
-
-/* one output: the same summation order as the tiled kernel below */
-static inline T SUF(dot)(int64_t K, const T *a, const T *b)
-{
-    T acc[LANES] = {0};
-    int64_t k = 0;
-    int l;
-    for (; k + LANES <= K; k += LANES)
-        for (l = 0; l < LANES; l++) acc[l] += a[k + l] * b[k + l];
-    T s = SUF(reduce_lanes)(acc);
-    for (; k < K; k++) s += a[k] * b[k];
-    return s;
-}
-
-static void SUF(nt_tile)(int64_t K, const T *A, int64_t lda, const T *B, int64_t ldb,
-                         T out[NT_MR][NT_NR])
-{
-    T acc[NT_MR][NT_NR][LANES];
-    int64_t k = 0;
-    int r, c, l;
-    for (r = 0; r < NT_MR; r++)
-        for (c = 0; c < NT_NR; c++)
-            for (l = 0; l < LANES; l++) acc[r][c][l] = 0;
-    for (; k + LANES <= K; k += LANES)
-        for (r = 0; r < NT_MR; r++)
-            for (c = 0; c < NT_NR; c++)
-                for (l = 0; l < LANES; l++)
-                    acc[r][c][l] += A[r * lda + k + l] * B[c * ldb + k + l];
-    for (r = 0; r < NT_MR; r++)
-        for (c = 0; c < NT_NR; c++) {
-            T s = SUF(reduce_lanes)(acc[r][c]);
-            int64_t kk;
-            for (kk = k; kk < K; kk++) s += A[r * lda + kk] * B[c * ldb + kk];
-            out[r][c] = s;
+    int64_t k, c;
+    if (trans_b) { /* B is (N, K): row j + c, column pc + k */
+        for (c = 0; c < nr; c++) {
+            const T *b = B + (j + c) * ldb + pc;
+            for (k = 0; k < kc; k++) Bp[k * NR + c] = b[k];
         }
+        for (; c < NR; c++)
+            for (k = 0; k < kc; k++) Bp[k * NR + c] = 0;
+    } else { /* B is (K, N): row pc + k, column j + c */
+        for (k = 0; k < kc; k++) {
+            const T *b = B + (pc + k) * ldb + j;
+            for (c = 0; c < nr; c++) Bp[k * NR + c] = b[c];
+            for (; c < NR; c++) Bp[k * NR + c] = 0;
+        }
+    }
 }
 
-void SUF(mha_gemm_nt)(int64_t M, int64_t N, int64_t K, const T *A, int64_t lda,
-                      const T *B, int64_t ldb, const T *bias, T *C, int64_t ldc,
-                      int accumulate)
+void SUF(mha_gemm)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
+                   const T *A, int64_t lda, const T *B, int64_t ldb, const T *bias,
+                   T *C, int64_t ldc, int accumulate, T *scratch)
 {
-    int64_t i, j;
-    T tile[NT_MR][NT_NR];
-    for (i = 0; i < M; i += NT_MR) {
-        int64_t mr = M - i < NT_MR ? M - i : NT_MR;
-        for (j = 0; j < N; j += NT_NR) {
-            int64_t nr = N - j < NT_NR ? N - j : NT_NR;
-            int64_t r, c;
-            if (mr == NT_MR && nr == NT_NR) {
-                SUF(nt_tile)(K, A + i * lda, lda, B + j * ldb, ldb, tile);
-            } else {
-                for (r = 0; r < mr; r++)
-                    for (c = 0; c < nr; c++)
-                        tile[r][c] = SUF(dot)(K, A + (i + r) * lda, B + (j + c) * ldb);
+    const int64_t MR = kt->mr, NR = kt->nr;
+    T *Bp = scratch;
+    int64_t jc, pc, jr, ir, i, j;
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) { /* an empty sum: C = 0 (or unchanged), plus the bias */
+        for (i = 0; i < M; i++)
+            for (j = 0; j < N; j++) {
+                T x = accumulate ? C[i * ldc + j] : (T)0;
+                C[i * ldc + j] = bias ? x + bias[j] : x;
             }
-            for (r = 0; r < mr; r++) {
-                T *c_row = C + (i + r) * ldc + j;
-                for (c = 0; c < nr; c++) {
-                    T v = tile[r][c];
-                    if (bias) v += bias[j + c];
-                    c_row[c] = accumulate ? c_row[c] + v : v;
+        return;
+    }
+    for (jc = 0; jc < N; jc += MHA_GEMM_NC) {
+        int64_t nc = N - jc < MHA_GEMM_NC ? N - jc : MHA_GEMM_NC;
+        for (pc = 0; pc < K; pc += MHA_GEMM_KC) {
+            int64_t kc = K - pc < MHA_GEMM_KC ? K - pc : MHA_GEMM_KC;
+            int acc = accumulate || pc > 0;
+            const T *bias_kc = pc + kc >= K ? bias : NULL;
+            for (jr = 0; jr < nc; jr += NR) {
+                int64_t nr = nc - jr < NR ? nc - jr : NR;
+                if (trans_b || nr < NR)
+                    SUF(pack_b)(trans_b, kc, nr, NR, B, ldb, pc, jc + jr, Bp + jr * kc);
+            }
+            for (ir = 0; ir < M; ir += MR) {
+                int64_t mr = M - ir < MR ? M - ir : MR;
+                for (jr = 0; jr < nc; jr += NR) {
+                    int64_t nr = nc - jr < NR ? nc - jr : NR;
+                    const T *bp = Bp + jr * kc;
+                    int64_t ldbk = NR;
+                    if (!trans_b && nr == NR) {
+                        bp = B + pc * ldb + jc + jr;
+                        ldbk = ldb;
+                    }
+                    kt->ukr(kc, A + ir * lda + pc, lda, bp, ldbk, C + ir * ldc + jc + jr, ldc,
+                            mr, nr, acc, bias_kc ? bias_kc + jc + jr : NULL);
                 }
             }
         }
     }
 }
 
-void SUF(mha_gemm_nn)(int64_t M, int64_t N, int64_t K, const T *A, int64_t lda,
-                      const T *B, int64_t ldb, const T *bias, T *C, int64_t ldc,
-                      int accumulate)
+void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A,
+                         int64_t lda, const T *B, int64_t ldb, const T *bias, T *C,
+                         int64_t ldc, int accumulate)
 {
-    int64_t i, j, k;
-    T acc[NN_MR][NN_NR];
-    for (i = 0; i < M; i += NN_MR) {
-        int64_t mr = M - i < NN_MR ? M - i : NN_MR;
-        for (j = 0; j < N; j += NN_NR) {
-            int64_t nr = N - j < NN_NR ? N - j : NN_NR;
-            int64_t r, c;
-            if (mr == NN_MR && nr == NN_NR) {
-                for (r = 0; r < NN_MR; r++)
-                    for (c = 0; c < NN_NR; c++) acc[r][c] = 0;
-                for (k = 0; k < K; k++) {
-                    const T *b_k = B + k * ldb + j;
-                    for (r = 0; r < NN_MR; r++) {
-                        T a = A[(i + r) * lda + k];
-                        for (c = 0; c < NN_NR; c++) acc[r][c] += a * b_k[c];
-                    }
-                }
-            } else {
-                for (r = 0; r < mr; r++)
-                    for (c = 0; c < nr; c++) acc[r][c] = 0;
-                for (k = 0; k < K; k++) {
-                    const T *b_k = B + k * ldb + j;
-                    for (r = 0; r < mr; r++) {
-                        T a = A[(i + r) * lda + k];
-                        for (c = 0; c < nr; c++) acc[r][c] += a * b_k[c];
-                    }
-                }
-            }
-            for (r = 0; r < mr; r++) {
-                T *c_row = C + (i + r) * ldc + j;
-                for (c = 0; c < nr; c++) {
-                    T v = acc[r][c];
-                    if (bias) v += bias[j + c];
-                    c_row[c] = accumulate ? c_row[c] + v : v;
-                }
-            }
-        }
-    }
+    int64_t i;
+    for (i = 0; i < M; i += 4)
+        kt->dot(M - i < 4 ? M - i : 4, N, K, A + i * lda, lda, B, ldb, bias, C + i * ldc, ldc,
+                accumulate);
 }
-
-#undef NT_MR
-#undef NT_NR
-#undef NN_MR
-#undef NN_NR

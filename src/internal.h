@@ -4,6 +4,7 @@
 #define MHA_INTERNAL_H
 
 #include "mha.h"
+#include "kernels.h"
 
 /* ---- checked arithmetic: nonzero on overflow (or a negative operand) ---- */
 static inline int mha_mul(int64_t a, int64_t b, int64_t *r)
@@ -56,23 +57,29 @@ static inline double mha_stream_uniform(uint64_t key, uint64_t idx)
 typedef void (*mha_task_fn)(void *ctx, int64_t task, int slot);
 void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx);
 
-/* ---- matrix multiply (gemm.c), row-major with leading dimensions ----
- * gemm_nt: C (M, N) = A (M, K) · B (N, K)ᵀ   (the torch x·Wᵀ layout)
- * gemm_nn: C (M, N) = A (M, K) · B (K, N)
- * bias (N) added to every row when not NULL; accumulate: C += instead of =.
- * C is never read when accumulate is 0. */
-void mha_gemm_nt_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                     const float *B, int64_t ldb, const float *bias,
-                     float *C, int64_t ldc, int accumulate);
-void mha_gemm_nn_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                     const float *B, int64_t ldb, const float *bias,
-                     float *C, int64_t ldc, int accumulate);
-void mha_gemm_nt_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
-                     const double *B, int64_t ldb, const double *bias,
-                     double *C, int64_t ldc, int accumulate);
-void mha_gemm_nn_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
-                     const double *B, int64_t ldb, const double *bias,
-                     double *C, int64_t ldc, int accumulate);
+/* ---- matrix multiply (gemm.c) ----
+ * C (M, N) (+)= A (M, K) · op(B) + bias, row-major with leading dimensions:
+ * op(B) = Bᵀ for B (N, K) when trans_b (the torch x·Wᵀ layout), else
+ * B (K, N).  bias (N) or NULL; accumulate: C += (else C is never read).
+ * mha_gemm: the packed loop nest around kt->ukr, one thread; scratch holds
+ *   MHA_GEMM_SCRATCH scalars.
+ * mha_gemm_small: the unpacked form for small M (trans_b only): dot
+ *   products along K, nothing packed, no scratch. */
+#define MHA_GEMM_KC 256
+#define MHA_GEMM_NC 256 /* a multiple of every micro-kernel's NR */
+#define MHA_GEMM_SCRATCH (MHA_GEMM_KC * MHA_GEMM_NC)
+void mha_gemm_f32(const mha_kern_f32 *kt, int trans_b, int64_t M, int64_t N, int64_t K,
+                  const float *A, int64_t lda, const float *B, int64_t ldb, const float *bias,
+                  float *C, int64_t ldc, int accumulate, float *scratch);
+void mha_gemm_f64(const mha_kern_f64 *kt, int trans_b, int64_t M, int64_t N, int64_t K,
+                  const double *A, int64_t lda, const double *B, int64_t ldb,
+                  const double *bias, double *C, int64_t ldc, int accumulate, double *scratch);
+void mha_gemm_small_f32(const mha_kern_f32 *kt, int64_t M, int64_t N, int64_t K,
+                        const float *A, int64_t lda, const float *B, int64_t ldb,
+                        const float *bias, float *C, int64_t ldc, int accumulate);
+void mha_gemm_small_f64(const mha_kern_f64 *kt, int64_t M, int64_t N, int64_t K,
+                        const double *A, int64_t lda, const double *B, int64_t ldb,
+                        const double *bias, double *C, int64_t ldc, int accumulate);
 
 /* ---- argument checks shared by mha_forward and mha_forward_ref (mha.c) ----
  * On MHA_OK, sizes hold the element counts of query, key, value, out and

@@ -129,8 +129,9 @@ static mha_status check_sizes(const mha_config *cfg, int64_t B, int64_t Sq, int6
     if (mha_mul(B, Sk, &t) || mha_mul(t, cfg->vdim, &sz->n_value)) return MHA_ERR_OVERFLOW;
     if (mha_mul(B, cfg->n_heads, &t) || mha_mul(t, Sq, &t) || mha_mul(t, Sk, &sz->n_weights))
         return MHA_ERR_OVERFLOW;
-    /* workspaces: Q and the context (B, Sq, E), K and V (B, Sk, E) */
-    if (mha_mul(B, Sk, &t) || mha_mul(t, E, &t) || mha_mul(t, 2, &t) ||
+    /* workspaces: Q and the context (B, Sq, E); K, V and K per head
+     * transposed (B, Sk, E) */
+    if (mha_mul(B, Sk, &t) || mha_mul(t, E, &t) || mha_mul(t, 3, &t) ||
         mha_add(t, sz->n_out, &t) || mha_add(t, sz->n_out, &t))
         return MHA_ERR_OVERFLOW;
     if (mha_bytes(sz->n_query, es, &bytes) || mha_bytes(sz->n_key, es, &bytes) ||
@@ -187,21 +188,25 @@ mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
 /* ---- the forward pass, for float and double ---- */
 #define T float
 #define SUF(name) name##_f32
+#define KT mha_kern_f32
 #define EXP expf
 #define SQRT sqrtf
 #include "forward_impl.h"
 #undef T
 #undef SUF
+#undef KT
 #undef EXP
 #undef SQRT
 
 #define T double
 #define SUF(name) name##_f64
+#define KT mha_kern_f64
 #define EXP exp
 #define SQRT sqrt
 #include "forward_impl.h"
 #undef T
 #undef SUF
+#undef KT
 #undef EXP
 #undef SQRT
 

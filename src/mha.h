@@ -143,6 +143,17 @@ double mha_dropout_uniform(uint64_t seed, uint64_t counter, uint64_t idx);
 void mha_set_num_threads(int n);
 int mha_get_num_threads(void);
 
+/* The instruction set of mha_forward's kernels: "portable", "avx2" (AVX2 +
+ * FMA) or "avx512" (AVX-512F).  The default is the widest this CPU has; the
+ * environment variable MHA_EXT_ISA (read once, at first use) or
+ * mha_set_isa choose another.  mha_set_isa returns MHA_ERR_ARG for an unknown
+ * name or one this CPU (or build) cannot run, and changes nothing then.
+ * Results agree across instruction sets to float rounding. */
+mha_status mha_set_isa(const char *name);
+const char *mha_get_isa(void);
+/* 1 when this CPU and build can run the named instruction set, else 0. */
+int mha_isa_available(const char *name);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,67 @@
+/* kern_avx2.c: the kernels for AVX2 + FMA (256-bit vectors), compiled with a
+ * target attribute so that the default build stays portable; isa.c uses
+ * them only when the CPU has both.  The template is kern_impl.h. */
+#include <math.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define KATTR __attribute__((target("avx2,fma")))
+#define MR 6
+#define NRV 2
+#define DOT_C 2
+
+#define T float
+#define KDOUBLE 0
+#define VL 8
+typedef int32_t vi32x8 __attribute__((vector_size(32)));
+#define VT __m256
+#define V_SET1(x) _mm256_set1_ps(x)
+#define VI vi32x8
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define SUF(name) name##_f32_avx2
+#include "kern_impl.h"
+#undef T
+#undef KDOUBLE
+#undef VL
+#undef VT
+#undef VI
+#undef V_SET1
+#undef V_FMA
+#undef SUF
+
+#define T double
+#define KDOUBLE 1
+#define VL 4
+typedef int64_t vi64x4 __attribute__((vector_size(32)));
+#define VT __m256d
+#define V_SET1(x) _mm256_set1_pd(x)
+
+#define VI vi64x4
+#define V_FMA(a, b, c) _mm256_fmadd_pd(a, b, c)
+#define SUF(name) name##_f64_avx2
+#include "kern_impl.h"
+#undef T
+#undef KDOUBLE
+#undef VL
+#undef VT
+#undef VI
+#undef V_SET1
+#undef V_FMA
+#undef SUF
+
+static const mha_kern_f32 avx2_f32 = {
+    "avx2", MR, NRV * 8, ukr_f32_avx2, dot_f32_avx2, scale_max_f32_avx2, max_f32_avx2,
+    exp_sum_f32_avx2, scale_f32_avx2, exp_row_f32_avx2};
+static const mha_kern_f64 avx2_f64 = {
+    "avx2", MR, NRV * 4, ukr_f64_avx2, dot_f64_avx2, scale_max_f64_avx2, max_f64_avx2,
+    exp_sum_f64_avx2, scale_f64_avx2, exp_row_f64_avx2};
+const mha_kern_f32 *const mha_kern_avx2_f32_p = &avx2_f32;
+const mha_kern_f64 *const mha_kern_avx2_f64_p = &avx2_f64;
+#else
+const mha_kern_f32 *const mha_kern_avx2_f32_p = 0;
+const mha_kern_f64 *const mha_kern_avx2_f64_p = 0;
+#endif

@@ -1,0 +1,67 @@
+/* kern_avx512.c: the kernels for AVX-512F (512-bit vectors), compiled with a
+ * target attribute so that the default build stays portable; isa.c uses
+ * them only when the CPU has it.  The template is kern_impl.h. */
+#include <math.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define KATTR __attribute__((target("avx512f,avx512dq,avx2,fma")))
+#define MR 8
+#define NRV 2
+#define DOT_C 4
+
+#define T float
+#define KDOUBLE 0
+#define VL 16
+typedef int32_t vi32x16 __attribute__((vector_size(64)));
+#define VT __m512
+#define V_SET1(x) _mm512_set1_ps(x)
+#define VI vi32x16
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define SUF(name) name##_f32_avx512
+#include "kern_impl.h"
+#undef T
+#undef KDOUBLE
+#undef VL
+#undef VT
+#undef VI
+#undef V_SET1
+#undef V_FMA
+#undef SUF
+
+#define T double
+#define KDOUBLE 1
+#define VL 8
+typedef int64_t vi64x8 __attribute__((vector_size(64)));
+#define VT __m512d
+#define V_SET1(x) _mm512_set1_pd(x)
+
+#define VI vi64x8
+#define V_FMA(a, b, c) _mm512_fmadd_pd(a, b, c)
+#define SUF(name) name##_f64_avx512
+#include "kern_impl.h"
+#undef T
+#undef KDOUBLE
+#undef VL
+#undef VT
+#undef VI
+#undef V_SET1
+#undef V_FMA
+#undef SUF
+
+static const mha_kern_f32 avx512_f32 = {
+    "avx512", MR, NRV * 16, ukr_f32_avx512, dot_f32_avx512, scale_max_f32_avx512, max_f32_avx512,
+    exp_sum_f32_avx512, scale_f32_avx512, exp_row_f32_avx512};
+static const mha_kern_f64 avx512_f64 = {
+    "avx512", MR, NRV * 8, ukr_f64_avx512, dot_f64_avx512, scale_max_f64_avx512, max_f64_avx512,
+    exp_sum_f64_avx512, scale_f64_avx512, exp_row_f64_avx512};
+const mha_kern_f32 *const mha_kern_avx512_f32_p = &avx512_f32;
+const mha_kern_f64 *const mha_kern_avx512_f64_p = &avx512_f64;
+#else
+const mha_kern_f32 *const mha_kern_avx512_f32_p = 0;
+const mha_kern_f64 *const mha_kern_avx512_f64_p = 0;
+#endif

@@ -1,0 +1,264 @@
+/* kern_impl.h: the fast kernels, written once over a thin SIMD vocabulary
+ * and included by kern_portable.c, kern_avx2.c and kern_avx512.c once per
+ * dtype.  The includer defines:
+ *   T, SUF(name)     scalar type and name suffix (_f32 / _f64 plus ISA)
+ *   KDOUBLE          1 for double (selects the exp constants)
+ *   VT, VI, VL       GCC vector types of VL lanes: T and a same-width integer
+ *   V_FMA(a, b, c)   a*b + c (one rounding where the ISA has FMA)
+ *   V_SET1(x)        x in every lane
+ *   MR, NRV, DOT_C   micro-kernel rows, vectors per row (NR = NRV*VL), and
+ *                    columns per step of the dot kernel
+ *   KATTR            the target attribute of every function here
+ * Semantics are documented in kernels.h.  Every loop order is fixed: a
+ * result never depends on threads or on which tile an element falls in. */
+
+#define NR (NRV * VL)
+
+KATTR static inline VT SUF(vload)(const T *p)
+{
+    VT v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+KATTR static inline void SUF(vstore)(T *p, VT v) { __builtin_memcpy(p, &v, sizeof v); }
+KATTR static inline VT SUF(vset1)(T x) { return V_SET1(x); }
+/* where m (all ones / zeros per lane): a, else b */
+KATTR static inline VT SUF(vselect)(VI m, VT a, VT b) { return (VT)((m & (VI)a) | (~m & (VI)b)); }
+/* the larger of x and m; m when x is NaN */
+KATTR static inline VT SUF(vmax)(VT x, VT m) { return SUF(vselect)(x > m, x, m); }
+KATTR static inline T SUF(hsum)(VT v)
+{
+    T s = v[0];
+    int l;
+    for (l = 1; l < VL; l++) s += v[l];
+    return s;
+}
+KATTR static inline T SUF(hmax)(VT v)
+{
+    T m = v[0];
+    int l;
+    for (l = 1; l < VL; l++)
+        if (v[l] > m) m = v[l];
+    return m;
+}
+
+/* exp(x) lane by lane: x = n·ln2 + r, |r| <= ln2/2, exp(r) by a polynomial,
+ * times 2^n applied as two factors 2^(n/2) so that results down to the
+ * subnormals are right.  NaN gives NaN, -inf 0, +inf +inf. */
+KATTR static inline VT SUF(vexp)(VT x)
+{
+#if KDOUBLE
+    const T magic = 6755399441055744.0; /* 1.5 * 2^52 */
+    const T lo = -745.2, hi = 709.79;
+    const T c1 = 6.93145751953125E-1, c2 = 1.42860682030941723212E-6;
+    VT t = V_FMA(x, SUF(vset1)(1.4426950408889634074), SUF(vset1)(magic));
+    VT n = t - magic;
+    VT r = V_FMA(n, SUF(vset1)(-c1), x);
+    r = V_FMA(n, SUF(vset1)(-c2), r);
+    /* Taylor to r^13: the truncation is below 1e-17 for |r| <= ln2/2 */
+    VT p = SUF(vset1)(1.0 / 6227020800.0);
+    p = V_FMA(p, r, SUF(vset1)(1.0 / 479001600.0));
+    p = V_FMA(p, r, SUF(vset1)(1.0 / 39916800.0));
+    p = V_FMA(p, r, SUF(vset1)(1.0 / 3628800.0));
+    p = V_FMA(p, r, SUF(vset1)(1.0 / 362880.0));
+    p = V_FMA(p, r, SUF(vset1)(1.0 / 40320.0));
+    p = V_FMA(p, r, SUF(vset1)(1.0 / 5040.0));
+    p = V_FMA(p, r, SUF(vset1)(1.0 / 720.0));
+    p = V_FMA(p, r, SUF(vset1)(1.0 / 120.0));
+    p = V_FMA(p, r, SUF(vset1)(1.0 / 24.0));
+    p = V_FMA(p, r, SUF(vset1)(1.0 / 6.0));
+    p = V_FMA(p, r, SUF(vset1)(0.5));
+    p = V_FMA(p, r * r, r + 1.0);
+    VI ni = (VI)t - (int64_t)0x4338000000000000LL;
+    VI n1 = ni >> 1, n2 = ni - n1;
+    VT s1 = (VT)((n1 + 1023) << 52), s2 = (VT)((n2 + 1023) << 52);
+#else
+    const T magic = 12582912.0f; /* 1.5 * 2^23 */
+    const T lo = -103.98f, hi = 88.73f;
+    const T c1 = 0.693359375f, c2 = -2.12194440e-4f;
+    VT t = V_FMA(x, SUF(vset1)(1.44269504088896341f), SUF(vset1)(magic));
+    VT n = t - magic;
+    VT r = V_FMA(n, SUF(vset1)(-c1), x);
+    r = V_FMA(n, SUF(vset1)(-c2), r);
+    /* Cephes' expf polynomial */
+    VT p = SUF(vset1)(1.9875691500E-4f);
+    p = V_FMA(p, r, SUF(vset1)(1.3981999507E-3f));
+    p = V_FMA(p, r, SUF(vset1)(8.3334519073E-3f));
+    p = V_FMA(p, r, SUF(vset1)(4.1665795894E-2f));
+    p = V_FMA(p, r, SUF(vset1)(1.6666665459E-1f));
+    p = V_FMA(p, r, SUF(vset1)(5.0000001201E-1f));
+    p = V_FMA(p, r * r, r + 1.0f);
+    VI ni = (VI)t - 0x4B400000;
+    VI n1 = ni >> 1, n2 = ni - n1;
+    VT s1 = (VT)((n1 + 127) << 23), s2 = (VT)((n2 + 127) << 23);
+#endif
+    VT y = p * s1 * s2;
+    y = SUF(vselect)(x < lo, SUF(vset1)(0), y);
+    y = SUF(vselect)(x > hi, SUF(vset1)((T)INFINITY), y);
+    return y;
+}
+
+KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, const T *Bp, int64_t ldbk,
+                           T *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
+                           const T *bias)
+{
+    VT c[MR][NRV];
+    const T *ar[MR];
+    int64_t k;
+    int r, v;
+    /* rows past mr repeat the last one: computed, never stored */
+#pragma GCC unroll 16
+    for (r = 0; r < MR; r++) ar[r] = A + (r < mr ? r : mr - 1) * lda;
+#pragma GCC unroll 16
+    for (r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (v = 0; v < NRV; v++) c[r][v] = (VT){0};
+    for (k = 0; k < kc; k++) {
+        VT b[NRV];
+#pragma GCC unroll 4
+        for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);
+#pragma GCC unroll 16
+        for (r = 0; r < MR; r++) {
+            VT a = SUF(vset1)(ar[r][k]);
+#pragma GCC unroll 4
+            for (v = 0; v < NRV; v++) c[r][v] = V_FMA(a, b[v], c[r][v]);
+        }
+        Bp += ldbk;
+    }
+    if (mr == MR && nr == NR) {
+#pragma GCC unroll 16
+        for (r = 0; r < MR; r++)
+#pragma GCC unroll 4
+            for (v = 0; v < NRV; v++) {
+                T *cp = C + r * ldc + v * VL;
+                VT x = c[r][v];
+                if (accumulate) x = SUF(vload)(cp) + x;
+                if (bias) x = x + SUF(vload)(bias + v * VL);
+                SUF(vstore)(cp, x);
+            }
+    } else {
+        T tile[MR][NR];
+        int64_t i, j;
+        for (r = 0; r < MR; r++)
+            for (v = 0; v < NRV; v++) SUF(vstore)(&tile[r][v * VL], c[r][v]);
+        for (i = 0; i < mr; i++)
+            for (j = 0; j < nr; j++) {
+                T x = tile[i][j];
+                if (accumulate) x = C[i * ldc + j] + x;
+                if (bias) x = x + bias[j];
+                C[i * ldc + j] = x;
+            }
+    }
+}
+
+KATTR static void SUF(dot)(int64_t m, int64_t n, int64_t K, const T *A, int64_t lda,
+                           const T *B, int64_t ldb, const T *bias, T *C, int64_t ldc,
+                           int accumulate)
+{
+    const T *a[4], *b[DOT_C];
+    int64_t j, k, nj;
+    int r, c;
+    for (r = 0; r < 4; r++) a[r] = A + (r < m ? r : m - 1) * lda;
+    for (j = 0; j < n; j += DOT_C) {
+        VT acc[4][DOT_C];
+        nj = n - j < DOT_C ? n - j : DOT_C;
+        for (c = 0; c < DOT_C; c++) b[c] = B + (j + (c < nj ? c : nj - 1)) * ldb;
+#pragma GCC unroll 4
+        for (r = 0; r < 4; r++)
+#pragma GCC unroll 4
+            for (c = 0; c < DOT_C; c++) acc[r][c] = (VT){0};
+        for (k = 0; k + VL <= K; k += VL) {
+            VT av[4], bv[DOT_C];
+#pragma GCC unroll 4
+            for (r = 0; r < 4; r++) av[r] = SUF(vload)(a[r] + k);
+#pragma GCC unroll 4
+            for (c = 0; c < DOT_C; c++) bv[c] = SUF(vload)(b[c] + k);
+#pragma GCC unroll 4
+            for (r = 0; r < 4; r++)
+#pragma GCC unroll 4
+                for (c = 0; c < DOT_C; c++) acc[r][c] = V_FMA(av[r], bv[c], acc[r][c]);
+        }
+        for (r = 0; r < m; r++)
+            for (c = 0; c < nj; c++) {
+                T s = SUF(hsum)(acc[r][c]);
+                int64_t kk;
+                for (kk = k; kk < K; kk++) s += a[r][kk] * b[c][kk];
+                T *cp = C + r * ldc + j + c;
+                if (accumulate) s = *cp + s;
+                if (bias) s = s + bias[j + c];
+                *cp = s;
+            }
+    }
+}
+
+KATTR static T SUF(scale_max)(T *s, int64_t n, T c)
+{
+    VT vm = SUF(vset1)(-(T)INFINITY), vc = SUF(vset1)(c);
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) {
+        VT x = SUF(vload)(s + j) * vc;
+        SUF(vstore)(s + j, x);
+        vm = SUF(vmax)(x, vm);
+    }
+    T m = SUF(hmax)(vm);
+    for (; j < n; j++) {
+        s[j] *= c;
+        if (s[j] > m) m = s[j];
+    }
+    return m;
+}
+
+KATTR static T SUF(max)(const T *s, int64_t n)
+{
+    VT vm = SUF(vset1)(-(T)INFINITY);
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) vm = SUF(vmax)(SUF(vload)(s + j), vm);
+    T m = SUF(hmax)(vm);
+    for (; j < n; j++)
+        if (s[j] > m) m = s[j];
+    return m;
+}
+
+KATTR static T SUF(exp_sum)(T *s, int64_t n, T m)
+{
+    VT vs = (VT){0}, vmv = SUF(vset1)(m);
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) {
+        VT x = SUF(vexp)(SUF(vload)(s + j) - vmv);
+        SUF(vstore)(s + j, x);
+        vs = vs + x;
+    }
+    if (j < n) { /* the tail through one padded vector: exp(-inf) adds 0 */
+        T tmp[VL];
+        int64_t t;
+        for (t = 0; t < VL; t++) tmp[t] = j + t < n ? s[j + t] : -(T)INFINITY;
+        VT x = SUF(vexp)(SUF(vload)(tmp) - vmv);
+        SUF(vstore)(tmp, x);
+        for (t = 0; j + t < n; t++) s[j + t] = tmp[t];
+        vs = vs + x;
+    }
+    return SUF(hsum)(vs);
+}
+
+KATTR static void SUF(scale)(T *s, int64_t n, T c)
+{
+    VT vc = SUF(vset1)(c);
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) SUF(vstore)(s + j, SUF(vload)(s + j) * vc);
+    for (; j < n; j++) s[j] *= c;
+}
+
+KATTR static void SUF(exp_row)(T *s, int64_t n)
+{
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) SUF(vstore)(s + j, SUF(vexp)(SUF(vload)(s + j)));
+    if (j < n) {
+        T tmp[VL];
+        int64_t t;
+        for (t = 0; t < VL; t++) tmp[t] = j + t < n ? s[j + t] : 0;
+        SUF(vstore)(tmp, SUF(vexp)(SUF(vload)(tmp)));
+        for (t = 0; j + t < n; t++) s[j + t] = tmp[t];
+    }
+}
+
+#undef NR
