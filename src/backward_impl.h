@@ -26,7 +26,7 @@
  *      products in one pass. */
 
 #define QB 64   /* queries per block inside one (b, h) task */
-#define RM 32   /* rows per product tile */
+#define RM 64   /* rows per product tile */
 #define RN 64   /* columns per product tile */
 #define KC 256  /* depth of one pass over a weight-gradient tile (cache) */
 #define TC 32   /* columns per transpose task */
@@ -58,6 +58,7 @@ typedef struct {
     T *ctx, *dctx;        /* (B, Sq, E) */
     T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E) */
     T *scratch;           /* per slot: P (QB, Sk), D (QB, Sk), Tr (Sk, QB) */
+    T *pack;              /* per slot: a packed panel of B (KC, RN) */
     int64_t scratch_len;  /* scalars per slot */
     uint8_t *keep;        /* per slot: the replayed dropout mask (QB, Sk) */
     int64_t keep_len;     /* bytes per slot */
@@ -96,28 +97,38 @@ static int64_t SUF(bjob_tiles)(const SUF(bwd) *f)
     return n;
 }
 
+/* One tile of a product, as the BLIS loop nest does it: for each slice of
+ * KC along the depth, B's (kc, n) panel is packed contiguous (transposed on
+ * the way for NT) into the slot's buffer, so the kernel (gemm_nn) streams
+ * short unit-stride rows instead of rows a large power of two apart. */
 static void SUF(bjob_task)(void *vf, int64_t t, int slot)
 {
     const SUF(bwd) *f = (const SUF(bwd) *)vf;
     int j = 0;
-    (void)slot;
+    int64_t kk, c;
     while (t >= f->jobs[j].tiles) t -= f->jobs[j++].tiles;
     const SUF(bjob) *jb = &f->jobs[j];
     int64_t i0 = (t / jb->tiles_n) * RM, n0 = (t % jb->tiles_n) * RN;
     int64_t m = jb->M - i0 < RM ? jb->M - i0 : RM;
     int64_t n = jb->N - n0 < RN ? jb->N - n0 : RN;
-    T *c = jb->C + i0 * jb->ldc + n0;
-    if (jb->kind == SUF(JOB_NT)) {
-        SUF(mha_gemm_nt)(m, n, jb->K, jb->A + i0 * jb->lda, jb->lda, jb->B + n0 * jb->ldb,
-                         jb->ldb, jb->bias ? jb->bias + n0 : NULL, c, jb->ldc, 0);
-        return;
-    }
-    /* NN over the depth in slices of KC; K == 0 still writes the zeros */
+    T *c_t = jb->C + i0 * jb->ldc + n0;
+    T *bp = f->pack + (int64_t)slot * (KC * RN); /* (kc, n), ld RN */
     int64_t k0 = 0;
-    do {
+    do { /* K == 0 still writes C (zeros, or the bias) */
         int64_t kc = jb->K - k0 < KC ? jb->K - k0 : KC;
-        SUF(mha_gemm_nn)(m, n, kc, jb->A + i0 * jb->lda + k0, jb->lda,
-                         jb->B + k0 * jb->ldb + n0, jb->ldb, NULL, c, jb->ldc, k0 > 0);
+        if (jb->kind == SUF(JOB_NT)) {
+            for (c = 0; c < n; c++) {
+                const T *b_c = jb->B + (n0 + c) * jb->ldb + k0;
+                for (kk = 0; kk < kc; kk++) bp[kk * RN + c] = b_c[kk];
+            }
+        } else {
+            for (kk = 0; kk < kc; kk++) {
+                const T *b_k = jb->B + (k0 + kk) * jb->ldb + n0;
+                for (c = 0; c < n; c++) bp[kk * RN + c] = b_k[c];
+            }
+        }
+        SUF(mha_gemm_nn)(m, n, kc, jb->A + i0 * jb->lda + k0, jb->lda, bp, RN,
+                         k0 == 0 && jb->bias ? jb->bias + n0 : NULL, c_t, jb->ldc, k0 > 0);
         k0 += kc;
     } while (k0 < jb->K);
 }
@@ -358,6 +369,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     if (mha_mul(QB, f.Sk, &f.scratch_len) || mha_mul(f.scratch_len, 3, &f.scratch_len) ||
         mha_mul(n_q, 4, &n_work) || mha_mul(n_kv, 4, &t) || mha_add(n_work, t, &n_work) ||
         mha_mul(f.scratch_len, slots, &t) || mha_add(n_work, t, &n_work) ||
+        mha_mul(KC * RN, slots, &t) || mha_add(n_work, t, &n_work) ||
         mha_bytes(n_work, sizeof(T), &bytes))
         return MHA_ERR_OVERFLOW;
     f.keep_len = f.dropout_on ? QB * f.Sk : 0;
@@ -381,6 +393,8 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     f.dk = f.v + n_kv;
     f.dv = f.dk + n_kv;
     f.scratch = f.dv + n_kv;
+    f.pack = f.scratch + f.scratch_len * slots;
+    BWD_TICK_START;
 
     /* 1. the forward's projections, and dctx = d out·W_o
      *    (backward of out = ctx·W_oᵀ + b_o, for ctx) */
@@ -393,9 +407,11 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     SUF(bjob_add)(&f, SUF(JOB_NN), (const T *)a->grad_out, f.E, (const T *)p->wo, f.E,
                   NULL, f.dctx, f.E, Rq, f.E, f.E);
     mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
+    BWD_TICK("1 proj");
 
     /* 2. attention, per (b, h) */
     mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f);
+    BWD_TICK("2 attn");
 
     /* 3. d out, dQ, dK, dV transposed into the buffers of dctx, Q, K, V
      *    (no longer needed), their column sums being the bias gradients */
@@ -411,6 +427,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         for (i = 0; i < f.n_tr; i++) n_tr += f.tr[i].tasks;
         mha_parallel_for(n_tr, slots, SUF(btr_task), &f);
     }
+    BWD_TICK("3 transpose");
 
     /* 4. the weight gradients (dW = dYᵀ·X, as (E, Rows)·(Rows, In)) and the
      *    input gradients (dX = dY·W) */
@@ -435,6 +452,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         SUF(bjob_add)(&f, SUF(JOB_NN), f.dv, f.E, (const T *)p->wv, Ev, NULL,
                       (T *)a->grad_value, Ev, Rk, Ev, f.E);
     mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
+    BWD_TICK("4 grads");
 
     mha_free(work);
     mha_free(f.keep);
