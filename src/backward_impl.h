@@ -57,7 +57,7 @@ typedef struct {
     T *q, *k, *v;         /* Q (B, Sq, E), K and V (B, Sk, E), recomputed */
     T *ctx, *dctx;        /* (B, Sq, E) */
     T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E) */
-    T *scratch;           /* per slot: P (QB, Sk), D (QB, Sk), Tr (Sk, QB) */
+    T *scratch;           /* per slot: P, D (QB, Sk), Tr (Sk, QB), Kᵀ, Vᵀ (Dk, Sk) */
     T *pack;              /* per slot: a packed panel of B (KC, RN) */
     int64_t scratch_len;  /* scalars per slot */
     uint8_t *keep;        /* per slot: the replayed dropout mask (QB, Sk) */
@@ -226,6 +226,8 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     T *p = f->scratch + (int64_t)slot * f->scratch_len; /* (QB, Sk) P */
     T *d = p + QB * Sk;                                 /* (QB, Sk) A, then dA, dP, dS */
     T *tr = d + QB * Sk;                                /* (Sk, QB) Aᵀ, then dSᵀ */
+    T *kt = tr + Sk * QB;                               /* (Dk, Sk) K_bhᵀ */
+    T *vt = kt + Dk * Sk;                               /* (Dk, Sk) V_bhᵀ */
     uint8_t *keep = f->keep + (int64_t)slot * f->keep_len; /* (QB, Sk) */
 
     if (Sk == 0) { /* no key at all: every row is fully blocked, nothing to differentiate */
@@ -236,13 +238,16 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
             }
         return;
     }
+    /* K_bhᵀ and V_bhᵀ once per head: the products with them run as gemm_nn */
+    SUF(transpose)(k_bh, Sk, Dk, E, kt);
+    SUF(transpose)(v_bh, Sk, Dk, E, vt);
     for (i0 = 0; i0 < Sq; i0 += QB) {
         const int64_t nq = Sq - i0 < QB ? Sq - i0 : QB;
         const int first = i0 == 0;
         const T *a_blk = p; /* A: P itself without dropout */
 
         /* forward: S = Q_bh·K_bhᵀ / sqrt(Dk); S = masked(S); P = softmax(S) */
-        SUF(mha_gemm_nt)(nq, Sk, Dk, q_bh + i0 * E, E, k_bh, E, NULL, p, Sk, 0);
+        SUF(mha_gemm_nn)(nq, Sk, Dk, q_bh + i0 * E, E, kt, Sk, NULL, p, Sk, 0);
         for (r = 0; r < nq; r++) {
             T *p_r = p + r * Sk, m = -(T)INFINITY, sum = 0, inv;
             for (j = 0; j < Sk; j++) p_r[j] *= f->scale;
@@ -282,7 +287,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
         SUF(transpose)(a_blk, nq, Sk, Sk, tr);
         SUF(mha_gemm_nn)(Sk, Dk, nq, tr, nq, dc_bh + i0 * E, E, NULL, dv_bh, E, !first);
         /* ... and dA = dctx_bh·V_bhᵀ, plus the gradient of the returned weights */
-        SUF(mha_gemm_nt)(nq, Sk, Dk, dc_bh + i0 * E, E, v_bh, E, NULL, d, Sk, 0);
+        SUF(mha_gemm_nn)(nq, Sk, Dk, dc_bh + i0 * E, E, vt, Sk, NULL, d, Sk, 0);
         if (gw_bh)
             for (r = 0; r < nq; r++)
                 for (j = 0; j < Sk; j++) d[r * Sk + j] += gw_bh[(i0 + r) * Sk + j];
@@ -365,8 +370,8 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     }
 
     /* workspace: q, ctx, dctx, dq (B, Sq, E); k, v, dk, dv (B, Sk, E); then
-     * per slot P, D (QB, Sk) and Tr (Sk, QB) */
-    if (mha_mul(QB, f.Sk, &f.scratch_len) || mha_mul(f.scratch_len, 3, &f.scratch_len) ||
+     * per slot P, D (QB, Sk), Tr (Sk, QB), K_bhᵀ and V_bhᵀ (Dk, Sk) */
+    if (mha_mul(3 * QB + 2 * f.Dk, f.Sk, &f.scratch_len) ||
         mha_mul(n_q, 4, &n_work) || mha_mul(n_kv, 4, &t) || mha_add(n_work, t, &n_work) ||
         mha_mul(f.scratch_len, slots, &t) || mha_add(n_work, t, &n_work) ||
         mha_mul(KC * RN, slots, &t) || mha_add(n_work, t, &n_work) ||
