@@ -483,6 +483,8 @@ def test_adapter_matches_numpy_api_and_trains():
 
 def test_train_copy_example_loss_falls():
     need_torch()
+    if not (ROOT / "examples" / "train_copy.py").is_file():
+        pytest.skip("examples/ is not next to the tests (installed without sources)")
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_copy.py"),
                           "--steps", "60"], capture_output=True, text=True, timeout=300,
                          cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
