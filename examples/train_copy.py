@@ -80,8 +80,8 @@ def main(argv=None):
         src = torch.randint(0, args.vocab, (512, args.length), generator=gen)
         tgt = src.flip(1) if args.task == "reverse" else src
         acc = (model(src).argmax(-1) == tgt).float().mean().item()
-    print(f"first loss {losses[0]:.4f}")
-    print(f"last loss {losses[-1]:.4f}")
+    print(f"first loss {losses[0]:.4g}")
+    print(f"last loss {losses[-1]:.4g}")
     print(f"accuracy {acc:.3f} ({args.task}, {args.steps} steps, {elapsed:.1f} s)")
 
     if args.plot:
