@@ -673,6 +673,296 @@ fail:
     return result;
 }
 
+/* ------------------------------------------------------ training (backward)
+ * The explicit training API behind mha_ext/autograd.py and mha_ext/torch.py:
+ * no state is kept between a forward and its backward.  The caller holds what
+ * the backward needs (the parameters, the inputs, the masks, the dropout
+ * (p, counter)) and passes it back.
+ *
+ *   _take_counter() -> counter: reserve one dropout stream (atomic: GIL held)
+ *   _forward_with(params, query, key, value, masks, is_causal, need_weights,
+ *                 zero_rows, dropout, counter) -> (output, weights | None)
+ *   _backward(params, query, key, value, masks, is_causal, zero_rows,
+ *             dropout, counter, grad_output, grad_weights | None)
+ *       -> (grad_params, grad_query, grad_key, grad_value)
+ *
+ * params: None (the module's own parameters) or a 1-D array of the block's
+ * `total` scalars laid out as _layout() says; grad_params has that layout.
+ * query (B, Sq, E), key (B, Sk, kdim), value (B, Sk, vdim); masks as for
+ * _forward; dropout p in [0, 1] (0: none) with the stream `counter` of the
+ * module's seed. */
+
+typedef struct {
+    PyArrayObject *params, *q, *k, *v;
+    PyArrayObject *mask_arr[MHA_MAX_MASKS];
+    PyObject *masks_seq;
+    mha_mask masks[MHA_MAX_MASKS];
+    mha_forward_args a;
+    mha_params p;
+} train_call;
+
+static void train_call_clear(train_call *c)
+{
+    int i;
+    Py_CLEAR(c->params);
+    Py_CLEAR(c->q);
+    Py_CLEAR(c->k);
+    Py_CLEAR(c->v);
+    Py_CLEAR(c->masks_seq);
+    for (i = 0; i < MHA_MAX_MASKS; i++) Py_CLEAR(c->mask_arr[i]);
+}
+
+static PyArrayObject *train_array(MHAObject *self, PyObject *obj, const char *name)
+{
+    if (obj == Py_None) {
+        PyErr_Format(PyExc_TypeError, "%s must be an array, not None", name);
+        return NULL;
+    }
+    return (PyArrayObject *)PyArray_FROM_OTF(obj, typenum_of(self),
+                                             NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+}
+
+/* args: params, query, key, value, masks, is_causal, zero_rows, dropout,
+ * counter.  On success c->a describes the call (out and weights unset) and
+ * c->p points at the parameters. */
+static int train_call_parse(MHAObject *self, PyObject *const *args, int need_weights_unused,
+                            train_call *c)
+{
+    int64_t E = self->cfg.d_model, H = self->cfg.n_heads;
+    int is_causal, zero_rows, i;
+    double p;
+    unsigned long long counter;
+    mha_status st;
+    (void)need_weights_unused;
+
+    memset(c, 0, sizeof *c);
+    if ((is_causal = PyObject_IsTrue(args[5])) < 0 || (zero_rows = PyObject_IsTrue(args[6])) < 0)
+        return -1;
+    if (parse_dropout(args[7], &p) < 0) return -1;
+    if (!PyLong_Check(args[8])) {
+        PyErr_SetString(PyExc_TypeError, "counter must be an int");
+        return -1;
+    }
+    counter = PyLong_AsUnsignedLongLong(args[8]);
+    if (counter == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+
+    if (args[0] != Py_None) {
+        if (!(c->params = train_array(self, args[0], "params"))) goto fail;
+        if (PyArray_NDIM(c->params) != 1 || PyArray_DIM(c->params, 0) != (npy_intp)self->total) {
+            PyErr_Format(PyExc_ValueError, "params must be a 1-D array of %lld scalars",
+                         (long long)self->total);
+            goto fail;
+        }
+    }
+    if (!(c->q = train_array(self, args[1], "query")) ||
+        !(c->k = train_array(self, args[2], "key")) ||
+        !(c->v = train_array(self, args[3], "value")))
+        goto fail;
+    if (check_input(c->q, "query", "(batch, seq, d_model)") < 0 ||
+        check_input(c->k, "key", "(batch, seq, kdim)") < 0 ||
+        check_input(c->v, "value", "(batch, seq, vdim)") < 0)
+        goto fail;
+    {
+        npy_intp *qs = PyArray_DIMS(c->q), *ks = PyArray_DIMS(c->k), *vs = PyArray_DIMS(c->v);
+        if (qs[2] != E || ks[0] != qs[0] || ks[2] != self->cfg.kdim || vs[0] != qs[0] ||
+            vs[1] != ks[1] || vs[2] != self->cfg.vdim) {
+            PyErr_Format(PyExc_ValueError,
+                         "query (B, Sq, %lld), key (B, Sk, %lld) and value (B, Sk, %lld) "
+                         "expected, got (%lld, %lld, %lld), (%lld, %lld, %lld), (%lld, %lld, %lld)",
+                         (long long)E, (long long)self->cfg.kdim, (long long)self->cfg.vdim,
+                         (long long)qs[0], (long long)qs[1], (long long)qs[2],
+                         (long long)ks[0], (long long)ks[1], (long long)ks[2],
+                         (long long)vs[0], (long long)vs[1], (long long)vs[2]);
+            goto fail;
+        }
+    }
+    c->a.B = PyArray_DIM(c->q, 0);
+    c->a.Sq = PyArray_DIM(c->q, 1);
+    c->a.Sk = PyArray_DIM(c->k, 1);
+    st = mha_check_sizes(&self->cfg, c->a.B, c->a.Sq, c->a.Sk);
+    if (st != MHA_OK) {
+        set_status_error(st, "query, key and value");
+        goto fail;
+    }
+    c->masks_seq = PySequence_Fast(args[4], "masks must be a sequence of (kind, array) pairs");
+    if (!c->masks_seq) goto fail;
+    if (PySequence_Fast_GET_SIZE(c->masks_seq) > MHA_MAX_MASKS) {
+        PyErr_Format(PyExc_ValueError, "at most %d masks", MHA_MAX_MASKS);
+        goto fail;
+    }
+    {
+        const int64_t dim[4] = {c->a.B, H, c->a.Sq, c->a.Sk};
+        for (i = 0; i < PySequence_Fast_GET_SIZE(c->masks_seq); i++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(c->masks_seq, i);
+            long kind;
+            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+                PyErr_SetString(PyExc_TypeError, "each mask must be a (kind, array) pair");
+                goto fail;
+            }
+            kind = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
+            if (kind == -1 && PyErr_Occurred()) goto fail;
+            if (kind != MHA_MASK_BLOCK && kind != MHA_MASK_ADD) {
+                PyErr_SetString(PyExc_ValueError, "mask kind must be 0 (blocking) or 1 (additive)");
+                goto fail;
+            }
+            if (convert_mask(self, PyTuple_GET_ITEM(item, 1), (int)kind, dim, &c->masks[i],
+                             &c->mask_arr[i]) < 0)
+                goto fail;
+        }
+        c->a.n_masks = i;
+    }
+    c->a.query = PyArray_DATA(c->q);
+    c->a.key = PyArray_DATA(c->k);
+    c->a.value = PyArray_DATA(c->v);
+    c->a.masks = c->masks;
+    c->a.is_causal = is_causal;
+    c->a.zero_masked_rows = zero_rows;
+    c->a.dropout = p;
+    c->a.seed = self->seed;
+    c->a.counter = (uint64_t)counter;
+    mha_params_from_block(&self->cfg, c->params ? PyArray_DATA(c->params) : self->block, &c->p);
+    return 0;
+fail:
+    train_call_clear(c);
+    return -1;
+}
+
+static PyObject *mha_take_counter(MHAObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromUnsignedLongLong(self->counter++); /* under the GIL */
+}
+
+static PyObject *mha_forward_with_py(MHAObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    train_call c;
+    PyArrayObject *out = NULL, *w = NULL;
+    PyObject *result = NULL;
+    PyObject *pargs[9];
+    int need_weights, own = 0, tn = typenum_of(self);
+    mha_status st;
+
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "_forward_with takes exactly 10 arguments");
+        return NULL;
+    }
+    if ((need_weights = PyObject_IsTrue(args[6])) < 0) return NULL;
+    /* the parse order: params, q, k, v, masks, is_causal, zero_rows, dropout, counter */
+    pargs[0] = args[0]; pargs[1] = args[1]; pargs[2] = args[2]; pargs[3] = args[3];
+    pargs[4] = args[4]; pargs[5] = args[5]; pargs[6] = args[7]; pargs[7] = args[8];
+    pargs[8] = args[9];
+    if (train_call_parse(self, pargs, need_weights, &c) < 0) return NULL;
+    own = c.params == NULL;
+    {
+        npy_intp od[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sq, (npy_intp)self->cfg.d_model};
+        npy_intp wd[4] = {(npy_intp)c.a.B, (npy_intp)self->cfg.n_heads, (npy_intp)c.a.Sq,
+                          (npy_intp)c.a.Sk};
+        if (!(out = (PyArrayObject *)PyArray_SimpleNew(3, od, tn))) goto fail;
+        if (need_weights && !(w = (PyArrayObject *)PyArray_SimpleNew(4, wd, tn))) goto fail;
+    }
+    c.a.out = PyArray_DATA(out);
+    c.a.weights = w ? PyArray_DATA(w) : NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (own) pthread_rwlock_rdlock(&self->lock);
+    st = mha_forward(&self->cfg, &c.p, &c.a);
+    if (own) pthread_rwlock_unlock(&self->lock);
+    Py_END_ALLOW_THREADS
+    if (st != MHA_OK) {
+        set_status_error(st, "forward");
+        goto fail;
+    }
+    result = PyTuple_Pack(2, (PyObject *)out, w ? (PyObject *)w : Py_None);
+fail:
+    Py_XDECREF(out);
+    Py_XDECREF(w);
+    train_call_clear(&c);
+    return result;
+}
+
+static PyObject *mha_backward_py(MHAObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    train_call c;
+    PyArrayObject *go = NULL, *gw = NULL, *gp = NULL, *gq = NULL, *gk = NULL, *gv = NULL;
+    PyObject *result = NULL;
+    mha_backward_args ba;
+    int own, tn = typenum_of(self);
+    mha_status st;
+
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "_backward takes exactly 11 arguments");
+        return NULL;
+    }
+    if (train_call_parse(self, args, 0, &c) < 0) return NULL;
+    own = c.params == NULL;
+    if (!(go = train_array(self, args[9], "grad_output"))) goto fail;
+    if (PyArray_NDIM(go) != 3 || PyArray_DIM(go, 0) != (npy_intp)c.a.B ||
+        PyArray_DIM(go, 1) != (npy_intp)c.a.Sq || PyArray_DIM(go, 2) != (npy_intp)self->cfg.d_model) {
+        PyObject *s = shape_str(go);
+        if (s) {
+            PyErr_Format(PyExc_ValueError, "grad_output must have the output's shape "
+                         "(%lld, %lld, %lld), got %U", (long long)c.a.B, (long long)c.a.Sq,
+                         (long long)self->cfg.d_model, s);
+            Py_DECREF(s);
+        }
+        goto fail;
+    }
+    if (args[10] != Py_None) {
+        if (!(gw = train_array(self, args[10], "grad_weights"))) goto fail;
+        if (PyArray_NDIM(gw) != 4 || PyArray_DIM(gw, 0) != (npy_intp)c.a.B ||
+            PyArray_DIM(gw, 1) != (npy_intp)self->cfg.n_heads ||
+            PyArray_DIM(gw, 2) != (npy_intp)c.a.Sq || PyArray_DIM(gw, 3) != (npy_intp)c.a.Sk) {
+            PyObject *s = shape_str(gw);
+            if (s) {
+                PyErr_Format(PyExc_ValueError, "grad_weights must have the weights' shape "
+                             "(%lld, %lld, %lld, %lld), got %U", (long long)c.a.B,
+                             (long long)self->cfg.n_heads, (long long)c.a.Sq,
+                             (long long)c.a.Sk, s);
+                Py_DECREF(s);
+            }
+            goto fail;
+        }
+    }
+    {
+        npy_intp pd[1] = {(npy_intp)self->total};
+        npy_intp qd[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sq, (npy_intp)self->cfg.d_model};
+        npy_intp kd[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sk, (npy_intp)self->cfg.kdim};
+        npy_intp vd[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sk, (npy_intp)self->cfg.vdim};
+        if (!(gp = (PyArrayObject *)PyArray_SimpleNew(1, pd, tn)) ||
+            !(gq = (PyArrayObject *)PyArray_SimpleNew(3, qd, tn)) ||
+            !(gk = (PyArrayObject *)PyArray_SimpleNew(3, kd, tn)) ||
+            !(gv = (PyArrayObject *)PyArray_SimpleNew(3, vd, tn)))
+            goto fail;
+    }
+    memset(&ba, 0, sizeof ba);
+    ba.fwd = c.a;
+    ba.grad_out = PyArray_DATA(go);
+    ba.grad_weights = gw ? PyArray_DATA(gw) : NULL;
+    ba.grad_query = PyArray_DATA(gq);
+    ba.grad_key = PyArray_DATA(gk);
+    ba.grad_value = PyArray_DATA(gv);
+    ba.grad_params = PyArray_DATA(gp);
+    Py_BEGIN_ALLOW_THREADS
+    if (own) pthread_rwlock_rdlock(&self->lock);
+    st = mha_backward(&self->cfg, &c.p, &ba);
+    if (own) pthread_rwlock_unlock(&self->lock);
+    Py_END_ALLOW_THREADS
+    if (st != MHA_OK) {
+        set_status_error(st, "backward");
+        goto fail;
+    }
+    result = PyTuple_Pack(4, (PyObject *)gp, (PyObject *)gq, (PyObject *)gk, (PyObject *)gv);
+fail:
+    Py_XDECREF(go);
+    Py_XDECREF(gw);
+    Py_XDECREF(gp);
+    Py_XDECREF(gq);
+    Py_XDECREF(gk);
+    Py_XDECREF(gv);
+    train_call_clear(&c);
+    return result;
+}
+
+/* --------------------------------------------------- end training (backward) */
+
 /* ----------------------------------------------------------- attributes */
 
 static PyObject *get_d_model(MHAObject *s, void *c) { (void)c; return PyLong_FromLongLong(s->cfg.d_model); }
@@ -763,6 +1053,16 @@ static PyMethodDef mha_methods[] = {
      "_write_lock()\n--\n\nHold the parameters' write lock (see editing())."},
     {"_write_unlock", (PyCFunction)mha_write_unlock, METH_NOARGS,
      "_write_unlock()\n--\n\nRelease what _write_lock took."},
+    {"_take_counter", (PyCFunction)mha_take_counter, METH_NOARGS,
+     "_take_counter()\n--\n\nReserve one dropout stream: its counter (training API)."},
+    {"_forward_with", (PyCFunction)(void (*)(void))mha_forward_with_py, METH_FASTCALL,
+     "_forward_with(params, query, key, value, masks, is_causal, need_weights, zero_rows, "
+     "dropout, counter)\n--\n\nThe forward with explicit parameters and dropout stream; "
+     "use MultiHeadAttention.forward_train."},
+    {"_backward", (PyCFunction)(void (*)(void))mha_backward_py, METH_FASTCALL,
+     "_backward(params, query, key, value, masks, is_causal, zero_rows, dropout, counter, "
+     "grad_output, grad_weights)\n--\n\nThe gradients of _forward_with's call; "
+     "use MultiHeadAttention.backward."},
     {NULL}
 };
 

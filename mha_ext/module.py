@@ -552,6 +552,23 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                              f"{'(B, Sk)' if batched else '(Sk,)'} = {want}, got {m.shape}")
         return (kind, m.reshape(B, 1, 1, Sk) if batched else m)
 
+    # ------------------------------------------------------------ training
+    def forward_train(self, query, key=None, value=None, mask=None, **kwargs):
+        """The call, for training: returns a ForwardContext (mha_ext.autograd)
+        with .output, .weights and everything backward() needs (a copy of the
+        parameters, the inputs, the masks, the dropout stream).  Keywords as
+        for the call, plus params=, dropout= and dropout_counter= (see
+        mha_ext.autograd.forward_train)."""
+        from .autograd import forward_train
+        return forward_train(self, query, key, value, mask, **kwargs)
+
+    def backward(self, ctx, grad_output, grad_weights=None):
+        """Gradients of the forward_train call that made ctx, from dL/d output
+        (and optionally dL/d weights): a dict keyed like state_dict() plus
+        'query', 'key' and 'value' (see mha_ext.autograd.backward)."""
+        from .autograd import backward
+        return backward(self, ctx, grad_output, grad_weights)
+
     def trace(self, query, key=None, value=None, mask=None, **kwargs):
         """The computation step by step (see mha_ext.trace.Trace): each step's
         name, formula, shape and array.  print() it for the shape flow."""

@@ -154,6 +154,36 @@ const char *mha_get_isa(void);
 /* 1 when this CPU and build can run the named instruction set, else 0. */
 int mha_isa_available(const char *name);
 
+/* ---- backward ---------------------------------------------------------
+ * The gradients of one forward call (src/backward.c, backward_impl.h).
+ * Nothing of the forward is stored: the backward recomputes Q, K, V, the
+ * softmax and the context from the same inputs, and replays the dropout
+ * mask from the same (seed, counter) stream, so `fwd` must describe the call
+ * exactly as it was made (same inputs, masks, is_causal, zero_masked_rows,
+ * dropout, seed, counter) with the same parameters.
+ *
+ * A row with every key blocked: with zero_masked_rows its weights are 0 and
+ * it contributes nothing to any gradient but W_o.bias's; without, its NaN
+ * output makes the gradients NaN (as torch autograd gives on the seed
+ * module).  Masks are constants: no gradient flows into them. */
+typedef struct {
+    mha_forward_args fwd;     /* the forward call; fwd.out, fwd.weights unused */
+    const void *grad_out;     /* (B, Sq, E): dL/d out */
+    const void *grad_weights; /* (B, H, Sq, Sk): dL/d weights (after dropout),
+                                 or NULL when the weights did not reach L */
+    void *grad_query;         /* (B, Sq, E)  written, or NULL: not computed */
+    void *grad_key;           /* (B, Sk, Ek) written, or NULL */
+    void *grad_value;         /* (B, Sk, Ev) written, or NULL */
+    void *grad_params;        /* the parameter block of mha_param_layout
+                                 (every weight and bias) written, or NULL */
+} mha_backward_args;
+
+/* Every gradient asked for, overwritten (not accumulated).  Threaded on the
+ * same pool and kernels as mha_forward.  cfg->dtype selects float or double.
+ * Statuses as mha_forward's. */
+mha_status mha_backward(const mha_config *cfg, const mha_params *p,
+                        const mha_backward_args *a);
+
 #ifdef __cplusplus
 }
 #endif

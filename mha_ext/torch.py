@@ -1,0 +1,195 @@
+"""mha_ext.torch: our attention as a torch.nn.Module, trainable with torch.
+
+    from mha_ext.torch import MultiHeadAttention
+    attn = MultiHeadAttention(64, 4, dropout=0.1, seed=0)
+    out, weights = attn(x)                  # x a (B, S, 64) CPU tensor
+    out.sum().backward()                    # gradients from our C backward
+    torch.optim.Adam(attn.parameters())     # torch's optimisers just work
+
+The parameters are torch ``nn.Linear`` children ``W_q``, ``W_k``, ``W_v``,
+``W_o`` (the seed module's names, so ``state_dict()`` keys match
+mha_ext.MultiHeadAttention's), used as parameter holders: the computation is
+a ``torch.autograd.Function`` whose forward is mha_ext's forward_train and
+whose backward is mha_ext's backward, both in C on mha_ext's thread pool.
+CPU tensors of float32 or float64 only; calls are batch-first, like
+mha_ext.MultiHeadAttention's.  Double backward is not supported.
+
+This module is imported only on request (``import mha_ext.torch``); it needs
+torch.  Inside it ``import torch`` is the real torch (absolute imports).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from . import autograd as _ag
+from .module import MultiHeadAttention as _Core
+
+__all__ = ["MultiHeadAttention"]
+
+_NAMES = ("W_q", "W_k", "W_v", "W_o")
+_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+
+
+def _numpy(t):
+    return t.detach().numpy()
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """forward(core, opts, query, key, value, *params) -> (output, weights);
+    params are W_q.weight, W_q.bias, ... W_o.bias (biases omitted when the
+    module has none), in the order of the C parameter block."""
+
+    @staticmethod
+    def forward(ctx, core, opts, query, key, value, *params):
+        block = torch.cat([p.detach().reshape(-1) for p in params]).numpy()
+        saved = _ag.forward_train(core, _numpy(query), _numpy(key), _numpy(value),
+                                  params=block, **opts)
+        ctx.core = core
+        ctx.saved = saved
+        ctx.set_materialize_grads(False)
+        out = torch.from_numpy(saved.output)
+        if saved.weights is None:
+            weights = torch.empty(0, dtype=out.dtype)
+            ctx.mark_non_differentiable(weights)
+        else:
+            weights = torch.from_numpy(saved.weights)
+        return out, weights
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_weights):
+        saved, core = ctx.saved, ctx.core
+        go = np.zeros_like(saved.output) if grad_out is None else _numpy(grad_out)
+        gw = None
+        if grad_weights is not None and saved.weights is not None:
+            gw = _numpy(grad_weights)
+        grads = _ag.backward(core, saved, go, gw)
+        need = ctx.needs_input_grad
+        inputs = [torch.from_numpy(grads[k]) if need[2 + i] else None
+                  for i, k in enumerate(("query", "key", "value"))]
+        keys = [k for k in _ag._KEYS if k in grads]
+        params = [torch.from_numpy(np.ascontiguousarray(grads[k])) if need[5 + i] else None
+                  for i, k in enumerate(keys)]
+        return (None, None, *inputs, *params)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention computed by mha_ext's C core, forward and
+    backward, as a torch module.
+
+    MultiHeadAttention(d_model, n_heads, dropout=0.0, *, bias=True, kdim=None,
+                       vdim=None, dtype=torch.float32, seed=None)
+
+    Arguments as mha_ext.MultiHeadAttention's; ``dtype`` may be a torch or
+    NumPy dtype or its name.  ``seed`` fixes the initialisation (the same
+    numbers as mha_ext.MultiHeadAttention with that seed) and the dropout
+    stream.  Dropout is active in training mode (``train()``, the default),
+    like torch's modules.
+
+    forward(query, key=None, value=None, mask=None, *, attn_mask=None,
+            key_padding_mask=None, is_causal=False, need_weights=True,
+            average_weights=False, masked_rows="nan") -> (output, weights)
+    as mha_ext.MultiHeadAttention's call, on (B, S, E) or (S, E) CPU tensors;
+    weights is None with need_weights=False.  Gradients flow to query, key,
+    value and every parameter.
+    """
+
+    def __init__(self, d_model, n_heads, dropout=0.0, *, bias=True, kdim=None, vdim=None,
+                 dtype=torch.float32, seed=None):
+        super().__init__()
+        if isinstance(dtype, torch.dtype):
+            if dtype not in _DTYPES:
+                raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+            np_dtype = _DTYPES[dtype]
+        else:
+            np_dtype = dtype
+        self._core = _Core(d_model, n_heads, dropout, bias=bias, kdim=kdim, vdim=vdim,
+                           dtype=np_dtype, seed=seed)
+        tdtype = torch.float64 if self._core.dtype == np.float64 else torch.float32
+        core = self._core
+        ins = (core.d_model, core.kdim, core.vdim, core.d_model)
+        state = core.state_dict()
+        for name, fan_in in zip(_NAMES, ins):
+            lin = nn.Linear(fan_in, core.d_model, bias=core.bias, dtype=tdtype)
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(state[f"{name}.weight"]))
+                if core.bias:
+                    lin.bias.copy_(torch.from_numpy(state[f"{name}.bias"]))
+            setattr(self, name, lin)
+
+    # the configuration, read from the core
+    d_model = property(lambda self: self._core.d_model)
+    n_heads = property(lambda self: self._core.n_heads)
+    kdim = property(lambda self: self._core.kdim)
+    vdim = property(lambda self: self._core.vdim)
+
+    @property
+    def dropout(self) -> float:
+        """Dropout probability on the attention weights (training mode)."""
+        return self._core.dropout
+
+    @dropout.setter
+    def dropout(self, p):
+        self._core.dropout = p
+
+    def extra_repr(self):
+        c = self._core
+        s = f"d_model={c.d_model}, n_heads={c.n_heads}, dropout={c.dropout!r}"
+        if c.kdim != c.d_model:
+            s += f", kdim={c.kdim}"
+        if c.vdim != c.d_model:
+            s += f", vdim={c.vdim}"
+        return s
+
+    def _params(self):
+        out = []
+        for name in _NAMES:
+            lin = getattr(self, name)
+            out.append(lin.weight)
+            if lin.bias is not None:
+                out.append(lin.bias)
+        return out
+
+    def _core_for(self, dtype):
+        """The C module for parameters of dtype (rebuilt after .double() or
+        .float(), keeping the seed and the dropout stream's position)."""
+        core = self._core
+        want = _DTYPES.get(dtype)
+        if want is None:
+            raise TypeError(f"parameters must be float32 or float64, got {dtype}")
+        if core.dtype != np.dtype(want):
+            new = _Core(core.d_model, core.n_heads, core.dropout, bias=core.bias,
+                        kdim=core.kdim, vdim=core.vdim, dtype=want, seed=core.seed)
+            new._counter = core._counter
+            self._core = core = new
+        return core
+
+    def forward(self, query, key=None, value=None, mask=None, *, attn_mask=None,
+                key_padding_mask=None, is_causal=False, need_weights=True,
+                average_weights=False, masked_rows="nan"):
+        params = self._params()
+        dtype = params[0].dtype
+        core = self._core_for(dtype)
+        key = query if key is None else key
+        value = key if value is None else value
+        tensors = []
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, torch.Tensor):
+                x = torch.as_tensor(np.asarray(x))
+            if x.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
+            if x.is_complex():
+                raise TypeError(f"{name} must hold real numbers, got {x.dtype}")
+            tensors.append(x.to(dtype))
+        for p in params:
+            if p.device.type != "cpu":
+                raise ValueError(f"parameters must be on the CPU, got device {p.device}")
+        opts = dict(mask=mask, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                    is_causal=is_causal, need_weights=need_weights,
+                    average_weights=average_weights, masked_rows=masked_rows,
+                    dropout=core.dropout if self.training else 0.0)
+        out, weights = _AttentionFunction.apply(core, opts, *tensors, *params)
+        return out, (weights if need_weights else None)

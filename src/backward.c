@@ -1,0 +1,51 @@
+/* backward.c: the gradients of mha_forward (backward_impl.h), instantiated
+ * for float and double.  Same pool, same matrix kernels as the forward; the
+ * forward's intermediates are recomputed, the dropout mask replayed from its
+ * (seed, counter) stream.  Legend as in mha.h. */
+#include <math.h>
+#include <string.h>
+
+#include "internal.h"
+
+#ifdef MHA_BWD_TIMING /* a developer's probe: phase times on stderr */
+#include <stdio.h>
+#include <time.h>
+static double bwd_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+#define BWD_TICK_START double bwd_t0 = bwd_now()
+#define BWD_TICK(name) do { double t1_ = bwd_now(); \
+    fprintf(stderr, "backward %-12s %8.1f ms\n", name, 1e3 * (t1_ - bwd_t0)); bwd_t0 = t1_; } while (0)
+#else
+#define BWD_TICK_START (void)0
+#define BWD_TICK(name) (void)0
+#endif
+
+#define T float
+#define SUF(name) name##_f32
+#define EXP expf
+#include "backward_impl.h"
+#undef T
+#undef SUF
+#undef EXP
+
+#define T double
+#define SUF(name) name##_f64
+#define EXP exp
+#include "backward_impl.h"
+#undef T
+#undef SUF
+#undef EXP
+
+mha_status mha_backward(const mha_config *cfg, const mha_params *p, const mha_backward_args *a)
+{
+    if (!cfg) return MHA_ERR_ARG;
+    switch (cfg->dtype) {
+    case MHA_FLOAT32: return backward_f32(cfg, p, a);
+    case MHA_FLOAT64: return backward_f64(cfg, p, a);
+    }
+    return MHA_ERR_ARG;
+}

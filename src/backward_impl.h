@@ -1,0 +1,457 @@
+/* backward_impl.h: the gradients of the forward pass (forward_impl.h), written
+ * once for T = float and T = double (included twice by backward.c with T, SUF
+ * and EXP defined).  Legend as in mha.h; dX is dL/dX.
+ *
+ * The forward, line by line, and the lines of the backward that undo it:
+ *
+ *   forward                         backward
+ *   Q = query·W_qᵀ + b_q            d query = dQ·W_q   dW_q = dQᵀ·query   db_q = Σ_rows dQ
+ *   K = key·W_kᵀ + b_k              d key   = dK·W_k   dW_k = dKᵀ·key     db_k = Σ_rows dK
+ *   V = value·W_vᵀ + b_v            d value = dV·W_v   dW_v = dVᵀ·value   db_v = Σ_rows dV
+ *   per (b, h):
+ *     S = Q_bh·K_bhᵀ / sqrt(Dk)     dQ_bh = dS·K_bh / sqrt(Dk)   dK_bh = dSᵀ·Q_bh / sqrt(Dk)
+ *     S = masked(S)                 (masks are constants: dS passes where S was finite)
+ *     P = softmax(S)                dS_j = P_j (dP_j - Σ_k P_k dP_k)
+ *     A = dropout(P)                dP = dA · keep / (1 - p)   (keep replayed, not stored)
+ *     ctx_bh = A·V_bh               dA = dctx_bh·V_bhᵀ (+ d weights)   dV_bh = Aᵀ·dctx_bh
+ *   out = ctx·W_oᵀ + b_o            dctx = d out·W_o   dW_o = d outᵀ·ctx   db_o = Σ_rows d out
+ *
+ * Phases, each one parallel pass on the pool:
+ *   1. recompute Q, K, V (the forward's projections) and dctx = d out·W_o;
+ *   2. per (b, h): recompute S, P, A and ctx_bh block by block of queries,
+ *      and write dQ_bh, dK_bh, dV_bh;
+ *   3. transpose d out, dQ, dK, dV (the weight gradients need them as the
+ *      left operand) and sum their columns: the bias gradients;
+ *   4. the weight gradients and the input gradients, all tiles of all seven
+ *      products in one pass. */
+
+#define QB 64   /* queries per block inside one (b, h) task */
+#define RM 64   /* rows per product tile */
+#define RN 64   /* columns per product tile */
+#define KC 256  /* depth of one pass over a weight-gradient tile (cache) */
+#define TC 32   /* columns per transpose task */
+
+enum { SUF(JOB_NT) = 0, SUF(JOB_NN) = 1 };
+
+/* One product, cut into RM x RN tiles:
+ *   NT: C (M, N) = A (M, K) · B (N, K)ᵀ + bias   (a projection, as forward)
+ *   NN: C (M, N) = A (M, K) · B (K, N)           (a gradient) */
+typedef struct {
+    int kind;
+    const T *A, *B, *bias;
+    T *C;
+    int64_t M, N, K, lda, ldb, ldc, tiles_n, tiles;
+} SUF(bjob);
+
+/* x (R, C) -> xt (C, R), and colsum (C) = Σ_rows x when not NULL */
+typedef struct {
+    const T *x;
+    T *xt, *colsum;
+    int64_t R, C, tasks;
+} SUF(btr);
+
+typedef struct {
+    const mha_backward_args *a;
+    const mha_forward_args *fa;
+    int64_t B, Sq, Sk, E, H, Dk;
+    T *q, *k, *v;         /* Q (B, Sq, E), K and V (B, Sk, E), recomputed */
+    T *ctx, *dctx;        /* (B, Sq, E) */
+    T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E) */
+    T *scratch;           /* per slot: P, D (QB, Sk), Tr (Sk, QB), Kᵀ, Vᵀ (Dk, Sk) */
+    T *pack;              /* per slot: MHA_GEMM_SCRATCH scalars for mha_gemm's packing */
+    const SUF(mha_kern) *kern; /* the kernels of the ISA in use */
+    int64_t scratch_len;  /* scalars per slot */
+    uint8_t *keep;        /* per slot: the replayed dropout mask (QB, Sk) */
+    int64_t keep_len;     /* bytes per slot */
+    T scale;              /* 1 / sqrt(Dk) */
+    T drop_scale;         /* 1 / (1 - p) */
+    uint64_t drop_key;
+    int dropout_on;
+    SUF(bjob) jobs[8];
+    int n_jobs;
+    SUF(btr) tr[4];
+    int n_tr;
+} SUF(bwd);
+
+/* ------------------------------------------------------------ products */
+
+static void SUF(bjob_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const T *B,
+                          int64_t ldb, const T *bias, T *C, int64_t ldc,
+                          int64_t M, int64_t N, int64_t K)
+{
+    SUF(bjob) *jb = &f->jobs[f->n_jobs++];
+    jb->kind = kind;
+    jb->A = A; jb->lda = lda;
+    jb->B = B; jb->ldb = ldb;
+    jb->bias = bias;
+    jb->C = C; jb->ldc = ldc;
+    jb->M = M; jb->N = N; jb->K = K;
+    jb->tiles_n = (N + RN - 1) / RN;
+    jb->tiles = M > 0 && N > 0 ? (M + RM - 1) / RM * jb->tiles_n : 0;
+}
+
+static int64_t SUF(bjob_tiles)(const SUF(bwd) *f)
+{
+    int64_t n = 0;
+    int j;
+    for (j = 0; j < f->n_jobs; j++) n += f->jobs[j].tiles;
+    return n;
+}
+
+/* One tile of a product, through the forward's packed GEMM (gemm.c), which
+ * packs B's panels (transposed for NT) into the slot's scratch. */
+static void SUF(bjob_task)(void *vf, int64_t t, int slot)
+{
+    const SUF(bwd) *f = (const SUF(bwd) *)vf;
+    int j = 0;
+    while (t >= f->jobs[j].tiles) t -= f->jobs[j++].tiles;
+    const SUF(bjob) *jb = &f->jobs[j];
+    int64_t i0 = (t / jb->tiles_n) * RM, n0 = (t % jb->tiles_n) * RN;
+    int64_t m = jb->M - i0 < RM ? jb->M - i0 : RM;
+    int64_t n = jb->N - n0 < RN ? jb->N - n0 : RN;
+    T *c_t = jb->C + i0 * jb->ldc + n0;
+    T *gs = f->pack + (int64_t)slot * MHA_GEMM_SCRATCH;
+    const int nt = jb->kind == SUF(JOB_NT);
+    SUF(mha_gemm)(f->kern, nt, m, n, jb->K, jb->A + i0 * jb->lda, jb->lda,
+                  jb->B + (nt ? n0 * jb->ldb : n0), jb->ldb, jb->bias ? jb->bias + n0 : NULL,
+                  c_t, jb->ldc, 0, gs);
+}
+
+/* ------------------------------------------------------------ transposes */
+
+static void SUF(btr_add)(SUF(bwd) *f, const T *x, T *xt, T *colsum, int64_t R, int64_t C)
+{
+    SUF(btr) *tr = &f->tr[f->n_tr++];
+    tr->x = x; tr->xt = xt; tr->colsum = colsum;
+    tr->R = R; tr->C = C;
+    tr->tasks = (C + TC - 1) / TC;
+}
+
+static void SUF(btr_task)(void *vf, int64_t t, int slot)
+{
+    const SUF(bwd) *f = (const SUF(bwd) *)vf;
+    int j = 0;
+    int64_t r, c;
+    T sum[TC];
+    (void)slot;
+    while (t >= f->tr[j].tasks) t -= f->tr[j++].tasks;
+    const SUF(btr) *tr = &f->tr[j];
+    int64_t c0 = t * TC, nc = tr->C - c0 < TC ? tr->C - c0 : TC;
+    for (c = 0; c < nc; c++) sum[c] = 0;
+    for (r = 0; r < tr->R; r++) {
+        const T *x_r = tr->x + r * tr->C + c0;
+        for (c = 0; c < nc; c++) {
+            tr->xt[(c0 + c) * tr->R + r] = x_r[c];
+            sum[c] += x_r[c];
+        }
+    }
+    if (tr->colsum)
+        for (c = 0; c < nc; c++) tr->colsum[c0 + c] = sum[c];
+}
+
+/* dst (n, m) = src (m, n)ᵀ, src with leading dimension ld */
+static void SUF(transpose)(const T *src, int64_t m, int64_t n, int64_t ld, T *dst)
+{
+    int64_t r, c;
+    for (r = 0; r < m; r++)
+        for (c = 0; c < n; c++) dst[c * m + r] = src[r * ld + c];
+}
+
+/* ------------------------------------------------------------ attention */
+
+/* The forward's masks on the scaled scores s[0..Sk) of row (b, h, i):
+ * additive masks first, then -inf where any blocking mask or causality
+ * blocks (forward_impl.h's apply_masks, over a whole row). */
+static void SUF(bwd_masks)(const mha_forward_args *fa, T *s, int64_t b, int64_t h, int64_t i,
+                           int64_t Sk)
+{
+    int m;
+    int64_t j;
+    for (m = 0; m < fa->n_masks; m++) {
+        const mha_mask *mk = &fa->masks[m];
+        const int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2];
+        const int64_t st = mk->stride[3];
+        if (mk->kind != MHA_MASK_ADD) continue;
+        const T *d = (const T *)mk->data + base;
+        for (j = 0; j < Sk; j++) s[j] += d[j * st];
+    }
+    for (m = 0; m < fa->n_masks; m++) {
+        const mha_mask *mk = &fa->masks[m];
+        const int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2];
+        const int64_t st = mk->stride[3];
+        if (mk->kind != MHA_MASK_BLOCK) continue;
+        const uint8_t *d = (const uint8_t *)mk->data + base;
+        for (j = 0; j < Sk; j++)
+            if (d[j * st]) s[j] = -(T)INFINITY;
+    }
+    if (fa->is_causal)
+        for (j = i + 1; j < Sk; j++) s[j] = -(T)INFINITY;
+}
+
+/* One (b, h): the forward of the attention recomputed block by block of
+ * queries, each step followed by its backward. */
+static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
+{
+    const SUF(bwd) *f = (const SUF(bwd) *)vf;
+    const mha_forward_args *fa = f->fa;
+    const int64_t b = bh / f->H, h = bh % f->H;
+    const int64_t E = f->E, Sq = f->Sq, Sk = f->Sk, Dk = f->Dk;
+    const T nan_or_zero = fa->zero_masked_rows ? (T)0 : (T)NAN;
+    int64_t i0, r, j;
+    const T *q_bh = f->q + b * Sq * E + h * Dk;     /* (Sq, Dk), ld E */
+    const T *k_bh = f->k + b * Sk * E + h * Dk;     /* (Sk, Dk), ld E */
+    const T *v_bh = f->v + b * Sk * E + h * Dk;     /* (Sk, Dk), ld E */
+    const T *dc_bh = f->dctx + b * Sq * E + h * Dk; /* (Sq, Dk), ld E */
+    T *c_bh = f->ctx + b * Sq * E + h * Dk;         /* (Sq, Dk), ld E */
+    T *dq_bh = f->dq + b * Sq * E + h * Dk;         /* (Sq, Dk), ld E */
+    T *dk_bh = f->dk + b * Sk * E + h * Dk;         /* (Sk, Dk), ld E */
+    T *dv_bh = f->dv + b * Sk * E + h * Dk;         /* (Sk, Dk), ld E */
+    const T *gw_bh = f->a->grad_weights ? (const T *)f->a->grad_weights + bh * Sq * Sk : NULL;
+    T *p = f->scratch + (int64_t)slot * f->scratch_len; /* (QB, Sk) P */
+    T *d = p + QB * Sk;                                 /* (QB, Sk) A, then dA, dP, dS */
+    T *tr = d + QB * Sk;                                /* (Sk, QB) Aᵀ, then dSᵀ */
+    T *kt = tr + Sk * QB;                               /* (Dk, Sk) K_bhᵀ */
+    T *vt = kt + Dk * Sk;                               /* (Dk, Sk) V_bhᵀ */
+    uint8_t *keep = f->keep + (int64_t)slot * f->keep_len; /* (QB, Sk) */
+    T *gs = f->pack + (int64_t)slot * MHA_GEMM_SCRATCH;  /* mha_gemm's packing */
+
+    if (Sk == 0) { /* no key at all: every row is fully blocked, nothing to differentiate */
+        for (r = 0; r < Sq; r++)
+            for (j = 0; j < Dk; j++) {
+                c_bh[r * E + j] = nan_or_zero;
+                dq_bh[r * E + j] = 0;
+            }
+        return;
+    }
+    /* K_bhᵀ and V_bhᵀ once per head: the products with them run as gemm_nn */
+    SUF(transpose)(k_bh, Sk, Dk, E, kt);
+    SUF(transpose)(v_bh, Sk, Dk, E, vt);
+    for (i0 = 0; i0 < Sq; i0 += QB) {
+        const int64_t nq = Sq - i0 < QB ? Sq - i0 : QB;
+        const int first = i0 == 0;
+        const T *a_blk = p; /* A: P itself without dropout */
+
+        /* forward: S = Q_bh·K_bhᵀ / sqrt(Dk); S = masked(S); P = softmax(S) */
+        SUF(mha_gemm)(f->kern, 0, nq, Sk, Dk, q_bh + i0 * E, E, kt, Sk, NULL, p, Sk, 0, gs);
+        for (r = 0; r < nq; r++) {
+            T *p_r = p + r * Sk, m = -(T)INFINITY, sum = 0, inv;
+            for (j = 0; j < Sk; j++) p_r[j] *= f->scale;
+            SUF(bwd_masks)(fa, p_r, b, h, i0 + r, Sk);
+            for (j = 0; j < Sk; j++)
+                if (p_r[j] > m || p_r[j] != p_r[j]) {
+                    m = p_r[j];
+                    if (m != m) break;
+                }
+            if (m == -(T)INFINITY) { /* every key blocked */
+                for (j = 0; j < Sk; j++) p_r[j] = nan_or_zero;
+                continue;
+            }
+            for (j = 0; j < Sk; j++) {
+                p_r[j] = EXP(p_r[j] - m);
+                sum += p_r[j];
+            }
+            inv = (T)1 / sum;
+            for (j = 0; j < Sk; j++) p_r[j] *= inv;
+        }
+        /* forward: A = dropout(P), keep replayed from the call's stream */
+        if (f->dropout_on) {
+            for (r = 0; r < nq; r++) {
+                const uint64_t idx = ((uint64_t)bh * (uint64_t)Sq + (uint64_t)(i0 + r)) *
+                                     (uint64_t)Sk;
+                for (j = 0; j < Sk; j++) {
+                    keep[r * Sk + j] =
+                        mha_stream_uniform(f->drop_key, idx + (uint64_t)j) >= fa->dropout;
+                    d[r * Sk + j] = keep[r * Sk + j] ? p[r * Sk + j] * f->drop_scale : (T)0;
+                }
+            }
+            a_blk = d;
+        }
+        /* forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx) */
+        SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, a_blk, Sk, v_bh, E, NULL, c_bh + i0 * E, E, 0, gs);
+        /* backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh */
+        SUF(transpose)(a_blk, nq, Sk, Sk, tr);
+        SUF(mha_gemm)(f->kern, 0, Sk, Dk, nq, tr, nq, dc_bh + i0 * E, E, NULL, dv_bh, E, !first, gs);
+        /* ... and dA = dctx_bh·V_bhᵀ, plus the gradient of the returned weights */
+        SUF(mha_gemm)(f->kern, 0, nq, Sk, Dk, dc_bh + i0 * E, E, vt, Sk, NULL, d, Sk, 0, gs);
+        if (gw_bh)
+            for (r = 0; r < nq; r++)
+                for (j = 0; j < Sk; j++) d[r * Sk + j] += gw_bh[(i0 + r) * Sk + j];
+        for (r = 0; r < nq; r++) {
+            const T *p_r = p + r * Sk;
+            T *d_r = d + r * Sk, dot = 0;
+            /* backward of A = dropout(P): dP = dA · keep / (1 - p) */
+            if (f->dropout_on)
+                for (j = 0; j < Sk; j++)
+                    d_r[j] = keep[r * Sk + j] ? d_r[j] * f->drop_scale : (T)0;
+            /* backward of P = softmax(S): dS_j = P_j (dP_j - Σ_k P_k dP_k),
+             * and of S = .../sqrt(Dk): the scale folded in */
+            for (j = 0; j < Sk; j++) dot += p_r[j] * d_r[j];
+            for (j = 0; j < Sk; j++) d_r[j] = p_r[j] * (d_r[j] - dot) * f->scale;
+        }
+        /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh */
+        SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, d, Sk, k_bh, E, NULL, dq_bh + i0 * E, E, 0, gs);
+        SUF(transpose)(d, nq, Sk, Sk, tr);
+        SUF(mha_gemm)(f->kern, 0, Sk, Dk, nq, tr, nq, q_bh + i0 * E, E, NULL, dk_bh, E, !first, gs);
+    }
+}
+
+/* ------------------------------------------------------------ the pass */
+
+static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
+                                const mha_backward_args *a)
+{
+    mha_sizes sz;
+    mha_forward_args chk;
+    SUF(bwd) f;
+    int64_t offset[MHA_NPARAM], size[MHA_NPARAM], total;
+    int64_t n_q, n_kv, n_work, t, Rq, Rk, Ek, Ev;
+    size_t bytes;
+    int slots;
+    T *work = NULL, *g = NULL;
+    mha_status st;
+
+    if (!a) return MHA_ERR_ARG;
+    /* the forward's checks; out is not used, grad_out has its shape */
+    chk = a->fwd;
+    chk.out = (void *)a->grad_out;
+    chk.weights = NULL;
+    st = mha_check_forward(cfg, p, &chk, &sz);
+    if (st != MHA_OK) return st;
+    st = mha_param_layout(cfg, offset, size, &total);
+    if (st != MHA_OK) return st;
+    g = (T *)a->grad_params;
+    Ek = cfg->kdim;
+    Ev = cfg->vdim;
+
+    if (sz.n_out == 0) { /* B == 0 or Sq == 0: nothing reaches the loss */
+        if (a->grad_key && mha_bytes(sz.n_key, sizeof(T), &bytes) == 0)
+            memset(a->grad_key, 0, bytes);
+        if (a->grad_value && mha_bytes(sz.n_value, sizeof(T), &bytes) == 0)
+            memset(a->grad_value, 0, bytes);
+        if (g && mha_bytes(total, sizeof(T), &bytes) == 0) memset(g, 0, bytes);
+        return MHA_OK;
+    }
+
+    memset(&f, 0, sizeof f);
+    f.a = a;
+    f.fa = &a->fwd;
+    f.B = a->fwd.B; f.Sq = a->fwd.Sq; f.Sk = a->fwd.Sk;
+    f.E = cfg->d_model; f.H = cfg->n_heads; f.Dk = f.E / f.H;
+    f.scale = (T)(1.0 / sqrt((double)f.Dk));
+    f.kern = SUF(mha_kern_get)();
+    f.dropout_on = a->fwd.dropout > 0.0;
+    f.drop_scale = a->fwd.dropout < 1.0 ? (T)(1.0 / (1.0 - a->fwd.dropout)) : (T)0;
+    f.drop_key = mha_stream_key(a->fwd.seed, a->fwd.counter);
+    Rq = f.B * f.Sq; /* rows of query-side matrices; n_out = Rq * E fits */
+    Rk = f.B * f.Sk; /* rows of key-side matrices;   n_key = Rk * Ek fits */
+    n_q = sz.n_out;
+    if (mha_mul(Rk, f.E, &n_kv)) return MHA_ERR_OVERFLOW;
+
+    slots = mha_get_num_threads();
+    {
+        double flops = 2.0 * (double)Rq * (double)f.E * (double)f.E * 6.0 +
+                       2.0 * (double)Rk * (double)f.E * (double)(Ek + Ev) * 3.0 +
+                       10.0 * (double)Rq * (double)f.Sk * (double)f.E;
+        if (flops < 4e5) slots = 1;
+    }
+
+    /* workspace: q, ctx, dctx, dq (B, Sq, E); k, v, dk, dv (B, Sk, E); then
+     * per slot P, D (QB, Sk), Tr (Sk, QB), K_bhᵀ and V_bhᵀ (Dk, Sk) */
+    if (mha_mul(3 * QB + 2 * f.Dk, f.Sk, &f.scratch_len) ||
+        mha_mul(n_q, 4, &n_work) || mha_mul(n_kv, 4, &t) || mha_add(n_work, t, &n_work) ||
+        mha_mul(f.scratch_len, slots, &t) || mha_add(n_work, t, &n_work) ||
+        mha_mul(MHA_GEMM_SCRATCH, slots, &t) || mha_add(n_work, t, &n_work) ||
+        mha_bytes(n_work, sizeof(T), &bytes))
+        return MHA_ERR_OVERFLOW;
+    f.keep_len = f.dropout_on ? QB * f.Sk : 0;
+    {
+        int64_t keep_total;
+        if (mha_mul(f.keep_len, slots, &keep_total)) return MHA_ERR_OVERFLOW;
+        work = (T *)mha_alloc(bytes);
+        f.keep = (uint8_t *)mha_alloc((size_t)keep_total);
+        if (!work || !f.keep) {
+            mha_free(work);
+            mha_free(f.keep);
+            return MHA_ERR_NOMEM;
+        }
+    }
+    f.q = work;
+    f.ctx = f.q + n_q;
+    f.dctx = f.ctx + n_q;
+    f.dq = f.dctx + n_q;
+    f.k = f.dq + n_q;
+    f.v = f.k + n_kv;
+    f.dk = f.v + n_kv;
+    f.dv = f.dk + n_kv;
+    f.scratch = f.dv + n_kv;
+    f.pack = f.scratch + f.scratch_len * slots;
+    BWD_TICK_START;
+
+    /* 1. the forward's projections, and dctx = d out·W_o
+     *    (backward of out = ctx·W_oᵀ + b_o, for ctx) */
+    SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.query, f.E, (const T *)p->wq, f.E,
+                  (const T *)p->bq, f.q, f.E, Rq, f.E, f.E);
+    SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.key, Ek, (const T *)p->wk, Ek,
+                  (const T *)p->bk, f.k, f.E, Rk, f.E, Ek);
+    SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.value, Ev, (const T *)p->wv, Ev,
+                  (const T *)p->bv, f.v, f.E, Rk, f.E, Ev);
+    SUF(bjob_add)(&f, SUF(JOB_NN), (const T *)a->grad_out, f.E, (const T *)p->wo, f.E,
+                  NULL, f.dctx, f.E, Rq, f.E, f.E);
+    mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
+    BWD_TICK("1 proj");
+
+    /* 2. attention, per (b, h) */
+    mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f);
+    BWD_TICK("2 attn");
+
+    /* 3. d out, dQ, dK, dV transposed into the buffers of dctx, Q, K, V
+     *    (no longer needed), their column sums being the bias gradients */
+    if (g) {
+        const int bias = cfg->bias;
+        SUF(btr_add)(&f, (const T *)a->grad_out, f.dctx, bias ? g + offset[MHA_BO] : NULL,
+                     Rq, f.E);
+        SUF(btr_add)(&f, f.dq, f.q, bias ? g + offset[MHA_BQ] : NULL, Rq, f.E);
+        SUF(btr_add)(&f, f.dk, f.k, bias ? g + offset[MHA_BK] : NULL, Rk, f.E);
+        SUF(btr_add)(&f, f.dv, f.v, bias ? g + offset[MHA_BV] : NULL, Rk, f.E);
+        int64_t n_tr = 0;
+        int i;
+        for (i = 0; i < f.n_tr; i++) n_tr += f.tr[i].tasks;
+        mha_parallel_for(n_tr, slots, SUF(btr_task), &f);
+    }
+    BWD_TICK("3 transpose");
+
+    /* 4. the weight gradients (dW = dYᵀ·X, as (E, Rows)·(Rows, In)) and the
+     *    input gradients (dX = dY·W) */
+    f.n_jobs = 0;
+    if (g) {
+        SUF(bjob_add)(&f, SUF(JOB_NN), f.dctx, Rq, f.ctx, f.E, NULL, g + offset[MHA_WO], f.E,
+                      f.E, f.E, Rq);
+        SUF(bjob_add)(&f, SUF(JOB_NN), f.q, Rq, (const T *)a->fwd.query, f.E, NULL,
+                      g + offset[MHA_WQ], f.E, f.E, f.E, Rq);
+        SUF(bjob_add)(&f, SUF(JOB_NN), f.k, Rk, (const T *)a->fwd.key, Ek, NULL,
+                      g + offset[MHA_WK], Ek, f.E, Ek, Rk);
+        SUF(bjob_add)(&f, SUF(JOB_NN), f.v, Rk, (const T *)a->fwd.value, Ev, NULL,
+                      g + offset[MHA_WV], Ev, f.E, Ev, Rk);
+    }
+    if (a->grad_query)
+        SUF(bjob_add)(&f, SUF(JOB_NN), f.dq, f.E, (const T *)p->wq, f.E, NULL,
+                      (T *)a->grad_query, f.E, Rq, f.E, f.E);
+    if (a->grad_key)
+        SUF(bjob_add)(&f, SUF(JOB_NN), f.dk, f.E, (const T *)p->wk, Ek, NULL,
+                      (T *)a->grad_key, Ek, Rk, Ek, f.E);
+    if (a->grad_value)
+        SUF(bjob_add)(&f, SUF(JOB_NN), f.dv, f.E, (const T *)p->wv, Ev, NULL,
+                      (T *)a->grad_value, Ev, Rk, Ev, f.E);
+    mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
+    BWD_TICK("4 grads");
+
+    mha_free(work);
+    mha_free(f.keep);
+    return MHA_OK;
+}
+
+#undef QB
+#undef RM
+#undef RN
+#undef KC
+#undef TC

@@ -1,0 +1,499 @@
+"""The backward pass: gradients against torch autograd, the dropout mask
+replayed, masked rows, the torch adapter (gradcheck) and the training example.
+
+Legend: B batch, Sq/Sk query/key length, E = d_model, H = n_heads, Dk = E/H.
+Contract (the issue): float64 within 1e-9 and float32 within 1e-4, relative
+to the largest entry of each reference gradient.
+"""
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import mha_ext
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOL = {"float32": 1e-4, "float64": 1e-9}
+KEYS = ("W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias",
+        "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias")
+
+
+def need_torch():
+    """torch, or a skip on a developer machine; a failure when CI is set."""
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        if "CI" in os.environ:
+            pytest.fail(f"torch is required when CI is set: {exc}", pytrace=False)
+        pytest.skip(f"torch is not installed ({exc})")
+    return torch
+
+
+def rel_err(ours, ref, scale=0.0):
+    """max |ours - ref| / max |ref| (or / scale when that is larger)."""
+    ours = np.asarray(ours, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    scale = max(float(np.abs(ref).max(initial=0.0)), scale, 1e-30)
+    return float(np.abs(ours - ref).max(initial=0.0)) / scale
+
+
+def assert_grads(ours, ref, dtype, what=""):
+    """Every gradient in ref (name -> array) matches ours within the contract.
+    A bias is measured on the scale of its weight's gradient: W_k.bias's
+    gradient is exactly 0 in theory (a constant added to every score of a row
+    does not change the softmax), so only rounding noise is left to compare."""
+    worst = {}
+    for name, r in ref.items():
+        scale = 0.0
+        if name.endswith(".bias"):
+            scale = float(np.abs(ref[name.replace(".bias", ".weight")]).max())
+        e = rel_err(ours[name], r, scale)
+        worst[name] = e
+        assert e <= TOL[dtype], f"{what} {name}: relative error {e:.3e} > {TOL[dtype]}"
+    return max(worst.values())
+
+
+def torch_reference(torch, state, H, query, key, value, *, block=None, add=None,
+                    causal=False, keep=None, p=0.0, zero_rows=False, grad_out=None,
+                    grad_weights=None, average=False):
+    """Attention with torch ops and autograd; returns the gradients (NumPy) of
+    L = <out, grad_out> + <weights, grad_weights> keyed like ours.
+
+    block: bool (B or 1, H or 1, Sq, Sk), True = blocked; add: float, added;
+    keep: the dropout mask (1 kept, 0 dropped), scaled by 1/(1-p);
+    zero_rows: a fully blocked row has zero weights (a softmax that is safe
+    for such rows) instead of NaN."""
+    params = {k: torch.tensor(v, requires_grad=True) for k, v in state.items()}
+    q = torch.tensor(query, requires_grad=True)
+    k = torch.tensor(key, requires_grad=True)
+    v = torch.tensor(value, requires_grad=True)
+
+    def lin(x, n):
+        y = x @ params[f"{n}.weight"].T
+        return y + params[f"{n}.bias"] if f"{n}.bias" in params else y
+
+    B, Sq, E = q.shape
+    Sk, Dk = k.shape[1], E // H
+    Q = lin(q, "W_q").view(B, Sq, H, Dk).transpose(1, 2)
+    K = lin(k, "W_k").view(B, Sk, H, Dk).transpose(1, 2)
+    V = lin(v, "W_v").view(B, Sk, H, Dk).transpose(1, 2)
+    S = Q @ K.transpose(-2, -1) / math.sqrt(Dk)
+    if add is not None:
+        S = S + torch.tensor(add)
+    blocked = torch.zeros(S.shape, dtype=torch.bool)
+    if block is not None:
+        blocked = blocked | torch.tensor(block)
+    if causal:
+        blocked = blocked | torch.ones(Sq, Sk, dtype=torch.bool).triu(1)
+    S = S.masked_fill(blocked, -math.inf)
+    if zero_rows:
+        m = S.amax(-1, keepdim=True).detach()
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        e = torch.exp(S - m)
+        s = e.sum(-1, keepdim=True)
+        P = e / torch.where(s == 0, torch.ones_like(s), s)
+    else:
+        P = torch.softmax(S, dim=-1)
+    A = P if keep is None else P * torch.tensor(keep) / (1.0 - p)
+    ctx = (A @ V).transpose(1, 2).reshape(B, Sq, E)
+    out = lin(ctx, "W_o")
+    loss = (out * torch.tensor(grad_out)).sum()
+    if grad_weights is not None:
+        w = A.mean(1) if average else A
+        loss = loss + (w * torch.tensor(grad_weights)).sum()
+    loss.backward()
+    grads = {n: t.grad.numpy() for n, t in params.items()}
+    grads.update(query=q.grad.numpy(), key=k.grad.numpy(), value=v.grad.numpy())
+    return out.detach().numpy(), grads
+
+
+def make(E, H, dtype, seed=0, **kw):
+    return mha_ext.MultiHeadAttention(E, H, dtype=dtype, seed=seed, **kw)
+
+
+def inputs(rng, B, Sq, Sk, E, dtype, kdim=None, vdim=None):
+    q = rng.standard_normal((B, Sq, E)).astype(dtype)
+    k = rng.standard_normal((B, Sk, kdim or E)).astype(dtype)
+    v = rng.standard_normal((B, Sk, vdim or E)).astype(dtype)
+    return q, k, v
+
+
+# ---------------------------------------------------------------- vs torch
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_grads_match_torch_seed_module(dtype, masked):
+    """The seed configuration (B=2, S=10, E=512, H=8) against the seed
+    notebook's module in torch with identical weights, cross-attention
+    inputs, the gradient of the weights included."""
+    torch = need_torch()
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch_seed
+
+    ref = torch_seed.make_seed_module(512, 8, seed=3, dtype=dtype)
+    ours = make(512, 8, dtype).eval()
+    ours.load_state_dict({k: v.detach().numpy() for k, v in ref.state_dict().items()})
+    rng = np.random.default_rng(1)
+    q, k, v = inputs(rng, 2, 10, 10, 512, dtype)
+    mask = np.triu(np.ones((10, 10), dtype=dtype), 1) if masked else None
+    g_out = rng.standard_normal((2, 10, 512)).astype(dtype)
+    g_w = rng.standard_normal((2, 8, 10, 10)).astype(dtype)
+
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    out_t, w_t = ref(tq, tk, tv, None if mask is None else torch.tensor(mask))
+    ((out_t * torch.tensor(g_out)).sum() + (w_t * torch.tensor(g_w)).sum()).backward()
+    want = {n: p.grad.numpy() for n, p in ref.named_parameters()}
+    want.update(query=tq.grad.numpy(), key=tk.grad.numpy(), value=tv.grad.numpy())
+
+    ctx = ours.forward_train(q, k, v, mask=mask)
+    assert rel_err(ctx.output, out_t.detach().numpy()) <= TOL[dtype]
+    grads = ours.backward(ctx, g_out, g_w)
+    assert set(grads) == set(KEYS) | {"query", "key", "value"}
+    for name, g in grads.items():
+        assert g.dtype == np.dtype(dtype) and g.shape == want[name].shape
+    assert_grads(grads, want, dtype, f"seed module {dtype}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_cross_attention_kdim_vdim_and_torch_masks(dtype):
+    """Sq != Sk, kdim and vdim, a float attn_mask (with -inf), a bool
+    key_padding_mask, averaged weights with their gradient; shapes large
+    enough for several query blocks and threads."""
+    torch = need_torch()
+    B, Sq, Sk, E, H, Ek, Ev = 3, 70, 45, 32, 4, 24, 20
+    ours = make(E, H, dtype, kdim=Ek, vdim=Ev).eval()
+    rng = np.random.default_rng(2)
+    q, k, v = inputs(rng, B, Sq, Sk, E, dtype, Ek, Ev)
+    attn = rng.standard_normal((Sq, Sk)).astype(dtype)
+    attn[rng.random((Sq, Sk)) < 0.1] = -np.inf
+    pad = np.zeros((B, Sk), dtype=bool)
+    pad[1, -5:] = True
+    g_out = rng.standard_normal((B, Sq, E)).astype(dtype)
+    g_w = rng.standard_normal((B, Sq, Sk)).astype(dtype)
+    ctx = ours.forward_train(q, k, v, attn_mask=attn, key_padding_mask=pad,
+                             average_weights=True)
+    grads = ours.backward(ctx, g_out, g_w)
+    out, want = torch_reference(torch, ours.state_dict(), H, q, k, v, add=attn,
+                                block=pad[:, None, None, :], grad_out=g_out,
+                                grad_weights=g_w, average=True)
+    assert rel_err(ctx.output, out) <= TOL[dtype]
+    assert_grads(grads, want, dtype, "cross-attention")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_causal_no_bias_unbatched(dtype):
+    torch = need_torch()
+    E, H, S = 16, 2, 9
+    ours = make(E, H, dtype, bias=False).eval()
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((S, E)).astype(dtype)
+    g_out = rng.standard_normal((S, E)).astype(dtype)
+    ctx = ours.forward_train(x, is_causal=True, need_weights=False)
+    assert ctx.weights is None
+    grads = ours.backward(ctx, g_out)
+    assert "W_q.bias" not in grads and grads["query"].shape == (S, E)
+    _, want = torch_reference(torch, ours.state_dict(), H, x[None], x[None], x[None],
+                              causal=True, grad_out=g_out[None])
+    for n in ("query", "key", "value"):
+        want[n] = want[n][0]
+    assert_grads(grads, want, dtype, "causal unbatched")
+    # self-attention: the gradient of x is the sum of the three
+    total = grads["query"] + grads["key"] + grads["value"]
+    assert total.shape == x.shape
+
+
+def test_threads_do_not_change_the_gradients(restore_threads):
+    ours = make(64, 4, "float64", dropout=0.2)
+    rng = np.random.default_rng(4)
+    q, k, v = inputs(rng, 2, 150, 300, 64, "float64")
+    g_out = rng.standard_normal(q.shape)
+    results = []
+    for n in (1, 2, 3):
+        mha_ext.set_num_threads(n)
+        ctx = ours.forward_train(q, k, v, dropout_counter=7, is_causal=True)
+        results.append(ours.backward(ctx, g_out))
+    for r in results[1:]:
+        for name in r:
+            np.testing.assert_array_equal(r[name], results[0][name], err_msg=name)
+
+
+# ---------------------------------------------------------------- dropout
+
+def test_dropout_replayed_mask_matches_finite_differences():
+    """With dropout in training, backward replays the forward's mask: its
+    gradients equal central differences of the loss computed with the same
+    (seed, counter), for inputs and parameters."""
+    E, H = 12, 3
+    ours = make(E, H, "float64", dropout=0.4, seed=5)  # training mode
+    rng = np.random.default_rng(5)
+    q, k, v = inputs(rng, 2, 6, 7, E, "float64")
+    mask = rng.random((2, 1, 6, 7)) < 0.2
+    g_out = rng.standard_normal((2, 6, E))
+    ctx = ours.forward_train(q, k, v, mask=mask)
+    assert ctx.dropout == 0.4
+    dropped = (ctx.weights == 0) & ~np.broadcast_to(mask, ctx.weights.shape)
+    assert dropped.any() and (ctx.weights > 0).any()
+    grads = ours.backward(ctx, g_out)
+    params = ours.state_dict()
+
+    def loss(q_=q, k_=k, v_=v, p_=params):
+        c = ours.forward_train(q_, k_, v_, mask=mask, params=p_,
+                               dropout_counter=ctx.counter)
+        return float((c.output * g_out).sum())
+
+    h = 1e-6
+    checked = 0
+    for name, arr in (("query", q), ("key", k), ("value", v)):
+        for idx in [tuple(rng.integers(0, s) for s in arr.shape) for _ in range(4)]:
+            plus, minus = arr.copy(), arr.copy()
+            plus[idx] += h
+            minus[idx] -= h
+            kw = {name[0] + "_": plus}
+            fd = (loss(**kw) - loss(**{name[0] + "_": minus})) / (2 * h)
+            assert abs(fd - grads[name][idx]) <= 1e-6 * max(1.0, abs(fd)), (name, idx)
+            checked += 1
+    for name in KEYS:
+        arr = params[name]
+        for idx in [tuple(rng.integers(0, s) for s in arr.shape) for _ in range(3)]:
+            plus = {kk: vv.copy() for kk, vv in params.items()}
+            minus = {kk: vv.copy() for kk, vv in params.items()}
+            plus[name][idx] += h
+            minus[name][idx] -= h
+            fd = (loss(p_=plus) - loss(p_=minus)) / (2 * h)
+            assert abs(fd - grads[name][idx]) <= 1e-6 * max(1.0, abs(fd)), (name, idx)
+            checked += 1
+    assert checked == 12 + 24
+    # a new training call draws a new mask
+    assert ours.forward_train(q, k, v, mask=mask).counter != ctx.counter
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_dropout_grads_match_torch_with_the_same_mask(dtype):
+    torch = need_torch()
+    p = 0.3
+    ours = make(16, 4, dtype, dropout=p, seed=6)
+    rng = np.random.default_rng(6)
+    q, k, v = inputs(rng, 2, 11, 13, 16, dtype)
+    g_out = rng.standard_normal(q.shape).astype(dtype)
+    g_w = rng.standard_normal((2, 4, 11, 13)).astype(dtype)
+    ctx = ours.forward_train(q, k, v)
+    keep = (ctx.weights != 0).astype(dtype)  # every softmax entry is > 0 here
+    grads = ours.backward(ctx, g_out, g_w)
+    _, want = torch_reference(torch, ours.state_dict(), 4, q, k, v, keep=keep, p=p,
+                              grad_out=g_out, grad_weights=g_w)
+    assert_grads(grads, want, dtype, "dropout")
+
+
+def test_dropout_one_drops_every_gradient_through_attention():
+    ours = make(8, 2, "float64", dropout=1.0)
+    rng = np.random.default_rng(7)
+    q, k, v = inputs(rng, 1, 4, 5, 8, "float64")
+    ctx = ours.forward_train(q, k, v)
+    assert not ctx.weights.any()
+    g = ours.backward(ctx, np.ones_like(ctx.output))
+    for name in ("query", "key", "value", "W_q.weight", "W_k.weight", "W_v.weight",
+                 "W_o.weight"):
+        assert not g[name].any(), name
+    np.testing.assert_array_equal(g["W_o.bias"], np.full(8, 4.0))
+
+
+def test_eval_mode_and_explicit_dropout():
+    ours = make(8, 2, "float64", dropout=0.5).eval()
+    x = np.random.default_rng(8).standard_normal((1, 3, 8))
+    assert ours.forward_train(x).dropout == 0.0
+    ctx = ours.forward_train(x, dropout=0.25)
+    assert ctx.dropout == 0.25
+    with pytest.raises(ValueError):
+        ours.forward_train(x, dropout=1.5)
+
+
+# ---------------------------------------------------------------- masked rows
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fully_masked_rows_zero(dtype):
+    """masked_rows="zero": a query that sees no key has zero weights, no NaN
+    anywhere, and gives the gradients of a softmax that is 0 on that row."""
+    torch = need_torch()
+    ours = make(16, 2, dtype).eval()
+    rng = np.random.default_rng(9)
+    q, k, v = inputs(rng, 2, 5, 6, 16, dtype)
+    mask = np.zeros((2, 1, 5, 6), dtype=bool)
+    mask[0, 0, 1, :] = True   # row 1 of batch 0 sees nothing
+    mask[1, 0, 4, :] = True
+    mask[1, 0, 0, 2] = True
+    g_out = rng.standard_normal(q.shape).astype(dtype)
+    g_w = rng.standard_normal((2, 2, 5, 6)).astype(dtype)
+    ctx = ours.forward_train(q, k, v, mask=mask, masked_rows="zero")
+    assert not np.isnan(ctx.output).any() and not ctx.weights[0, :, 1].any()
+    grads = ours.backward(ctx, g_out, g_w)
+    for name, g in grads.items():
+        assert np.isfinite(g).all(), name
+    # a blocked query row gets no gradient (its output is W_o.bias alone)
+    assert not grads["query"][0, 1].any() and not grads["query"][1, 4].any()
+    _, want = torch_reference(torch, ours.state_dict(), 2, q, k, v, block=mask,
+                              zero_rows=True, grad_out=g_out, grad_weights=g_w)
+    assert_grads(grads, want, dtype, "zero rows")
+
+
+def test_fully_masked_rows_nan_and_no_keys():
+    ours = make(8, 2, "float64").eval()
+    rng = np.random.default_rng(10)
+    q, k, v = inputs(rng, 1, 3, 4, 8, "float64")
+    mask = np.zeros((3, 4), dtype=bool)
+    mask[2] = True
+    ctx = ours.forward_train(q, k, v, mask=mask)
+    g = ours.backward(ctx, np.ones_like(ctx.output))
+    assert np.isnan(g["W_o.weight"]).all() and np.isnan(g["key"]).any()
+    # Sk == 0: every row blocked
+    e = np.zeros((1, 0, 8))
+    ctx = ours.forward_train(q, e, e, masked_rows="zero")
+    g = ours.backward(ctx, np.ones_like(ctx.output))
+    assert g["key"].shape == (1, 0, 8) and not g["query"].any()
+    np.testing.assert_array_equal(g["W_o.bias"], np.full(8, 3.0))
+
+
+def test_empty_batch_and_queries():
+    ours = make(8, 2, "float32")
+    for B, Sq in ((0, 3), (2, 0)):
+        q = np.zeros((B, Sq, 8), np.float32)
+        kv = np.ones((B, 4, 8), np.float32)
+        ctx = ours.forward_train(q, kv, kv)
+        g = ours.backward(ctx, np.zeros_like(ctx.output))
+        assert g["query"].shape == (B, Sq, 8) and g["key"].shape == (B, 4, 8)
+        assert not any(x.any() for x in g.values())
+
+
+# ---------------------------------------------------------------- API
+
+def test_backward_uses_the_forward_parameters():
+    """ctx holds a copy of the parameters: an optimiser step between forward
+    and backward does not change the gradients."""
+    ours = make(8, 2, "float64")
+    x = np.random.default_rng(11).standard_normal((2, 3, 8))
+    ctx = ours.forward_train(x)
+    g1 = ours.backward(ctx, np.ones_like(ctx.output))
+    ours.W_q.weight[...] += 1.0
+    g2 = ours.backward(ctx, np.ones_like(ctx.output))
+    for name in g1:
+        np.testing.assert_array_equal(g1[name], g2[name])
+
+
+def test_errors():
+    ours = make(8, 2, "float32")
+    x = np.zeros((2, 3, 8), np.float32)
+    ctx = ours.forward_train(x, need_weights=False)
+    with pytest.raises(ValueError, match="grad_output"):
+        ours.backward(ctx, np.zeros((2, 3, 7)))
+    with pytest.raises(ValueError, match="need_weights"):
+        ours.backward(ctx, np.zeros((2, 3, 8)), np.zeros((2, 2, 3, 3)))
+    with pytest.raises(ValueError, match="different module"):
+        make(8, 2, "float32", seed=1).backward(ctx, np.zeros((2, 3, 8)))
+    with pytest.raises(TypeError):
+        ours.backward("ctx", np.zeros((2, 3, 8)))
+    with pytest.raises(TypeError):
+        ours.forward_train(np.zeros((2, 3, 8), complex))
+    with pytest.raises(ValueError):
+        ours.forward_train(x, np.zeros((2, 3, 5)))
+    with pytest.raises(KeyError):
+        ours.forward_train(x, params={"W_q.weight": np.zeros((8, 8))})
+
+
+def test_concurrent_training_calls(restore_threads):
+    """Forward/backward pairs from several Python threads at once each give
+    what they give alone (no state shared between calls)."""
+    ours = make(32, 4, "float64", dropout=0.1)
+    rng = np.random.default_rng(12)
+    xs = [rng.standard_normal((2, 40, 32)) for _ in range(4)]
+    alone = []
+    for i, x in enumerate(xs):
+        c = ours.forward_train(x, dropout_counter=100 + i)
+        alone.append(ours.backward(c, np.ones_like(c.output)))
+    got = [None] * 4
+
+    def work(i):
+        for _ in range(3):
+            c = ours.forward_train(xs[i], dropout_counter=100 + i)
+            got[i] = ours.backward(c, np.ones_like(c.output))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a, g in zip(alone, got):
+        for name in a:
+            np.testing.assert_array_equal(a[name], g[name])
+
+
+# ---------------------------------------------------------------- torch adapter
+
+def test_adapter_gradcheck_float64():
+    torch = need_torch()
+    from torch.func import functional_call
+    import mha_ext.torch as mt
+
+    m = mt.MultiHeadAttention(8, 2, kdim=6, vdim=5, dtype=torch.float64, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(2, 4, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(2, 4, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    names = [n for n, _ in m.named_parameters()]
+    params = [p.detach().clone().requires_grad_(True) for _, p in m.named_parameters()]
+    mask = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]])
+
+    def f(q, k, v, *ps):
+        return functional_call(m, dict(zip(names, ps)), (q, k, v), dict(mask=mask))
+
+    assert torch.autograd.gradcheck(f, (q, k, v, *params))
+
+
+def test_adapter_matches_numpy_api_and_trains():
+    torch = need_torch()
+    import mha_ext.torch as mt
+
+    m = mt.MultiHeadAttention(16, 4, seed=3)
+    core = make(16, 4, "float32", seed=3).eval()
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v.numpy(), core.state_dict()[k])
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    out, w = m(x)
+    ctx = core.forward_train(x.detach().numpy())
+    np.testing.assert_array_equal(out.detach().numpy(), ctx.output)
+    out.sum().backward()
+    g = core.backward(ctx, np.ones_like(ctx.output))
+    np.testing.assert_allclose(x.grad.numpy(), g["query"] + g["key"] + g["value"],
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(m.W_o.weight.grad.numpy(), g["W_o.weight"])
+    # torch's optimiser updates the parameters our next call uses
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.step()
+    out2, _ = m(x)
+    assert not torch.equal(out, out2)
+    assert m(x, need_weights=False)[1] is None
+    m.double()
+    out3, _ = m(x.double())
+    assert out3.dtype == torch.float64
+
+
+def test_train_copy_example_loss_falls():
+    need_torch()
+    if not (ROOT / "examples" / "train_copy.py").is_file():
+        pytest.skip("examples/ is not next to the tests (installed without sources)")
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_copy.py"),
+                          "--steps", "60"], capture_output=True, text=True, timeout=300,
+                         cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    first = last = None
+    for line in run.stdout.splitlines():
+        if line.startswith("first loss"):
+            first = float(line.split()[-1])
+        if line.startswith("last loss"):
+            last = float(line.split()[-1])
+    assert first is not None and last is not None, run.stdout
+    assert last < 0.8 * first, run.stdout
