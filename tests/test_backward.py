@@ -17,6 +17,9 @@ import pytest
 
 import mha_ext
 
+# the folder holding the mha_ext the tests imported (installed or built in place)
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(mha_ext.__file__)))
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOL = {"float32": 1e-4, "float64": 1e-9}
 KEYS = ("W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias",
@@ -487,7 +490,7 @@ def test_train_copy_example_loss_falls():
         pytest.skip("examples/ is not next to the tests (installed without sources)")
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_copy.py"),
                           "--steps", "60"], capture_output=True, text=True, timeout=300,
-                         cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         cwd=str(ROOT), env={**os.environ, "PYTHONPATH": PKG_PARENT})
     assert run.returncode == 0, run.stdout + run.stderr
     first = last = None
     for line in run.stdout.splitlines():
