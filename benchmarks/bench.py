@@ -9,6 +9,13 @@ batch_first=True and identical weights (MultiHeadAttention.from_torch).
 Calls are interleaved (torch, ours, torch, ours, ...) so that load from other
 processes hits both alike, and the medians are reported.
 
+Two thread pools share two cores here, so torch's OpenMP workers are set to
+sleep rather than spin when idle (OMP_WAIT_POLICY=PASSIVE, set before torch
+is imported; --omp-wait-policy active keeps libgomp's default): spinning
+after each torch call steals the core our next call needs, a cost of
+interleaving in one process rather than of either library.  torch's own times
+change little with it (within noise at every case here).
+
 The percentage of peak comes from a small C FMA probe (fma_probe.c next to
 this file) compiled here with the system compiler and run at the same thread
 count: independent accumulator chains of vector FMAs, best of 7 runs.  The
@@ -163,8 +170,11 @@ def main():
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--isa", default=None, help="force mha_ext's ISA (portable, avx2, avx512)")
+    ap.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active"],
+                    help="OMP_WAIT_POLICY for torch's OpenMP threads (default passive)")
     ap.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     if args.memory_child:
         peak_memory_child()
         return
@@ -179,7 +189,8 @@ def main():
     isa = _core._get_isa() if hasattr(_core, "_get_isa") else "?"
     peak = fma_peak(args.threads)
     print(f"torch {torch.__version__}, mha_ext ISA {isa}, {args.threads} threads, "
-          f"{platform.processor() or platform.machine()}")
+          f"{platform.processor() or platform.machine()}, "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
     if peak:
         print(f"FMA probe peak at {args.threads} threads: f32 {peak[0]:.1f} GFLOP/s, "
               f"f64 {peak[1]:.1f} GFLOP/s")
@@ -212,6 +223,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(torch=torch.__version__, isa=isa, threads=args.threads,
+                           omp_wait_policy=os.environ["OMP_WAIT_POLICY"],
                            peak_gflops=dict(f32=peak[0], f64=peak[1]) if peak else None,
                            cases=rows, memory=mem), f, indent=2)
 
