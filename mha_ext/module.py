@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 from collections import namedtuple
 from collections.abc import Mapping
+from typing import Literal
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _core
 
@@ -149,8 +151,9 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     memory.
     """
 
-    def __init__(self, d_model, n_heads, dropout=0.0, *, bias=True, kdim=None,
-                 vdim=None, dtype="float32", seed=None):
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, *,
+                 bias: bool = True, kdim: int | None = None, vdim: int | None = None,
+                 dtype: DTypeLike = "float32", seed: int | None = None) -> None:
         # The C base class (__new__) checked the arguments and built the
         # parameters; this signature is here for help() and editors.
         pass
@@ -192,12 +195,13 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     def _keys(self):
         return tuple(k for k in _KEYS if self.bias or not k.endswith(".bias"))
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, np.ndarray]:
         """A dict of NumPy copies under the seed module's keys: 'W_q.weight',
         'W_q.bias', ... 'W_o.bias' (no bias keys when bias=False)."""
         return {k: self._tensor(_KEYS.index(k)).copy() for k in self._keys()}
 
-    def load_state_dict(self, state_dict, strict=True):
+    def load_state_dict(self, state_dict: Mapping[str, ArrayLike],
+                        strict: bool = True) -> IncompatibleKeys:
         """Load parameters from a dict like state_dict()'s, or from
         torch.nn.MultiheadAttention's state_dict() (NumPy arrays, torch
         tensors or nested lists as values).
@@ -281,7 +285,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return tuple(keys), parts
 
     @classmethod
-    def from_torch(cls, module, *, dtype=None, seed=None):
+    def from_torch(cls, module, *, dtype: DTypeLike | None = None,
+                   seed: int | None = None) -> "MultiHeadAttention":
         """A copy of a torch module: torch.nn.MultiheadAttention (either
         batch_first; mha_ext calls are always batch-first) or any module with
         W_q, W_k, W_v, W_o linear children (the seed notebook's layout).
@@ -407,14 +412,14 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             self._write_unlock()
 
     # ------------------------------------------------------------ modes
-    def train(self, mode=True):
+    def train(self, mode: bool = True) -> "MultiHeadAttention":
         """Training mode (dropout active) when mode is True; returns self."""
         if not isinstance(mode, bool):
             raise ValueError(f"training mode must be a bool, got {mode!r}")
         self.training = mode
         return self
 
-    def eval(self):
+    def eval(self) -> "MultiHeadAttention":
         """Evaluation mode (no dropout); returns self."""
         return self.train(False)
 
@@ -432,9 +437,13 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return s + ")"
 
     # ------------------------------------------------------------ the call
-    def forward(self, query, key=None, value=None, mask=None, *, attn_mask=None,
-                key_padding_mask=None, is_causal=False, need_weights=True,
-                average_weights=False, masked_rows="nan"):
+    def forward(self, query: ArrayLike, key: ArrayLike | None = None,
+                value: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                attn_mask: ArrayLike | None = None, key_padding_mask: ArrayLike | None = None,
+                is_causal: bool = False, need_weights: bool = True,
+                average_weights: bool = False,
+                masked_rows: Literal["nan", "zero"] = "nan",
+                ) -> tuple[np.ndarray, np.ndarray | None]:
         """Attention of query over key and value; returns (output, weights).
 
         query (B, Sq, E), key (B, Sk, kdim), value (B, Sk, vdim), or unbatched
@@ -562,14 +571,16 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         from .autograd import forward_train
         return forward_train(self, query, key, value, mask, **kwargs)
 
-    def backward(self, ctx, grad_output, grad_weights=None):
+    def backward(self, ctx, grad_output: ArrayLike,
+                 grad_weights: ArrayLike | None = None) -> dict[str, np.ndarray]:
         """Gradients of the forward_train call that made ctx, from dL/d output
         (and optionally dL/d weights): a dict keyed like state_dict() plus
         'query', 'key' and 'value' (see mha_ext.autograd.backward)."""
         from .autograd import backward
         return backward(self, ctx, grad_output, grad_weights)
 
-    def trace(self, query, key=None, value=None, mask=None, **kwargs):
+    def trace(self, query: ArrayLike, key: ArrayLike | None = None,
+              value: ArrayLike | None = None, mask: ArrayLike | None = None, **kwargs):
         """The computation step by step (see mha_ext.trace.Trace): each step's
         name, formula, shape and array.  print() it for the shape flow."""
         from .trace import trace
