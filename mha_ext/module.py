@@ -494,7 +494,22 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             raise ValueError(f"masked_rows must be 'nan' or 'zero', got {masked_rows!r}")
         masks = []
         if mask is not None:
-            masks.append(self._seed_mask(mask, batched))
+            seed_mask = self._seed_mask(mask, batched)
+            target = (B, H, Sq, Sk) if batched else (H, Sq, Sk)
+            try:
+                ok = np.broadcast_shapes(seed_mask[1].shape, target) == target
+            except ValueError:
+                ok = False
+            if not ok:
+                shape = seed_mask[1].shape
+                names = ("batch", "heads", "query length", "key length")[-len(target):]
+                bad = [f"its {n} axis is {d}, not {t}" for n, d, t in
+                       zip(names[-len(shape):], shape[-len(target):], target[-len(shape):])
+                       if d not in (1, t)]
+                raise ValueError(f"mask of shape {shape} does not broadcast to "
+                                 f"{'(B, H, Sq, Sk)' if batched else '(H, Sq, Sk)'} = {target}"
+                                 + (f": {', '.join(bad)}" if bad else ""))
+            masks.append(seed_mask)
         if attn_mask is not None:
             masks.append(self._attn_mask(attn_mask, batched, B, H, Sq, Sk))
         if key_padding_mask is not None:
