@@ -16,7 +16,6 @@ Sk key length, E = d_model, H = n_heads, Dk = E / H.
 """
 
 import math
-import os
 import types
 
 import numpy as np
@@ -37,21 +36,7 @@ TOL = {
 # torch: skip locally, fail in CI
 # --------------------------------------------------------------------------
 
-def require_torch():
-    """Import and return torch.
-
-    Missing torch skips the calling test, except in CI (the ``CI``
-    environment variable is set, whatever its value), where it is a failure.
-    """
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        if "CI" in os.environ:
-            pytest.fail(f"torch is required when CI is set, but: {exc}",
-                        pytrace=False)
-        pytest.skip(f"torch is not installed ({exc}); set up torch to run "
-                    "the parity tests")
-    return torch
+from _support import require_torch  # noqa: E402  (skip locally, fail in CI)
 
 
 @pytest.fixture(scope="session")

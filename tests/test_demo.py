@@ -1,35 +1,14 @@
 """python -m mha_ext: the demo, run as a user would, from another directory."""
 
-import importlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-import mha_ext
+from _support import PKG_ROOT, has, need
 
-PKG_ROOT = str(Path(mha_ext.__file__).resolve().parent.parent)
-
-
-def need(name):
-    """Import an optional test dependency: skip locally, fail in CI."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("%s is required in CI but is not installed" % name)
-        pytest.skip("%s is not installed" % name)
-
-
-def has(name):
-    try:
-        importlib.import_module(name)
-        return True
-    except ImportError:
-        return False
 
 
 def run_demo(cwd, *args, hide=()):

@@ -6,7 +6,6 @@ Good inputs throughout: E = 16, H = 4, query (2, 5, 16), key and value
 (2, 7, 16).
 """
 
-import re
 
 import numpy as np
 import pytest

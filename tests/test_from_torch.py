@@ -8,30 +8,19 @@ float32 within 2e-5, float64 within 1e-10 (largest absolute difference).
 Legend: B batch, Sq/Sk query/key length, E = d_model, H = n_heads, Dk = E/H.
 """
 import copy
-import os
 import pickle
 
 import numpy as np
 import pytest
 
 from mha_ext import MultiHeadAttention
+from _support import require_torch
 
 DTYPES = ("float32", "float64")
 TOL = {"float32": 2e-5, "float64": 1e-10}
 E, H, B, SQ, SK = 16, 4, 2, 5, 6
 SEED_KEYS = ("W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias",
              "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias")
-
-
-def require_torch():
-    """torch, or a skip on a developer machine; a failure when CI is set."""
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        if "CI" in os.environ:
-            pytest.fail(f"torch is required when CI is set, but: {exc}", pytrace=False)
-        pytest.skip(f"torch is not installed ({exc})")
-    return torch
 
 
 @pytest.fixture(scope="module")

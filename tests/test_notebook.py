@@ -1,33 +1,13 @@
 """examples/tour.ipynb executes from top to bottom (nbclient), so it never rots."""
 
-import importlib
 import os
 from pathlib import Path
 
 import pytest
 
-import mha_ext
+from _support import PKG_ROOT, has, need
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "tour.ipynb"
-PKG_ROOT = str(Path(mha_ext.__file__).resolve().parent.parent)
-
-
-def need(name):
-    """Import an optional test dependency: skip locally, fail in CI."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("%s is required in CI but is not installed" % name)
-        pytest.skip("%s is not installed" % name)
-
-
-def has(name):
-    try:
-        importlib.import_module(name)
-        return True
-    except ImportError:
-        return False
 
 
 def test_notebook_is_clean():

@@ -8,7 +8,6 @@ rtol = atol = 1e-10 against torch float64; output and weights both.
 import numpy as np
 import pytest
 
-import mha_ext
 from mha_ext import MultiHeadAttention
 
 DTYPES = ["float32", "float64"]

@@ -3,29 +3,17 @@
 Legend: B batch, H heads, Sq/Sk query/key length.
 """
 
-import importlib
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import mha_ext
 from mha_ext.plot import plot_heads
+from _support import PKG_ROOT, need
 
-PKG_ROOT = str(Path(mha_ext.__file__).resolve().parent.parent)
-
-
-def need(name):
-    """Import an optional test dependency: skip locally, fail in CI."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("%s is required in CI but is not installed" % name)
-        pytest.skip("%s is not installed" % name)
 
 
 @pytest.fixture

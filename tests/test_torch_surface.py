@@ -14,7 +14,6 @@ Run with `-s` to see the worst error of each item at the end of the module.
 
 Legend: B batch, Sq/Sk query/key length, E = d_model, H = n_heads, Dk = E/H.
 """
-import os
 import warnings
 
 import numpy as np
@@ -22,21 +21,11 @@ import pytest
 
 import mha_ext
 from mha_ext import MultiHeadAttention
+from _support import require_torch
 
 DTYPES = ("float32", "float64")
 TOL = {"float32": 2e-5, "float64": 1e-10}
 WORST = {}  # (item, dtype) -> the largest error seen against torch
-
-
-def require_torch():
-    """torch, or a skip on a developer machine; a failure when CI is set."""
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        if "CI" in os.environ:
-            pytest.fail(f"torch is required when CI is set, but: {exc}", pytrace=False)
-        pytest.skip(f"torch is not installed ({exc})")
-    return torch
 
 
 @pytest.fixture(scope="module")

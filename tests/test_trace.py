@@ -4,14 +4,13 @@ Legend: B batch, Sq/Sk query/key length, E d_model, H heads, Dk = E / H.
 """
 
 import html.parser
-import importlib
-import os
 
 import numpy as np
 import pytest
 
 import mha_ext
 from mha_ext.trace import Step, Trace, trace
+from _support import need
 
 TOL = {"float32": 2e-5, "float64": 1e-10}
 
@@ -20,16 +19,6 @@ STEPS = ["query", "key", "value", "Q projection", "K projection",
          "masked scores", "softmax", "context", "concat heads",
          "output projection"]
 STEPS_DROPOUT = STEPS[:12] + ["dropout"] + STEPS[12:]
-
-
-def need(name):
-    """Import an optional test dependency: skip locally, fail in CI."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("%s is required in CI but is not installed" % name)
-        pytest.skip("%s is not installed" % name)
 
 
 def close(a, b, dtype):

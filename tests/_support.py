@@ -1,0 +1,39 @@
+"""Helpers shared by the test files: optional dependencies, which skip a
+test on a developer machine but fail it in CI (the ``CI`` environment
+variable set, whatever its value), and where the imported mha_ext lives (for
+subprocesses and notebook kernels, installed or built in place)."""
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+
+import mha_ext
+
+# the folder holding the mha_ext package the tests imported
+PKG_ROOT = str(Path(mha_ext.__file__).resolve().parent.parent)
+
+
+def need(name):
+    """Import and return an optional test dependency: a skip when it is
+    missing on a developer machine, a failure when CI is set."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        if "CI" in os.environ:
+            pytest.fail(f"{name} is required when CI is set, but: {exc}", pytrace=False)
+        pytest.skip(f"{name} is not installed ({exc})")
+
+
+def has(name):
+    """True when `name` imports."""
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
+
+
+def require_torch():
+    """torch (the reference of every parity test), as need() gives it."""
+    return need("torch")
