@@ -17,9 +17,10 @@
  *   out = ctx·W_oᵀ + b_o            dctx = d out·W_o   dW_o = d outᵀ·ctx   db_o = Σ_rows d out
  *
  * Phases, each one parallel pass on the pool:
- *   1. recompute Q, K, V (the forward's projections) and dctx = d out·W_o;
- *   2. per (b, h): recompute S, P, A and ctx_bh block by block of queries,
- *      and write dQ_bh, dK_bh, dV_bh;
+ *   1. recompute Q, K, V (the forward's projections) and dctx = d out·W_o
+ *      (only dctx when mha_forward_save kept Q, K, V and ctx);
+ *   2. per (b, h): recompute S, P, A (and ctx_bh, unless kept) block by
+ *      block of queries, and write dQ_bh, dK_bh, dV_bh;
  *   3. transpose d out, dQ, dK, dV (the weight gradients need them as the
  *      left operand) and sum their columns: the bias gradients;
  *   4. the weight gradients and the input gradients, all tiles of all seven
@@ -54,8 +55,11 @@ typedef struct {
     const mha_backward_args *a;
     const mha_forward_args *fa;
     int64_t B, Sq, Sk, E, H, Dk;
-    T *q, *k, *v;         /* Q (B, Sq, E), K and V (B, Sk, E), recomputed */
+    T *q, *k, *v;         /* Q (B, Sq, E), K and V (B, Sk, E), recomputed or kept */
     T *ctx, *dctx;        /* (B, Sq, E) */
+    T *tq, *tk, *tv;      /* dQᵀ (E, B*Sq), dKᵀ, dVᵀ (E, B*Sk): in q, k, v's
+                             memory unless those were kept (read only) */
+    int saved;            /* q, k, v, ctx are mha_forward_save's: never written */
     T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E) */
     T *scratch;           /* per slot: P, D (QB, Sk), Tr (Sk, QB), Kᵀ, Vᵀ (Dk, Sk) */
     T *pack;              /* per slot: MHA_GEMM_SCRATCH scalars for mha_gemm's packing */
@@ -218,7 +222,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     if (Sk == 0) { /* no key at all: every row is fully blocked, nothing to differentiate */
         for (r = 0; r < Sq; r++)
             for (j = 0; j < Dk; j++) {
-                c_bh[r * E + j] = nan_or_zero;
+                if (!f->saved) c_bh[r * E + j] = nan_or_zero;
                 dq_bh[r * E + j] = 0;
             }
         return;
@@ -266,8 +270,10 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
             }
             a_blk = d;
         }
-        /* forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx) */
-        SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, a_blk, Sk, v_bh, E, NULL, c_bh + i0 * E, E, 0, gs);
+        /* forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx), unless kept */
+        if (!f->saved)
+            SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, a_blk, Sk, v_bh, E, NULL, c_bh + i0 * E, E, 0,
+                          gs);
         /* backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh */
         SUF(transpose)(a_blk, nq, Sk, Sk, tr);
         SUF(mha_gemm)(f->kern, 0, Sk, Dk, nq, tr, nq, dc_bh + i0 * E, E, NULL, dv_bh, E, !first, gs);
@@ -297,8 +303,9 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
 
 /* ------------------------------------------------------------ the pass */
 
+/* sv: NULL, or Q, K, V and ctx as mha_forward_save kept them */
 static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
-                                const mha_backward_args *a)
+                                const mha_backward_args *a, const mha_saved *sv)
 {
     mha_sizes sz;
     mha_forward_args chk;
@@ -355,10 +362,12 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         if (flops < 4e5) slots = 1;
     }
 
-    /* workspace: q, ctx, dctx, dq (B, Sq, E); k, v, dk, dv (B, Sk, E); then
-     * per slot P, D (QB, Sk), Tr (Sk, QB), K_bhᵀ and V_bhᵀ (Dk, Sk) */
+    /* workspace: q, ctx, dctx, dq (B, Sq, E); k, v, dk, dv (B, Sk, E) (with
+     * sv, no ctx: q, k and v hold dQᵀ, dKᵀ and dVᵀ only, the kept ones
+     * being read only); then per slot P, D (QB, Sk), Tr (Sk, QB), K_bhᵀ and
+     * V_bhᵀ (Dk, Sk) */
     if (mha_mul(3 * QB + 2 * f.Dk, f.Sk, &f.scratch_len) ||
-        mha_mul(n_q, 4, &n_work) || mha_mul(n_kv, 4, &t) || mha_add(n_work, t, &n_work) ||
+        mha_mul(n_q, sv ? 3 : 4, &n_work) || mha_mul(n_kv, 4, &t) || mha_add(n_work, t, &n_work) ||
         mha_mul(f.scratch_len, slots, &t) || mha_add(n_work, t, &n_work) ||
         mha_mul(MHA_GEMM_SCRATCH, slots, &t) || mha_add(n_work, t, &n_work) ||
         mha_bytes(n_work, sizeof(T), &bytes))
@@ -376,8 +385,8 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         }
     }
     f.q = work;
-    f.ctx = f.q + n_q;
-    f.dctx = f.ctx + n_q;
+    f.ctx = sv ? NULL : f.q + n_q;
+    f.dctx = f.q + (sv ? 1 : 2) * n_q;
     f.dq = f.dctx + n_q;
     f.k = f.dq + n_q;
     f.v = f.k + n_kv;
@@ -385,16 +394,28 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     f.dv = f.dk + n_kv;
     f.scratch = f.dv + n_kv;
     f.pack = f.scratch + f.scratch_len * slots;
+    f.tq = f.q;
+    f.tk = f.k;
+    f.tv = f.v;
+    if (sv) {
+        f.saved = 1;
+        f.q = (T *)sv->q;
+        f.ctx = (T *)sv->ctx;
+        f.k = (T *)sv->k;
+        f.v = (T *)sv->v;
+    }
     BWD_TICK_START;
 
     /* 1. the forward's projections, and dctx = d out·W_o
      *    (backward of out = ctx·W_oᵀ + b_o, for ctx) */
-    SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.query, f.E, (const T *)p->wq, f.E,
-                  (const T *)p->bq, f.q, f.E, Rq, f.E, f.E);
-    SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.key, Ek, (const T *)p->wk, Ek,
-                  (const T *)p->bk, f.k, f.E, Rk, f.E, Ek);
-    SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.value, Ev, (const T *)p->wv, Ev,
-                  (const T *)p->bv, f.v, f.E, Rk, f.E, Ev);
+    if (!f.saved) {
+        SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.query, f.E, (const T *)p->wq, f.E,
+                      (const T *)p->bq, f.q, f.E, Rq, f.E, f.E);
+        SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.key, Ek, (const T *)p->wk, Ek,
+                      (const T *)p->bk, f.k, f.E, Rk, f.E, Ek);
+        SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.value, Ev, (const T *)p->wv, Ev,
+                      (const T *)p->bv, f.v, f.E, Rk, f.E, Ev);
+    }
     SUF(bjob_add)(&f, SUF(JOB_NN), (const T *)a->grad_out, f.E, (const T *)p->wo, f.E,
                   NULL, f.dctx, f.E, Rq, f.E, f.E);
     mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
@@ -405,14 +426,15 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     BWD_TICK("2 attn");
 
     /* 3. d out, dQ, dK, dV transposed into the buffers of dctx, Q, K, V
-     *    (no longer needed), their column sums being the bias gradients */
+     *    (no longer needed; with sv, tq, tk, tv), their column sums being
+     *    the bias gradients */
     if (g) {
         const int bias = cfg->bias;
         SUF(btr_add)(&f, (const T *)a->grad_out, f.dctx, bias ? g + offset[MHA_BO] : NULL,
                      Rq, f.E);
-        SUF(btr_add)(&f, f.dq, f.q, bias ? g + offset[MHA_BQ] : NULL, Rq, f.E);
-        SUF(btr_add)(&f, f.dk, f.k, bias ? g + offset[MHA_BK] : NULL, Rk, f.E);
-        SUF(btr_add)(&f, f.dv, f.v, bias ? g + offset[MHA_BV] : NULL, Rk, f.E);
+        SUF(btr_add)(&f, f.dq, f.tq, bias ? g + offset[MHA_BQ] : NULL, Rq, f.E);
+        SUF(btr_add)(&f, f.dk, f.tk, bias ? g + offset[MHA_BK] : NULL, Rk, f.E);
+        SUF(btr_add)(&f, f.dv, f.tv, bias ? g + offset[MHA_BV] : NULL, Rk, f.E);
         int64_t n_tr = 0;
         int i;
         for (i = 0; i < f.n_tr; i++) n_tr += f.tr[i].tasks;
@@ -426,11 +448,11 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     if (g) {
         SUF(bjob_add)(&f, SUF(JOB_NN), f.dctx, Rq, f.ctx, f.E, NULL, g + offset[MHA_WO], f.E,
                       f.E, f.E, Rq);
-        SUF(bjob_add)(&f, SUF(JOB_NN), f.q, Rq, (const T *)a->fwd.query, f.E, NULL,
+        SUF(bjob_add)(&f, SUF(JOB_NN), f.tq, Rq, (const T *)a->fwd.query, f.E, NULL,
                       g + offset[MHA_WQ], f.E, f.E, f.E, Rq);
-        SUF(bjob_add)(&f, SUF(JOB_NN), f.k, Rk, (const T *)a->fwd.key, Ek, NULL,
+        SUF(bjob_add)(&f, SUF(JOB_NN), f.tk, Rk, (const T *)a->fwd.key, Ek, NULL,
                       g + offset[MHA_WK], Ek, f.E, Ek, Rk);
-        SUF(bjob_add)(&f, SUF(JOB_NN), f.v, Rk, (const T *)a->fwd.value, Ev, NULL,
+        SUF(bjob_add)(&f, SUF(JOB_NN), f.tv, Rk, (const T *)a->fwd.value, Ev, NULL,
                       g + offset[MHA_WV], Ev, f.E, Ev, Rk);
     }
     if (a->grad_query)

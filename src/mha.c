@@ -212,10 +212,17 @@ mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
 
 mha_status mha_forward(const mha_config *cfg, const mha_params *p, const mha_forward_args *a)
 {
+    return mha_forward_save(cfg, p, a, NULL);
+}
+
+mha_status mha_forward_save(const mha_config *cfg, const mha_params *p,
+                            const mha_forward_args *a, const mha_saved *s)
+{
     if (!cfg) return MHA_ERR_ARG;
+    if (s && (!s->q || !s->k || !s->v || !s->ctx)) return MHA_ERR_ARG;
     switch (cfg->dtype) {
-    case MHA_FLOAT32: return forward_f32(cfg, p, a);
-    case MHA_FLOAT64: return forward_f64(cfg, p, a);
+    case MHA_FLOAT32: return forward_f32(cfg, p, a, s);
+    case MHA_FLOAT64: return forward_f64(cfg, p, a, s);
     }
     return MHA_ERR_ARG;
 }
