@@ -261,4 +261,18 @@ KATTR static void SUF(exp_row)(T *s, int64_t n)
     }
 }
 
+KATTR static void SUF(softmax_grad)(const T *p, T *d, int64_t n, T c)
+{
+    VT vs = (VT){0}, vdot, vc = SUF(vset1)(c);
+    int64_t j = 0;
+    T dot;
+    for (; j + VL <= n; j += VL) vs = V_FMA(SUF(vload)(p + j), SUF(vload)(d + j), vs);
+    dot = SUF(hsum)(vs);
+    for (; j < n; j++) dot += p[j] * d[j];
+    vdot = SUF(vset1)(dot);
+    for (j = 0; j + VL <= n; j += VL)
+        SUF(vstore)(d + j, SUF(vload)(p + j) * (SUF(vload)(d + j) - vdot) * vc);
+    for (; j < n; j++) d[j] = p[j] * (d[j] - dot) * c;
+}
+
 #undef NR

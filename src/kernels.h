@@ -16,7 +16,9 @@
  *   max:       the largest non-NaN entry (-inf if none)
  *   exp_sum:   s = exp(s - m), returns the sum (NaN in, NaN out; -inf -> 0)
  *   scale:     s *= c
- *   exp:       s = exp(s), the vector exp (<= 2 ulp for normal results) */
+ *   exp:       s = exp(s), the vector exp (<= 2 ulp for normal results)
+ *   softmax_grad: d = p (d - Σ_j p_j d_j) c over p[0..n), d[0..n): the
+ *              backward of a softmax row p, scaled by c */
 #ifndef MHA_KERNELS_H
 #define MHA_KERNELS_H
 
@@ -37,6 +39,7 @@
         T (*exp_sum)(T *s, int64_t n, T m);                                           \
         void (*scale)(T *s, int64_t n, T c);                                          \
         void (*exp)(T *s, int64_t n);                                                 \
+        void (*softmax_grad)(const T *p, T *d, int64_t n, T c);                       \
     } mha_kern_##SUF;
 
 MHA_KERN_TABLE(float, f32)
