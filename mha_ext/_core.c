@@ -865,10 +865,13 @@ static PyObject *mha_forward_with_py(MHAObject *self, PyObject *const *args, Py_
         npy_intp kd[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sk, (npy_intp)self->cfg.d_model};
         if (!(out = (PyArrayObject *)PyArray_SimpleNew(3, od, tn))) goto fail;
         if (need_weights && !(w = (PyArrayObject *)PyArray_SimpleNew(4, wd, tn))) goto fail;
-        /* Q, K, V, ctx; zeroed: B * Sq == 0 leaves K and V unwritten */
-        for (i = 0; keep && i < 4; i++)
-            if (!(kept[i] = (PyArrayObject *)PyArray_ZEROS(3, i == 1 || i == 2 ? kd : od, tn, 0)))
-                goto fail;
+        /* Q, K, V, ctx; zeroed only when B * Sq == 0 leaves K and V unwritten */
+        for (i = 0; keep && i < 4; i++) {
+            npy_intp *dims = i == 1 || i == 2 ? kd : od;
+            kept[i] = (PyArrayObject *)(c.a.B * c.a.Sq == 0 ? PyArray_ZEROS(3, dims, tn, 0)
+                                                              : PyArray_SimpleNew(3, dims, tn));
+            if (!kept[i]) goto fail;
+        }
     }
     c.a.out = PyArray_DATA(out);
     c.a.weights = w ? PyArray_DATA(w) : NULL;

@@ -357,6 +357,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     }
     f.scratch = f.kt + f.B * f.Sk * f.E;
 
+    FWD_TICK_START;
     /* the three input projections, one parallel pass over all their tiles */
     SUF(add_job)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq, f.q,
                  f.B * f.Sq, f.E, f.E, slots);
@@ -365,9 +366,11 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     SUF(add_job)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, f.v,
                  f.B * f.Sk, f.E, cfg->vdim, slots);
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
+    FWD_TICK("qkv proj");
 
     /* K per head, transposed, so that Q·Kᵀ reads it in place */
     mha_parallel_for(f.Sk > 0 ? f.B * f.H : 0, slots, SUF(transpose_k_task), &f);
+    FWD_TICK("k transpose");
 
     /* a NaN or inf in V must reach every row (0·NaN), so no causal skipping */
     f.skip_causal = a->is_causal && SUF(all_finite)(f.v, f.B * f.Sk * f.E);
@@ -375,12 +378,14 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     /* attention, per (b, h, block of queries) */
     mha_parallel_for(f.B * f.H * f.n_qblk, slots,
                      a->weights ? SUF(attend_weights_task) : SUF(attend_online_task), &f);
+    FWD_TICK("attention");
 
     /* the output projection */
     f.n_jobs = 0;
     SUF(add_job)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out,
                  f.B * f.Sq, f.E, f.E, slots);
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
+    FWD_TICK("out proj");
 
     mha_free(work);
     return MHA_OK;
