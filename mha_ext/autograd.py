@@ -88,11 +88,16 @@ def _param_block(mha, params):
     return block
 
 
-def _input(x, name, dtype):
+def _input(x, name, dtype, copy=True):
+    """x as a C-contiguous array of dtype: a private copy (what a context
+    keeps), or with copy=False the array itself when it already is one (what
+    the backward reads once and lets go)."""
     from .module import _as_array, _check_real
 
     arr = _as_array(x, name)
     _check_real(arr, name)
+    if not copy:
+        return np.ascontiguousarray(arr, dtype=dtype)
     return np.array(arr, dtype=dtype, order="C", copy=True)
 
 
@@ -209,7 +214,7 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
         raise ValueError("ctx was made by forward_train of a different module (another "
                          "configuration, dtype or seed)")
     dtype = mha.dtype
-    go = _input(grad_output, "grad_output", dtype)
+    go = _input(grad_output, "grad_output", dtype, copy=False)
     if go.shape != ctx.output.shape:
         raise ValueError(f"grad_output must have the output's shape {ctx.output.shape}, "
                          f"got {go.shape}")
@@ -218,7 +223,7 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
         if ctx.weights is None:
             raise ValueError("grad_weights given, but the forward returned no weights "
                              "(need_weights=False)")
-        gw = _input(grad_weights, "grad_weights", dtype)
+        gw = _input(grad_weights, "grad_weights", dtype, copy=False)
         if gw.shape != ctx.weights.shape:
             raise ValueError(f"grad_weights must have the weights' shape {ctx.weights.shape}, "
                              f"got {gw.shape}")
