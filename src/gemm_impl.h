@@ -9,10 +9,10 @@
  * When op(B) = B (K, N) is row-major, a full NR strip is read in place
  * (ldbk = ldb) and only a ragged last strip is packed.
  *
- * mha_gemm_tn takes A transposed, A (K, M): each MC x KC block of Aᵀ is
- * packed once into scratch after the B block and serves all of N (the
- * weight gradients dW = dYᵀ·X and the attention's dV = Aᵀ·dctx without a
- * transposed copy of the left side).
+ * mha_gemm_tn takes A transposed, A (K, M), read in place too: the
+ * micro-kernel broadcasts element (i, k) from A[k*lda + i], MR neighbours
+ * per k (the weight gradients dW = dYᵀ·X and the attention's dV = Aᵀ·dctx
+ * without a transposed copy of the left side).
  *
  * Each C element is summed in the same order whatever the tiling of the
  * caller: k = 0, 1, ... inside a KC block, blocks added to C in order, the
@@ -39,9 +39,10 @@ static void SUF(pack_b)(int trans_b, int64_t kc, int64_t nr, int64_t NR, const T
     }
 }
 
-void SUF(mha_gemm)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
-                   const T *A, int64_t lda, const T *B, int64_t ldb, const T *bias,
-                   T *C, int64_t ldc, int accumulate, T *scratch)
+/* The loop nest; element (i, k) of A at A[i*a_rs + k*a_cs] */
+static void SUF(gemm_nest)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
+                           const T *A, int64_t a_rs, int64_t a_cs, const T *B, int64_t ldb,
+                           const T *bias, T *C, int64_t ldc, int accumulate, T *scratch)
 {
     const int64_t MR = kt->mr, NR = kt->nr;
     T *Bp = scratch;
@@ -76,69 +77,26 @@ void SUF(mha_gemm)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
                         bp = B + pc * ldb + jc + jr;
                         ldbk = ldb;
                     }
-                    kt->ukr(kc, A + ir * lda + pc, lda, bp, ldbk, C + ir * ldc + jc + jr, ldc,
-                            mr, nr, acc, bias_kc ? bias_kc + jc + jr : NULL);
+                    kt->ukr(kc, A + ir * a_rs + pc * a_cs, a_rs, a_cs, bp, ldbk,
+                            C + ir * ldc + jc + jr, ldc, mr, nr, acc,
+                            bias_kc ? bias_kc + jc + jr : NULL);
                 }
             }
         }
     }
 }
 
-/* Aᵀ block: Ap[i*kc + k] = A(pc + k, ic + i) for i < mc, A being (K, M);
- * 16 k at a time, so that each row of Ap is written a cache line at once */
-static void SUF(pack_at)(int64_t kc, int64_t mc, const T *A, int64_t lda, int64_t pc,
-                         int64_t ic, T *Ap)
+void SUF(mha_gemm)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
+                   const T *A, int64_t lda, const T *B, int64_t ldb, const T *bias,
+                   T *C, int64_t ldc, int accumulate, T *scratch)
 {
-    int64_t k0, k, i;
-    for (k0 = 0; k0 < kc; k0 += 16) {
-        int64_t ke = kc - k0 < 16 ? kc : k0 + 16;
-        for (i = 0; i < mc; i++)
-            for (k = k0; k < ke; k++) Ap[i * kc + k] = A[(pc + k) * lda + ic + i];
-    }
+    SUF(gemm_nest)(kt, trans_b, M, N, K, A, lda, 1, B, ldb, bias, C, ldc, accumulate, scratch);
 }
 
 void SUF(mha_gemm_tn)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A, int64_t lda,
                       const T *B, int64_t ldb, T *C, int64_t ldc, int accumulate, T *scratch)
 {
-    const int64_t MR = kt->mr, NR = kt->nr;
-    T *Bp = scratch, *Ap = scratch + MHA_GEMM_KC * MHA_GEMM_NC;
-    int64_t ic, jc, pc, jr, ir, i, j;
-    if (M <= 0 || N <= 0) return;
-    if (K <= 0) { /* an empty sum: C = 0 (or unchanged) */
-        for (i = 0; i < M; i++)
-            for (j = 0; j < N; j++) C[i * ldc + j] = accumulate ? C[i * ldc + j] : (T)0;
-        return;
-    }
-    /* per block of MC rows and KC of depth, Aᵀ packed once for all of N */
-    for (ic = 0; ic < M; ic += MHA_GEMM_MC) {
-        int64_t mc = M - ic < MHA_GEMM_MC ? M - ic : MHA_GEMM_MC;
-        for (pc = 0; pc < K; pc += MHA_GEMM_KC) {
-            int64_t kc = K - pc < MHA_GEMM_KC ? K - pc : MHA_GEMM_KC;
-            int acc = accumulate || pc > 0;
-            SUF(pack_at)(kc, mc, A, lda, pc, ic, Ap);
-            for (jc = 0; jc < N; jc += MHA_GEMM_NC) {
-                int64_t nc = N - jc < MHA_GEMM_NC ? N - jc : MHA_GEMM_NC;
-                for (jr = 0; jr < nc; jr += NR) {
-                    int64_t nr = nc - jr < NR ? nc - jr : NR;
-                    if (nr < NR) SUF(pack_b)(0, kc, nr, NR, B, ldb, pc, jc + jr, Bp + jr * kc);
-                }
-                for (ir = 0; ir < mc; ir += MR) {
-                    int64_t mr = mc - ir < MR ? mc - ir : MR;
-                    for (jr = 0; jr < nc; jr += NR) {
-                        int64_t nr = nc - jr < NR ? nc - jr : NR;
-                        const T *bp = Bp + jr * kc;
-                        int64_t ldbk = NR;
-                        if (nr == NR) {
-                            bp = B + pc * ldb + jc + jr;
-                            ldbk = ldb;
-                        }
-                        kt->ukr(kc, Ap + ir * kc, kc, bp, ldbk, C + (ic + ir) * ldc + jc + jr,
-                                ldc, mr, nr, acc, NULL);
-                    }
-                }
-            }
-        }
-    }
+    SUF(gemm_nest)(kt, 0, M, N, K, A, 1, lda, B, ldb, NULL, C, ldc, accumulate, scratch);
 }
 
 void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A,

@@ -64,13 +64,13 @@ void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx)
  * mha_gemm: the packed loop nest around kt->ukr, one thread; scratch holds
  *   MHA_GEMM_SCRATCH scalars.
  * mha_gemm_tn: C (M, N) (+)= Aᵀ·B for A (K, M) and B (K, N), no bias: the
- *   packed loop nest with Aᵀ's blocks packed too; scratch as mha_gemm's.
+ *   same loop nest, Aᵀ read in place (column by column); scratch as
+ *   mha_gemm's.
  * mha_gemm_small: the unpacked form for small M (trans_b only): dot
  *   products along K, nothing packed, no scratch. */
 #define MHA_GEMM_KC 256
-#define MHA_GEMM_NC 256   /* a multiple of every micro-kernel's NR */
-#define MHA_GEMM_MC 64    /* rows of Aᵀ packed at once by mha_gemm_tn */
-#define MHA_GEMM_SCRATCH (MHA_GEMM_KC * MHA_GEMM_NC + MHA_GEMM_MC * MHA_GEMM_KC)
+#define MHA_GEMM_NC 256 /* a multiple of every micro-kernel's NR */
+#define MHA_GEMM_SCRATCH (MHA_GEMM_KC * MHA_GEMM_NC)
 void mha_gemm_f32(const mha_kern_f32 *kt, int trans_b, int64_t M, int64_t N, int64_t K,
                   const float *A, int64_t lda, const float *B, int64_t ldb, const float *bias,
                   float *C, int64_t ldc, int accumulate, float *scratch);

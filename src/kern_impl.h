@@ -98,13 +98,13 @@ KATTR static inline VT SUF(vexp)(VT x)
     return y;
 }
 
-KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, const T *Bp, int64_t ldbk,
-                           T *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
-                           const T *bias)
+KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, const T *Bp,
+                           int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,
+                           int accumulate, const T *bias)
 {
     VT c[MR][NRV];
     const T *ar[MR];
-    int64_t k;
+    int64_t k, ko;
     int r, v;
     /* rows past mr repeat the last one: computed, never stored */
 #pragma GCC unroll 16
@@ -113,13 +113,13 @@ KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, const T *Bp, int
     for (r = 0; r < MR; r++)
 #pragma GCC unroll 4
         for (v = 0; v < NRV; v++) c[r][v] = (VT){0};
-    for (k = 0; k < kc; k++) {
+    for (k = 0, ko = 0; k < kc; k++, ko += ak) {
         VT b[NRV];
 #pragma GCC unroll 4
         for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);
 #pragma GCC unroll 16
         for (r = 0; r < MR; r++) {
-            VT a = SUF(vset1)(ar[r][k]);
+            VT a = SUF(vset1)(ar[r][ko]);
 #pragma GCC unroll 4
             for (v = 0; v < NRV; v++) c[r][v] = V_FMA(a, b[v], c[r][v]);
         }
