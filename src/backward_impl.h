@@ -26,10 +26,10 @@
  *      transposed copy) and the input gradients, all tiles of all seven
  *      products in one pass. */
 
-#define QB 64   /* queries per block inside one (b, h) task */
+#define QB 128  /* queries per block inside one (b, h) task */
 #define RM 64   /* rows per product tile */
 #define RN 64   /* columns per product tile */
-#define RN_TN 1024 /* ... for TN, where each packed Aᵀ block serves the whole tile */
+#define RN_TN 1024 /* ... for TN: each MR-row panel of Aᵀ serves the whole tile */
 #define KC 256  /* depth of one pass over a weight-gradient tile (cache) */
 #define TC 64   /* columns per column-sum task */
 
