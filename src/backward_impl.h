@@ -374,10 +374,10 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     {
         int64_t keep_total;
         if (mha_mul(f.keep_len, slots, &keep_total)) return MHA_ERR_OVERFLOW;
-        work = (T *)mha_alloc(bytes);
+        work = (T *)mha_work_alloc(bytes);
         f.keep = (uint8_t *)mha_alloc((size_t)keep_total);
         if (!work || !f.keep) {
-            mha_free(work);
+            mha_work_free(work);
             mha_free(f.keep);
             return MHA_ERR_NOMEM;
         }
@@ -460,7 +460,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
     BWD_TICK("4 grads");
 
-    mha_free(work);
+    mha_work_free(work);
     mha_free(f.keep);
     return MHA_OK;
 }

@@ -340,7 +340,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
         mha_mul(f.scratch_len, slots, &n_scratch) || mha_add(n_work, n_scratch, &n_work))
         return MHA_ERR_OVERFLOW;
     if (mha_bytes(n_work, sizeof(T), &bytes)) return MHA_ERR_OVERFLOW;
-    work = (T *)mha_alloc(bytes);
+    work = (T *)mha_work_alloc(bytes);
     if (!work) return MHA_ERR_NOMEM;
     if (sv) {
         f.q = (T *)sv->q;
@@ -387,7 +387,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
     FWD_TICK("out proj");
 
-    mha_free(work);
+    mha_work_free(work);
     return MHA_OK;
 }
 

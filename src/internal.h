@@ -30,6 +30,11 @@ static inline int mha_bytes(int64_t n, size_t size, size_t *r)
  * minimal block); free with mha_free. */
 void *mha_alloc(size_t bytes);
 void mha_free(void *p);
+/* The same for a call's workspace, through the calling thread's cache of
+ * one block (mha.c): free with mha_work_free, which keeps the block for the
+ * thread's next call (mha_release_workspace frees it). */
+void *mha_work_alloc(size_t bytes);
+void mha_work_free(void *p);
 
 /* ---- the dropout / initialisation stream (rng.c) ---- */
 uint64_t mha_stream_key(uint64_t seed, uint64_t counter);

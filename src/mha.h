@@ -143,6 +143,13 @@ double mha_dropout_uniform(uint64_t seed, uint64_t counter, uint64_t idx);
 void mha_set_num_threads(int n);
 int mha_get_num_threads(void);
 
+/* Each thread that calls mha_forward or mha_backward with a workspace of
+ * 32 MiB or more (large shapes: 80 MiB at B 4, S 1024, E 1024) keeps the
+ * largest such block for its next call, rather than page-faulting fresh
+ * memory every call.  The block is freed when the thread exits, or now by
+ * mha_release_workspace (for the calling thread). */
+void mha_release_workspace(void);
+
 /* The instruction set of mha_forward's kernels: "portable", "avx2" (AVX2 +
  * FMA) or "avx512" (AVX-512F).  The default is the widest this CPU has; the
  * environment variable MHA_EXT_ISA (read once, at first use) or

@@ -226,6 +226,41 @@ static void test_saved(int64_t B, int64_t Sq, int64_t Sk, int64_t E, int64_t H, 
     free(copy); free(g1); free(g2); free(mask);
 }
 
+/* A workspace of 32 MiB or more is kept by the thread for its next call:
+ * calls through the kept block give the same numbers, and
+ * mha_release_workspace frees it (the next call allocates afresh). */
+static void test_workspace_cache(void)
+{
+    const int64_t B = 50000, S = 8, E = 8, H = 2; /* workspace: 5 x 12.8 MB */
+    mha_config c = {E, H, E, E, 1, MHA_FLOAT32};
+    int64_t off[MHA_NPARAM], size[MHA_NPARAM], total, i, n = B * S * E;
+    uint64_t s = 31;
+    float *P, *X = malloc((size_t)n * 4), *o1 = malloc((size_t)n * 4),
+          *o2 = malloc((size_t)n * 4), *o3 = malloc((size_t)n * 4);
+    mha_params p;
+    mha_forward_args a;
+    mha_param_layout(&c, off, size, &total);
+    P = malloc((size_t)total * 4);
+    CHECK(mha_params_init(&c, P, 3) == MHA_OK, "init");
+    mha_params_from_block(&c, P, &p);
+    for (i = 0; i < n; i++) X[i] = (float)lcg_next(&s);
+    memset(&a, 0, sizeof a);
+    a.B = B; a.Sq = S; a.Sk = S;
+    a.query = X; a.key = X; a.value = X;
+    a.out = o1;
+    CHECK(mha_forward(&c, &p, &a) == MHA_OK, "first call");
+    a.out = o2;
+    CHECK(mha_forward(&c, &p, &a) == MHA_OK, "call through the kept workspace");
+    mha_release_workspace();
+    a.out = o3;
+    CHECK(mha_forward(&c, &p, &a) == MHA_OK, "call after mha_release_workspace");
+    mha_release_workspace();
+    mha_release_workspace(); /* nothing kept: a no-op */
+    CHECK(memcmp(o1, o2, (size_t)n * 4) == 0 && memcmp(o1, o3, (size_t)n * 4) == 0,
+          "the kept workspace changed the output");
+    free(P); free(X); free(o1); free(o2); free(o3);
+}
+
 static void test_status(void)
 {
     mha_config bad = {10, 3, 10, 10, 1, MHA_FLOAT32};
@@ -324,6 +359,7 @@ int main(void)
     test_hand_computed();
     test_status();
     test_dropout_stream();
+    test_workspace_cache();
     /* sizes that are multiples of no tile, masks, causal, dropout, cross;
      * on every instruction set this CPU runs */
     for (n = 0; n < 3; n++) {
