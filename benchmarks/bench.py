@@ -16,6 +16,14 @@ after each torch call steals the core our next call needs, a cost of
 interleaving in one process rather than of either library.  torch's own times
 change little with it (within noise at every case here).
 
+The fwd+bwd rows time one training step (bench_backward.py, imported): ours
+is forward_train(need_weights=False) then backward, torch is the seed
+notebook's module under autograd (out.backward), float32, both giving the
+gradients of the inputs and every parameter; "max abs diff" is there the
+largest relative error of the weight gradients, GFLOP/s counts the dense
+work of forward and backward (3x the forward's).  They run at least 5
+rounds and stop after --reps rounds or after 3x --min-time seconds.
+
 The percentage of peak comes from a small C FMA probe (fma_probe.c next to
 this file) compiled here with the system compiler and run at the same thread
 count: independent accumulator chains of vector FMAs, best of 7 runs.  The
@@ -36,6 +44,7 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # bench_backward.py, for the fwd+bwd rows
 sys.path.insert(0, os.path.dirname(HERE))  # the mha_ext built in place next to benchmarks/
 
 # name: (B, S, E, H, dtype, is_causal, need_weights)
@@ -47,8 +56,12 @@ CASES = {
     "large no weights": (4, 1024, 1024, 16, "float32", False, False),
     "float64 medium": (8, 128, 512, 8, "float64", False, True),
 }
+# forward + backward against torch autograd (bench_backward.py's functions):
+# name: the shape in bench_backward.SHAPES
+BWD_CASES = {"fwd+bwd medium": "medium", "fwd+bwd large": "large"}
 TARGET = {"tiny": 1.5, "medium": 1.5, "causal medium": 1.5, "large": 1.5,
-          "large no weights": 1.2, "float64 medium": 1.5}
+          "large no weights": 1.2, "float64 medium": 1.5,
+          "fwd+bwd medium": 1.2, "fwd+bwd large": 1.2}
 
 
 def flops(B, S, E, H, causal):
@@ -168,7 +181,7 @@ def main():
     ap.add_argument("--min-time", type=float, default=3.0,
                     help="and keep going for at least this many seconds per case")
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=",".join([*CASES, *BWD_CASES]))
     ap.add_argument("--isa", default=None, help="force mha_ext's ISA (portable, avx2, avx512)")
     ap.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active"],
                     help="OMP_WAIT_POLICY for torch's OpenMP threads (default passive)")
@@ -201,9 +214,19 @@ def main():
     print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
     for case in args.cases.split(","):
         case = case.strip()
-        B, S, E, H, dtype, causal, nw = CASES[case]
-        tt, to, diff, n = bench_case(case, args.reps, args.min_time)
-        gf = flops(B, S, E, H, causal) / to / 1e9
+        if case in BWD_CASES:
+            import bench_backward
+            sh = bench_backward.SHAPES[BWD_CASES[case]]
+            B, S, E, H = sh["B"], sh["S"], sh["E"], sh["H"]
+            dtype, causal, nw = "float32", False, False
+            med, diff = bench_backward.bench(case, **sh, reps=args.reps,
+                                             max_time=3 * args.min_time, with_nn_mha=False)
+            tt, to, n = med["torch seed"], med["mha_ext"], med["rounds"]
+            gf = bench_backward.flops(B, S, E, H) / to / 1e9
+        else:
+            B, S, E, H, dtype, causal, nw = CASES[case]
+            tt, to, diff, n = bench_case(case, args.reps, args.min_time)
+            gf = flops(B, S, E, H, causal) / to / 1e9
         pk = None if not peak else peak[1 if dtype == "float64" else 0]
         pct = 100 * gf / pk if pk else float("nan")
         ratio = tt / to

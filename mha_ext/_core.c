@@ -681,10 +681,14 @@ fail:
  *
  *   _take_counter() -> counter: reserve one dropout stream (atomic: GIL held)
  *   _forward_with(params, query, key, value, masks, is_causal, need_weights,
- *                 zero_rows, dropout, counter) -> (output, weights | None)
+ *                 zero_rows, dropout, counter[, keep]) -> (output, weights | None)
+ *       keep true: -> (output, weights | None, (Q, K, V, ctx)), the forward's
+ *       projections (mha_forward_save) for _backward's `saved`
  *   _backward(params, query, key, value, masks, is_causal, zero_rows,
- *             dropout, counter, grad_output, grad_weights | None)
+ *             dropout, counter, grad_output, grad_weights | None[, saved])
  *       -> (grad_params, grad_query, grad_key, grad_value)
+ *       saved: None (recompute) or the (Q, K, V, ctx) of _forward_with's
+ *       call with keep (mha_backward_saved)
  *
  * params: None (the module's own parameters) or a 1-D array of the block's
  * `total` scalars laid out as _layout() says; grad_params has that layout.
@@ -835,17 +839,19 @@ static PyObject *mha_take_counter(MHAObject *self, PyObject *Py_UNUSED(ignored))
 static PyObject *mha_forward_with_py(MHAObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     train_call c;
-    PyArrayObject *out = NULL, *w = NULL;
+    PyArrayObject *out = NULL, *w = NULL, *kept[4] = {NULL, NULL, NULL, NULL};
     PyObject *result = NULL;
     PyObject *pargs[9];
-    int need_weights, own = 0, tn = typenum_of(self);
+    int need_weights, keep = 0, own = 0, tn = typenum_of(self), i;
+    mha_saved sv;
     mha_status st;
 
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "_forward_with takes exactly 10 arguments");
+    if (nargs != 10 && nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "_forward_with takes 10 or 11 arguments");
         return NULL;
     }
     if ((need_weights = PyObject_IsTrue(args[6])) < 0) return NULL;
+    if (nargs == 11 && (keep = PyObject_IsTrue(args[10])) < 0) return NULL;
     /* the parse order: params, q, k, v, masks, is_causal, zero_rows, dropout, counter */
     pargs[0] = args[0]; pargs[1] = args[1]; pargs[2] = args[2]; pargs[3] = args[3];
     pargs[4] = args[4]; pargs[5] = args[5]; pargs[6] = args[7]; pargs[7] = args[8];
@@ -856,24 +862,44 @@ static PyObject *mha_forward_with_py(MHAObject *self, PyObject *const *args, Py_
         npy_intp od[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sq, (npy_intp)self->cfg.d_model};
         npy_intp wd[4] = {(npy_intp)c.a.B, (npy_intp)self->cfg.n_heads, (npy_intp)c.a.Sq,
                           (npy_intp)c.a.Sk};
+        npy_intp kd[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sk, (npy_intp)self->cfg.d_model};
         if (!(out = (PyArrayObject *)PyArray_SimpleNew(3, od, tn))) goto fail;
         if (need_weights && !(w = (PyArrayObject *)PyArray_SimpleNew(4, wd, tn))) goto fail;
+        /* Q, K, V, ctx; zeroed only when B * Sq == 0 leaves K and V unwritten */
+        for (i = 0; keep && i < 4; i++) {
+            npy_intp *dims = i == 1 || i == 2 ? kd : od;
+            kept[i] = (PyArrayObject *)(c.a.B * c.a.Sq == 0 ? PyArray_ZEROS(3, dims, tn, 0)
+                                                              : PyArray_SimpleNew(3, dims, tn));
+            if (!kept[i]) goto fail;
+        }
     }
     c.a.out = PyArray_DATA(out);
     c.a.weights = w ? PyArray_DATA(w) : NULL;
+    if (keep) {
+        sv.q = PyArray_DATA(kept[0]);
+        sv.k = PyArray_DATA(kept[1]);
+        sv.v = PyArray_DATA(kept[2]);
+        sv.ctx = PyArray_DATA(kept[3]);
+    }
     Py_BEGIN_ALLOW_THREADS
     if (own) pthread_rwlock_rdlock(&self->lock);
-    st = mha_forward(&self->cfg, &c.p, &c.a);
+    st = mha_forward_save(&self->cfg, &c.p, &c.a, keep ? &sv : NULL);
     if (own) pthread_rwlock_unlock(&self->lock);
     Py_END_ALLOW_THREADS
     if (st != MHA_OK) {
         set_status_error(st, "forward");
         goto fail;
     }
-    result = PyTuple_Pack(2, (PyObject *)out, w ? (PyObject *)w : Py_None);
+    if (keep)
+        result = Py_BuildValue("(OO(OOOO))", (PyObject *)out, w ? (PyObject *)w : Py_None,
+                               (PyObject *)kept[0], (PyObject *)kept[1], (PyObject *)kept[2],
+                               (PyObject *)kept[3]);
+    else
+        result = PyTuple_Pack(2, (PyObject *)out, w ? (PyObject *)w : Py_None);
 fail:
     Py_XDECREF(out);
     Py_XDECREF(w);
+    for (i = 0; i < 4; i++) Py_XDECREF(kept[i]);
     train_call_clear(&c);
     return result;
 }
@@ -882,13 +908,15 @@ static PyObject *mha_backward_py(MHAObject *self, PyObject *const *args, Py_ssiz
 {
     train_call c;
     PyArrayObject *go = NULL, *gw = NULL, *gp = NULL, *gq = NULL, *gk = NULL, *gv = NULL;
+    PyArrayObject *kept[4] = {NULL, NULL, NULL, NULL};
     PyObject *result = NULL;
     mha_backward_args ba;
-    int own, tn = typenum_of(self);
+    mha_saved sv;
+    int own, tn = typenum_of(self), i, have_saved = 0;
     mha_status st;
 
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "_backward takes exactly 11 arguments");
+    if (nargs != 11 && nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "_backward takes 11 or 12 arguments");
         return NULL;
     }
     if (train_call_parse(self, args, 0, &c) < 0) return NULL;
@@ -921,6 +949,32 @@ static PyObject *mha_backward_py(MHAObject *self, PyObject *const *args, Py_ssiz
             goto fail;
         }
     }
+    if (nargs == 12 && args[11] != Py_None) {
+        static const char *names[4] = {"saved Q", "saved K", "saved V", "saved ctx"};
+        if (!PyTuple_Check(args[11]) || PyTuple_GET_SIZE(args[11]) != 4) {
+            PyErr_SetString(PyExc_TypeError, "saved must be None or the (Q, K, V, ctx) tuple "
+                            "of _forward_with(..., keep=True)");
+            goto fail;
+        }
+        for (i = 0; i < 4; i++) {
+            const npy_intp rows = i == 1 || i == 2 ? (npy_intp)c.a.Sk : (npy_intp)c.a.Sq;
+            if (!(kept[i] = train_array(self, PyTuple_GET_ITEM(args[11], i), names[i])))
+                goto fail;
+            if (PyArray_NDIM(kept[i]) != 3 || PyArray_DIM(kept[i], 0) != (npy_intp)c.a.B ||
+                PyArray_DIM(kept[i], 1) != rows ||
+                PyArray_DIM(kept[i], 2) != (npy_intp)self->cfg.d_model) {
+                PyErr_Format(PyExc_ValueError, "%s must have shape (%lld, %lld, %lld)",
+                             names[i], (long long)c.a.B, (long long)rows,
+                             (long long)self->cfg.d_model);
+                goto fail;
+            }
+        }
+        sv.q = PyArray_DATA(kept[0]);
+        sv.k = PyArray_DATA(kept[1]);
+        sv.v = PyArray_DATA(kept[2]);
+        sv.ctx = PyArray_DATA(kept[3]);
+        have_saved = 1;
+    }
     {
         npy_intp pd[1] = {(npy_intp)self->total};
         npy_intp qd[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sq, (npy_intp)self->cfg.d_model};
@@ -942,7 +996,7 @@ static PyObject *mha_backward_py(MHAObject *self, PyObject *const *args, Py_ssiz
     ba.grad_params = PyArray_DATA(gp);
     Py_BEGIN_ALLOW_THREADS
     if (own) pthread_rwlock_rdlock(&self->lock);
-    st = mha_backward(&self->cfg, &c.p, &ba);
+    st = mha_backward_saved(&self->cfg, &c.p, &ba, have_saved ? &sv : NULL);
     if (own) pthread_rwlock_unlock(&self->lock);
     Py_END_ALLOW_THREADS
     if (st != MHA_OK) {
@@ -957,6 +1011,7 @@ fail:
     Py_XDECREF(gq);
     Py_XDECREF(gk);
     Py_XDECREF(gv);
+    for (i = 0; i < 4; i++) Py_XDECREF(kept[i]);
     train_call_clear(&c);
     return result;
 }
@@ -1057,11 +1112,13 @@ static PyMethodDef mha_methods[] = {
      "_take_counter()\n--\n\nReserve one dropout stream: its counter (training API)."},
     {"_forward_with", (PyCFunction)(void (*)(void))mha_forward_with_py, METH_FASTCALL,
      "_forward_with(params, query, key, value, masks, is_causal, need_weights, zero_rows, "
-     "dropout, counter)\n--\n\nThe forward with explicit parameters and dropout stream; "
+     "dropout, counter, keep=False)\n--\n\nThe forward with explicit parameters and dropout "
+     "stream; keep: also return (Q, K, V, ctx) for _backward; "
      "use MultiHeadAttention.forward_train."},
     {"_backward", (PyCFunction)(void (*)(void))mha_backward_py, METH_FASTCALL,
      "_backward(params, query, key, value, masks, is_causal, zero_rows, dropout, counter, "
-     "grad_output, grad_weights)\n--\n\nThe gradients of _forward_with's call; "
+     "grad_output, grad_weights, saved=None)\n--\n\nThe gradients of _forward_with's call "
+     "(saved: its kept (Q, K, V, ctx)); "
      "use MultiHeadAttention.backward."},
     {NULL}
 };

@@ -8,8 +8,10 @@ needs, and the backward that turns it into gradients.
 Nothing is kept in the module between the two calls: ``ctx`` (a
 :class:`ForwardContext`) holds a copy of the parameters, the inputs, the
 masks and the dropout stream (probability and counter) of the forward, and
-the backward recomputes everything else from them in C (Q, K, V, the
-softmax, the replayed dropout mask).  So several forwards may be in flight
+the forward's projections Q, K, V and its context before W_o (four
+(B, S, E) arrays; ``save_projections=False`` drops them to save memory, and
+the backward then recomputes them).  The backward recomputes the rest in C
+(the softmax block by block, the replayed dropout mask).  So several forwards may be in flight
 at once, from any number of threads, and each backward differentiates
 exactly the forward that made its ``ctx``, even if the module's parameters
 changed in between (an optimiser step).
@@ -41,7 +43,7 @@ class ForwardContext:
     """
 
     __slots__ = ("output", "weights", "dropout", "counter", "_params", "_query", "_key",
-                 "_value", "_masks", "_is_causal", "_zero_rows", "_batched",
+                 "_value", "_saved", "_masks", "_is_causal", "_zero_rows", "_batched",
                  "_need_weights", "_average_weights", "_seed")
 
     def __init__(self, **kw):
@@ -86,18 +88,23 @@ def _param_block(mha, params):
     return block
 
 
-def _input(x, name, dtype):
+def _input(x, name, dtype, copy=True):
+    """x as a C-contiguous array of dtype: a private copy (what a context
+    keeps), or with copy=False the array itself when it already is one (what
+    the backward reads once and lets go)."""
     from .module import _as_array, _check_real
 
     arr = _as_array(x, name)
     _check_real(arr, name)
+    if not copy:
+        return np.ascontiguousarray(arr, dtype=dtype)
     return np.array(arr, dtype=dtype, order="C", copy=True)
 
 
 def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None,
                   key_padding_mask=None, is_causal=False, need_weights=True,
                   average_weights=False, masked_rows="nan", params=None, dropout=None,
-                  dropout_counter=None) -> ForwardContext:
+                  dropout_counter=None, save_projections=True) -> ForwardContext:
     """The forward pass of ``mha`` (a MultiHeadAttention), returning a
     :class:`ForwardContext` with ``.output`` and ``.weights`` (what the call
     returns) and what :func:`backward` needs.
@@ -109,6 +116,9 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
         mode) or an explicit probability in [0, 1].
       dropout_counter: None (reserve a fresh random stream, as every training
         call does) or the ``counter`` of an earlier context: replays its mask.
+      save_projections: keep Q, K, V and the context (4 arrays of (B, S, E))
+        in the context, so that the backward need not recompute them
+        (default); False keeps only the inputs and the backward recomputes.
     """
     from .module import MultiHeadAttention
 
@@ -165,15 +175,18 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
         counter = 0
     block = _param_block(mha, params)
     zero_rows = masked_rows == "zero"
-    out, weights = mha._forward_with(block, q3, k3, v3, list(masks), bool(is_causal),
-                                     bool(need_weights), zero_rows, p, counter)
+    out, weights, *kept = mha._forward_with(block, q3, k3, v3, list(masks), bool(is_causal),
+                                            bool(need_weights), zero_rows, p, counter,
+                                            bool(save_projections))
+    saved = kept[0] if kept else None
     if weights is not None and average_weights:
         weights = weights.mean(axis=1)
     if not batched:
         out = out[0]
         weights = None if weights is None else weights[0]
     return ForwardContext(output=out, weights=weights, dropout=p, counter=counter,
-                          _params=block, _query=q3, _key=k3, _value=v3, _masks=masks,
+                          _params=block, _query=q3, _key=k3, _value=v3, _saved=saved,
+                          _masks=masks,
                           _is_causal=bool(is_causal), _zero_rows=zero_rows, _batched=batched,
                           _need_weights=bool(need_weights),
                           _average_weights=bool(average_weights), _seed=mha.seed)
@@ -201,7 +214,7 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
         raise ValueError("ctx was made by forward_train of a different module (another "
                          "configuration, dtype or seed)")
     dtype = mha.dtype
-    go = _input(grad_output, "grad_output", dtype)
+    go = _input(grad_output, "grad_output", dtype, copy=False)
     if go.shape != ctx.output.shape:
         raise ValueError(f"grad_output must have the output's shape {ctx.output.shape}, "
                          f"got {go.shape}")
@@ -210,7 +223,7 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
         if ctx.weights is None:
             raise ValueError("grad_weights given, but the forward returned no weights "
                              "(need_weights=False)")
-        gw = _input(grad_weights, "grad_weights", dtype)
+        gw = _input(grad_weights, "grad_weights", dtype, copy=False)
         if gw.shape != ctx.weights.shape:
             raise ValueError(f"grad_weights must have the weights' shape {ctx.weights.shape}, "
                              f"got {gw.shape}")
@@ -222,7 +235,7 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
         go = go[None]
     gp, gq, gk, gv = mha._backward(ctx._params, ctx._query, ctx._key, ctx._value,
                                    list(ctx._masks), ctx._is_causal, ctx._zero_rows,
-                                   ctx.dropout, ctx.counter, go, gw)
+                                   ctx.dropout, ctx.counter, go, gw, ctx._saved)
     grads = {}
     layout = mha._layout()
     for i, k in enumerate(_KEYS):

@@ -17,36 +17,39 @@
  *   out = ctx·W_oᵀ + b_o            dctx = d out·W_o   dW_o = d outᵀ·ctx   db_o = Σ_rows d out
  *
  * Phases, each one parallel pass on the pool:
- *   1. recompute Q, K, V (the forward's projections) and dctx = d out·W_o;
- *   2. per (b, h): recompute S, P, A and ctx_bh block by block of queries,
- *      and write dQ_bh, dK_bh, dV_bh;
- *   3. transpose d out, dQ, dK, dV (the weight gradients need them as the
- *      left operand) and sum their columns: the bias gradients;
- *   4. the weight gradients and the input gradients, all tiles of all seven
+ *   1. recompute Q, K, V (the forward's projections) and dctx = d out·W_o
+ *      (only dctx when mha_forward_save kept Q, K, V and ctx);
+ *   2. per (b, h): recompute S, P, A (and ctx_bh, unless kept) block by
+ *      block of queries, and write dQ_bh, dK_bh, dV_bh;
+ *   3. sum the columns of d out, dQ, dK, dV: the bias gradients;
+ *   4. the weight gradients (dW = dYᵀ·X: mha_gemm_tn packs dYᵀ's panels, no
+ *      transposed copy) and the input gradients, all tiles of all seven
  *      products in one pass. */
 
-#define QB 64   /* queries per block inside one (b, h) task */
+#define QB 128  /* queries per block inside one (b, h) task */
 #define RM 64   /* rows per product tile */
 #define RN 64   /* columns per product tile */
+#define RN_TN 1024 /* ... for TN: each MR-row panel of Aᵀ serves the whole tile */
 #define KC 256  /* depth of one pass over a weight-gradient tile (cache) */
-#define TC 32   /* columns per transpose task */
+#define TC 64   /* columns per column-sum task */
 
-enum { SUF(JOB_NT) = 0, SUF(JOB_NN) = 1 };
+enum { SUF(JOB_NT) = 0, SUF(JOB_NN) = 1, SUF(JOB_TN) = 2 };
 
-/* One product, cut into RM x RN tiles:
+/* One product, cut into RM x RN (TN: RM x RN_TN) tiles:
  *   NT: C (M, N) = A (M, K) · B (N, K)ᵀ + bias   (a projection, as forward)
- *   NN: C (M, N) = A (M, K) · B (K, N)           (a gradient) */
+ *   NN: C (M, N) = A (M, K) · B (K, N)           (an input gradient)
+ *   TN: C (M, N) = A (K, M)ᵀ · B (K, N)          (a weight gradient) */
 typedef struct {
     int kind;
     const T *A, *B, *bias;
     T *C;
-    int64_t M, N, K, lda, ldb, ldc, tiles_n, tiles;
+    int64_t M, N, K, lda, ldb, ldc, rn, tiles_n, tiles;
 } SUF(bjob);
 
-/* x (R, C) -> xt (C, R), and colsum (C) = Σ_rows x when not NULL */
+/* colsum (C) = Σ_rows x for x (R, C), rows in order */
 typedef struct {
     const T *x;
-    T *xt, *colsum;
+    T *colsum;
     int64_t R, C, tasks;
 } SUF(btr);
 
@@ -54,10 +57,11 @@ typedef struct {
     const mha_backward_args *a;
     const mha_forward_args *fa;
     int64_t B, Sq, Sk, E, H, Dk;
-    T *q, *k, *v;         /* Q (B, Sq, E), K and V (B, Sk, E), recomputed */
+    T *q, *k, *v;         /* Q (B, Sq, E), K and V (B, Sk, E), recomputed or kept */
     T *ctx, *dctx;        /* (B, Sq, E) */
+    int saved;            /* q, k, v, ctx are mha_forward_save's: never written */
     T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E) */
-    T *scratch;           /* per slot: P, D (QB, Sk), Tr (Sk, QB), Kᵀ, Vᵀ (Dk, Sk) */
+    T *scratch;           /* per slot: P, D (QB, Sk), Kᵀ, Vᵀ (Dk, Sk) */
     T *pack;              /* per slot: MHA_GEMM_SCRATCH scalars for mha_gemm's packing */
     const SUF(mha_kern) *kern; /* the kernels of the ISA in use */
     int64_t scratch_len;  /* scalars per slot */
@@ -86,7 +90,8 @@ static void SUF(bjob_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const 
     jb->bias = bias;
     jb->C = C; jb->ldc = ldc;
     jb->M = M; jb->N = N; jb->K = K;
-    jb->tiles_n = (N + RN - 1) / RN;
+    jb->rn = kind == SUF(JOB_TN) ? RN_TN : RN;
+    jb->tiles_n = (N + jb->rn - 1) / jb->rn;
     jb->tiles = M > 0 && N > 0 ? (M + RM - 1) / RM * jb->tiles_n : 0;
 }
 
@@ -106,23 +111,27 @@ static void SUF(bjob_task)(void *vf, int64_t t, int slot)
     int j = 0;
     while (t >= f->jobs[j].tiles) t -= f->jobs[j++].tiles;
     const SUF(bjob) *jb = &f->jobs[j];
-    int64_t i0 = (t / jb->tiles_n) * RM, n0 = (t % jb->tiles_n) * RN;
+    int64_t i0 = (t / jb->tiles_n) * RM, n0 = (t % jb->tiles_n) * jb->rn;
     int64_t m = jb->M - i0 < RM ? jb->M - i0 : RM;
-    int64_t n = jb->N - n0 < RN ? jb->N - n0 : RN;
+    int64_t n = jb->N - n0 < jb->rn ? jb->N - n0 : jb->rn;
     T *c_t = jb->C + i0 * jb->ldc + n0;
     T *gs = f->pack + (int64_t)slot * MHA_GEMM_SCRATCH;
     const int nt = jb->kind == SUF(JOB_NT);
-    SUF(mha_gemm)(f->kern, nt, m, n, jb->K, jb->A + i0 * jb->lda, jb->lda,
-                  jb->B + (nt ? n0 * jb->ldb : n0), jb->ldb, jb->bias ? jb->bias + n0 : NULL,
-                  c_t, jb->ldc, 0, gs);
+    if (jb->kind == SUF(JOB_TN))
+        SUF(mha_gemm_tn)(f->kern, m, n, jb->K, jb->A + i0, jb->lda, jb->B + n0, jb->ldb, c_t,
+                         jb->ldc, 0, gs);
+    else
+        SUF(mha_gemm)(f->kern, nt, m, n, jb->K, jb->A + i0 * jb->lda, jb->lda,
+                      jb->B + (nt ? n0 * jb->ldb : n0), jb->ldb,
+                      jb->bias ? jb->bias + n0 : NULL, c_t, jb->ldc, 0, gs);
 }
 
-/* ------------------------------------------------------------ transposes */
+/* ------------------------------------------------------------ column sums */
 
-static void SUF(btr_add)(SUF(bwd) *f, const T *x, T *xt, T *colsum, int64_t R, int64_t C)
+static void SUF(btr_add)(SUF(bwd) *f, const T *x, T *colsum, int64_t R, int64_t C)
 {
     SUF(btr) *tr = &f->tr[f->n_tr++];
-    tr->x = x; tr->xt = xt; tr->colsum = colsum;
+    tr->x = x; tr->colsum = colsum;
     tr->R = R; tr->C = C;
     tr->tasks = (C + TC - 1) / TC;
 }
@@ -140,13 +149,9 @@ static void SUF(btr_task)(void *vf, int64_t t, int slot)
     for (c = 0; c < nc; c++) sum[c] = 0;
     for (r = 0; r < tr->R; r++) {
         const T *x_r = tr->x + r * tr->C + c0;
-        for (c = 0; c < nc; c++) {
-            tr->xt[(c0 + c) * tr->R + r] = x_r[c];
-            sum[c] += x_r[c];
-        }
+        for (c = 0; c < nc; c++) sum[c] += x_r[c];
     }
-    if (tr->colsum)
-        for (c = 0; c < nc; c++) tr->colsum[c0 + c] = sum[c];
+    for (c = 0; c < nc; c++) tr->colsum[c0 + c] = sum[c];
 }
 
 /* dst (n, m) = src (m, n)ᵀ, src with leading dimension ld */
@@ -209,8 +214,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     const T *gw_bh = f->a->grad_weights ? (const T *)f->a->grad_weights + bh * Sq * Sk : NULL;
     T *p = f->scratch + (int64_t)slot * f->scratch_len; /* (QB, Sk) P */
     T *d = p + QB * Sk;                                 /* (QB, Sk) A, then dA, dP, dS */
-    T *tr = d + QB * Sk;                                /* (Sk, QB) Aᵀ, then dSᵀ */
-    T *kt = tr + Sk * QB;                               /* (Dk, Sk) K_bhᵀ */
+    T *kt = d + QB * Sk;                                /* (Dk, Sk) K_bhᵀ */
     T *vt = kt + Dk * Sk;                               /* (Dk, Sk) V_bhᵀ */
     uint8_t *keep = f->keep + (int64_t)slot * f->keep_len; /* (QB, Sk) */
     T *gs = f->pack + (int64_t)slot * MHA_GEMM_SCRATCH;  /* mha_gemm's packing */
@@ -218,7 +222,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     if (Sk == 0) { /* no key at all: every row is fully blocked, nothing to differentiate */
         for (r = 0; r < Sq; r++)
             for (j = 0; j < Dk; j++) {
-                c_bh[r * E + j] = nan_or_zero;
+                if (!f->saved) c_bh[r * E + j] = nan_or_zero;
                 dq_bh[r * E + j] = 0;
             }
         return;
@@ -233,25 +237,27 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
 
         /* forward: S = Q_bh·K_bhᵀ / sqrt(Dk); S = masked(S); P = softmax(S) */
         SUF(mha_gemm)(f->kern, 0, nq, Sk, Dk, q_bh + i0 * E, E, kt, Sk, NULL, p, Sk, 0, gs);
-        for (r = 0; r < nq; r++) {
-            T *p_r = p + r * Sk, m = -(T)INFINITY, sum = 0, inv;
-            for (j = 0; j < Sk; j++) p_r[j] *= f->scale;
-            SUF(bwd_masks)(fa, p_r, b, h, i0 + r, Sk);
-            for (j = 0; j < Sk; j++)
-                if (p_r[j] > m || p_r[j] != p_r[j]) {
-                    m = p_r[j];
-                    if (m != m) break;
-                }
+        for (r = 0; r < nq; r++) { /* the forward's kernels: the same P */
+            T *p_r = p + r * Sk, m, sum;
+            if (fa->n_masks == 0 && !fa->is_causal) {
+                m = f->kern->scale_max(p_r, Sk, f->scale);
+            } else {
+                f->kern->scale(p_r, Sk, f->scale);
+                SUF(bwd_masks)(fa, p_r, b, h, i0 + r, Sk);
+                m = f->kern->max(p_r, Sk);
+            }
+            if (m == -(T)INFINITY) /* a NaN score with no visible key: a NaN row */
+                for (j = 0; j < Sk; j++)
+                    if (p_r[j] != p_r[j]) {
+                        m = p_r[j];
+                        break;
+                    }
             if (m == -(T)INFINITY) { /* every key blocked */
                 for (j = 0; j < Sk; j++) p_r[j] = nan_or_zero;
                 continue;
             }
-            for (j = 0; j < Sk; j++) {
-                p_r[j] = EXP(p_r[j] - m);
-                sum += p_r[j];
-            }
-            inv = (T)1 / sum;
-            for (j = 0; j < Sk; j++) p_r[j] *= inv;
+            sum = f->kern->exp_sum(p_r, Sk, m); /* NaN in: a NaN sum, then a NaN row */
+            f->kern->scale(p_r, Sk, (T)1 / sum);
         }
         /* forward: A = dropout(P), keep replayed from the call's stream */
         if (f->dropout_on) {
@@ -266,39 +272,38 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
             }
             a_blk = d;
         }
-        /* forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx) */
-        SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, a_blk, Sk, v_bh, E, NULL, c_bh + i0 * E, E, 0, gs);
+        /* forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx), unless kept */
+        if (!f->saved)
+            SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, a_blk, Sk, v_bh, E, NULL, c_bh + i0 * E, E, 0,
+                          gs);
         /* backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh */
-        SUF(transpose)(a_blk, nq, Sk, Sk, tr);
-        SUF(mha_gemm)(f->kern, 0, Sk, Dk, nq, tr, nq, dc_bh + i0 * E, E, NULL, dv_bh, E, !first, gs);
+        SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, a_blk, Sk, dc_bh + i0 * E, E, dv_bh, E, !first, gs);
         /* ... and dA = dctx_bh·V_bhᵀ, plus the gradient of the returned weights */
         SUF(mha_gemm)(f->kern, 0, nq, Sk, Dk, dc_bh + i0 * E, E, vt, Sk, NULL, d, Sk, 0, gs);
         if (gw_bh)
             for (r = 0; r < nq; r++)
                 for (j = 0; j < Sk; j++) d[r * Sk + j] += gw_bh[(i0 + r) * Sk + j];
         for (r = 0; r < nq; r++) {
-            const T *p_r = p + r * Sk;
-            T *d_r = d + r * Sk, dot = 0;
+            T *d_r = d + r * Sk;
             /* backward of A = dropout(P): dP = dA · keep / (1 - p) */
             if (f->dropout_on)
                 for (j = 0; j < Sk; j++)
                     d_r[j] = keep[r * Sk + j] ? d_r[j] * f->drop_scale : (T)0;
             /* backward of P = softmax(S): dS_j = P_j (dP_j - Σ_k P_k dP_k),
              * and of S = .../sqrt(Dk): the scale folded in */
-            for (j = 0; j < Sk; j++) dot += p_r[j] * d_r[j];
-            for (j = 0; j < Sk; j++) d_r[j] = p_r[j] * (d_r[j] - dot) * f->scale;
+            f->kern->softmax_grad(p + r * Sk, d_r, Sk, f->scale);
         }
         /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh */
         SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, d, Sk, k_bh, E, NULL, dq_bh + i0 * E, E, 0, gs);
-        SUF(transpose)(d, nq, Sk, Sk, tr);
-        SUF(mha_gemm)(f->kern, 0, Sk, Dk, nq, tr, nq, q_bh + i0 * E, E, NULL, dk_bh, E, !first, gs);
+        SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, d, Sk, q_bh + i0 * E, E, dk_bh, E, !first, gs);
     }
 }
 
 /* ------------------------------------------------------------ the pass */
 
+/* sv: NULL, or Q, K, V and ctx as mha_forward_save kept them */
 static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
-                                const mha_backward_args *a)
+                                const mha_backward_args *a, const mha_saved *sv)
 {
     mha_sizes sz;
     mha_forward_args chk;
@@ -355,10 +360,12 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         if (flops < 4e5) slots = 1;
     }
 
-    /* workspace: q, ctx, dctx, dq (B, Sq, E); k, v, dk, dv (B, Sk, E); then
-     * per slot P, D (QB, Sk), Tr (Sk, QB), K_bhᵀ and V_bhᵀ (Dk, Sk) */
-    if (mha_mul(3 * QB + 2 * f.Dk, f.Sk, &f.scratch_len) ||
-        mha_mul(n_q, 4, &n_work) || mha_mul(n_kv, 4, &t) || mha_add(n_work, t, &n_work) ||
+    /* workspace: dctx, dq (B, Sq, E); dk, dv (B, Sk, E); without sv also q,
+     * ctx (B, Sq, E), k and v (B, Sk, E); then per slot P, D (QB, Sk), K_bhᵀ
+     * and V_bhᵀ (Dk, Sk) and mha_gemm's packing */
+    if (mha_mul(2 * QB + 2 * f.Dk, f.Sk, &f.scratch_len) ||
+        mha_mul(n_q, sv ? 2 : 4, &n_work) || mha_mul(n_kv, sv ? 2 : 4, &t) ||
+        mha_add(n_work, t, &n_work) ||
         mha_mul(f.scratch_len, slots, &t) || mha_add(n_work, t, &n_work) ||
         mha_mul(MHA_GEMM_SCRATCH, slots, &t) || mha_add(n_work, t, &n_work) ||
         mha_bytes(n_work, sizeof(T), &bytes))
@@ -367,34 +374,45 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     {
         int64_t keep_total;
         if (mha_mul(f.keep_len, slots, &keep_total)) return MHA_ERR_OVERFLOW;
-        work = (T *)mha_alloc(bytes);
+        work = (T *)mha_work_alloc(bytes);
         f.keep = (uint8_t *)mha_alloc((size_t)keep_total);
         if (!work || !f.keep) {
-            mha_free(work);
+            mha_work_free(work);
             mha_free(f.keep);
             return MHA_ERR_NOMEM;
         }
     }
-    f.q = work;
-    f.ctx = f.q + n_q;
-    f.dctx = f.ctx + n_q;
+    f.dctx = work;
     f.dq = f.dctx + n_q;
-    f.k = f.dq + n_q;
-    f.v = f.k + n_kv;
-    f.dk = f.v + n_kv;
+    f.dk = f.dq + n_q;
     f.dv = f.dk + n_kv;
     f.scratch = f.dv + n_kv;
+    if (sv) { /* read only */
+        f.saved = 1;
+        f.q = (T *)sv->q;
+        f.ctx = (T *)sv->ctx;
+        f.k = (T *)sv->k;
+        f.v = (T *)sv->v;
+    } else {
+        f.q = f.scratch;
+        f.ctx = f.q + n_q;
+        f.k = f.ctx + n_q;
+        f.v = f.k + n_kv;
+        f.scratch = f.v + n_kv;
+    }
     f.pack = f.scratch + f.scratch_len * slots;
     BWD_TICK_START;
 
     /* 1. the forward's projections, and dctx = d out·W_o
      *    (backward of out = ctx·W_oᵀ + b_o, for ctx) */
-    SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.query, f.E, (const T *)p->wq, f.E,
-                  (const T *)p->bq, f.q, f.E, Rq, f.E, f.E);
-    SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.key, Ek, (const T *)p->wk, Ek,
-                  (const T *)p->bk, f.k, f.E, Rk, f.E, Ek);
-    SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.value, Ev, (const T *)p->wv, Ev,
-                  (const T *)p->bv, f.v, f.E, Rk, f.E, Ev);
+    if (!f.saved) {
+        SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.query, f.E, (const T *)p->wq, f.E,
+                      (const T *)p->bq, f.q, f.E, Rq, f.E, f.E);
+        SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.key, Ek, (const T *)p->wk, Ek,
+                      (const T *)p->bk, f.k, f.E, Rk, f.E, Ek);
+        SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.value, Ev, (const T *)p->wv, Ev,
+                      (const T *)p->bv, f.v, f.E, Rk, f.E, Ev);
+    }
     SUF(bjob_add)(&f, SUF(JOB_NN), (const T *)a->grad_out, f.E, (const T *)p->wo, f.E,
                   NULL, f.dctx, f.E, Rq, f.E, f.E);
     mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
@@ -404,33 +422,30 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f);
     BWD_TICK("2 attn");
 
-    /* 3. d out, dQ, dK, dV transposed into the buffers of dctx, Q, K, V
-     *    (no longer needed), their column sums being the bias gradients */
-    if (g) {
-        const int bias = cfg->bias;
-        SUF(btr_add)(&f, (const T *)a->grad_out, f.dctx, bias ? g + offset[MHA_BO] : NULL,
-                     Rq, f.E);
-        SUF(btr_add)(&f, f.dq, f.q, bias ? g + offset[MHA_BQ] : NULL, Rq, f.E);
-        SUF(btr_add)(&f, f.dk, f.k, bias ? g + offset[MHA_BK] : NULL, Rk, f.E);
-        SUF(btr_add)(&f, f.dv, f.v, bias ? g + offset[MHA_BV] : NULL, Rk, f.E);
+    /* 3. the bias gradients: the column sums of d out, dQ, dK, dV */
+    if (g && cfg->bias) {
+        SUF(btr_add)(&f, (const T *)a->grad_out, g + offset[MHA_BO], Rq, f.E);
+        SUF(btr_add)(&f, f.dq, g + offset[MHA_BQ], Rq, f.E);
+        SUF(btr_add)(&f, f.dk, g + offset[MHA_BK], Rk, f.E);
+        SUF(btr_add)(&f, f.dv, g + offset[MHA_BV], Rk, f.E);
         int64_t n_tr = 0;
         int i;
         for (i = 0; i < f.n_tr; i++) n_tr += f.tr[i].tasks;
         mha_parallel_for(n_tr, slots, SUF(btr_task), &f);
     }
-    BWD_TICK("3 transpose");
+    BWD_TICK("3 bias sums");
 
-    /* 4. the weight gradients (dW = dYᵀ·X, as (E, Rows)·(Rows, In)) and the
+    /* 4. the weight gradients (dW = dYᵀ·X, as (Rows, E)ᵀ·(Rows, In)) and the
      *    input gradients (dX = dY·W) */
     f.n_jobs = 0;
     if (g) {
-        SUF(bjob_add)(&f, SUF(JOB_NN), f.dctx, Rq, f.ctx, f.E, NULL, g + offset[MHA_WO], f.E,
-                      f.E, f.E, Rq);
-        SUF(bjob_add)(&f, SUF(JOB_NN), f.q, Rq, (const T *)a->fwd.query, f.E, NULL,
+        SUF(bjob_add)(&f, SUF(JOB_TN), (const T *)a->grad_out, f.E, f.ctx, f.E, NULL,
+                      g + offset[MHA_WO], f.E, f.E, f.E, Rq);
+        SUF(bjob_add)(&f, SUF(JOB_TN), f.dq, f.E, (const T *)a->fwd.query, f.E, NULL,
                       g + offset[MHA_WQ], f.E, f.E, f.E, Rq);
-        SUF(bjob_add)(&f, SUF(JOB_NN), f.k, Rk, (const T *)a->fwd.key, Ek, NULL,
+        SUF(bjob_add)(&f, SUF(JOB_TN), f.dk, f.E, (const T *)a->fwd.key, Ek, NULL,
                       g + offset[MHA_WK], Ek, f.E, Ek, Rk);
-        SUF(bjob_add)(&f, SUF(JOB_NN), f.v, Rk, (const T *)a->fwd.value, Ev, NULL,
+        SUF(bjob_add)(&f, SUF(JOB_TN), f.dv, f.E, (const T *)a->fwd.value, Ev, NULL,
                       g + offset[MHA_WV], Ev, f.E, Ev, Rk);
     }
     if (a->grad_query)
@@ -445,7 +460,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
     BWD_TICK("4 grads");
 
-    mha_free(work);
+    mha_work_free(work);
     mha_free(f.keep);
     return MHA_OK;
 }
@@ -453,5 +468,6 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
 #undef QB
 #undef RM
 #undef RN
+#undef RN_TN
 #undef KC
 #undef TC

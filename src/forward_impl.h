@@ -294,8 +294,9 @@ static int SUF(all_finite)(const T *x, int64_t n)
     return z == 0;
 }
 
+/* sv: NULL, or the caller's buffers for Q, K, V and ctx (mha_forward_save) */
 static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
-                               const mha_forward_args *a)
+                               const mha_forward_args *a, const mha_saved *sv)
 {
     mha_sizes sz;
     SUF(fwd) f;
@@ -330,22 +331,33 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
         if (flops < 2e6) slots = 1;
     }
 
-    /* workspace: q and ctx (B, Sq, E); k, v and kt (B, Sk, E); per-slot scratch */
+    /* workspace: q and ctx (B, Sq, E); k, v and kt (B, Sk, E); per-slot
+     * scratch; q, ctx, k and v are the caller's with sv */
     f.scratch_len = MHA_GEMM_SCRATCH;
     if (!a->weights) f.scratch_len += QB * KB + 2 * QB + QB * f.Dk; /* Dk <= E: checked */
-    if (mha_mul(f.B * f.Sk, f.E, &t) || mha_mul(t, 3, &t) || mha_add(t, 2 * sz.n_out, &n_work) ||
+    if (mha_mul(f.B * f.Sk, f.E, &t) || mha_mul(t, sv ? 1 : 3, &t) ||
+        mha_add(t, sv ? 0 : 2 * sz.n_out, &n_work) ||
         mha_mul(f.scratch_len, slots, &n_scratch) || mha_add(n_work, n_scratch, &n_work))
         return MHA_ERR_OVERFLOW;
     if (mha_bytes(n_work, sizeof(T), &bytes)) return MHA_ERR_OVERFLOW;
-    work = (T *)mha_alloc(bytes);
+    work = (T *)mha_work_alloc(bytes);
     if (!work) return MHA_ERR_NOMEM;
-    f.q = work;
-    f.ctx = f.q + sz.n_out;
-    f.k = f.ctx + sz.n_out;
-    f.v = f.k + f.B * f.Sk * f.E;
-    f.kt = f.v + f.B * f.Sk * f.E;
+    if (sv) {
+        f.q = (T *)sv->q;
+        f.ctx = (T *)sv->ctx;
+        f.k = (T *)sv->k;
+        f.v = (T *)sv->v;
+        f.kt = work;
+    } else {
+        f.q = work;
+        f.ctx = f.q + sz.n_out;
+        f.k = f.ctx + sz.n_out;
+        f.v = f.k + f.B * f.Sk * f.E;
+        f.kt = f.v + f.B * f.Sk * f.E;
+    }
     f.scratch = f.kt + f.B * f.Sk * f.E;
 
+    FWD_TICK_START;
     /* the three input projections, one parallel pass over all their tiles */
     SUF(add_job)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq, f.q,
                  f.B * f.Sq, f.E, f.E, slots);
@@ -354,9 +366,11 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     SUF(add_job)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, f.v,
                  f.B * f.Sk, f.E, cfg->vdim, slots);
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
+    FWD_TICK("qkv proj");
 
     /* K per head, transposed, so that Q·Kᵀ reads it in place */
     mha_parallel_for(f.Sk > 0 ? f.B * f.H : 0, slots, SUF(transpose_k_task), &f);
+    FWD_TICK("k transpose");
 
     /* a NaN or inf in V must reach every row (0·NaN), so no causal skipping */
     f.skip_causal = a->is_causal && SUF(all_finite)(f.v, f.B * f.Sk * f.E);
@@ -364,14 +378,16 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     /* attention, per (b, h, block of queries) */
     mha_parallel_for(f.B * f.H * f.n_qblk, slots,
                      a->weights ? SUF(attend_weights_task) : SUF(attend_online_task), &f);
+    FWD_TICK("attention");
 
     /* the output projection */
     f.n_jobs = 0;
     SUF(add_job)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out,
                  f.B * f.Sq, f.E, f.E, slots);
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
+    FWD_TICK("out proj");
 
-    mha_free(work);
+    mha_work_free(work);
     return MHA_OK;
 }
 

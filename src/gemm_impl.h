@@ -9,6 +9,11 @@
  * When op(B) = B (K, N) is row-major, a full NR strip is read in place
  * (ldbk = ldb) and only a ragged last strip is packed.
  *
+ * mha_gemm_tn takes A transposed, A (K, M), read in place too: the
+ * micro-kernel broadcasts element (i, k) from A[k*lda + i], MR neighbours
+ * per k (the weight gradients dW = dYᵀ·X and the attention's dV = Aᵀ·dctx
+ * without a transposed copy of the left side).
+ *
  * Each C element is summed in the same order whatever the tiling of the
  * caller: k = 0, 1, ... inside a KC block, blocks added to C in order, the
  * bias last.  So results do not depend on threads. */
@@ -34,9 +39,10 @@ static void SUF(pack_b)(int trans_b, int64_t kc, int64_t nr, int64_t NR, const T
     }
 }
 
-void SUF(mha_gemm)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
-                   const T *A, int64_t lda, const T *B, int64_t ldb, const T *bias,
-                   T *C, int64_t ldc, int accumulate, T *scratch)
+/* The loop nest; element (i, k) of A at A[i*a_rs + k*a_cs] */
+static void SUF(gemm_nest)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
+                           const T *A, int64_t a_rs, int64_t a_cs, const T *B, int64_t ldb,
+                           const T *bias, T *C, int64_t ldc, int accumulate, T *scratch)
 {
     const int64_t MR = kt->mr, NR = kt->nr;
     T *Bp = scratch;
@@ -71,12 +77,26 @@ void SUF(mha_gemm)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
                         bp = B + pc * ldb + jc + jr;
                         ldbk = ldb;
                     }
-                    kt->ukr(kc, A + ir * lda + pc, lda, bp, ldbk, C + ir * ldc + jc + jr, ldc,
-                            mr, nr, acc, bias_kc ? bias_kc + jc + jr : NULL);
+                    kt->ukr(kc, A + ir * a_rs + pc * a_cs, a_rs, a_cs, bp, ldbk,
+                            C + ir * ldc + jc + jr, ldc, mr, nr, acc,
+                            bias_kc ? bias_kc + jc + jr : NULL);
                 }
             }
         }
     }
+}
+
+void SUF(mha_gemm)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
+                   const T *A, int64_t lda, const T *B, int64_t ldb, const T *bias,
+                   T *C, int64_t ldc, int accumulate, T *scratch)
+{
+    SUF(gemm_nest)(kt, trans_b, M, N, K, A, lda, 1, B, ldb, bias, C, ldc, accumulate, scratch);
+}
+
+void SUF(mha_gemm_tn)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A, int64_t lda,
+                      const T *B, int64_t ldb, T *C, int64_t ldc, int accumulate, T *scratch)
+{
+    SUF(gemm_nest)(kt, 0, M, N, K, A, 1, lda, B, ldb, NULL, C, ldc, accumulate, scratch);
 }
 
 void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A,

@@ -30,6 +30,11 @@ static inline int mha_bytes(int64_t n, size_t size, size_t *r)
  * minimal block); free with mha_free. */
 void *mha_alloc(size_t bytes);
 void mha_free(void *p);
+/* The same for a call's workspace, through the calling thread's cache of
+ * one block (mha.c): free with mha_work_free, which keeps the block for the
+ * thread's next call (mha_release_workspace frees it). */
+void *mha_work_alloc(size_t bytes);
+void mha_work_free(void *p);
 
 /* ---- the dropout / initialisation stream (rng.c) ---- */
 uint64_t mha_stream_key(uint64_t seed, uint64_t counter);
@@ -63,6 +68,9 @@ void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx)
  * B (K, N).  bias (N) or NULL; accumulate: C += (else C is never read).
  * mha_gemm: the packed loop nest around kt->ukr, one thread; scratch holds
  *   MHA_GEMM_SCRATCH scalars.
+ * mha_gemm_tn: C (M, N) (+)= Aᵀ·B for A (K, M) and B (K, N), no bias: the
+ *   same loop nest, Aᵀ read in place (column by column); scratch as
+ *   mha_gemm's.
  * mha_gemm_small: the unpacked form for small M (trans_b only): dot
  *   products along K, nothing packed, no scratch. */
 #define MHA_GEMM_KC 256
@@ -74,6 +82,12 @@ void mha_gemm_f32(const mha_kern_f32 *kt, int trans_b, int64_t M, int64_t N, int
 void mha_gemm_f64(const mha_kern_f64 *kt, int trans_b, int64_t M, int64_t N, int64_t K,
                   const double *A, int64_t lda, const double *B, int64_t ldb,
                   const double *bias, double *C, int64_t ldc, int accumulate, double *scratch);
+void mha_gemm_tn_f32(const mha_kern_f32 *kt, int64_t M, int64_t N, int64_t K, const float *A,
+                     int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
+                     int accumulate, float *scratch);
+void mha_gemm_tn_f64(const mha_kern_f64 *kt, int64_t M, int64_t N, int64_t K, const double *A,
+                     int64_t lda, const double *B, int64_t ldb, double *C, int64_t ldc,
+                     int accumulate, double *scratch);
 void mha_gemm_small_f32(const mha_kern_f32 *kt, int64_t M, int64_t N, int64_t K,
                         const float *A, int64_t lda, const float *B, int64_t ldb,
                         const float *bias, float *C, int64_t ldc, int accumulate);

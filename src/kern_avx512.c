@@ -55,10 +55,12 @@ typedef int64_t vi64x8 __attribute__((vector_size(64)));
 
 static const mha_kern_f32 avx512_f32 = {
     "avx512", MR, NRV * 16, ukr_f32_avx512, dot_f32_avx512, scale_max_f32_avx512, max_f32_avx512,
-    exp_sum_f32_avx512, scale_f32_avx512, exp_row_f32_avx512};
+    exp_sum_f32_avx512, scale_f32_avx512, exp_row_f32_avx512,
+    softmax_grad_f32_avx512};
 static const mha_kern_f64 avx512_f64 = {
     "avx512", MR, NRV * 8, ukr_f64_avx512, dot_f64_avx512, scale_max_f64_avx512, max_f64_avx512,
-    exp_sum_f64_avx512, scale_f64_avx512, exp_row_f64_avx512};
+    exp_sum_f64_avx512, scale_f64_avx512, exp_row_f64_avx512,
+    softmax_grad_f64_avx512};
 const mha_kern_f32 *const mha_kern_avx512_f32_p = &avx512_f32;
 const mha_kern_f64 *const mha_kern_avx512_f64_p = &avx512_f64;
 #else

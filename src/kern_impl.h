@@ -98,13 +98,13 @@ KATTR static inline VT SUF(vexp)(VT x)
     return y;
 }
 
-KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, const T *Bp, int64_t ldbk,
-                           T *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
-                           const T *bias)
+KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, const T *Bp,
+                           int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,
+                           int accumulate, const T *bias)
 {
     VT c[MR][NRV];
     const T *ar[MR];
-    int64_t k;
+    int64_t k, ko;
     int r, v;
     /* rows past mr repeat the last one: computed, never stored */
 #pragma GCC unroll 16
@@ -113,13 +113,13 @@ KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, const T *Bp, int
     for (r = 0; r < MR; r++)
 #pragma GCC unroll 4
         for (v = 0; v < NRV; v++) c[r][v] = (VT){0};
-    for (k = 0; k < kc; k++) {
+    for (k = 0, ko = 0; k < kc; k++, ko += ak) {
         VT b[NRV];
 #pragma GCC unroll 4
         for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);
 #pragma GCC unroll 16
         for (r = 0; r < MR; r++) {
-            VT a = SUF(vset1)(ar[r][k]);
+            VT a = SUF(vset1)(ar[r][ko]);
 #pragma GCC unroll 4
             for (v = 0; v < NRV; v++) c[r][v] = V_FMA(a, b[v], c[r][v]);
         }
@@ -259,6 +259,20 @@ KATTR static void SUF(exp_row)(T *s, int64_t n)
         SUF(vstore)(tmp, SUF(vexp)(SUF(vload)(tmp)));
         for (t = 0; j + t < n; t++) s[j + t] = tmp[t];
     }
+}
+
+KATTR static void SUF(softmax_grad)(const T *p, T *d, int64_t n, T c)
+{
+    VT vs = (VT){0}, vdot, vc = SUF(vset1)(c);
+    int64_t j = 0;
+    T dot;
+    for (; j + VL <= n; j += VL) vs = V_FMA(SUF(vload)(p + j), SUF(vload)(d + j), vs);
+    dot = SUF(hsum)(vs);
+    for (; j < n; j++) dot += p[j] * d[j];
+    vdot = SUF(vset1)(dot);
+    for (j = 0; j + VL <= n; j += VL)
+        SUF(vstore)(d + j, SUF(vload)(p + j) * (SUF(vload)(d + j) - vdot) * vc);
+    for (; j < n; j++) d[j] = p[j] * (d[j] - dot) * c;
 }
 
 #undef NR

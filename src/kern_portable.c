@@ -53,7 +53,9 @@ typedef int64_t vi64x2 __attribute__((vector_size(16)));
 
 const mha_kern_f32 mha_kern_portable_f32 = {
     "portable", MR, NRV * 4, ukr_f32_portable, dot_f32_portable, scale_max_f32_portable,
-    max_f32_portable, exp_sum_f32_portable, scale_f32_portable, exp_row_f32_portable};
+    max_f32_portable, exp_sum_f32_portable, scale_f32_portable, exp_row_f32_portable,
+    softmax_grad_f32_portable};
 const mha_kern_f64 mha_kern_portable_f64 = {
     "portable", MR, NRV * 2, ukr_f64_portable, dot_f64_portable, scale_max_f64_portable,
-    max_f64_portable, exp_sum_f64_portable, scale_f64_portable, exp_row_f64_portable};
+    max_f64_portable, exp_sum_f64_portable, scale_f64_portable, exp_row_f64_portable,
+    softmax_grad_f64_portable};

@@ -4,8 +4,10 @@
  * time from the CPU's features (or MHA_EXT_ISA / mha_set_isa).
  *
  * ukr: the GEMM micro-kernel, C (mr, nr) (+)= A · Bp (+ bias), where
- *   A (mr, kc) is read in place, row r at A + r*lda (mr <= MR): the rows of
- *   an MR x kc panel stay in L1 while the kernel runs along N;
+ *   A (mr, kc) is read in place, element (r, k) at A[r*lda + k*ak] (mr <=
+ *   MR): ak = 1 for a row-major A, lda = 1 and ak = its row length for a
+ *   transposed one (mha_gemm_tn); the MR x kc panel stays in cache while the
+ *   kernel runs along N;
  *   Bp holds element (k, c) at Bp[k*ldbk + c] for c < NR: a packed panel
  *   (ldbk = NR, zero-padded) or, for a full strip, B itself (ldbk = ldb).
  *   accumulate: C += (else C is never read); bias (nr) added when not NULL.
@@ -16,7 +18,9 @@
  *   max:       the largest non-NaN entry (-inf if none)
  *   exp_sum:   s = exp(s - m), returns the sum (NaN in, NaN out; -inf -> 0)
  *   scale:     s *= c
- *   exp:       s = exp(s), the vector exp (<= 2 ulp for normal results) */
+ *   exp:       s = exp(s), the vector exp (<= 2 ulp for normal results)
+ *   softmax_grad: d = p (d - Σ_j p_j d_j) c over p[0..n), d[0..n): the
+ *              backward of a softmax row p, scaled by c */
 #ifndef MHA_KERNELS_H
 #define MHA_KERNELS_H
 
@@ -26,9 +30,9 @@
     typedef struct {                                                                  \
         const char *name;                                                             \
         int mr, nr;                                                                   \
-        void (*ukr)(int64_t kc, const T *A, int64_t lda, const T *Bp, int64_t ldbk,   \
-                    T *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,        \
-                    const T *bias);                                                   \
+        void (*ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, const T *Bp,     \
+                    int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,          \
+                    int accumulate, const T *bias);                                   \
         void (*dot)(int64_t m, int64_t n, int64_t K, const T *A, int64_t lda,         \
                     const T *B, int64_t ldb, const T *bias, T *C, int64_t ldc,        \
                     int accumulate);                                                  \
@@ -37,6 +41,7 @@
         T (*exp_sum)(T *s, int64_t n, T m);                                           \
         void (*scale)(T *s, int64_t n, T c);                                          \
         void (*exp)(T *s, int64_t n);                                                 \
+        void (*softmax_grad)(const T *p, T *d, int64_t n, T c);                       \
     } mha_kern_##SUF;
 
 MHA_KERN_TABLE(float, f32)

@@ -3,6 +3,8 @@
  * double below.  Legend as in mha.h. */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -39,6 +41,109 @@ void *mha_alloc(size_t bytes)
 }
 
 void mha_free(void *p) { free(p); }
+
+/* ---- the per-thread workspace cache ----
+ * Each forward and backward needs a workspace.  glibc serves blocks of
+ * 32 MiB and more straight from mmap and returns them to the system on
+ * free, so every call would page-fault its workspace afresh, one fault per
+ * 4 KiB (at B 4, S 1024, E 1024 the forward's 80 MiB: about 20 000 faults,
+ * some 15 ms of a 330 ms call here).  So each thread keeps its largest such
+ * block for its next call.  Smaller blocks are left to malloc, which already
+ * reuses them (and whose reuse depends on seeing them freed).  A block has a
+ * 64-byte header holding its capacity.  Without a thread key (creation
+ * failed) nothing is cached. */
+#define MHA_WORK_CACHE_MIN ((size_t)32 << 20)
+typedef struct {
+    void *raw;
+    size_t cap;
+} mha_work_cache;
+
+static pthread_once_t g_work_once = PTHREAD_ONCE_INIT;
+static pthread_key_t g_work_key;
+static int g_work_key_ok;
+
+static void work_cache_destroy(void *v)
+{
+    mha_work_cache *c = (mha_work_cache *)v;
+    if (c) {
+        free(c->raw);
+        free(c);
+    }
+}
+
+static void work_key_init(void)
+{
+    g_work_key_ok = pthread_key_create(&g_work_key, work_cache_destroy) == 0;
+}
+
+static mha_work_cache *work_cache(int create)
+{
+    mha_work_cache *c;
+    pthread_once(&g_work_once, work_key_init);
+    if (!g_work_key_ok) return NULL;
+    c = (mha_work_cache *)pthread_getspecific(g_work_key);
+    if (!c && create) {
+        c = (mha_work_cache *)calloc(1, sizeof *c);
+        if (c && pthread_setspecific(g_work_key, c) != 0) {
+            free(c);
+            c = NULL;
+        }
+    }
+    return c;
+}
+
+void *mha_work_alloc(size_t bytes)
+{
+    mha_work_cache *c;
+    void *raw = NULL;
+    size_t cap = (bytes + 63) / 64 * 64;
+    if (cap < bytes || cap > SIZE_MAX - 64) return NULL;
+    c = cap >= MHA_WORK_CACHE_MIN ? work_cache(1) : NULL;
+    if (c && c->raw) {
+        if (c->cap >= cap) { /* the cached block is big enough: take it */
+            raw = c->raw;
+            c->raw = NULL;
+            return (char *)raw + 64;
+        }
+        free(c->raw); /* too small: never hold two */
+        c->raw = NULL;
+    }
+    if (posix_memalign(&raw, 64, cap + 64) != 0) return NULL;
+    *(size_t *)raw = cap;
+    return (char *)raw + 64;
+}
+
+void mha_work_free(void *p)
+{
+    mha_work_cache *c;
+    void *raw;
+    size_t cap;
+    if (!p) return;
+    raw = (char *)p - 64;
+    cap = *(size_t *)raw;
+    c = cap >= MHA_WORK_CACHE_MIN ? work_cache(1) : NULL;
+    if (!c) {
+        free(raw);
+        return;
+    }
+    if (c->raw && c->cap >= cap) {
+        free(raw);
+        return;
+    }
+    free(c->raw);
+    c->raw = raw;
+    c->cap = cap;
+}
+
+void mha_release_workspace(void)
+{
+    mha_work_cache *c = work_cache(0);
+    if (c) {
+        free(c->raw);
+        c->raw = NULL;
+        c->cap = 0;
+    }
+}
 
 mha_status mha_param_layout(const mha_config *cfg, int64_t offset[MHA_NPARAM],
                             int64_t size[MHA_NPARAM], int64_t *total)
@@ -186,6 +291,23 @@ mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
 }
 
 /* ---- the forward pass, for float and double ---- */
+#ifdef MHA_FWD_TIMING /* a developer's probe: phase times on stderr */
+#include <stdio.h>
+#include <time.h>
+static double fwd_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+#define FWD_TICK_START double fwd_t0 = fwd_now()
+#define FWD_TICK(name) do { double t1_ = fwd_now(); \
+    fprintf(stderr, "forward  %-12s %8.2f ms\n", name, 1e3 * (t1_ - fwd_t0)); fwd_t0 = t1_; } while (0)
+#else
+#define FWD_TICK_START (void)0
+#define FWD_TICK(name) (void)0
+#endif
+
 #define T float
 #define SUF(name) name##_f32
 #define KT mha_kern_f32
@@ -212,10 +334,17 @@ mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
 
 mha_status mha_forward(const mha_config *cfg, const mha_params *p, const mha_forward_args *a)
 {
+    return mha_forward_save(cfg, p, a, NULL);
+}
+
+mha_status mha_forward_save(const mha_config *cfg, const mha_params *p,
+                            const mha_forward_args *a, const mha_saved *s)
+{
     if (!cfg) return MHA_ERR_ARG;
+    if (s && (!s->q || !s->k || !s->v || !s->ctx)) return MHA_ERR_ARG;
     switch (cfg->dtype) {
-    case MHA_FLOAT32: return forward_f32(cfg, p, a);
-    case MHA_FLOAT64: return forward_f64(cfg, p, a);
+    case MHA_FLOAT32: return forward_f32(cfg, p, a, s);
+    case MHA_FLOAT64: return forward_f64(cfg, p, a, s);
     }
     return MHA_ERR_ARG;
 }

@@ -143,6 +143,13 @@ double mha_dropout_uniform(uint64_t seed, uint64_t counter, uint64_t idx);
 void mha_set_num_threads(int n);
 int mha_get_num_threads(void);
 
+/* Each thread that calls mha_forward or mha_backward with a workspace of
+ * 32 MiB or more (large shapes: 80 MiB at B 4, S 1024, E 1024) keeps the
+ * largest such block for its next call, rather than page-faulting fresh
+ * memory every call.  The block is freed when the thread exits, or now by
+ * mha_release_workspace (for the calling thread). */
+void mha_release_workspace(void);
+
 /* The instruction set of mha_forward's kernels: "portable", "avx2" (AVX2 +
  * FMA) or "avx512" (AVX-512F).  The default is the widest this CPU has; the
  * environment variable MHA_EXT_ISA (read once, at first use) or
@@ -157,7 +164,9 @@ int mha_isa_available(const char *name);
 /* ---- backward ---------------------------------------------------------
  * The gradients of one forward call (src/backward.c, backward_impl.h).
  * Nothing of the forward is stored: the backward recomputes Q, K, V, the
- * softmax and the context from the same inputs, and replays the dropout
+ * softmax and the context from the same inputs (or, with
+ * mha_backward_saved below, reads Q, K, V and the context that
+ * mha_forward_save kept in the caller's buffers), and replays the dropout
  * mask from the same (seed, counter) stream, so `fwd` must describe the call
  * exactly as it was made (same inputs, masks, is_causal, zero_masked_rows,
  * dropout, seed, counter) with the same parameters.
@@ -183,6 +192,28 @@ typedef struct {
  * Statuses as mha_forward's. */
 mha_status mha_backward(const mha_config *cfg, const mha_params *p,
                         const mha_backward_args *a);
+
+/* ---- training: the forward keeps its projections for the backward ------
+ * mha_forward_save is mha_forward that also writes four intermediates into
+ * the caller's buffers (all four required, contiguous, of cfg->dtype):
+ *   q    (B, Sq, E)  Q = query·W_qᵀ + b_q
+ *   k    (B, Sk, E)  K = key·W_kᵀ + b_k
+ *   v    (B, Sk, E)  V = value·W_vᵀ + b_v
+ *   ctx  (B, Sq, E)  the heads' A·V_bh concatenated, before W_o
+ * mha_backward_saved is mha_backward that reads them back instead of
+ * recomputing the three input projections and the context (the softmax is
+ * still recomputed block by block, and the dropout mask replayed): `s` must
+ * come from mha_forward_save of the call that a->fwd describes, with the
+ * same parameters; s == NULL is mha_backward.  The buffers are only read.
+ * Nothing is kept inside the library between the two calls. */
+typedef struct {
+    void *q, *k, *v, *ctx;
+} mha_saved;
+
+mha_status mha_forward_save(const mha_config *cfg, const mha_params *p,
+                            const mha_forward_args *a, const mha_saved *s);
+mha_status mha_backward_saved(const mha_config *cfg, const mha_params *p,
+                              const mha_backward_args *a, const mha_saved *s);
 
 #ifdef __cplusplus
 }

@@ -157,6 +157,110 @@ static void test_fast_vs_ref(int64_t B, int64_t Sq, int64_t Sk, int64_t E, int64
     free(out2); free(out32); free(w32); free(mask);
 }
 
+/* mha_forward_save writes Q, K, V and ctx and the same output as
+ * mha_forward; mha_backward_saved reads them (and only reads them) and
+ * gives mha_backward's gradients to rounding. */
+static void test_saved(int64_t B, int64_t Sq, int64_t Sk, int64_t E, int64_t H, int64_t Ek,
+                       int64_t Ev, int masked, int causal, double p_drop)
+{
+    mha_config c = {E, H, Ek, Ev, 1, MHA_FLOAT64};
+    int64_t off[MHA_NPARAM], size[MHA_NPARAM], total, i;
+    int64_t nq = B * Sq * E, nk = B * Sk * Ek, nv = B * Sk * Ev, nkv = B * Sk * E;
+    uint64_t s = 777 + (uint64_t)(B * 3 + Sq * 5 + Sk * 11 + E);
+    mha_param_layout(&c, off, size, &total);
+    double *P = malloc(total * 8), *X = malloc((nq + nk + nv) * 8), *G = malloc(nq * 8);
+    double *out = malloc(nq * 8), *out2 = malloc(nq * 8);
+    double *sq = malloc(nq * 8), *sk = malloc((nkv + 1) * 8), *sv = malloc((nkv + 1) * 8),
+           *sc = malloc(nq * 8), *copy = malloc((2 * nq + 2 * nkv + 1) * 8);
+    double *g1 = malloc((total + nq + nk + nv) * 8), *g2 = malloc((total + nq + nk + nv) * 8);
+    uint8_t *mask = malloc((size_t)(Sq * Sk + 1));
+    mha_params p;
+    mha_forward_args a;
+    mha_backward_args ba;
+    mha_saved kept = {sq, sk, sv, sc}, bad = {sq, NULL, sv, sc};
+    mha_mask mk;
+    double scale = 0, err = 0;
+    CHECK(mha_params_init(&c, P, 5) == MHA_OK, "init");
+    for (i = 0; i < nq + nk + nv; i++) X[i] = lcg_next(&s);
+    for (i = 0; i < nq; i++) G[i] = lcg_next(&s);
+    for (i = 0; i < Sq * Sk; i++) mask[i] = masked && ((i * 3 + 1) % 7 == 0);
+    mha_params_from_block(&c, P, &p);
+    memset(&a, 0, sizeof a);
+    a.B = B; a.Sq = Sq; a.Sk = Sk;
+    a.query = X; a.key = X + nq; a.value = X + nq + nk;
+    mk.kind = MHA_MASK_BLOCK; mk.data = mask;
+    mk.stride[0] = 0; mk.stride[1] = 0; mk.stride[2] = Sk; mk.stride[3] = 1;
+    a.masks = &mk; a.n_masks = masked;
+    a.is_causal = causal;
+    a.zero_masked_rows = 1;
+    a.dropout = p_drop; a.seed = 4; a.counter = 9;
+    a.out = out;
+    CHECK(mha_forward(&c, &p, &a) == MHA_OK, "forward");
+    a.out = out2;
+    CHECK(mha_forward_save(&c, &p, &a, &bad) == MHA_ERR_ARG, "a NULL buffer is refused");
+    CHECK(mha_forward_save(&c, &p, &a, &kept) == MHA_OK, "forward_save");
+    CHECK(memcmp(out, out2, (size_t)nq * 8) == 0, "forward_save's output differs from forward's");
+    memcpy(copy, sq, (size_t)nq * 8);
+    memcpy(copy + nq, sc, (size_t)nq * 8);
+    memcpy(copy + 2 * nq, sk, (size_t)nkv * 8);
+    memcpy(copy + 2 * nq + nkv, sv, (size_t)nkv * 8);
+    memset(&ba, 0, sizeof ba);
+    ba.fwd = a;
+    ba.grad_out = G;
+    ba.grad_params = g1; ba.grad_query = g1 + total;
+    ba.grad_key = g1 + total + nq; ba.grad_value = g1 + total + nq + nk;
+    CHECK(mha_backward(&c, &p, &ba) == MHA_OK, "backward");
+    ba.grad_params = g2; ba.grad_query = g2 + total;
+    ba.grad_key = g2 + total + nq; ba.grad_value = g2 + total + nq + nk;
+    CHECK(mha_backward_saved(&c, &p, &ba, &bad) == MHA_ERR_ARG, "a NULL buffer is refused");
+    CHECK(mha_backward_saved(&c, &p, &ba, &kept) == MHA_OK, "backward_saved");
+    CHECK(memcmp(copy, sq, (size_t)nq * 8) == 0 && memcmp(copy + nq, sc, (size_t)nq * 8) == 0 &&
+              memcmp(copy + 2 * nq, sk, (size_t)nkv * 8) == 0 &&
+              memcmp(copy + 2 * nq + nkv, sv, (size_t)nkv * 8) == 0,
+          "backward_saved wrote into the kept buffers");
+    for (i = 0; i < total + nq + nk + nv; i++) scale = fmax(scale, fabs(g1[i]));
+    for (i = 0; i < total + nq + nk + nv; i++) err = fmax(err, fabs(g1[i] - g2[i]));
+    CHECK(err <= 1e-12 * fmax(scale, 1.0), "saved vs recomputed gradients B%lld Sq%lld Sk%lld: %g",
+          (long long)B, (long long)Sq, (long long)Sk, err);
+    free(P); free(X); free(G); free(out); free(out2); free(sq); free(sk); free(sv); free(sc);
+    free(copy); free(g1); free(g2); free(mask);
+}
+
+/* A workspace of 32 MiB or more is kept by the thread for its next call:
+ * calls through the kept block give the same numbers, and
+ * mha_release_workspace frees it (the next call allocates afresh). */
+static void test_workspace_cache(void)
+{
+    const int64_t B = 50000, S = 8, E = 8, H = 2; /* workspace: 5 x 12.8 MB */
+    mha_config c = {E, H, E, E, 1, MHA_FLOAT32};
+    int64_t off[MHA_NPARAM], size[MHA_NPARAM], total, i, n = B * S * E;
+    uint64_t s = 31;
+    float *P, *X = malloc((size_t)n * 4), *o1 = malloc((size_t)n * 4),
+          *o2 = malloc((size_t)n * 4), *o3 = malloc((size_t)n * 4);
+    mha_params p;
+    mha_forward_args a;
+    mha_param_layout(&c, off, size, &total);
+    P = malloc((size_t)total * 4);
+    CHECK(mha_params_init(&c, P, 3) == MHA_OK, "init");
+    mha_params_from_block(&c, P, &p);
+    for (i = 0; i < n; i++) X[i] = (float)lcg_next(&s);
+    memset(&a, 0, sizeof a);
+    a.B = B; a.Sq = S; a.Sk = S;
+    a.query = X; a.key = X; a.value = X;
+    a.out = o1;
+    CHECK(mha_forward(&c, &p, &a) == MHA_OK, "first call");
+    a.out = o2;
+    CHECK(mha_forward(&c, &p, &a) == MHA_OK, "call through the kept workspace");
+    mha_release_workspace();
+    a.out = o3;
+    CHECK(mha_forward(&c, &p, &a) == MHA_OK, "call after mha_release_workspace");
+    mha_release_workspace();
+    mha_release_workspace(); /* nothing kept: a no-op */
+    CHECK(memcmp(o1, o2, (size_t)n * 4) == 0 && memcmp(o1, o3, (size_t)n * 4) == 0,
+          "the kept workspace changed the output");
+    free(P); free(X); free(o1); free(o2); free(o3);
+}
+
 static void test_status(void)
 {
     mha_config bad = {10, 3, 10, 10, 1, MHA_FLOAT32};
@@ -255,6 +359,7 @@ int main(void)
     test_hand_computed();
     test_status();
     test_dropout_stream();
+    test_workspace_cache();
     /* sizes that are multiples of no tile, masks, causal, dropout, cross;
      * on every instruction set this CPU runs */
     for (n = 0; n < 3; n++) {
@@ -266,6 +371,9 @@ int main(void)
         test_fast_vs_ref(1, 40, 300, 32, 4, 32, 32, 1, 0, 0.25);
         test_fast_vs_ref(2, 10, 10, 64, 8, 64, 64, 1, 1, 0.5);
         test_fast_vs_ref(1, 3, 8, 8, 1, 8, 8, 0, 0, 1.0);
+        test_saved(2, 7, 5, 6, 3, 5, 9, 1, 0, 0.0);
+        test_saved(2, 65, 129, 24, 2, 24, 16, 0, 1, 0.3);
+        test_saved(1, 40, 300, 32, 4, 32, 32, 1, 0, 0.0);
     }
     printf("%d passed, %d failed\n", g_pass, g_fail);
     return g_fail != 0;
