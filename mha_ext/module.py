@@ -514,9 +514,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             masks.append(self._attn_mask(attn_mask, batched, B, H, Sq, Sk))
         if key_padding_mask is not None:
             masks.append(self._padding_mask(key_padding_mask, batched, B, Sk))
-        # no key at all (Sk = 0) is not a masked row: the context is an empty
-        # sum, 0, and the output W_o.bias, on every torch path
-        zero_rows = masked_rows == "zero" or Sk == 0
+        zero_rows = masked_rows == "zero"
         out, weights = self._forward(q3, k3, v3, masks, bool(is_causal), bool(need_weights),
                                      zero_rows, False)
         if weights is not None and average_weights:

@@ -219,10 +219,10 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     uint8_t *keep = f->keep + (int64_t)slot * f->keep_len; /* (QB, Sk) */
     T *gs = f->pack + (int64_t)slot * MHA_GEMM_SCRATCH;  /* mha_gemm's packing */
 
-    if (Sk == 0) { /* no key at all: every row is fully blocked, nothing to differentiate */
+    if (Sk == 0) { /* no key at all: the context is an empty sum, nothing to differentiate */
         for (r = 0; r < Sq; r++)
             for (j = 0; j < Dk; j++) {
-                if (!f->saved) c_bh[r * E + j] = nan_or_zero;
+                if (!f->saved) c_bh[r * E + j] = 0;
                 dq_bh[r * E + j] = 0;
             }
         return;

@@ -181,8 +181,8 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     T *c_bh = f->ctx + (b * f->Sq + i0) * E + h * Dk;     /* (nq, Dk), ld E */
     T *w_bh = (T *)a->weights + (bh * f->Sq + i0) * Sk;   /* (nq, Sk) */
     T *gs = f->scratch + (int64_t)slot * f->scratch_len;
-    if (Sk == 0) { /* no key at all: every row is fully blocked */
-        SUF(fill_rows)(c_bh, nq, Dk, E, nan_or_zero);
+    if (Sk == 0) { /* no key at all: the context is an empty sum */
+        SUF(fill_rows)(c_bh, nq, Dk, E, (T)0);
         return;
     }
     if (f->skip_causal && i0 + nq < Sk) kend = i0 + nq; /* later keys: blocked for all */
@@ -260,8 +260,8 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     }
     for (r = 0; r < nq; r++) {
         T *c = c_bh + r * E;
-        if (mx[r] == -(T)INFINITY) {
-            for (d = 0; d < Dk; d++) c[d] = nan_or_zero;
+        if (mx[r] == -(T)INFINITY) { /* every key blocked; Sk == 0: an empty sum */
+            for (d = 0; d < Dk; d++) c[d] = Sk == 0 ? (T)0 : nan_or_zero;
         } else {
             T inv = (T)1 / l[r];
             for (d = 0; d < Dk; d++) c[d] = acc[r * Dk + d] * inv;

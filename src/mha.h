@@ -109,9 +109,11 @@ typedef struct {
     const mha_mask *masks;  /* n_masks masks, all applied together */
     int n_masks;            /* 0 .. MHA_MAX_MASKS */
     int is_causal;        /* nonzero: key j > query i is blocked */
-    int zero_masked_rows; /* a row with every key blocked (or Sk == 0):
+    int zero_masked_rows; /* a row with every key blocked:
                              0 -> its weights and output row are NaN,
-                             1 -> zero weights, context 0 (output = bias) */
+                             1 -> zero weights, context 0 (output = bias).
+                             Sk == 0 is no such row: its context is an
+                             empty sum, 0, either way (as in torch) */
     double dropout;       /* p in [0, 1]; 0 disables dropout */
     uint64_t seed;        /* dropout stream: element (b, h, i, j) of call */
     uint64_t counter;     /*   (seed, counter) is kept iff u >= p */

@@ -71,8 +71,9 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
                     if (a->is_causal && j > i) s = -(T)INFINITY;
                     row[j] = s;
                 }
-                /* softmax, with NaN rows where every key is blocked */
-                blocked_row = 1;
+                /* softmax, with NaN rows where every key is blocked (Sk == 0
+                 * is no such row: its context is an empty sum, 0) */
+                blocked_row = Sk > 0;
                 for (j = 0; j < Sk; j++) {
                     if (row[j] != -(T)INFINITY) blocked_row = 0;
                     if (row[j] > m || row[j] != row[j]) m = (m != m) ? m : row[j];

@@ -351,12 +351,42 @@ static void test_exp(void)
     }
 }
 
+/* no key at all (Sk == 0) is an empty sum, not a masked row: the output is
+ * W_o.bias in both masked-row modes, on the fast and the reference path */
+static void test_no_keys(void)
+{
+    mha_config cfg = {4, 2, 4, 4, 1, MHA_FLOAT64};
+    int64_t off[MHA_NPARAM], size[MHA_NPARAM], total;
+    double params[4 * 16 + 16], q[2 * 4], kv[1], out[2 * 4], w[1];
+    mha_params p;
+    mha_forward_args a;
+    int zero, path, i;
+    mha_param_layout(&cfg, off, size, &total);
+    mha_params_init(&cfg, params, 3);
+    mha_params_from_block(&cfg, params, &p);
+    for (i = 0; i < 8; i++) q[i] = i * 0.25;
+    for (zero = 0; zero < 2; zero++)
+        for (path = 0; path < 3; path++) {
+            memset(&a, 0, sizeof a);
+            a.B = 1; a.Sq = 2; a.Sk = 0;
+            a.query = q; a.key = kv; a.value = kv;
+            a.out = out; a.weights = path == 1 ? NULL : w;
+            a.zero_masked_rows = zero;
+            CHECK((path == 2 ? mha_forward_ref(&cfg, &p, &a) : mha_forward(&cfg, &p, &a)) == MHA_OK,
+                  "Sk = 0 forward");
+            for (i = 0; i < 8; i++)
+                CHECK(out[i] == params[off[MHA_BO] + i % 4], "Sk = 0: out[%d] = %g, bias %g (path %d)",
+                      i, out[i], params[off[MHA_BO] + i % 4], path);
+        }
+}
+
 int main(void)
 {
     const char *isas[3] = {"portable", "avx2", "avx512"};
     int n;
     test_exp();
     test_hand_computed();
+    test_no_keys();
     test_status();
     test_dropout_stream();
     test_workspace_cache();
