@@ -120,38 +120,10 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
         in the context, so that the backward need not recompute them
         (default); False keeps only the inputs and the backward recomputes.
     """
-    from .module import MultiHeadAttention
-
     dtype = mha.dtype
-    if masked_rows not in ("nan", "zero"):
-        raise ValueError(f"masked_rows must be 'nan' or 'zero', got {masked_rows!r}")
-    q = _input(query, "query", dtype)
-    k = q if key is None else _input(key, "key", dtype)
-    v = k if value is None else _input(value, "value", dtype)
-    if q.ndim == 2:
-        for name, x in (("key", k), ("value", v)):
-            if x.ndim != 2:
-                raise ValueError(f"query is unbatched (2-D, shape {q.shape}), so {name} "
-                                 f"must be 2-D too, got shape {x.shape}")
-        batched = False
-        q3, k3, v3 = q[None], k[None], v[None]
-    else:
-        batched = True
-        q3, k3, v3 = q, k, v
-    if q3.ndim != 3:
-        raise ValueError(f"query must be 3-D (batch, seq, d_model) or 2-D (seq, d_model), "
-                         f"got shape {q.shape}")
-    if k3.ndim != 3 or v3.ndim != 3:
-        bad, x = ("key", k) if k3.ndim != 3 else ("value", v)
-        raise ValueError(f"{bad} must be 3-D like query (shape {q.shape}), got shape {x.shape}")
-    B, Sq, Sk, H = q3.shape[0], q3.shape[1], k3.shape[1], mha.n_heads
-    masks = []
-    if mask is not None:
-        masks.append(MultiHeadAttention._seed_mask(mask, batched))
-    if attn_mask is not None:
-        masks.append(MultiHeadAttention._attn_mask(mha, attn_mask, batched, B, H, Sq, Sk))
-    if key_padding_mask is not None:
-        masks.append(MultiHeadAttention._padding_mask(mha, key_padding_mask, batched, B, Sk))
+    q3, k3, v3, masks, batched = mha._call_args(
+        query, key, value, mask, attn_mask, key_padding_mask, masked_rows,
+        convert=lambda x, name: _input(x, name, dtype))
     # private copies: the backward must see the masks of this call
     masks = tuple((kind, np.array(m, copy=True)) for kind, m in masks)
 

@@ -467,9 +467,31 @@ class MultiHeadAttention(_core.MultiHeadAttention):
           that sees no key, like the seed module; "zero" gives zero weights and
           an output row equal to W_o.bias, like torch's SDPA.
         """
-        q = _as_array(query, "query")
-        k = q if key is None else _as_array(key, "key")
-        v = k if value is None else _as_array(value, "value")
+        q3, k3, v3, masks, batched = self._call_args(query, key, value, mask, attn_mask,
+                                                     key_padding_mask, masked_rows)
+        zero_rows = masked_rows == "zero"
+        out, weights = self._forward(q3, k3, v3, masks, bool(is_causal), bool(need_weights),
+                                     zero_rows, False)
+        if weights is not None and average_weights:
+            weights = weights.mean(axis=1)
+        if not batched:
+            out = out[0]
+            weights = None if weights is None else weights[0]
+        return out, weights
+
+    __call__ = forward
+
+    def _call_args(self, query, key, value, mask, attn_mask, key_padding_mask, masked_rows,
+                   convert=None):
+        """A call's arguments checked and brought to the C side's form:
+        (query, key, value) as 3-D arrays, the masks as (kind, array) pairs
+        (kind 0 blocking, 1 additive) and whether the call was batched.
+        convert(x, name) makes an input an array (default: no copy for an
+        ndarray); shared by forward() and autograd.forward_train()."""
+        convert = convert or _as_array
+        q = convert(query, "query")
+        k = q if key is None else convert(key, "key")
+        v = k if value is None else convert(value, "value")
         if q.ndim == 2:
             for name, x in (("key", k), ("value", v)):
                 if x.ndim != 2:
@@ -494,40 +516,15 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             raise ValueError(f"masked_rows must be 'nan' or 'zero', got {masked_rows!r}")
         masks = []
         if mask is not None:
-            seed_mask = self._seed_mask(mask, batched)
-            target = (B, H, Sq, Sk) if batched else (H, Sq, Sk)
-            try:
-                ok = np.broadcast_shapes(seed_mask[1].shape, target) == target
-            except ValueError:
-                ok = False
-            if not ok:
-                shape = seed_mask[1].shape
-                names = ("batch", "heads", "query length", "key length")[-len(target):]
-                bad = [f"its {n} axis is {d}, not {t}" for n, d, t in
-                       zip(names[-len(shape):], shape[-len(target):], target[-len(shape):])
-                       if d not in (1, t)]
-                raise ValueError(f"mask of shape {shape} does not broadcast to "
-                                 f"{'(B, H, Sq, Sk)' if batched else '(H, Sq, Sk)'} = {target}"
-                                 + (f": {', '.join(bad)}" if bad else ""))
-            masks.append(seed_mask)
+            masks.append(self._seed_mask(mask, batched, (B, H, Sq, Sk)))
         if attn_mask is not None:
             masks.append(self._attn_mask(attn_mask, batched, B, H, Sq, Sk))
         if key_padding_mask is not None:
             masks.append(self._padding_mask(key_padding_mask, batched, B, Sk))
-        zero_rows = masked_rows == "zero"
-        out, weights = self._forward(q3, k3, v3, masks, bool(is_causal), bool(need_weights),
-                                     zero_rows, False)
-        if weights is not None and average_weights:
-            weights = weights.mean(axis=1)
-        if not batched:
-            out = out[0]
-            weights = None if weights is None else weights[0]
-        return out, weights
-
-    __call__ = forward
+        return q3, k3, v3, masks, batched
 
     @staticmethod
-    def _seed_mask(mask, batched):
+    def _seed_mask(mask, batched, dims):
         m = _as_array(mask, "mask")
         if m.dtype.kind not in "biuf":
             raise TypeError(f"mask must be bool, int or float with 0/1 values (1 = blocked), "
@@ -535,6 +532,18 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         if m.ndim > (4 if batched else 3):
             raise ValueError(f"mask must broadcast to (B, H, Sq, Sk) (unbatched: (H, Sq, Sk)), "
                              f"got shape {m.shape}")
+        target = dims if batched else dims[1:]
+        try:
+            fits = np.broadcast_shapes(m.shape, target) == target
+        except ValueError:
+            fits = False
+        if not fits:
+            names = ("batch", "heads", "query length", "key length")[-len(target):]
+            bad = [f"its {n} axis is {d}, not {t}" for n, d, t in
+                   zip(names[-m.ndim:], m.shape, target[-m.ndim:]) if d not in (1, t)]
+            raise ValueError(f"mask of shape {m.shape} does not broadcast to "
+                             f"{'(B, H, Sq, Sk)' if batched else '(H, Sq, Sk)'} = {target}"
+                             + (f": {', '.join(bad)}" if bad else ""))
         if m.dtype.kind == "b":
             return (0, m.view(np.uint8))
         if not np.all((m == 0) | (m == 1)):
