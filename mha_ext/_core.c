@@ -467,6 +467,46 @@ static int convert_mask(MHAObject *self, PyObject *obj, int kind, const int64_t 
     return 0;
 }
 
+/* `seq`, a sequence of (kind, array) pairs (kind 0 blocking, 1 additive),
+ * converted by convert_mask into masks[0 .. *n); keep[] holds their arrays
+ * for the caller to release. */
+static int convert_masks(MHAObject *self, PyObject *seq, const int64_t dim[4],
+                         mha_mask masks[MHA_MAX_MASKS], PyArrayObject *keep[MHA_MAX_MASKS],
+                         int *n)
+{
+    PyObject *fast = PySequence_Fast(seq, "masks must be a sequence of (kind, array) pairs");
+    Py_ssize_t i;
+    *n = 0;
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) > MHA_MAX_MASKS) {
+        PyErr_Format(PyExc_ValueError, "at most %d masks", MHA_MAX_MASKS);
+        goto fail;
+    }
+    for (i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        long kind;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_SetString(PyExc_TypeError, "each mask must be a (kind, array) pair");
+            goto fail;
+        }
+        kind = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
+        if (kind == -1 && PyErr_Occurred()) goto fail;
+        if (kind != MHA_MASK_BLOCK && kind != MHA_MASK_ADD) {
+            PyErr_SetString(PyExc_ValueError, "mask kind must be 0 (blocking) or 1 (additive)");
+            goto fail;
+        }
+        if (convert_mask(self, PyTuple_GET_ITEM(item, 1), (int)kind, dim, &masks[*n],
+                         &keep[*n]) < 0)
+            goto fail;
+        (*n)++;
+    }
+    Py_DECREF(fast);
+    return 0;
+fail:
+    Py_DECREF(fast);
+    return -1;
+}
+
 /* The forward pass behind MultiHeadAttention.__call__ (module.py):
  *   _forward(query, key, value, masks, is_causal, need_weights, zero_rows,
  *            reference)
@@ -479,7 +519,7 @@ static PyObject *mha_forward_py(MHAObject *self, PyObject *const *args, Py_ssize
     PyArrayObject *q0 = NULL, *k0 = NULL, *v0 = NULL, *q = NULL, *k = NULL, *v = NULL;
     PyArrayObject *out = NULL, *w = NULL;
     PyArrayObject *mask_arr[MHA_MAX_MASKS] = {NULL};
-    PyObject *masks_seq = NULL, *result = NULL;
+    PyObject *result = NULL;
     mha_mask masks[MHA_MAX_MASKS];
     mha_forward_args a;
     mha_params p;
@@ -577,34 +617,9 @@ static PyObject *mha_forward_py(MHAObject *self, PyObject *const *args, Py_ssize
     }
 
     /* masks */
-    masks_seq = PySequence_Fast(args[3], "masks must be a sequence of (kind, array) pairs");
-    if (!masks_seq) goto fail;
-    if (PySequence_Fast_GET_SIZE(masks_seq) > MHA_MAX_MASKS) {
-        PyErr_Format(PyExc_ValueError, "at most %d masks", MHA_MAX_MASKS);
-        goto fail;
-    }
     {
         const int64_t dim[4] = {a.B, H, a.Sq, a.Sk};
-        for (i = 0; i < PySequence_Fast_GET_SIZE(masks_seq); i++) {
-            PyObject *item = PySequence_Fast_GET_ITEM(masks_seq, i);
-            PyObject *o_kind, *o_arr;
-            long kind;
-            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
-                PyErr_SetString(PyExc_TypeError, "each mask must be a (kind, array) pair");
-                goto fail;
-            }
-            o_kind = PyTuple_GET_ITEM(item, 0);
-            o_arr = PyTuple_GET_ITEM(item, 1);
-            kind = PyLong_AsLong(o_kind);
-            if (kind == -1 && PyErr_Occurred()) goto fail;
-            if (kind != MHA_MASK_BLOCK && kind != MHA_MASK_ADD) {
-                PyErr_SetString(PyExc_ValueError, "mask kind must be 0 (blocking) or 1 (additive)");
-                goto fail;
-            }
-            if (convert_mask(self, o_arr, (int)kind, dim, &masks[n_masks], &mask_arr[n_masks]) < 0)
-                goto fail;
-            n_masks++;
-        }
+        if (convert_masks(self, args[3], dim, masks, mask_arr, &n_masks) < 0) goto fail;
     }
 
     /* inputs in the module's dtype, C-contiguous, aligned, native order */
@@ -668,7 +683,6 @@ fail:
     Py_XDECREF(v);
     Py_XDECREF(out);
     Py_XDECREF(w);
-    Py_XDECREF(masks_seq);
     for (i = 0; i < MHA_MAX_MASKS; i++) Py_XDECREF(mask_arr[i]);
     return result;
 }
@@ -699,7 +713,6 @@ fail:
 typedef struct {
     PyArrayObject *params, *q, *k, *v;
     PyArrayObject *mask_arr[MHA_MAX_MASKS];
-    PyObject *masks_seq;
     mha_mask masks[MHA_MAX_MASKS];
     mha_forward_args a;
     mha_params p;
@@ -712,7 +725,6 @@ static void train_call_clear(train_call *c)
     Py_CLEAR(c->q);
     Py_CLEAR(c->k);
     Py_CLEAR(c->v);
-    Py_CLEAR(c->masks_seq);
     for (i = 0; i < MHA_MAX_MASKS; i++) Py_CLEAR(c->mask_arr[i]);
 }
 
@@ -733,7 +745,7 @@ static int train_call_parse(MHAObject *self, PyObject *const *args, int need_wei
                             train_call *c)
 {
     int64_t E = self->cfg.d_model, H = self->cfg.n_heads;
-    int is_causal, zero_rows, i;
+    int is_causal, zero_rows;
     double p;
     unsigned long long counter;
     mha_status st;
@@ -788,32 +800,10 @@ static int train_call_parse(MHAObject *self, PyObject *const *args, int need_wei
         set_status_error(st, "query, key and value");
         goto fail;
     }
-    c->masks_seq = PySequence_Fast(args[4], "masks must be a sequence of (kind, array) pairs");
-    if (!c->masks_seq) goto fail;
-    if (PySequence_Fast_GET_SIZE(c->masks_seq) > MHA_MAX_MASKS) {
-        PyErr_Format(PyExc_ValueError, "at most %d masks", MHA_MAX_MASKS);
-        goto fail;
-    }
     {
         const int64_t dim[4] = {c->a.B, H, c->a.Sq, c->a.Sk};
-        for (i = 0; i < PySequence_Fast_GET_SIZE(c->masks_seq); i++) {
-            PyObject *item = PySequence_Fast_GET_ITEM(c->masks_seq, i);
-            long kind;
-            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
-                PyErr_SetString(PyExc_TypeError, "each mask must be a (kind, array) pair");
-                goto fail;
-            }
-            kind = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
-            if (kind == -1 && PyErr_Occurred()) goto fail;
-            if (kind != MHA_MASK_BLOCK && kind != MHA_MASK_ADD) {
-                PyErr_SetString(PyExc_ValueError, "mask kind must be 0 (blocking) or 1 (additive)");
-                goto fail;
-            }
-            if (convert_mask(self, PyTuple_GET_ITEM(item, 1), (int)kind, dim, &c->masks[i],
-                             &c->mask_arr[i]) < 0)
-                goto fail;
-        }
-        c->a.n_masks = i;
+        if (convert_masks(self, args[4], dim, c->masks, c->mask_arr, &c->a.n_masks) < 0)
+            goto fail;
     }
     c->a.query = PyArray_DATA(c->q);
     c->a.key = PyArray_DATA(c->k);
