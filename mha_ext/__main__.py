@@ -12,6 +12,7 @@ call of both (same thread count, median of several runs).
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -90,6 +91,12 @@ def _ms(seconds):
 
 
 def _compare_with_torch(m, x, args, out, weights):
+    # Two thread pools share the cores: let torch's OpenMP threads sleep when
+    # idle, like mha_ext's, instead of spinning into our calls (as
+    # benchmarks/bench.py does; set OMP_WAIT_POLICY yourself to override).
+    # It only takes effect if torch was not imported yet.
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         import torch
     except ImportError:
@@ -153,7 +160,9 @@ def _compare_with_torch(m, x, args, out, weights):
     print("  time per call (median of %d runs, %d thread%s): mha_ext %s, "
           "torch %s" % (args.repeat, threads, "" if threads == 1 else "s",
                         _ms(t_ours), _ms(t_torch)))
-    print("  speed-up over torch (torch time / mha_ext time): %.2fx" % ratio)
+    print("  speed-up over torch (torch time / mha_ext time): %.2fx "
+          "(torch's OpenMP threads: OMP_WAIT_POLICY=%s)"
+          % (ratio, os.environ.get("OMP_WAIT_POLICY", "libgomp's default")))
 
 
 def main(argv=None):
