@@ -27,7 +27,7 @@
  *      products in one pass. */
 
 #define QB 128  /* queries per block inside one (b, h) task */
-#define RM 64   /* rows per product tile */
+#define RM 96  /* rows per product tile */
 #define RN 64   /* columns per product tile */
 #define RN_TN 1024 /* ... for TN: each MR-row panel of Aᵀ serves the whole tile */
 #define KC 256  /* depth of one pass over a weight-gradient tile (cache) */
