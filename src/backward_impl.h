@@ -157,9 +157,12 @@ static void SUF(btr_task)(void *vf, int64_t t, int slot)
 /* dst (n, m) = src (m, n)ᵀ, src with leading dimension ld */
 static void SUF(transpose)(const T *src, int64_t m, int64_t n, int64_t ld, T *dst)
 {
-    int64_t r, c;
-    for (r = 0; r < m; r++)
-        for (c = 0; c < n; c++) dst[c * m + r] = src[r * ld + c];
+    int64_t r, c, r0, r1;
+    for (r0 = 0; r0 < m; r0 = r1) { /* 8 rows at a time: each store fills a line */
+        r1 = m - r0 < 8 ? m : r0 + 8;
+        for (c = 0; c < n; c++)
+            for (r = r0; r < r1; r++) dst[c * m + r] = src[r * ld + c];
+    }
 }
 
 /* ------------------------------------------------------------ attention */
