@@ -21,13 +21,14 @@
  *      (only dctx when mha_forward_save kept Q, K, V and ctx);
  *   2. per (b, h): recompute S, P, A (and ctx_bh, unless kept) block by
  *      block of queries, and write dQ_bh, dK_bh, dV_bh;
- *   3. sum the columns of d out, dQ, dK, dV: the bias gradients;
+ *   3. (in phase 4's pass) sum the columns of d out, dQ, dK, dV: the bias
+ *      gradients;
  *   4. the weight gradients (dW = dYᵀ·X: mha_gemm_tn packs dYᵀ's panels, no
  *      transposed copy) and the input gradients, all tiles of all seven
  *      products in one pass. */
 
 #define QB 128  /* queries per block inside one (b, h) task */
-#define RM 64   /* rows per product tile */
+#define RM 96  /* rows per product tile */
 #define RN 64   /* columns per product tile */
 #define RN_TN 1024 /* ... for TN: each MR-row panel of Aᵀ serves the whole tile */
 #define KC 256  /* depth of one pass over a weight-gradient tile (cache) */
@@ -154,12 +155,26 @@ static void SUF(btr_task)(void *vf, int64_t t, int slot)
     for (c = 0; c < nc; c++) tr->colsum[c0 + c] = sum[c];
 }
 
+/* phase 4's tasks: the tiles of the products, then the column sums */
+static void SUF(grad_task)(void *vf, int64_t t, int slot)
+{
+    const SUF(bwd) *f = (const SUF(bwd) *)vf;
+    const int64_t tiles = SUF(bjob_tiles)(f);
+    if (t < tiles)
+        SUF(bjob_task)(vf, t, slot);
+    else
+        SUF(btr_task)(vf, t - tiles, slot);
+}
+
 /* dst (n, m) = src (m, n)ᵀ, src with leading dimension ld */
 static void SUF(transpose)(const T *src, int64_t m, int64_t n, int64_t ld, T *dst)
 {
-    int64_t r, c;
-    for (r = 0; r < m; r++)
-        for (c = 0; c < n; c++) dst[c * m + r] = src[r * ld + c];
+    int64_t r, c, r0, r1;
+    for (r0 = 0; r0 < m; r0 = r1) { /* 8 rows at a time: each store fills a line */
+        r1 = m - r0 < 8 ? m : r0 + 8;
+        for (c = 0; c < n; c++)
+            for (r = r0; r < r1; r++) dst[c * m + r] = src[r * ld + c];
+    }
 }
 
 /* ------------------------------------------------------------ attention */
@@ -422,19 +437,6 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f);
     BWD_TICK("2 attn");
 
-    /* 3. the bias gradients: the column sums of d out, dQ, dK, dV */
-    if (g && cfg->bias) {
-        SUF(btr_add)(&f, (const T *)a->grad_out, g + offset[MHA_BO], Rq, f.E);
-        SUF(btr_add)(&f, f.dq, g + offset[MHA_BQ], Rq, f.E);
-        SUF(btr_add)(&f, f.dk, g + offset[MHA_BK], Rk, f.E);
-        SUF(btr_add)(&f, f.dv, g + offset[MHA_BV], Rk, f.E);
-        int64_t n_tr = 0;
-        int i;
-        for (i = 0; i < f.n_tr; i++) n_tr += f.tr[i].tasks;
-        mha_parallel_for(n_tr, slots, SUF(btr_task), &f);
-    }
-    BWD_TICK("3 bias sums");
-
     /* 4. the weight gradients (dW = dYᵀ·X, as (Rows, E)ᵀ·(Rows, In)) and the
      *    input gradients (dX = dY·W) */
     f.n_jobs = 0;
@@ -457,8 +459,21 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     if (a->grad_value)
         SUF(bjob_add)(&f, SUF(JOB_NN), f.dv, f.E, (const T *)p->wv, Ev, NULL,
                       (T *)a->grad_value, Ev, Rk, Ev, f.E);
-    mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
-    BWD_TICK("4 grads");
+    /* ... and, in the same pass, the bias gradients: the column sums of
+     * d out, dQ, dK, dV */
+    if (g && cfg->bias) {
+        SUF(btr_add)(&f, (const T *)a->grad_out, g + offset[MHA_BO], Rq, f.E);
+        SUF(btr_add)(&f, f.dq, g + offset[MHA_BQ], Rq, f.E);
+        SUF(btr_add)(&f, f.dk, g + offset[MHA_BK], Rk, f.E);
+        SUF(btr_add)(&f, f.dv, g + offset[MHA_BV], Rk, f.E);
+    }
+    {
+        int64_t n_tasks = SUF(bjob_tiles)(&f);
+        int i;
+        for (i = 0; i < f.n_tr; i++) n_tasks += f.tr[i].tasks;
+        mha_parallel_for(n_tasks, slots, SUF(grad_task), &f);
+    }
+    BWD_TICK("3+4 grads, bias sums");
 
     mha_work_free(work);
     mha_free(f.keep);

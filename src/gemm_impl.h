@@ -23,12 +23,17 @@ static void SUF(pack_b)(int trans_b, int64_t kc, int64_t nr, int64_t NR, const T
                         int64_t ldb, int64_t pc, int64_t j, T *Bp)
 {
     int64_t k, c;
-    if (trans_b) { /* B is (N, K): row j + c, column pc + k */
-        for (c = 0; c < nr; c++) {
-            const T *b = B + (j + c) * ldb + pc;
-            for (k = 0; k < kc; k++) Bp[k * NR + c] = b[k];
+    if (trans_b) { /* B is (N, K): row j + c, column pc + k; 8 k at a time, so
+                      that the nr rows read stay in cache and the stores fill lines */
+        int64_t k0, k1;
+        for (k0 = 0; k0 < kc; k0 = k1) {
+            k1 = kc - k0 < 8 ? kc : k0 + 8;
+            for (c = 0; c < nr; c++) {
+                const T *b = B + (j + c) * ldb + pc;
+                for (k = k0; k < k1; k++) Bp[k * NR + c] = b[k];
+            }
         }
-        for (; c < NR; c++)
+        for (c = nr; c < NR; c++)
             for (k = 0; k < kc; k++) Bp[k * NR + c] = 0;
     } else { /* B is (K, N): row pc + k, column j + c */
         for (k = 0; k < kc; k++) {

@@ -73,7 +73,7 @@ void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx)
  *   mha_gemm's.
  * mha_gemm_small: the unpacked form for small M (trans_b only): dot
  *   products along K, nothing packed, no scratch. */
-#define MHA_GEMM_KC 256
+#define MHA_GEMM_KC 512 /* depth of a packed block: 512 x 256 of op(B) (512 KiB f32) in L2 */
 #define MHA_GEMM_NC 256 /* a multiple of every micro-kernel's NR */
 #define MHA_GEMM_SCRATCH (MHA_GEMM_KC * MHA_GEMM_NC)
 void mha_gemm_f32(const mha_kern_f32 *kt, int trans_b, int64_t M, int64_t N, int64_t K,

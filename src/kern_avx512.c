@@ -10,7 +10,7 @@
 #include <immintrin.h>
 
 #define KATTR __attribute__((target("avx512f,avx512dq,avx2,fma")))
-#define MR 8
+#define MR 12
 #define NRV 2
 #define DOT_C 4
 

@@ -98,6 +98,9 @@ KATTR static inline VT SUF(vexp)(VT x)
     return y;
 }
 
+#ifndef UKR_PF
+#define UKR_PF 16
+#endif
 KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, const T *Bp,
                            int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,
                            int accumulate, const T *bias)
@@ -117,6 +120,13 @@ KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, cons
         VT b[NRV];
 #pragma GCC unroll 4
         for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);
+        /* the B panel's row UKR_PF steps ahead (it streams from L2; a
+         * prefetch past the panel's end is harmless: it never faults; the address
+         * is computed as an integer, no out-of-range pointer is formed) */
+#pragma GCC unroll 4
+        for (v = 0; v < NRV; v++)
+            __builtin_prefetch((const void *)((uintptr_t)(Bp + v * VL) +
+                                              (uintptr_t)(UKR_PF * ldbk) * sizeof(T)));
 #pragma GCC unroll 16
         for (r = 0; r < MR; r++) {
             VT a = SUF(vset1)(ar[r][ko]);
