@@ -1,7 +1,8 @@
 """Build the one extension, mha_ext._core, from src/*.c and mha_ext/_core.c.
 
-The flags stay portable: no -march=native and no fast-math (they would break
-the -inf masks and NaN rows); the instruction set is chosen at run time.
+The flags stay portable: no tuning for the build machine and no fast-math
+flags (those would break the -inf masks and NaN rows); the instruction set
+is chosen at run time (src/isa.c).
 MHA_EXT_CFLAGS adds flags (for example sanitizers in CI).
 """
 import glob
