@@ -221,7 +221,8 @@ def _linear(x, weight, bias):
 
 def _softmax(s, zero_rows):
     # s (B, H, Sq, Sk) with -inf where blocked; rows with every key blocked
-    # (or Sk == 0) give NaN, or 0 when zero_rows
+    # give NaN, or 0 when zero_rows (Sk == 0 leaves nothing to fill: the
+    # context is an empty sum, as in the module)
     with np.errstate(invalid="ignore", over="ignore"):
         m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
         dead = np.isneginf(m)
