@@ -24,12 +24,6 @@ typedef int32_t vi32x8 __attribute__((vector_size(32)));
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define SUF(name) name##_f32_avx2
 #include "kern_impl.h"
-#undef T
-#undef KDOUBLE
-#undef VL
-#undef VT
-#undef VI
-#undef V_SET1
 #undef V_FMA
 #undef SUF
 
@@ -44,23 +38,11 @@ typedef int64_t vi64x4 __attribute__((vector_size(32)));
 #define V_FMA(a, b, c) _mm256_fmadd_pd(a, b, c)
 #define SUF(name) name##_f64_avx2
 #include "kern_impl.h"
-#undef T
-#undef KDOUBLE
-#undef VL
-#undef VT
-#undef VI
-#undef V_SET1
 #undef V_FMA
 #undef SUF
 
-static const mha_kern_f32 avx2_f32 = {
-    "avx2", MR, NRV * 8, ukr_f32_avx2, dot_f32_avx2, scale_max_f32_avx2, max_f32_avx2,
-    exp_sum_f32_avx2, scale_f32_avx2, exp_row_f32_avx2,
-    softmax_grad_f32_avx2};
-static const mha_kern_f64 avx2_f64 = {
-    "avx2", MR, NRV * 4, ukr_f64_avx2, dot_f64_avx2, scale_max_f64_avx2, max_f64_avx2,
-    exp_sum_f64_avx2, scale_f64_avx2, exp_row_f64_avx2,
-    softmax_grad_f64_avx2};
+static const mha_kern_f32 avx2_f32 = MHA_KERN_FILL("avx2", MR, NRV * 8, f32_avx2);
+static const mha_kern_f64 avx2_f64 = MHA_KERN_FILL("avx2", MR, NRV * 4, f64_avx2);
 const mha_kern_f32 *const mha_kern_avx2_f32_p = &avx2_f32;
 const mha_kern_f64 *const mha_kern_avx2_f64_p = &avx2_f64;
 #else

@@ -24,12 +24,6 @@ typedef int32_t vi32x16 __attribute__((vector_size(64)));
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define SUF(name) name##_f32_avx512
 #include "kern_impl.h"
-#undef T
-#undef KDOUBLE
-#undef VL
-#undef VT
-#undef VI
-#undef V_SET1
 #undef V_FMA
 #undef SUF
 
@@ -44,23 +38,11 @@ typedef int64_t vi64x8 __attribute__((vector_size(64)));
 #define V_FMA(a, b, c) _mm512_fmadd_pd(a, b, c)
 #define SUF(name) name##_f64_avx512
 #include "kern_impl.h"
-#undef T
-#undef KDOUBLE
-#undef VL
-#undef VT
-#undef VI
-#undef V_SET1
 #undef V_FMA
 #undef SUF
 
-static const mha_kern_f32 avx512_f32 = {
-    "avx512", MR, NRV * 16, ukr_f32_avx512, dot_f32_avx512, scale_max_f32_avx512, max_f32_avx512,
-    exp_sum_f32_avx512, scale_f32_avx512, exp_row_f32_avx512,
-    softmax_grad_f32_avx512};
-static const mha_kern_f64 avx512_f64 = {
-    "avx512", MR, NRV * 8, ukr_f64_avx512, dot_f64_avx512, scale_max_f64_avx512, max_f64_avx512,
-    exp_sum_f64_avx512, scale_f64_avx512, exp_row_f64_avx512,
-    softmax_grad_f64_avx512};
+static const mha_kern_f32 avx512_f32 = MHA_KERN_FILL("avx512", MR, NRV * 16, f32_avx512);
+static const mha_kern_f64 avx512_f64 = MHA_KERN_FILL("avx512", MR, NRV * 8, f64_avx512);
 const mha_kern_f32 *const mha_kern_avx512_f32_p = &avx512_f32;
 const mha_kern_f64 *const mha_kern_avx512_f64_p = &avx512_f64;
 #else

@@ -9,6 +9,8 @@
  *   MR, NRV, DOT_C   micro-kernel rows, vectors per row (NR = NRV*VL), and
  *                    columns per step of the dot kernel
  *   KATTR            the target attribute of every function here
+ * T, KDOUBLE, VL, VT, VI, V_SET1 and SUF are undefined at the end of this
+ * file; the rest stay the includer's.
  * Semantics are documented in kernels.h.  Every loop order is fixed: a
  * result never depends on threads or on which tile an element falls in. */
 
@@ -286,3 +288,11 @@ KATTR static void SUF(softmax_grad)(const T *p, T *d, int64_t n, T c)
 }
 
 #undef NR
+/* the per-dtype parameters end here, so the includer can define the next set */
+#undef T
+#undef KDOUBLE
+#undef VL
+#undef VT
+#undef VI
+#undef V_SET1
+#undef SUF

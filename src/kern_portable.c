@@ -24,13 +24,6 @@ typedef int32_t vi32x4 __attribute__((vector_size(16)));
 #define VI vi32x4
 #define SUF(name) name##_f32_portable
 #include "kern_impl.h"
-#undef T
-#undef KDOUBLE
-#undef VL
-#undef VT
-#undef VI
-#undef V_SET1
-#undef SUF
 
 #define T double
 #define KDOUBLE 1
@@ -43,19 +36,6 @@ typedef int64_t vi64x2 __attribute__((vector_size(16)));
 #define VI vi64x2
 #define SUF(name) name##_f64_portable
 #include "kern_impl.h"
-#undef T
-#undef KDOUBLE
-#undef VL
-#undef VT
-#undef VI
-#undef V_SET1
-#undef SUF
 
-const mha_kern_f32 mha_kern_portable_f32 = {
-    "portable", MR, NRV * 4, ukr_f32_portable, dot_f32_portable, scale_max_f32_portable,
-    max_f32_portable, exp_sum_f32_portable, scale_f32_portable, exp_row_f32_portable,
-    softmax_grad_f32_portable};
-const mha_kern_f64 mha_kern_portable_f64 = {
-    "portable", MR, NRV * 2, ukr_f64_portable, dot_f64_portable, scale_max_f64_portable,
-    max_f64_portable, exp_sum_f64_portable, scale_f64_portable, exp_row_f64_portable,
-    softmax_grad_f64_portable};
+const mha_kern_f32 mha_kern_portable_f32 = MHA_KERN_FILL("portable", MR, NRV * 4, f32_portable);
+const mha_kern_f64 mha_kern_portable_f64 = MHA_KERN_FILL("portable", MR, NRV * 2, f64_portable);

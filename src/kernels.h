@@ -49,6 +49,12 @@ MHA_KERN_TABLE(double, f64)
 
 enum { MHA_ISA_PORTABLE = 0, MHA_ISA_AVX2 = 1, MHA_ISA_AVX512 = 2, MHA_ISA_COUNT };
 
+/* The initialiser of one ISA's table for one dtype: S is the name suffix
+ * the kern_impl.h instance was built with (f32_avx2, f64_portable, ...). */
+#define MHA_KERN_FILL(NAME, MR_, NR_, S)                                           \
+    {NAME, MR_, NR_, ukr_##S, dot_##S, scale_max_##S, max_##S, exp_sum_##S, scale_##S,  \
+     exp_row_##S, softmax_grad_##S}
+
 /* the tables, NULL where this build or compiler has none */
 extern const mha_kern_f32 mha_kern_portable_f32, *const mha_kern_avx2_f32_p,
     *const mha_kern_avx512_f32_p;
