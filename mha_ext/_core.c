@@ -695,13 +695,18 @@ fail:
  *
  *   _take_counter() -> counter: reserve one dropout stream (atomic: GIL held)
  *   _forward_with(params, query, key, value, masks, is_causal, need_weights,
- *                 zero_rows, dropout, counter[, keep]) -> (output, weights | None)
- *       keep true: -> (output, weights | None, (Q, K, V, ctx)), the forward's
- *       projections (mha_forward_save) for _backward's `saved`
+ *                 zero_rows, dropout, counter[, keep[, copy]])
+ *       -> (output, weights | None)
+ *       keep 1 (or True): -> (output, weights | None, (Q, K, V, ctx)), the
+ *       forward's projections (mha_forward_save) for _backward's `saved`;
+ *       keep 2: (Q, K, V, ctx, P), P (B, H, Sq, Sk) the softmax too
+ *       copy true: one more item, (params | None, query, key, value): copies
+ *       the forward made of its inputs and (when params is None: the
+ *       module's, under its lock) of its parameters
  *   _backward(params, query, key, value, masks, is_causal, zero_rows,
  *             dropout, counter, grad_output, grad_weights | None[, saved])
  *       -> (grad_params, grad_query, grad_key, grad_value)
- *       saved: None (recompute) or the (Q, K, V, ctx) of _forward_with's
+ *       saved: None (recompute) or the (Q, K, V, ctx[, P]) of _forward_with's
  *       call with keep (mha_backward_saved)
  *
  * params: None (the module's own parameters) or a 1-D array of the block's
@@ -829,38 +834,65 @@ static PyObject *mha_take_counter(MHAObject *self, PyObject *Py_UNUSED(ignored))
 static PyObject *mha_forward_with_py(MHAObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     train_call c;
-    PyArrayObject *out = NULL, *w = NULL, *kept[4] = {NULL, NULL, NULL, NULL};
-    PyObject *result = NULL;
+    PyArrayObject *out = NULL, *w = NULL, *kept[5] = {NULL, NULL, NULL, NULL, NULL};
+    PyArrayObject *copies[4] = {NULL, NULL, NULL, NULL}; /* params, query, key, value */
+    PyObject *result = NULL, *saved = NULL, *copied = NULL;
     PyObject *pargs[9];
-    int need_weights, keep = 0, own = 0, tn = typenum_of(self), i;
+    int need_weights, own = 0, copy = 0, tn = typenum_of(self), i;
+    long keep = 0;
     mha_saved sv;
     mha_status st;
 
-    if (nargs != 10 && nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "_forward_with takes 10 or 11 arguments");
+    if (nargs < 10 || nargs > 12) {
+        PyErr_SetString(PyExc_TypeError, "_forward_with takes 10 to 12 arguments");
         return NULL;
     }
     if ((need_weights = PyObject_IsTrue(args[6])) < 0) return NULL;
-    if (nargs == 11 && (keep = PyObject_IsTrue(args[10])) < 0) return NULL;
+    if (nargs >= 11) {
+        if (!PyLong_Check(args[10])) {
+            PyErr_SetString(PyExc_TypeError, "keep must be 0, 1 or 2");
+            return NULL;
+        }
+        keep = PyLong_AsLong(args[10]);
+        if (keep == -1 && PyErr_Occurred()) return NULL;
+        if (keep < 0 || keep > 2) {
+            PyErr_Format(PyExc_ValueError, "keep must be 0, 1 or 2, got %ld", keep);
+            return NULL;
+        }
+    }
+    if (nargs == 12 && (copy = PyObject_IsTrue(args[11])) < 0) return NULL;
     /* the parse order: params, q, k, v, masks, is_causal, zero_rows, dropout, counter */
     pargs[0] = args[0]; pargs[1] = args[1]; pargs[2] = args[2]; pargs[3] = args[3];
     pargs[4] = args[4]; pargs[5] = args[5]; pargs[6] = args[7]; pargs[7] = args[8];
     pargs[8] = args[9];
     if (train_call_parse(self, pargs, need_weights, &c) < 0) return NULL;
     own = c.params == NULL;
+    memset(&sv, 0, sizeof sv);
     {
         npy_intp od[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sq, (npy_intp)self->cfg.d_model};
         npy_intp wd[4] = {(npy_intp)c.a.B, (npy_intp)self->cfg.n_heads, (npy_intp)c.a.Sq,
                           (npy_intp)c.a.Sk};
         npy_intp kd[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sk, (npy_intp)self->cfg.d_model};
+        npy_intp pd[1] = {(npy_intp)self->total};
+        const int n_kept = keep == 0 ? 0 : keep == 1 ? 4 : 5;
         if (!(out = (PyArrayObject *)PyArray_SimpleNew(3, od, tn))) goto fail;
         if (need_weights && !(w = (PyArrayObject *)PyArray_SimpleNew(4, wd, tn))) goto fail;
-        /* Q, K, V, ctx; zeroed only when B * Sq == 0 leaves K and V unwritten */
-        for (i = 0; keep && i < 4; i++) {
-            npy_intp *dims = i == 1 || i == 2 ? kd : od;
-            kept[i] = (PyArrayObject *)(c.a.B * c.a.Sq == 0 ? PyArray_ZEROS(3, dims, tn, 0)
-                                                              : PyArray_SimpleNew(3, dims, tn));
+        /* Q, K, V, ctx (and P); zeroed only when B * Sq == 0 leaves K and V
+         * unwritten */
+        for (i = 0; i < n_kept; i++) {
+            int nd = i == 4 ? 4 : 3;
+            npy_intp *dims = i == 4 ? wd : i == 1 || i == 2 ? kd : od;
+            kept[i] = (PyArrayObject *)(c.a.B * c.a.Sq == 0 ? PyArray_ZEROS(nd, dims, tn, 0)
+                                                              : PyArray_SimpleNew(nd, dims, tn));
             if (!kept[i]) goto fail;
+        }
+        /* the copies: every one is written by the forward */
+        if (copy) {
+            if (own && !(copies[0] = (PyArrayObject *)PyArray_SimpleNew(1, pd, tn))) goto fail;
+            if (!(copies[1] = (PyArrayObject *)PyArray_NewLikeArray(c.q, NPY_CORDER, NULL, 0)) ||
+                !(copies[2] = (PyArrayObject *)PyArray_NewLikeArray(c.k, NPY_CORDER, NULL, 0)) ||
+                !(copies[3] = (PyArrayObject *)PyArray_NewLikeArray(c.v, NPY_CORDER, NULL, 0)))
+                goto fail;
         }
     }
     c.a.out = PyArray_DATA(out);
@@ -870,26 +902,50 @@ static PyObject *mha_forward_with_py(MHAObject *self, PyObject *const *args, Py_
         sv.k = PyArray_DATA(kept[1]);
         sv.v = PyArray_DATA(kept[2]);
         sv.ctx = PyArray_DATA(kept[3]);
+        sv.p = keep == 2 ? PyArray_DATA(kept[4]) : NULL;
+    }
+    if (copy) {
+        sv.params = copies[0] ? PyArray_DATA(copies[0]) : NULL;
+        sv.query = PyArray_DATA(copies[1]);
+        sv.key = PyArray_DATA(copies[2]);
+        sv.value = PyArray_DATA(copies[3]);
     }
     Py_BEGIN_ALLOW_THREADS
     if (own) pthread_rwlock_rdlock(&self->lock);
-    st = mha_forward_save(&self->cfg, &c.p, &c.a, keep ? &sv : NULL);
+    st = mha_forward_save(&self->cfg, &c.p, &c.a, keep || copy ? &sv : NULL);
     if (own) pthread_rwlock_unlock(&self->lock);
     Py_END_ALLOW_THREADS
     if (st != MHA_OK) {
         set_status_error(st, "forward");
         goto fail;
     }
-    if (keep)
-        result = Py_BuildValue("(OO(OOOO))", (PyObject *)out, w ? (PyObject *)w : Py_None,
-                               (PyObject *)kept[0], (PyObject *)kept[1], (PyObject *)kept[2],
-                               (PyObject *)kept[3]);
-    else
+    if (keep) {
+        saved = keep == 1 ? PyTuple_Pack(4, (PyObject *)kept[0], (PyObject *)kept[1],
+                                         (PyObject *)kept[2], (PyObject *)kept[3])
+                          : PyTuple_Pack(5, (PyObject *)kept[0], (PyObject *)kept[1],
+                                         (PyObject *)kept[2], (PyObject *)kept[3],
+                                         (PyObject *)kept[4]);
+        if (!saved) goto fail;
+    }
+    if (copy) {
+        copied = PyTuple_Pack(4, copies[0] ? (PyObject *)copies[0] : Py_None,
+                              (PyObject *)copies[1], (PyObject *)copies[2],
+                              (PyObject *)copies[3]);
+        if (!copied) goto fail;
+        result = PyTuple_Pack(4, (PyObject *)out, w ? (PyObject *)w : Py_None,
+                              saved ? saved : Py_None, copied);
+    } else if (keep) {
+        result = PyTuple_Pack(3, (PyObject *)out, w ? (PyObject *)w : Py_None, saved);
+    } else {
         result = PyTuple_Pack(2, (PyObject *)out, w ? (PyObject *)w : Py_None);
+    }
 fail:
     Py_XDECREF(out);
     Py_XDECREF(w);
-    for (i = 0; i < 4; i++) Py_XDECREF(kept[i]);
+    Py_XDECREF(saved);
+    Py_XDECREF(copied);
+    for (i = 0; i < 5; i++) Py_XDECREF(kept[i]);
+    for (i = 0; i < 4; i++) Py_XDECREF(copies[i]);
     train_call_clear(&c);
     return result;
 }
@@ -898,7 +954,7 @@ static PyObject *mha_backward_py(MHAObject *self, PyObject *const *args, Py_ssiz
 {
     train_call c;
     PyArrayObject *go = NULL, *gw = NULL, *gp = NULL, *gq = NULL, *gk = NULL, *gv = NULL;
-    PyArrayObject *kept[4] = {NULL, NULL, NULL, NULL};
+    PyArrayObject *kept[5] = {NULL, NULL, NULL, NULL, NULL};
     PyObject *result = NULL;
     mha_backward_args ba;
     mha_saved sv;
@@ -909,6 +965,7 @@ static PyObject *mha_backward_py(MHAObject *self, PyObject *const *args, Py_ssiz
         PyErr_SetString(PyExc_TypeError, "_backward takes 11 or 12 arguments");
         return NULL;
     }
+    memset(&sv, 0, sizeof sv);
     if (train_call_parse(self, args, 0, &c) < 0) return NULL;
     own = c.params == NULL;
     if (!(go = train_array(self, args[9], "grad_output"))) goto fail;
@@ -940,11 +997,26 @@ static PyObject *mha_backward_py(MHAObject *self, PyObject *const *args, Py_ssiz
         }
     }
     if (nargs == 12 && args[11] != Py_None) {
-        static const char *names[4] = {"saved Q", "saved K", "saved V", "saved ctx"};
-        if (!PyTuple_Check(args[11]) || PyTuple_GET_SIZE(args[11]) != 4) {
-            PyErr_SetString(PyExc_TypeError, "saved must be None or the (Q, K, V, ctx) tuple "
-                            "of _forward_with(..., keep=True)");
+        static const char *names[5] = {"saved Q", "saved K", "saved V", "saved ctx", "saved P"};
+        Py_ssize_t n_saved;
+        if (!PyTuple_Check(args[11]) ||
+            ((n_saved = PyTuple_GET_SIZE(args[11])) != 4 && n_saved != 5)) {
+            PyErr_SetString(PyExc_TypeError, "saved must be None or the (Q, K, V, ctx[, P]) "
+                            "tuple of _forward_with(..., keep)");
             goto fail;
+        }
+        if (n_saved == 5 && PyTuple_GET_ITEM(args[11], 4) != Py_None) {
+            if (!(kept[4] = train_array(self, PyTuple_GET_ITEM(args[11], 4), names[4])))
+                goto fail;
+            if (PyArray_NDIM(kept[4]) != 4 || PyArray_DIM(kept[4], 0) != (npy_intp)c.a.B ||
+                PyArray_DIM(kept[4], 1) != (npy_intp)self->cfg.n_heads ||
+                PyArray_DIM(kept[4], 2) != (npy_intp)c.a.Sq ||
+                PyArray_DIM(kept[4], 3) != (npy_intp)c.a.Sk) {
+                PyErr_Format(PyExc_ValueError, "%s must have shape (%lld, %lld, %lld, %lld)",
+                             names[4], (long long)c.a.B, (long long)self->cfg.n_heads,
+                             (long long)c.a.Sq, (long long)c.a.Sk);
+                goto fail;
+            }
         }
         for (i = 0; i < 4; i++) {
             const npy_intp rows = i == 1 || i == 2 ? (npy_intp)c.a.Sk : (npy_intp)c.a.Sq;
@@ -963,6 +1035,7 @@ static PyObject *mha_backward_py(MHAObject *self, PyObject *const *args, Py_ssiz
         sv.k = PyArray_DATA(kept[1]);
         sv.v = PyArray_DATA(kept[2]);
         sv.ctx = PyArray_DATA(kept[3]);
+        sv.p = kept[4] ? PyArray_DATA(kept[4]) : NULL;
         have_saved = 1;
     }
     {
@@ -1001,7 +1074,7 @@ fail:
     Py_XDECREF(gq);
     Py_XDECREF(gk);
     Py_XDECREF(gv);
-    for (i = 0; i < 4; i++) Py_XDECREF(kept[i]);
+    for (i = 0; i < 5; i++) Py_XDECREF(kept[i]);
     train_call_clear(&c);
     return result;
 }
@@ -1102,13 +1175,14 @@ static PyMethodDef mha_methods[] = {
      "_take_counter()\n--\n\nReserve one dropout stream: its counter (training API)."},
     {"_forward_with", (PyCFunction)(void (*)(void))mha_forward_with_py, METH_FASTCALL,
      "_forward_with(params, query, key, value, masks, is_causal, need_weights, zero_rows, "
-     "dropout, counter, keep=False)\n--\n\nThe forward with explicit parameters and dropout "
-     "stream; keep: also return (Q, K, V, ctx) for _backward; "
-     "use MultiHeadAttention.forward_train."},
+     "dropout, counter, keep=0, copy=False)\n--\n\nThe forward with explicit parameters "
+     "and dropout stream; keep 1: also return (Q, K, V, ctx) for _backward, keep 2: "
+     "(Q, K, V, ctx, P); copy: also return the copies it made of (params or None, query, "
+     "key, value); use MultiHeadAttention.forward_train."},
     {"_backward", (PyCFunction)(void (*)(void))mha_backward_py, METH_FASTCALL,
      "_backward(params, query, key, value, masks, is_causal, zero_rows, dropout, counter, "
      "grad_output, grad_weights, saved=None)\n--\n\nThe gradients of _forward_with's call "
-     "(saved: its kept (Q, K, V, ctx)); "
+     "(saved: its kept (Q, K, V, ctx[, P])); "
      "use MultiHeadAttention.backward."},
     {NULL}
 };

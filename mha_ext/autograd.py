@@ -9,9 +9,12 @@ Nothing is kept in the module between the two calls: ``ctx`` (a
 :class:`ForwardContext`) holds a copy of the parameters, the inputs, the
 masks and the dropout stream (probability and counter) of the forward, and
 the forward's projections Q, K, V and its context before W_o (four
-(B, S, E) arrays; ``save_projections=False`` drops them to save memory, and
-the backward then recomputes them).  The backward recomputes the rest in C
-(the softmax block by block, the replayed dropout mask).  So several forwards may be in flight
+(B, S, E) arrays) and, when it is no larger than those four together, the
+softmax P (B, H, Sq, Sk); ``save_projections=False`` drops them to save
+memory, and the backward then recomputes them.  The backward recomputes the
+rest in C (the softmax block by block when P was not kept, the replayed
+dropout mask).  The copies of the inputs and parameters are made in C by
+the forward's projection tasks as they read them.  So several forwards may be in flight
 at once, from any number of threads, and each backward differentiates
 exactly the forward that made its ``ctx``, even if the module's parameters
 changed in between (an optimiser step).
@@ -57,12 +60,13 @@ class ForwardContext:
 
 
 def _param_block(mha, params):
-    """The flat parameter block (a private copy) from None (the module's
-    parameters now), a state_dict-like mapping or a 1-D block."""
+    """The flat parameter block (a private copy) from a state_dict-like
+    mapping or a 1-D block; None (the module's parameters) stays None: the
+    forward copies those itself, under the module's lock."""
     from .module import _as_array, _check_real
 
     if params is None:
-        return np.array(mha._block(), copy=True)
+        return None
     block = np.array(mha._block(), copy=True)
     layout = mha._layout()
     if isinstance(params, Mapping):
@@ -117,13 +121,15 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
       dropout_counter: None (reserve a fresh random stream, as every training
         call does) or the ``counter`` of an earlier context: replays its mask.
       save_projections: keep Q, K, V and the context (4 arrays of (B, S, E))
-        in the context, so that the backward need not recompute them
+        in the context, and the softmax P (B, H, Sq, Sk) when it is no larger
+        than those four, so that the backward need not recompute them
         (default); False keeps only the inputs and the backward recomputes.
     """
     dtype = mha.dtype
+    # no copies here: the C forward copies the inputs as its projections read them
     q3, k3, v3, masks, batched = mha._call_args(
         query, key, value, mask, attn_mask, key_padding_mask, masked_rows,
-        convert=lambda x, name: _input(x, name, dtype))
+        convert=lambda x, name: _input(x, name, dtype, copy=False))
     # private copies: the backward must see the masks of this call
     masks = tuple((kind, np.array(m, copy=True)) for kind, m in masks)
 
@@ -147,10 +153,17 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
         counter = 0
     block = _param_block(mha, params)
     zero_rows = masked_rows == "zero"
-    out, weights, *kept = mha._forward_with(block, q3, k3, v3, list(masks), bool(is_causal),
-                                            bool(need_weights), zero_rows, p, counter,
-                                            bool(save_projections))
-    saved = kept[0] if kept else None
+    keep = 0
+    if save_projections:
+        B, Sq, Sk, E = q3.shape[0], q3.shape[1], k3.shape[1], mha.d_model
+        # P as well when it costs no more memory than Q, K, V and ctx
+        keep = 2 if mha.n_heads * Sq * Sk <= 2 * E * (Sq + Sk) else 1
+    out, weights, saved, copies = mha._forward_with(block, q3, k3, v3, list(masks),
+                                                    bool(is_causal), bool(need_weights),
+                                                    zero_rows, p, counter, keep, True)
+    block_copy, q3, k3, v3 = copies
+    if block is None:
+        block = block_copy
     if weights is not None and average_weights:
         weights = weights.mean(axis=1)
     if not batched:

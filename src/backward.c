@@ -1,7 +1,7 @@
 /* backward.c: the gradients of mha_forward (backward_impl.h), instantiated
  * for float and double.  Same pool, same matrix kernels as the forward; the
- * forward's intermediates are recomputed (or Q, K, V and ctx read back from
- * mha_forward_save's buffers), the dropout mask replayed from its
+ * forward's intermediates are recomputed (or Q, K, V, ctx and P read back
+ * from mha_forward_save's buffers), the dropout mask replayed from its
  * (seed, counter) stream.  Legend as in mha.h. */
 #include <math.h>
 #include <string.h>

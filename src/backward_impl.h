@@ -19,8 +19,9 @@
  * Phases, each one parallel pass on the pool:
  *   1. recompute Q, K, V (the forward's projections) and dctx = d out·W_o
  *      (only dctx when mha_forward_save kept Q, K, V and ctx);
- *   2. per (b, h): recompute S, P, A (and ctx_bh, unless kept) block by
- *      block of queries, and write dQ_bh, dK_bh, dV_bh;
+ *   2. per (b, h): recompute S and P (unless mha_forward_save kept P), A
+ *      (and ctx_bh, unless kept) block by block of queries, and write dQ_bh,
+ *      dK_bh, dV_bh;
  *   3. (in phase 4's pass) sum the columns of d out, dQ, dK, dV: the bias
  *      gradients;
  *   4. the weight gradients (dW = dYᵀ·X: mha_gemm_tn packs dYᵀ's panels, no
@@ -61,6 +62,7 @@ typedef struct {
     T *q, *k, *v;         /* Q (B, Sq, E), K and V (B, Sk, E), recomputed or kept */
     T *ctx, *dctx;        /* (B, Sq, E) */
     int saved;            /* q, k, v, ctx are mha_forward_save's: never written */
+    const T *p_saved;     /* NULL, or mha_forward_save's P (B, H, Sq, Sk) */
     T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E) */
     T *scratch;           /* per slot: P, D (QB, Sk), Kᵀ, Vᵀ (Dk, Sk) */
     T *pack;              /* per slot: MHA_GEMM_SCRATCH scalars for mha_gemm's packing */
@@ -227,7 +229,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     T *dk_bh = f->dk + b * Sk * E + h * Dk;         /* (Sk, Dk), ld E */
     T *dv_bh = f->dv + b * Sk * E + h * Dk;         /* (Sk, Dk), ld E */
     const T *gw_bh = f->a->grad_weights ? (const T *)f->a->grad_weights + bh * Sq * Sk : NULL;
-    T *p = f->scratch + (int64_t)slot * f->scratch_len; /* (QB, Sk) P */
+    T *p = f->scratch + (int64_t)slot * f->scratch_len; /* (QB, Sk) P, when recomputed */
     T *d = p + QB * Sk;                                 /* (QB, Sk) A, then dA, dP, dS */
     T *kt = d + QB * Sk;                                /* (Dk, Sk) K_bhᵀ */
     T *vt = kt + Dk * Sk;                               /* (Dk, Sk) V_bhᵀ */
@@ -242,17 +244,21 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
             }
         return;
     }
-    /* K_bhᵀ and V_bhᵀ once per head: the products with them run as gemm_nn */
-    SUF(transpose)(k_bh, Sk, Dk, E, kt);
+    /* K_bhᵀ (unless P was kept) and V_bhᵀ once per head: the products with
+     * them run as gemm_nn */
+    if (!f->p_saved) SUF(transpose)(k_bh, Sk, Dk, E, kt);
     SUF(transpose)(v_bh, Sk, Dk, E, vt);
     for (i0 = 0; i0 < Sq; i0 += QB) {
         const int64_t nq = Sq - i0 < QB ? Sq - i0 : QB;
         const int first = i0 == 0;
-        const T *a_blk = p; /* A: P itself without dropout */
+        /* P of this block: the forward's, or recomputed into p */
+        const T *pb = f->p_saved ? f->p_saved + (bh * Sq + i0) * Sk : p;
+        const T *a_blk = pb; /* A: P itself without dropout */
 
         /* forward: S = Q_bh·K_bhᵀ / sqrt(Dk); S = masked(S); P = softmax(S) */
-        SUF(mha_gemm)(f->kern, 0, nq, Sk, Dk, q_bh + i0 * E, E, kt, Sk, NULL, p, Sk, 0, gs);
-        for (r = 0; r < nq; r++) { /* the forward's kernels: the same P */
+        if (!f->p_saved)
+            SUF(mha_gemm)(f->kern, 0, nq, Sk, Dk, q_bh + i0 * E, E, kt, Sk, NULL, p, Sk, 0, gs);
+        for (r = 0; r < nq && !f->p_saved; r++) { /* the forward's kernels: the same P */
             T *p_r = p + r * Sk, m, sum;
             if (fa->n_masks == 0 && !fa->is_causal) {
                 m = f->kern->scale_max(p_r, Sk, f->scale);
@@ -282,7 +288,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
                 for (j = 0; j < Sk; j++) {
                     keep[r * Sk + j] =
                         mha_stream_uniform(f->drop_key, idx + (uint64_t)j) >= fa->dropout;
-                    d[r * Sk + j] = keep[r * Sk + j] ? p[r * Sk + j] * f->drop_scale : (T)0;
+                    d[r * Sk + j] = keep[r * Sk + j] ? pb[r * Sk + j] * f->drop_scale : (T)0;
                 }
             }
             a_blk = d;
@@ -306,7 +312,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
                     d_r[j] = keep[r * Sk + j] ? d_r[j] * f->drop_scale : (T)0;
             /* backward of P = softmax(S): dS_j = P_j (dP_j - Σ_k P_k dP_k),
              * and of S = .../sqrt(Dk): the scale folded in */
-            f->kern->softmax_grad(p + r * Sk, d_r, Sk, f->scale);
+            f->kern->softmax_grad(pb + r * Sk, d_r, Sk, f->scale);
         }
         /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh */
         SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, d, Sk, k_bh, E, NULL, dq_bh + i0 * E, E, 0, gs);
@@ -404,6 +410,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     f.scratch = f.dv + n_kv;
     if (sv) { /* read only */
         f.saved = 1;
+        f.p_saved = (const T *)sv->p;
         f.q = (T *)sv->q;
         f.ctx = (T *)sv->ctx;
         f.k = (T *)sv->k;

@@ -29,6 +29,7 @@
 typedef struct {
     const T *x, *w, *b; /* x (M, K), w (N, K), b (N) or NULL */
     T *y;               /* (M, N) */
+    T *x_copy, *w_copy, *b_copy; /* NULL, or where to copy x, w, b (mha_saved) */
     int64_t M, N, K, rn, tiles_n, tiles;
 } SUF(linear_job);
 
@@ -37,6 +38,7 @@ typedef struct {
     const KT *kern;
     int64_t B, Sq, Sk, E, H, Dk;
     T *q, *k, *v, *ctx;
+    T *p_save;           /* NULL, or mha_saved's P (B, H, Sq, Sk) */
     T *kt;               /* K per head, transposed: (B, H, Dk, Sk) */
     T *scratch;          /* per slot: GEMM packing, then the online state */
     int64_t scratch_len; /* scalars per slot */
@@ -60,6 +62,14 @@ static void SUF(linear_task)(void *ctx, int64_t t, int slot)
     int64_t i0 = (t / jb->tiles_n) * RM, n0 = (t % jb->tiles_n) * jb->rn;
     int64_t m = jb->M - i0 < RM ? jb->M - i0 : RM;
     int64_t n = jb->N - n0 < jb->rn ? jb->N - n0 : jb->rn;
+    /* the caller's copies: x's rows by the first column tile, w's rows (and
+     * b) by the first row tile, just before the product reads them */
+    if (jb->x_copy && n0 == 0)
+        memcpy(jb->x_copy + i0 * jb->K, jb->x + i0 * jb->K, (size_t)(m * jb->K) * sizeof(T));
+    if (jb->w_copy && i0 == 0) {
+        memcpy(jb->w_copy + n0 * jb->K, jb->w + n0 * jb->K, (size_t)(n * jb->K) * sizeof(T));
+        if (jb->b_copy) memcpy(jb->b_copy + n0, jb->b + n0, (size_t)n * sizeof(T));
+    }
     if (f->small)
         SUF(mha_gemm_small)(f->kern, m, n, jb->K, jb->x + i0 * jb->K, jb->K, jb->w + n0 * jb->K,
                             jb->K, jb->b ? jb->b + n0 : NULL, jb->y + i0 * jb->N + n0, jb->N, 0);
@@ -71,17 +81,37 @@ static void SUF(linear_task)(void *ctx, int64_t t, int slot)
 
 /* Column tiles: wide for the packed GEMM, narrower when that leaves too
  * few tasks for the threads.  The tiling never changes a result. */
-static void SUF(add_job)(SUF(fwd) *f, const T *x, const T *w, const T *b, T *y,
-                         int64_t M, int64_t N, int64_t K, int slots)
+static SUF(linear_job) *SUF(add_job)(SUF(fwd) *f, const T *x, const T *w, const T *b, T *y,
+                                     int64_t M, int64_t N, int64_t K, int slots)
 {
     SUF(linear_job) *jb = &f->jobs[f->n_jobs++];
     int64_t rows = (M + RM - 1) / RM;
+    memset(jb, 0, sizeof *jb);
     jb->x = x; jb->w = w; jb->b = b; jb->y = y;
     jb->M = M; jb->N = N; jb->K = K;
     jb->rn = MHA_GEMM_NC;
     while (jb->rn > 64 && rows * ((N + jb->rn - 1) / jb->rn) < 4 * (int64_t)slots) jb->rn /= 2;
     jb->tiles_n = (N + jb->rn - 1) / jb->rn;
     jb->tiles = M > 0 && N > 0 ? rows * jb->tiles_n : 0;
+    return jb;
+}
+
+/* Where mha_saved asks for copies: x into xc, and the weight and bias of
+ * parameter pair `wi` (MHA_WQ, ...) into the saved block; a job without
+ * tiles (M == 0) copies its w and b at once. */
+static void SUF(job_copies)(SUF(linear_job) *jb, const mha_saved *sv, const int64_t *offset,
+                            int wi, void *xc)
+{
+    if (!sv) return;
+    jb->x_copy = (T *)xc;
+    if (sv->params) {
+        jb->w_copy = (T *)sv->params + offset[wi];
+        jb->b_copy = jb->b ? (T *)sv->params + offset[wi + 1] : NULL;
+    }
+    if (jb->tiles == 0 && jb->w_copy) {
+        memcpy(jb->w_copy, jb->w, (size_t)(jb->N * jb->K) * sizeof(T));
+        if (jb->b_copy) memcpy(jb->b_copy, jb->b, (size_t)jb->N * sizeof(T));
+    }
 }
 
 static int64_t SUF(job_tiles)(const SUF(fwd) *f)
@@ -166,7 +196,11 @@ static void SUF(dropout_row)(const SUF(fwd) *f, T *w, int64_t n, uint64_t idx)
                    ? w[j] * f->drop_scale : (T)0;
 }
 
-/* Attention with the weights written: task = (b, h, block of queries). */
+/* Attention with the weights written: task = (b, h, block of queries).
+ * P (the softmax) is formed in the weights array itself, or in mha_saved's
+ * P when that is kept; A = dropout(P), what multiplies V, is then the
+ * weights array, P itself (no dropout, no weights asked for) or a scratch
+ * block of the slot (dropout, no weights). */
 static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
 {
     SUF(fwd) *f = (SUF(fwd) *)ctx;
@@ -179,34 +213,42 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     const T *kt_bh = f->kt + bh * Dk * Sk;                /* (Dk, Sk) */
     const T *v_bh = f->v + b * Sk * E + h * Dk;           /* (Sk, Dk), ld E */
     T *c_bh = f->ctx + (b * f->Sq + i0) * E + h * Dk;     /* (nq, Dk), ld E */
-    T *w_bh = (T *)a->weights + (bh * f->Sq + i0) * Sk;   /* (nq, Sk) */
     T *gs = f->scratch + (int64_t)slot * f->scratch_len;
+    T *p_bh = (f->p_save ? f->p_save : (T *)a->weights) + (bh * f->Sq + i0) * Sk; /* (nq, Sk) */
+    T *a_bh = p_bh;                                                               /* (nq, Sk) */
+    if (f->p_save && a->weights)
+        a_bh = (T *)a->weights + (bh * f->Sq + i0) * Sk;
+    else if (f->p_save && f->dropout_on)
+        a_bh = gs + MHA_GEMM_SCRATCH;
     if (Sk == 0) { /* no key at all: the context is an empty sum */
         SUF(fill_rows)(c_bh, nq, Dk, E, (T)0);
         return;
     }
     if (f->skip_causal && i0 + nq < Sk) kend = i0 + nq; /* later keys: blocked for all */
-    SUF(mha_gemm)(f->kern, 0, nq, kend, Dk, q_bh, E, kt_bh, Sk, NULL, w_bh, Sk, 0, gs);
+    SUF(mha_gemm)(f->kern, 0, nq, kend, Dk, q_bh, E, kt_bh, Sk, NULL, p_bh, Sk, 0, gs);
     for (r = 0; r < nq; r++) {
-        T *w = w_bh + r * Sk;
+        T *w = p_bh + r * Sk;
         int64_t i = i0 + r, ne = kend, j;
         T m = SUF(scores_max)(f, w, b, h, i, 0, kend);
-        if (m == -(T)INFINITY) { /* every key blocked */
+        int blocked = m == -(T)INFINITY;
+        if (blocked) { /* every key blocked: no dropout either */
             for (j = 0; j < Sk; j++) w[j] = nan_or_zero;
-            continue;
+        } else {
+            if (a->is_causal && i + 1 < ne) ne = i + 1; /* the rest are exact zeros */
+            T sum = f->kern->exp_sum(w, ne, m);
+            if (sum != sum) { /* a NaN score: the reference's whole row is NaN */
+                for (j = 0; j < Sk; j++) w[j] = (T)NAN;
+                ne = Sk;
+            }
+            for (j = ne; j < Sk; j++) w[j] = 0;
+            f->kern->scale(w, ne, (T)1 / sum);
         }
-        if (a->is_causal && i + 1 < ne) ne = i + 1; /* the rest are exact zeros */
-        T sum = f->kern->exp_sum(w, ne, m);
-        if (sum != sum) { /* a NaN score: the reference's whole row is NaN */
-            for (j = 0; j < Sk; j++) w[j] = (T)NAN;
-            ne = Sk;
-        }
-        for (j = ne; j < Sk; j++) w[j] = 0;
-        f->kern->scale(w, ne, (T)1 / sum);
-        if (f->dropout_on)
-            SUF(dropout_row)(f, w, ne, ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)i) * (uint64_t)Sk);
+        if (a_bh != p_bh) memcpy(a_bh + r * Sk, w, (size_t)Sk * sizeof(T));
+        if (f->dropout_on && !blocked)
+            SUF(dropout_row)(f, a_bh + r * Sk, ne,
+                             ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)i) * (uint64_t)Sk);
     }
-    SUF(mha_gemm)(f->kern, 0, nq, Dk, kend, w_bh, Sk, v_bh, E, NULL, c_bh, E, 0, gs);
+    SUF(mha_gemm)(f->kern, 0, nq, Dk, kend, a_bh, Sk, v_bh, E, NULL, c_bh, E, 0, gs);
 }
 
 /* Attention without weights: an online softmax over blocks of KB keys. */
@@ -294,19 +336,43 @@ static int SUF(all_finite)(const T *x, int64_t n)
     return z == 0;
 }
 
-/* sv: NULL, or the caller's buffers for Q, K, V and ctx (mha_forward_save) */
+/* Copy what mha_saved asks for of the inputs and parameters at once (when
+ * no projection task runs to copy them on its way). */
+static void SUF(save_copies)(const mha_config *cfg, const mha_params *p,
+                             const mha_forward_args *a, const mha_saved *sv,
+                             const mha_sizes *sz, const int64_t *offset, const int64_t *size)
+{
+    const void *src[MHA_NPARAM] = {p->wq, p->bq, p->wk, p->bk, p->wv, p->bv, p->wo, p->bo};
+    int i;
+    (void)cfg;
+    if (sv->query) memcpy(sv->query, a->query, (size_t)sz->n_query * sizeof(T));
+    if (sv->key) memcpy(sv->key, a->key, (size_t)sz->n_key * sizeof(T));
+    if (sv->value) memcpy(sv->value, a->value, (size_t)sz->n_value * sizeof(T));
+    if (sv->params)
+        for (i = 0; i < MHA_NPARAM; i++)
+            if (size[i] > 0) memcpy((T *)sv->params + offset[i], src[i], (size_t)size[i] * sizeof(T));
+}
+
+/* sv: NULL, or the caller's buffers of mha_forward_save (Q, K, V and ctx;
+ * P; copies of the inputs and parameters: each NULL when not kept) */
 static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
                                const mha_forward_args *a, const mha_saved *sv)
 {
     mha_sizes sz;
     SUF(fwd) f;
-    int64_t n_work = 0, n_scratch = 0, t;
+    int64_t n_work = 0, n_scratch = 0, t, offset[MHA_NPARAM], size[MHA_NPARAM], total;
     size_t bytes;
     int slots;
+    const int keep = sv && sv->q; /* Q, K, V and ctx go to the caller's buffers */
     T *work = NULL;
     mha_status st = mha_check_forward(cfg, p, a, &sz);
     if (st != MHA_OK) return st;
-    if (sz.n_out == 0) return MHA_OK; /* B == 0 or Sq == 0: nothing to write */
+    st = mha_param_layout(cfg, offset, size, &total);
+    if (st != MHA_OK) return st;
+    if (sz.n_out == 0) { /* B == 0 or Sq == 0: nothing to compute */
+        if (sv) SUF(save_copies)(cfg, p, a, sv, &sz, offset, size);
+        return MHA_OK;
+    }
 
     memset(&f, 0, sizeof f);
     f.a = a;
@@ -331,18 +397,26 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
         if (flops < 2e6) slots = 1;
     }
 
+    /* P kept: the attention forms it whole (the weights task) */
+    f.p_save = keep && sv->p ? (T *)sv->p : NULL;
+
     /* workspace: q and ctx (B, Sq, E); k, v and kt (B, Sk, E); per-slot
-     * scratch; q, ctx, k and v are the caller's with sv */
+     * scratch; q, ctx, k and v are the caller's when kept */
     f.scratch_len = MHA_GEMM_SCRATCH;
-    if (!a->weights) f.scratch_len += QB * KB + 2 * QB + QB * f.Dk; /* Dk <= E: checked */
-    if (mha_mul(f.B * f.Sk, f.E, &t) || mha_mul(t, sv ? 1 : 3, &t) ||
-        mha_add(t, sv ? 0 : 2 * sz.n_out, &n_work) ||
+    if (!a->weights && !f.p_save) /* the online softmax's state; Dk <= E: checked */
+        f.scratch_len += QB * KB + 2 * QB + QB * f.Dk;
+    if (f.p_save && !a->weights && f.dropout_on) { /* A = dropout(P), (QB, Sk) */
+        if (mha_mul(QB, f.Sk, &t) || mha_add(f.scratch_len, t, &f.scratch_len))
+            return MHA_ERR_OVERFLOW;
+    }
+    if (mha_mul(f.B * f.Sk, f.E, &t) || mha_mul(t, keep ? 1 : 3, &t) ||
+        mha_add(t, keep ? 0 : 2 * sz.n_out, &n_work) ||
         mha_mul(f.scratch_len, slots, &n_scratch) || mha_add(n_work, n_scratch, &n_work))
         return MHA_ERR_OVERFLOW;
     if (mha_bytes(n_work, sizeof(T), &bytes)) return MHA_ERR_OVERFLOW;
     work = (T *)mha_work_alloc(bytes);
     if (!work) return MHA_ERR_NOMEM;
-    if (sv) {
+    if (keep) {
         f.q = (T *)sv->q;
         f.ctx = (T *)sv->ctx;
         f.k = (T *)sv->k;
@@ -358,13 +432,17 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     f.scratch = f.kt + f.B * f.Sk * f.E;
 
     FWD_TICK_START;
-    /* the three input projections, one parallel pass over all their tiles */
-    SUF(add_job)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq, f.q,
-                 f.B * f.Sq, f.E, f.E, slots);
-    SUF(add_job)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk, f.k,
-                 f.B * f.Sk, f.E, cfg->kdim, slots);
-    SUF(add_job)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, f.v,
-                 f.B * f.Sk, f.E, cfg->vdim, slots);
+    /* the three input projections, one parallel pass over all their tiles
+     * (which also make the copies mha_saved asks for) */
+    SUF(job_copies)(SUF(add_job)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq,
+                                 f.q, f.B * f.Sq, f.E, f.E, slots),
+                    sv, offset, MHA_WQ, sv ? sv->query : NULL);
+    SUF(job_copies)(SUF(add_job)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk,
+                                 f.k, f.B * f.Sk, f.E, cfg->kdim, slots),
+                    sv, offset, MHA_WK, sv ? sv->key : NULL);
+    SUF(job_copies)(SUF(add_job)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv,
+                                 f.v, f.B * f.Sk, f.E, cfg->vdim, slots),
+                    sv, offset, MHA_WV, sv ? sv->value : NULL);
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
     FWD_TICK("qkv proj");
 
@@ -377,13 +455,15 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
 
     /* attention, per (b, h, block of queries) */
     mha_parallel_for(f.B * f.H * f.n_qblk, slots,
-                     a->weights ? SUF(attend_weights_task) : SUF(attend_online_task), &f);
+                     a->weights || f.p_save ? SUF(attend_weights_task) : SUF(attend_online_task),
+                     &f);
     FWD_TICK("attention");
 
     /* the output projection */
     f.n_jobs = 0;
-    SUF(add_job)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out,
-                 f.B * f.Sq, f.E, f.E, slots);
+    SUF(job_copies)(SUF(add_job)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out,
+                                 f.B * f.Sq, f.E, f.E, slots),
+                    sv, offset, MHA_WO, NULL);
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
     FWD_TICK("out proj");
 

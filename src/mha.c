@@ -341,7 +341,10 @@ mha_status mha_forward_save(const mha_config *cfg, const mha_params *p,
                             const mha_forward_args *a, const mha_saved *s)
 {
     if (!cfg) return MHA_ERR_ARG;
-    if (s && (!s->q || !s->k || !s->v || !s->ctx)) return MHA_ERR_ARG;
+    if (s) { /* the four projections together or not at all; P only with them */
+        const int n = !!s->q + !!s->k + !!s->v + !!s->ctx;
+        if ((n != 0 && n != 4) || (s->p && n == 0)) return MHA_ERR_ARG;
+    }
     switch (cfg->dtype) {
     case MHA_FLOAT32: return forward_f32(cfg, p, a, s);
     case MHA_FLOAT64: return forward_f64(cfg, p, a, s);

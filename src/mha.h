@@ -195,21 +195,31 @@ typedef struct {
 mha_status mha_backward(const mha_config *cfg, const mha_params *p,
                         const mha_backward_args *a);
 
-/* ---- training: the forward keeps its projections for the backward ------
- * mha_forward_save is mha_forward that also writes four intermediates into
- * the caller's buffers (all four required, contiguous, of cfg->dtype):
- *   q    (B, Sq, E)  Q = query·W_qᵀ + b_q
- *   k    (B, Sk, E)  K = key·W_kᵀ + b_k
- *   v    (B, Sk, E)  V = value·W_vᵀ + b_v
+/* ---- training: the forward keeps what the backward needs ---------------
+ * mha_forward_save is mha_forward that also writes intermediates and copies
+ * into the caller's buffers (contiguous, of cfg->dtype; NULL: not kept):
+ *   q    (B, Sq, E)  Q = query·W_qᵀ + b_q       \
+ *   k    (B, Sk, E)  K = key·W_kᵀ + b_k          | the four together,
+ *   v    (B, Sk, E)  V = value·W_vᵀ + b_v        | or none of them
  *   ctx  (B, Sq, E)  the heads' A·V_bh concatenated, before W_o
- * mha_backward_saved is mha_backward that reads them back instead of
- * recomputing the three input projections and the context (the softmax is
- * still recomputed block by block, and the dropout mask replayed): `s` must
- * come from mha_forward_save of the call that a->fwd describes, with the
- * same parameters; s == NULL is mha_backward.  The buffers are only read.
+ *   p    (B, H, Sq, Sk) the softmax P, before dropout (only with the four)
+ *   query, key, value  copies of a->query, a->key, a->value
+ *   params  a copy of the parameters, as a block of mha_param_layout
+ * The copies are made by the projection tasks while they read those inputs
+ * anyway (a caller that must keep the forward's inputs and parameters for
+ * the backward, against later writes, gets them without a second pass).
+ * mha_backward_saved is mha_backward that reads q, k, v, ctx (and p when
+ * set) back instead of recomputing the three input projections, the context
+ * (and the softmax); the dropout mask is still replayed.  `s` must come from
+ * mha_forward_save of the call that a->fwd describes, with the same
+ * parameters, and hold the four; s == NULL is mha_backward.  The buffers are
+ * only read; the copies are not used (pass them as a->fwd's inputs and p).
  * Nothing is kept inside the library between the two calls. */
 typedef struct {
     void *q, *k, *v, *ctx;
+    void *p;
+    void *query, *key, *value;
+    void *params;
 } mha_saved;
 
 mha_status mha_forward_save(const mha_config *cfg, const mha_params *p,

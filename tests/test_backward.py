@@ -388,33 +388,77 @@ def test_backward_uses_the_forward_parameters():
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
-def test_saved_projections_match_recomputing(need_weights):
-    """forward_train keeps Q, K, V and the context by default and the
-    backward reads them; save_projections=False recomputes them instead: the
-    gradients agree to rounding, and calling backward twice on one ctx gives
-    the same gradients (the kept arrays are only read)."""
-    ours = make(64, 4, "float64", kdim=40, vdim=24)
+@pytest.mark.parametrize("heads, keeps_p", [(4, False), (2, True)])
+@pytest.mark.parametrize("masked_rows", ["nan", "zero"])
+def test_saved_projections_match_recomputing(need_weights, heads, keeps_p, masked_rows):
+    """forward_train keeps Q, K, V and the context by default, and the softmax
+    P when it is no larger than those four (H·Sq·Sk <= 2·E·(Sq + Sk): here
+    4·70·90 > 2·64·160 >= 2·70·90); the backward reads them.
+    save_projections=False recomputes them instead: the gradients agree to
+    rounding, and calling backward twice on one ctx gives the same gradients
+    (the kept arrays are only read).  Dropout, a mask and a fully blocked
+    query row are in play."""
+    ours = make(64, heads, "float64", kdim=40, vdim=24)
     rng = np.random.default_rng(12)
     q = rng.standard_normal((3, 70, 64))
     k = rng.standard_normal((3, 90, 40))
     v = rng.standard_normal((3, 90, 24))
     g_out = rng.standard_normal(q.shape)
     mask = rng.random((70, 90)) < 0.2
-    opts = dict(attn_mask=mask, need_weights=need_weights, dropout=0.3, dropout_counter=5)
+    mask[5] = True  # query 5 sees no key
+    opts = dict(attn_mask=mask, need_weights=need_weights, dropout=0.3, dropout_counter=5,
+                masked_rows=masked_rows)
     kept = ours.forward_train(q, k, v, **opts)
     fresh = ours.forward_train(q, k, v, save_projections=False, **opts)
     assert kept._saved is not None and fresh._saved is None
-    Q, K, V, C = kept._saved
+    assert len(kept._saved) == (5 if keeps_p else 4)
+    Q, K, V, C = kept._saved[:4]
     W = ours.state_dict()
     np.testing.assert_allclose(Q, q @ W["W_q.weight"].T + W["W_q.bias"], atol=1e-12)
     np.testing.assert_allclose(V, v @ W["W_v.weight"].T + W["W_v.bias"], atol=1e-12)
-    np.testing.assert_allclose(C @ W["W_o.weight"].T + W["W_o.bias"], kept.output, atol=1e-12)
+    np.testing.assert_allclose(C @ W["W_o.weight"].T + W["W_o.bias"], kept.output, atol=1e-12,
+                               equal_nan=True)
+    np.testing.assert_allclose(kept.output, fresh.output, atol=1e-12, equal_nan=True)
+    if need_weights:
+        np.testing.assert_allclose(kept.weights, fresh.weights, atol=1e-14, equal_nan=True)
+    if keeps_p:  # P: the softmax before dropout, the weights of the call without it
+        P = kept._saved[4]
+        want = ours.forward_train(q, k, v, attn_mask=mask, dropout=0.0,
+                                  masked_rows=masked_rows).weights
+        np.testing.assert_allclose(P, want, atol=1e-14, equal_nan=True)
     g1 = ours.backward(kept, g_out)
     g2 = ours.backward(kept, g_out)
     g3 = ours.backward(fresh, g_out)
     for name in g1:
         np.testing.assert_array_equal(g1[name], g2[name], err_msg=name)
-        assert rel_err(g1[name], g3[name], 1e-3) < 1e-12, name
+        nan = np.isnan(g3[name])  # the blocked row's NaN output reaches the gradients
+        assert (np.isnan(g1[name]) == nan).all(), name
+        assert nan.any() == (masked_rows == "nan" and name != "W_o.bias"), name
+        assert rel_err(np.where(nan, 0, g1[name]), np.where(nan, 0, g3[name]), 1e-3) < 1e-12, name
+
+
+def test_context_keeps_copies_of_the_inputs():
+    """The forward copies its inputs (in C, as its projections read them):
+    writing into query, key or value after forward_train does not change the
+    gradients, and the context never holds the caller's own arrays."""
+    ours = make(16, 2, "float32", kdim=12, vdim=8)
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 7, 12)).astype(np.float32)
+    v = rng.standard_normal((2, 7, 8)).astype(np.float32)
+    g_out = rng.standard_normal(q.shape).astype(np.float32)
+    ctx = ours.forward_train(q, k, v)
+    for mine, kept in ((q, ctx._query), (k, ctx._key), (v, ctx._value)):
+        assert not np.shares_memory(mine, kept)
+        np.testing.assert_array_equal(mine, kept)
+    assert not np.shares_memory(ctx._params, ours._block())
+    np.testing.assert_array_equal(ctx._params, ours._block())
+    g1 = ours.backward(ctx, g_out)
+    for x in (q, k, v):
+        x += 1.0
+    g2 = ours.backward(ctx, g_out)
+    for name in g1:
+        np.testing.assert_array_equal(g1[name], g2[name], err_msg=name)
 
 
 def test_errors():

@@ -222,6 +222,58 @@ static void test_saved(int64_t B, int64_t Sq, int64_t Sk, int64_t E, int64_t H, 
     for (i = 0; i < total + nq + nk + nv; i++) err = fmax(err, fabs(g1[i] - g2[i]));
     CHECK(err <= 1e-12 * fmax(scale, 1.0), "saved vs recomputed gradients B%lld Sq%lld Sk%lld: %g",
           (long long)B, (long long)Sq, (long long)Sk, err);
+
+    /* P kept too, and copies of the inputs and parameters made on the way */
+    {
+        int64_t nw = B * H * Sq * Sk;
+        double *sp = malloc((size_t)(nw + 1) * 8), *w0 = malloc((size_t)(nw + 1) * 8),
+               *w1 = malloc((size_t)(nw + 1) * 8), *w2 = malloc((size_t)(nw + 1) * 8),
+               *cx = malloc((size_t)(nq + nk + nv + 1) * 8), *cp = malloc((size_t)total * 8);
+        mha_saved full = {sq, sk, sv, sc, sp, cx, cx + nq, cx + nq + nk, cp};
+        mha_saved p_alone = {NULL, NULL, NULL, NULL, sp, NULL, NULL, NULL, NULL};
+        mha_saved copies = {NULL, NULL, NULL, NULL, NULL, cx, cx + nq, cx + nq + nk, cp};
+        double e_out = 0, e_p = 0, e_w = 0, e_g = 0;
+        CHECK(mha_forward_save(&c, &p, &a, &p_alone) == MHA_ERR_ARG, "P without the four refused");
+        memset(cx, 0, (size_t)(nq + nk + nv) * 8);
+        memset(cp, 0, (size_t)total * 8);
+        CHECK(mha_forward_save(&c, &p, &a, &copies) == MHA_OK, "forward_save, copies only");
+        CHECK(memcmp(out, out2, (size_t)nq * 8) == 0, "copies change the output");
+        CHECK(memcmp(cx, X, (size_t)(nq + nk + nv) * 8) == 0 && memcmp(cp, P, (size_t)total * 8) == 0,
+              "copies of the inputs and parameters B%lld Sq%lld Sk%lld", (long long)B,
+              (long long)Sq, (long long)Sk);
+        memset(cx, 0, (size_t)(nq + nk + nv) * 8);
+        memset(cp, 0, (size_t)total * 8);
+        CHECK(mha_forward_save(&c, &p, &a, &full) == MHA_OK, "forward_save with P");
+        CHECK(memcmp(cx, X, (size_t)(nq + nk + nv) * 8) == 0 && memcmp(cp, P, (size_t)total * 8) == 0,
+              "copies made with P kept");
+        for (i = 0; i < nq; i++)
+            if (!isnan(out[i])) e_out = fmax(e_out, fabs(out2[i] - out[i]));
+        /* P is the softmax before dropout: the weights of the call without it;
+         * the weights returned beside a kept P are those of a plain call */
+        {
+            mha_forward_args a0 = a;
+            a0.dropout = 0; a0.weights = w0; a0.out = out2;
+            CHECK(mha_forward(&c, &p, &a0) == MHA_OK, "weights without dropout");
+            a0 = a; a0.weights = w1; a0.out = out2;
+            CHECK(mha_forward(&c, &p, &a0) == MHA_OK, "weights with dropout");
+            a0.weights = w2;
+            CHECK(mha_forward_save(&c, &p, &a0, &full) == MHA_OK, "forward_save with weights and P");
+        }
+        for (i = 0; i < nw; i++) {
+            e_p = fmax(e_p, isnan(w0[i]) != isnan(sp[i]) ? INFINITY
+                           : isnan(w0[i]) ? 0 : fabs(w0[i] - sp[i]));
+            e_w = fmax(e_w, isnan(w1[i]) != isnan(w2[i]) ? INFINITY
+                           : isnan(w1[i]) ? 0 : fabs(w1[i] - w2[i]));
+        }
+        ba.grad_params = g2; ba.grad_query = g2 + total;
+        ba.grad_key = g2 + total + nq; ba.grad_value = g2 + total + nq + nk;
+        CHECK(mha_backward_saved(&c, &p, &ba, &full) == MHA_OK, "backward_saved with P");
+        for (i = 0; i < total + nq + nk + nv; i++) e_g = fmax(e_g, fabs(g1[i] - g2[i]));
+        CHECK(e_p < 1e-14 && e_w < 1e-14 && e_out < 1e-13 && e_g <= 1e-12 * fmax(scale, 1.0),
+              "kept P B%lld Sq%lld Sk%lld: P %g weights %g out %g gradients %g", (long long)B,
+              (long long)Sq, (long long)Sk, e_p, e_w, e_out, e_g);
+        free(sp); free(w0); free(w1); free(w2); free(cx); free(cp);
+    }
     free(P); free(X); free(G); free(out); free(out2); free(sq); free(sk); free(sv); free(sc);
     free(copy); free(g1); free(g2); free(mask);
 }
@@ -404,6 +456,9 @@ int main(void)
         test_saved(2, 7, 5, 6, 3, 5, 9, 1, 0, 0.0);
         test_saved(2, 65, 129, 24, 2, 24, 16, 0, 1, 0.3);
         test_saved(1, 40, 300, 32, 4, 32, 32, 1, 0, 0.0);
+        test_saved(0, 3, 4, 6, 3, 5, 9, 0, 0, 0.0);  /* no batch: the copies still made */
+        test_saved(2, 3, 0, 6, 3, 5, 9, 0, 0, 0.0);  /* no key: K, V jobs without tiles */
+        test_saved(2, 0, 4, 6, 3, 5, 9, 0, 0, 0.0);  /* no query */
     }
     printf("%d passed, %d failed\n", g_pass, g_fail);
     return g_fail != 0;
