@@ -23,7 +23,8 @@
 
 #define QB 48        /* queries per attention task: a multiple of every kernel's MR (12, 6, 4) */
 #define KB 256       /* keys per block of the online softmax */
-#define RM 384       /* rows per projection task: packed W reused over them */
+#define RM 1024      /* rows per projection task: packed W reused over them (and
+                        narrower column tiles, 64 wide, before more row tiles) */
 #define SMALL_M 24   /* below this many rows, projections use the dot kernel */
 
 typedef struct {

@@ -6,6 +6,10 @@
  * handed out through one atomic counter; each thread has a fixed slot
  * number so callers can give it private scratch memory.
  *
+ * Between jobs a thread spins briefly (SPIN pauses, some tens of
+ * microseconds) before it sleeps: one call runs several parallel passes
+ * back to back, and a futex wake-up at each would cost more than the spin.
+ *
  * After fork() the child starts with no workers and fresh locks. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -27,7 +31,7 @@ static pthread_cond_t g_wake;   /* workers wait here for a job */
 static pthread_cond_t g_done;   /* the caller waits here for the workers */
 static int g_nthreads;          /* what mha_set_num_threads asked for */
 static int g_nworkers;          /* worker threads started */
-static uint64_t g_generation;   /* bumped for every job */
+static atomic_uint_least64_t g_generation; /* bumped for every job (under g_lock) */
 static uint64_t g_birth[MAX_THREADS]; /* g_generation when worker i started */
 
 static mha_task_fn g_fn;
@@ -35,7 +39,17 @@ static void *g_ctx;
 static int64_t g_ntasks;
 static atomic_llong g_next;
 static int g_job_workers;       /* workers 0 .. g_job_workers-1 join the job */
-static int g_pending;           /* of those, how many have not finished */
+static atomic_int g_pending;    /* of those, how many have not finished (under g_lock) */
+
+#define SPIN 4000 /* pauses before a waiting thread sleeps */
+static inline void cpu_pause(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#else
+    atomic_signal_fence(memory_order_seq_cst);
+#endif
+}
 
 static int default_threads(void)
 {
@@ -89,6 +103,12 @@ static void *worker_main(void *arg)
     pthread_mutex_lock(&g_lock);
     seen = g_birth[index]; /* a job posted while we started is still ours */
     for (;;) {
+        if (g_generation == seen) { /* the next job often comes within microseconds */
+            int i;
+            pthread_mutex_unlock(&g_lock);
+            for (i = 0; i < SPIN && atomic_load(&g_generation) == seen; i++) cpu_pause();
+            pthread_mutex_lock(&g_lock);
+        }
         while (g_generation == seen) pthread_cond_wait(&g_wake, &g_lock);
         seen = g_generation;
         if (index >= g_job_workers) continue;
@@ -142,6 +162,10 @@ void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx)
             pthread_cond_broadcast(&g_wake);
             pthread_mutex_unlock(&g_lock);
             run_tasks(0);
+            { /* the workers' last tasks usually end within microseconds */
+                int i;
+                for (i = 0; i < SPIN && atomic_load(&g_pending) > 0; i++) cpu_pause();
+            }
             pthread_mutex_lock(&g_lock);
             while (g_pending > 0) pthread_cond_wait(&g_done, &g_lock);
             g_job_workers = 0;
