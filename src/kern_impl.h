@@ -129,6 +129,14 @@ KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, cons
         for (v = 0; v < NRV; v++)
             __builtin_prefetch((const void *)((uintptr_t)(Bp + v * VL) +
                                               (uintptr_t)(UKR_PF * ldbk) * sizeof(T)));
+        /* a transposed A (ak > 1) takes a new line every k: ask for it as
+         * early as B's (its MR entries may straddle two lines) */
+        if (ak > 1) {
+            __builtin_prefetch((const void *)((uintptr_t)(ar[0] + ko) +
+                                              (uintptr_t)(UKR_PF * ak) * sizeof(T)));
+            __builtin_prefetch((const void *)((uintptr_t)(ar[MR - 1] + ko) +
+                                              (uintptr_t)(UKR_PF * ak) * sizeof(T)));
+        }
 #pragma GCC unroll 16
         for (r = 0; r < MR; r++) {
             VT a = SUF(vset1)(ar[r][ko]);
