@@ -64,6 +64,7 @@ typedef struct {
     int saved;            /* q, k, v, ctx are mha_forward_save's: never written */
     const T *p_saved;     /* NULL, or mha_forward_save's P (B, H, Sq, Sk) */
     T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E) */
+    T *bsum;              /* (3, B, E): Σ over each batch's rows of dQ, dK, dV */
     T *scratch;           /* per slot: P, D (QB, Sk), Kᵀ, Vᵀ (Dk, Sk) */
     T *pack;              /* per slot: MHA_GEMM_SCRATCH scalars for mha_gemm's packing */
     const SUF(mha_kern) *kern; /* the kernels of the ISA in use */
@@ -168,6 +169,15 @@ static void SUF(grad_task)(void *vf, int64_t t, int slot)
         SUF(btr_task)(vf, t - tiles, slot);
 }
 
+/* out[c] = Σ_r x[r*ld + c] for c < C, rows in order */
+static void SUF(colsum)(const T *x, int64_t R, int64_t C, int64_t ld, T *out)
+{
+    int64_t r, c;
+    for (c = 0; c < C; c++) out[c] = 0;
+    for (r = 0; r < R; r++)
+        for (c = 0; c < C; c++) out[c] += x[r * ld + c];
+}
+
 /* dst (n, m) = src (m, n)ᵀ, src with leading dimension ld */
 static void SUF(transpose)(const T *src, int64_t m, int64_t n, int64_t ld, T *dst)
 {
@@ -242,6 +252,9 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
                 if (!f->saved) c_bh[r * E + j] = 0;
                 dq_bh[r * E + j] = 0;
             }
+        SUF(colsum)(dq_bh, Sq, Dk, E, f->bsum + b * E + h * Dk);
+        SUF(colsum)(dk_bh, 0, Dk, E, f->bsum + (f->B + b) * E + h * Dk); /* empty sums: 0 */
+        SUF(colsum)(dv_bh, 0, Dk, E, f->bsum + (2 * f->B + b) * E + h * Dk);
         return;
     }
     /* K_bhᵀ (unless P was kept) and V_bhᵀ once per head: the products with
@@ -318,6 +331,11 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
         SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, d, Sk, k_bh, E, NULL, dq_bh + i0 * E, E, 0, gs);
         SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, d, Sk, q_bh + i0 * E, E, dk_bh, E, !first, gs);
     }
+    /* this head's share of the bias gradients (db = Σ_rows dY), summed while
+     * dQ_bh, dK_bh, dV_bh are still in cache; phase 4 adds the batches */
+    SUF(colsum)(dq_bh, Sq, Dk, E, f->bsum + b * E + h * Dk);
+    SUF(colsum)(dk_bh, Sk, Dk, E, f->bsum + (f->B + b) * E + h * Dk);
+    SUF(colsum)(dv_bh, Sk, Dk, E, f->bsum + (2 * f->B + b) * E + h * Dk);
 }
 
 /* ------------------------------------------------------------ the pass */
@@ -381,12 +399,12 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         if (flops < 4e5) slots = 1;
     }
 
-    /* workspace: dctx, dq (B, Sq, E); dk, dv (B, Sk, E); without sv also q,
-     * ctx (B, Sq, E), k and v (B, Sk, E); then per slot P, D (QB, Sk), K_bhᵀ
-     * and V_bhᵀ (Dk, Sk) and mha_gemm's packing */
+    /* workspace: dctx, dq (B, Sq, E); dk, dv (B, Sk, E); bsum (3, B, E);
+     * without sv also q, ctx (B, Sq, E), k and v (B, Sk, E); then per slot
+     * P, D (QB, Sk), K_bhᵀ and V_bhᵀ (Dk, Sk) and mha_gemm's packing */
     if (mha_mul(2 * QB + 2 * f.Dk, f.Sk, &f.scratch_len) ||
         mha_mul(n_q, sv ? 2 : 4, &n_work) || mha_mul(n_kv, sv ? 2 : 4, &t) ||
-        mha_add(n_work, t, &n_work) ||
+        mha_add(n_work, t, &n_work) || mha_mul(f.B * f.E, 3, &t) || mha_add(n_work, t, &n_work) ||
         mha_mul(f.scratch_len, slots, &t) || mha_add(n_work, t, &n_work) ||
         mha_mul(MHA_GEMM_SCRATCH, slots, &t) || mha_add(n_work, t, &n_work) ||
         mha_bytes(n_work, sizeof(T), &bytes))
@@ -407,7 +425,8 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     f.dq = f.dctx + n_q;
     f.dk = f.dq + n_q;
     f.dv = f.dk + n_kv;
-    f.scratch = f.dv + n_kv;
+    f.bsum = f.dv + n_kv;
+    f.scratch = f.bsum + 3 * f.B * f.E;
     if (sv) { /* read only */
         f.saved = 1;
         f.p_saved = (const T *)sv->p;
@@ -467,12 +486,12 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         SUF(bjob_add)(&f, SUF(JOB_NN), f.dv, f.E, (const T *)p->wv, Ev, NULL,
                       (T *)a->grad_value, Ev, Rk, Ev, f.E);
     /* ... and, in the same pass, the bias gradients: the column sums of
-     * d out, dQ, dK, dV */
+     * d out, and of dQ, dK, dV as the sums of their batches' sums */
     if (g && cfg->bias) {
         SUF(btr_add)(&f, (const T *)a->grad_out, g + offset[MHA_BO], Rq, f.E);
-        SUF(btr_add)(&f, f.dq, g + offset[MHA_BQ], Rq, f.E);
-        SUF(btr_add)(&f, f.dk, g + offset[MHA_BK], Rk, f.E);
-        SUF(btr_add)(&f, f.dv, g + offset[MHA_BV], Rk, f.E);
+        SUF(btr_add)(&f, f.bsum, g + offset[MHA_BQ], f.B, f.E);
+        SUF(btr_add)(&f, f.bsum + f.B * f.E, g + offset[MHA_BK], f.B, f.E);
+        SUF(btr_add)(&f, f.bsum + 2 * f.B * f.E, g + offset[MHA_BV], f.B, f.E);
     }
     {
         int64_t n_tasks = SUF(bjob_tiles)(&f);
