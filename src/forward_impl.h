@@ -31,6 +31,8 @@ typedef struct {
     const T *x, *w, *b; /* x (M, K), w (N, K), b (N) or NULL */
     T *y;               /* (M, N) */
     T *x_copy, *w_copy, *b_copy; /* NULL, or where to copy x, w, b (mha_saved) */
+    T *yt;              /* NULL, or y per head, transposed: (B, H, Dk, S) */
+    int64_t S, Dk;      /* ... its rows per batch and head width */
     int64_t M, N, K, rn, tiles_n, tiles;
 } SUF(linear_job);
 
@@ -53,6 +55,25 @@ typedef struct {
     SUF(linear_job) jobs[3];
     int n_jobs;
 } SUF(fwd);
+
+/* yt[((b*H + h)*Dk + d)*S + s] = y[(b*S + s)*N + h*Dk + d] over the tile's
+ * rows i0 .. i0+m and columns n0 .. n0+n (H = N / Dk), while the tile is in
+ * cache: 16 rows of one batch at a time, so that each store run is long. */
+static void SUF(tile_to_heads)(const T *y, int64_t N, int64_t i0, int64_t m, int64_t n0,
+                               int64_t n, int64_t S, int64_t Dk, T *yt)
+{
+    int64_t r0, r1, r, c;
+    for (r0 = i0; r0 < i0 + m; r0 = r1) {
+        const int64_t b = r0 / S, s0 = r0 % S;
+        r1 = i0 + m;
+        if (r1 > (b + 1) * S) r1 = (b + 1) * S;
+        if (r1 > r0 + 16) r1 = r0 + 16;
+        for (c = n0; c < n0 + n; c++) {
+            T *dst = yt + ((b * (N / Dk) + c / Dk) * Dk + c % Dk) * S + s0;
+            for (r = r0; r < r1; r++) dst[r - r0] = y[r * N + c];
+        }
+    }
+}
 
 static void SUF(linear_task)(void *ctx, int64_t t, int slot)
 {
@@ -78,6 +99,7 @@ static void SUF(linear_task)(void *ctx, int64_t t, int slot)
         SUF(mha_gemm)(f->kern, 1, m, n, jb->K, jb->x + i0 * jb->K, jb->K, jb->w + n0 * jb->K,
                       jb->K, jb->b ? jb->b + n0 : NULL, jb->y + i0 * jb->N + n0, jb->N, 0,
                       f->scratch + (int64_t)slot * f->scratch_len);
+    if (jb->yt) SUF(tile_to_heads)(jb->y, jb->N, i0, m, n0, n, jb->S, jb->Dk, jb->yt);
 }
 
 /* Column tiles: wide for the packed GEMM, narrower when that leaves too
@@ -312,22 +334,6 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     }
 }
 
-/* kt_bh (Dk, Sk) = K_bh (Sk, Dk)ᵀ for task = (b, h), in 32 x 32 blocks */
-static void SUF(transpose_k_task)(void *ctx, int64_t t, int slot)
-{
-    SUF(fwd) *f = (SUF(fwd) *)ctx;
-    int64_t b = t / f->H, h = t % f->H, Sk = f->Sk, Dk = f->Dk, E = f->E, j0, d0, j, d;
-    const T *k_bh = f->k + b * Sk * E + h * Dk;
-    T *kt_bh = f->kt + t * Dk * Sk;
-    (void)slot;
-    for (j0 = 0; j0 < Sk; j0 += 32)
-        for (d0 = 0; d0 < Dk; d0 += 32) {
-            int64_t je = Sk - j0 < 32 ? Sk : j0 + 32, de = Dk - d0 < 32 ? Dk : d0 + 32;
-            for (d = d0; d < de; d++)
-                for (j = j0; j < je; j++) kt_bh[d * Sk + j] = k_bh[j * E + d];
-        }
-}
-
 /* 1 when every element of x[0..n) is finite */
 static int SUF(all_finite)(const T *x, int64_t n)
 {
@@ -365,6 +371,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     size_t bytes;
     int slots;
     const int keep = sv && sv->q; /* Q, K, V and ctx go to the caller's buffers */
+    SUF(linear_job) *jk;
     T *work = NULL;
     mha_status st = mha_check_forward(cfg, p, a, &sz);
     if (st != MHA_OK) return st;
@@ -438,18 +445,18 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     SUF(job_copies)(SUF(add_job)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq,
                                  f.q, f.B * f.Sq, f.E, f.E, slots),
                     sv, offset, MHA_WQ, sv ? sv->query : NULL);
-    SUF(job_copies)(SUF(add_job)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk,
-                                 f.k, f.B * f.Sk, f.E, cfg->kdim, slots),
-                    sv, offset, MHA_WK, sv ? sv->key : NULL);
+    jk = SUF(add_job)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk, f.k,
+                      f.B * f.Sk, f.E, cfg->kdim, slots);
+    SUF(job_copies)(jk, sv, offset, MHA_WK, sv ? sv->key : NULL);
+    jk->yt = f.kt; /* and K per head, transposed, so that Q·Kᵀ reads it in place */
+    jk->S = f.Sk;
+    jk->Dk = f.Dk;
     SUF(job_copies)(SUF(add_job)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv,
                                  f.v, f.B * f.Sk, f.E, cfg->vdim, slots),
                     sv, offset, MHA_WV, sv ? sv->value : NULL);
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
     FWD_TICK("qkv proj");
 
-    /* K per head, transposed, so that Q·Kᵀ reads it in place */
-    mha_parallel_for(f.Sk > 0 ? f.B * f.H : 0, slots, SUF(transpose_k_task), &f);
-    FWD_TICK("k transpose");
 
     /* a NaN or inf in V must reach every row (0·NaN), so no causal skipping */
     f.skip_causal = a->is_causal && SUF(all_finite)(f.v, f.B * f.Sk * f.E);
