@@ -21,7 +21,7 @@
  * Per-thread scratch (GEMM packing and the online state) is allocated once
  * per call. */
 
-#define QB 48        /* queries per attention task: a multiple of every kernel's MR (12, 6, 4) */
+#define QB 48        /* queries per attention task: a multiple of every kernel's MR (6, 6, 4) */
 #define KB 256       /* keys per block of the online softmax */
 #define RM 1024      /* rows per projection task: packed W reused over them (and
                         narrower column tiles, 64 wide, before more row tiles) */
