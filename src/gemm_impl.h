@@ -69,7 +69,9 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int64_t M, int64_t N, int6
             const T *bias_kc = pc + kc >= K ? bias : NULL;
             for (jr = 0; jr < nc; jr += NR) {
                 int64_t nr = nc - jr < NR ? nc - jr : NR;
-                if (trans_b || nr < NR)
+                if (trans_b && nr == NR && kt->pack_bt)
+                    kt->pack_bt(kc, B + (jc + jr) * ldb + pc, ldb, Bp + jr * kc);
+                else if (trans_b || nr < NR)
                     SUF(pack_b)(trans_b, kc, nr, NR, B, ldb, pc, jc + jr, Bp + jr * kc);
             }
             for (ir = 0; ir < M; ir += MR) {

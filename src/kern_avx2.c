@@ -41,8 +41,8 @@ typedef int64_t vi64x4 __attribute__((vector_size(32)));
 #undef V_FMA
 #undef SUF
 
-static const mha_kern_f32 avx2_f32 = MHA_KERN_FILL("avx2", MR, NRV * 8, f32_avx2);
-static const mha_kern_f64 avx2_f64 = MHA_KERN_FILL("avx2", MR, NRV * 4, f64_avx2);
+static const mha_kern_f32 avx2_f32 = MHA_KERN_FILL("avx2", MR, NRV * 8, f32_avx2, 0);
+static const mha_kern_f64 avx2_f64 = MHA_KERN_FILL("avx2", MR, NRV * 4, f64_avx2, 0);
 const mha_kern_f32 *const mha_kern_avx2_f32_p = &avx2_f32;
 const mha_kern_f64 *const mha_kern_avx2_f64_p = &avx2_f64;
 #else

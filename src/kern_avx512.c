@@ -44,8 +44,59 @@ typedef int64_t vi64x8 __attribute__((vector_size(64)));
 #undef V_FMA
 #undef SUF
 
-static const mha_kern_f32 avx512_f32 = MHA_KERN_FILL("avx512", MR, NRV * 16, f32_avx512);
-static const mha_kern_f64 avx512_f64 = MHA_KERN_FILL("avx512", MR, NRV * 8, f64_avx512);
+/* r[i] (row i of a 16 x 16 block) becomes column i: r[k][i] = old r[i][k].
+ * Pairs of rows interleaved (unpack ps), then pairs of pairs (unpack pd):
+ * u[4i+j] holds, in 128-bit lane L, rows 4i..4i+3 of column 4L+j; two
+ * rounds of 128-bit lane shuffles gather each column's four lanes. */
+KATTR static inline void transpose16_f32(__m512 r[16])
+{
+    __m512 t[16], u[16];
+    int i, j;
+    for (i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (j = 0; j < 4; j++) {
+        __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
+        __m512 v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xdd);
+        __m512 v2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+        __m512 v3 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xdd);
+        r[j] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(v0, v2, 0xdd);
+        r[4 + j] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(v1, v3, 0xdd);
+    }
+}
+
+/* kernels.h's pack_bt for NR = 64: 16 x 16 blocks through the registers,
+ * the last kc % 16 columns one by one */
+KATTR static void pack_bt_f32_avx512(int64_t kc, const float *B, int64_t ldb, float *Bp)
+{
+    const int64_t NR = NRV * 16;
+    int64_t k0, cg, k, c;
+    __m512 r[16];
+    int i;
+    for (k0 = 0; k0 + 16 <= kc; k0 += 16)
+        for (cg = 0; cg < NR; cg += 16) {
+            for (i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(B + (cg + i) * ldb + k0);
+            transpose16_f32(r);
+            for (i = 0; i < 16; i++) _mm512_storeu_ps(Bp + (k0 + i) * NR + cg, r[i]);
+        }
+    for (k = k0; k < kc; k++)
+        for (c = 0; c < NR; c++) Bp[k * NR + c] = B[c * ldb + k];
+}
+
+static const mha_kern_f32 avx512_f32 =
+    MHA_KERN_FILL("avx512", MR, NRV * 16, f32_avx512, pack_bt_f32_avx512);
+static const mha_kern_f64 avx512_f64 = MHA_KERN_FILL("avx512", MR, NRV * 8, f64_avx512, 0);
 const mha_kern_f32 *const mha_kern_avx512_f32_p = &avx512_f32;
 const mha_kern_f64 *const mha_kern_avx512_f64_p = &avx512_f64;
 #else

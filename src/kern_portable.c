@@ -37,5 +37,5 @@ typedef int64_t vi64x2 __attribute__((vector_size(16)));
 #define SUF(name) name##_f64_portable
 #include "kern_impl.h"
 
-const mha_kern_f32 mha_kern_portable_f32 = MHA_KERN_FILL("portable", MR, NRV * 4, f32_portable);
-const mha_kern_f64 mha_kern_portable_f64 = MHA_KERN_FILL("portable", MR, NRV * 2, f64_portable);
+const mha_kern_f32 mha_kern_portable_f32 = MHA_KERN_FILL("portable", MR, NRV * 4, f32_portable, 0);
+const mha_kern_f64 mha_kern_portable_f64 = MHA_KERN_FILL("portable", MR, NRV * 2, f64_portable, 0);

@@ -20,7 +20,10 @@
  *   scale:     s *= c
  *   exp:       s = exp(s), the vector exp (<= 2 ulp for normal results)
  *   softmax_grad: d = p (d - Σ_j p_j d_j) c over p[0..n), d[0..n): the
- *              backward of a softmax row p, scaled by c */
+ *              backward of a softmax row p, scaled by c
+ * pack_bt: NULL, or a vector form of gemm's transposed packing for a full
+ *   panel: Bp[k*NR + c] = B[c*ldb + k] for c < NR, k < kc (B (NR, kc) rows
+ *   of op(B)ᵀ, read in place) */
 #ifndef MHA_KERNELS_H
 #define MHA_KERNELS_H
 
@@ -42,6 +45,7 @@
         void (*scale)(T *s, int64_t n, T c);                                          \
         void (*exp)(T *s, int64_t n);                                                 \
         void (*softmax_grad)(const T *p, T *d, int64_t n, T c);                       \
+        void (*pack_bt)(int64_t kc, const T *B, int64_t ldb, T *Bp);                  \
     } mha_kern_##SUF;
 
 MHA_KERN_TABLE(float, f32)
@@ -50,10 +54,11 @@ MHA_KERN_TABLE(double, f64)
 enum { MHA_ISA_PORTABLE = 0, MHA_ISA_AVX2 = 1, MHA_ISA_AVX512 = 2, MHA_ISA_COUNT };
 
 /* The initialiser of one ISA's table for one dtype: S is the name suffix
- * the kern_impl.h instance was built with (f32_avx2, f64_portable, ...). */
-#define MHA_KERN_FILL(NAME, MR_, NR_, S)                                           \
+ * the kern_impl.h instance was built with (f32_avx2, f64_portable, ...);
+ * PACK_BT the table's pack_bt or NULL. */
+#define MHA_KERN_FILL(NAME, MR_, NR_, S, PACK_BT)                                  \
     {NAME, MR_, NR_, ukr_##S, dot_##S, scale_max_##S, max_##S, exp_sum_##S, scale_##S,  \
-     exp_row_##S, softmax_grad_##S}
+     exp_row_##S, softmax_grad_##S, PACK_BT}
 
 /* the tables, NULL where this build or compiler has none */
 extern const mha_kern_f32 mha_kern_portable_f32, *const mha_kern_avx2_f32_p,

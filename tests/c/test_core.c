@@ -403,6 +403,31 @@ static void test_exp(void)
     }
 }
 
+/* pack_bt, where an ISA has one, is exactly the transposed packing:
+ * Bp[k*NR + c] = B[c*ldb + k], for depths that are and are not multiples
+ * of its blocks */
+static void test_pack_bt(void)
+{
+    static float B[64 * 300], Bp[300 * 64];
+    const int64_t kcs[4] = {1, 16, 37, 300};
+    int isa, t;
+    int64_t i, k, c;
+    for (i = 0; i < 64 * 300; i++) B[i] = (float)i;
+    for (isa = 0; isa < 3; isa++) {
+        const mha_kern_f32 *k32 = mha_kern_for_f32(isa);
+        if (!k32 || !k32->pack_bt) continue;
+        for (t = 0; t < 4; t++) {
+            const int64_t kc = kcs[t], ldb = 300, NR = k32->nr;
+            int bad = 0;
+            memset(Bp, 0xff, sizeof Bp);
+            k32->pack_bt(kc, B, ldb, Bp);
+            for (k = 0; k < kc; k++)
+                for (c = 0; c < NR; c++) bad += Bp[k * NR + c] != B[c * ldb + k];
+            CHECK(bad == 0, "%s pack_bt kc %lld: %d wrong", k32->name, (long long)kc, bad);
+        }
+    }
+}
+
 /* no key at all (Sk == 0) is an empty sum, not a masked row: the output is
  * W_o.bias in both masked-row modes, on the fast and the reference path */
 static void test_no_keys(void)
@@ -437,6 +462,7 @@ int main(void)
     const char *isas[3] = {"portable", "avx2", "avx512"};
     int n;
     test_exp();
+    test_pack_bt();
     test_hand_computed();
     test_no_keys();
     test_status();
