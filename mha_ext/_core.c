@@ -872,7 +872,11 @@ static PyObject *mha_forward_with_py(MHAObject *self, PyObject *const *args, Py_
         npy_intp od[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sq, (npy_intp)self->cfg.d_model};
         npy_intp wd[4] = {(npy_intp)c.a.B, (npy_intp)self->cfg.n_heads, (npy_intp)c.a.Sq,
                           (npy_intp)c.a.Sk};
-        npy_intp kd[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sk, (npy_intp)self->cfg.d_model};
+        const npy_intp Dk = (npy_intp)(self->cfg.d_model / self->cfg.n_heads);
+        /* Q, K (transposed), V per head: mha_forward_save's layouts */
+        npy_intp hd[3][4] = {{(npy_intp)c.a.B, (npy_intp)self->cfg.n_heads, (npy_intp)c.a.Sq, Dk},
+                             {(npy_intp)c.a.B, (npy_intp)self->cfg.n_heads, Dk, (npy_intp)c.a.Sk},
+                             {(npy_intp)c.a.B, (npy_intp)self->cfg.n_heads, (npy_intp)c.a.Sk, Dk}};
         npy_intp pd[1] = {(npy_intp)self->total};
         const int n_kept = keep == 0 ? 0 : keep == 1 ? 4 : 5;
         if (!(out = (PyArrayObject *)PyArray_SimpleNew(3, od, tn))) goto fail;
@@ -880,8 +884,8 @@ static PyObject *mha_forward_with_py(MHAObject *self, PyObject *const *args, Py_
         /* Q, K, V, ctx (and P); zeroed only when B * Sq == 0 leaves K and V
          * unwritten */
         for (i = 0; i < n_kept; i++) {
-            int nd = i == 4 ? 4 : 3;
-            npy_intp *dims = i == 4 ? wd : i == 1 || i == 2 ? kd : od;
+            int nd = i == 3 ? 3 : 4;
+            npy_intp *dims = i == 4 ? wd : i == 3 ? od : hd[i];
             kept[i] = (PyArrayObject *)(c.a.B * c.a.Sq == 0 ? PyArray_ZEROS(nd, dims, tn, 0)
                                                               : PyArray_SimpleNew(nd, dims, tn));
             if (!kept[i]) goto fail;
@@ -1019,15 +1023,24 @@ static PyObject *mha_backward_py(MHAObject *self, PyObject *const *args, Py_ssiz
             }
         }
         for (i = 0; i < 4; i++) {
-            const npy_intp rows = i == 1 || i == 2 ? (npy_intp)c.a.Sk : (npy_intp)c.a.Sq;
+            /* Q (B, H, Sq, Dk), K (B, H, Dk, Sk), V (B, H, Sk, Dk), ctx (B, Sq, E) */
+            const long long H = (long long)self->cfg.n_heads, Dk = (long long)self->cfg.d_model / H;
+            const long long B = (long long)c.a.B, Sq = (long long)c.a.Sq, Sk = (long long)c.a.Sk;
+            const long long want[4][4] = {{B, H, Sq, Dk}, {B, H, Dk, Sk}, {B, H, Sk, Dk},
+                                          {B, Sq, (long long)self->cfg.d_model, -1}};
+            const int nd = i == 3 ? 3 : 4;
+            int d, ok;
             if (!(kept[i] = train_array(self, PyTuple_GET_ITEM(args[11], i), names[i])))
                 goto fail;
-            if (PyArray_NDIM(kept[i]) != 3 || PyArray_DIM(kept[i], 0) != (npy_intp)c.a.B ||
-                PyArray_DIM(kept[i], 1) != rows ||
-                PyArray_DIM(kept[i], 2) != (npy_intp)self->cfg.d_model) {
-                PyErr_Format(PyExc_ValueError, "%s must have shape (%lld, %lld, %lld)",
-                             names[i], (long long)c.a.B, (long long)rows,
-                             (long long)self->cfg.d_model);
+            ok = PyArray_NDIM(kept[i]) == nd;
+            for (d = 0; ok && d < nd; d++) ok = (long long)PyArray_DIM(kept[i], d) == want[i][d];
+            if (!ok) {
+                if (nd == 4)
+                    PyErr_Format(PyExc_ValueError, "%s must have shape (%lld, %lld, %lld, %lld)",
+                                 names[i], want[i][0], want[i][1], want[i][2], want[i][3]);
+                else
+                    PyErr_Format(PyExc_ValueError, "%s must have shape (%lld, %lld, %lld)",
+                                 names[i], want[i][0], want[i][1], want[i][2]);
                 goto fail;
             }
         }

@@ -21,9 +21,12 @@
  *      (only dctx when mha_forward_save kept Q, K, V and ctx);
  *   2. per (b, h): recompute S and P (unless mha_forward_save kept P), A
  *      (and ctx_bh, unless kept) block by block of queries, and write dQ_bh,
- *      dK_bh, dV_bh;
- *   3. (in phase 4's pass) sum the columns of d out, dQ, dK, dV: the bias
- *      gradients;
+ *      dK_bh, dV_bh and their column sums.  Q, K, V are read in the
+ *      forward's per-head layouts when kept (K transposed), else as columns
+ *      of (B, S, E); the products with K_bhᵀ or V_bhᵀ pack them (no
+ *      transposed copies);
+ *   3. (in phase 4's pass) the bias gradients: the column sums of d out, and
+ *      the batches' sums of phase 2's;
  *   4. the weight gradients (dW = dYᵀ·X: mha_gemm_tn packs dYᵀ's panels, no
  *      transposed copy) and the input gradients, all tiles of all seven
  *      products in one pass. */
@@ -59,7 +62,8 @@ typedef struct {
     const mha_backward_args *a;
     const mha_forward_args *fa;
     int64_t B, Sq, Sk, E, H, Dk;
-    T *q, *k, *v;         /* Q (B, Sq, E), K and V (B, Sk, E), recomputed or kept */
+    T *q, *k, *v;         /* recomputed: Q (B, Sq, E), K and V (B, Sk, E); kept
+                             (saved): Q (B, H, Sq, Dk), K (B, H, Dk, Sk), V (B, H, Sk, Dk) */
     T *ctx, *dctx;        /* (B, Sq, E) */
     int saved;            /* q, k, v, ctx are mha_forward_save's: never written */
     const T *p_saved;     /* NULL, or mha_forward_save's P (B, H, Sq, Sk) */
@@ -178,17 +182,6 @@ static void SUF(colsum)(const T *x, int64_t R, int64_t C, int64_t ld, T *out)
         for (c = 0; c < C; c++) out[c] += x[r * ld + c];
 }
 
-/* dst (n, m) = src (m, n)ᵀ, src with leading dimension ld */
-static void SUF(transpose)(const T *src, int64_t m, int64_t n, int64_t ld, T *dst)
-{
-    int64_t r, c, r0, r1;
-    for (r0 = 0; r0 < m; r0 = r1) { /* 8 rows at a time: each store fills a line */
-        r1 = m - r0 < 8 ? m : r0 + 8;
-        for (c = 0; c < n; c++)
-            for (r = r0; r < r1; r++) dst[c * m + r] = src[r * ld + c];
-    }
-}
-
 /* ------------------------------------------------------------ attention */
 
 /* The forward's masks on the scaled scores s[0..Sk) of row (b, h, i):
@@ -230,9 +223,13 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     const int64_t E = f->E, Sq = f->Sq, Sk = f->Sk, Dk = f->Dk;
     const T nan_or_zero = fa->zero_masked_rows ? (T)0 : (T)NAN;
     int64_t i0, r, j;
-    const T *q_bh = f->q + b * Sq * E + h * Dk;     /* (Sq, Dk), ld E */
-    const T *k_bh = f->k + b * Sk * E + h * Dk;     /* (Sk, Dk), ld E */
-    const T *v_bh = f->v + b * Sk * E + h * Dk;     /* (Sk, Dk), ld E */
+    /* Q_bh and V_bh: per head (kept by the forward) or columns of (B, S, E)
+     * (recomputed); K_bh: transposed per head (Dk, Sk) or columns of K */
+    const int hm = f->saved;
+    const int64_t ldq = hm ? Dk : E; /* of Q_bh and V_bh */
+    const T *q_bh = hm ? f->q + bh * Sq * Dk : f->q + b * Sq * E + h * Dk; /* (Sq, Dk) */
+    const T *k_bh = hm ? f->k + bh * Dk * Sk : f->k + b * Sk * E + h * Dk; /* see above */
+    const T *v_bh = hm ? f->v + bh * Sk * Dk : f->v + b * Sk * E + h * Dk; /* (Sk, Dk) */
     const T *dc_bh = f->dctx + b * Sq * E + h * Dk; /* (Sq, Dk), ld E */
     T *c_bh = f->ctx + b * Sq * E + h * Dk;         /* (Sq, Dk), ld E */
     T *dq_bh = f->dq + b * Sq * E + h * Dk;         /* (Sq, Dk), ld E */
@@ -241,8 +238,6 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     const T *gw_bh = f->a->grad_weights ? (const T *)f->a->grad_weights + bh * Sq * Sk : NULL;
     T *p = f->scratch + (int64_t)slot * f->scratch_len; /* (QB, Sk) P, when recomputed */
     T *d = p + QB * Sk;                                 /* (QB, Sk) A, then dA, dP, dS */
-    T *kt = d + QB * Sk;                                /* (Dk, Sk) K_bhᵀ */
-    T *vt = kt + Dk * Sk;                               /* (Dk, Sk) V_bhᵀ */
     uint8_t *keep = f->keep + (int64_t)slot * f->keep_len; /* (QB, Sk) */
     T *gs = f->pack + (int64_t)slot * MHA_GEMM_SCRATCH;  /* mha_gemm's packing */
 
@@ -257,10 +252,6 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
         SUF(colsum)(dv_bh, 0, Dk, E, f->bsum + (2 * f->B + b) * E + h * Dk);
         return;
     }
-    /* K_bhᵀ (unless P was kept) and V_bhᵀ once per head: the products with
-     * them run as gemm_nn */
-    if (!f->p_saved) SUF(transpose)(k_bh, Sk, Dk, E, kt);
-    SUF(transpose)(v_bh, Sk, Dk, E, vt);
     for (i0 = 0; i0 < Sq; i0 += QB) {
         const int64_t nq = Sq - i0 < QB ? Sq - i0 : QB;
         const int first = i0 == 0;
@@ -270,7 +261,8 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
 
         /* forward: S = Q_bh·K_bhᵀ / sqrt(Dk); S = masked(S); P = softmax(S) */
         if (!f->p_saved)
-            SUF(mha_gemm)(f->kern, 0, nq, Sk, Dk, q_bh + i0 * E, E, kt, Sk, NULL, p, Sk, 0, gs);
+            SUF(mha_gemm)(f->kern, !hm, nq, Sk, Dk, q_bh + i0 * ldq, ldq, k_bh, hm ? Sk : E, NULL,
+                          p, Sk, 0, gs);
         for (r = 0; r < nq && !f->p_saved; r++) { /* the forward's kernels: the same P */
             T *p_r = p + r * Sk, m, sum;
             if (fa->n_masks == 0 && !fa->is_causal) {
@@ -308,12 +300,12 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
         }
         /* forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx), unless kept */
         if (!f->saved)
-            SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, a_blk, Sk, v_bh, E, NULL, c_bh + i0 * E, E, 0,
+            SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, a_blk, Sk, v_bh, ldq, NULL, c_bh + i0 * E, E, 0,
                           gs);
         /* backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh */
         SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, a_blk, Sk, dc_bh + i0 * E, E, dv_bh, E, !first, gs);
         /* ... and dA = dctx_bh·V_bhᵀ, plus the gradient of the returned weights */
-        SUF(mha_gemm)(f->kern, 0, nq, Sk, Dk, dc_bh + i0 * E, E, vt, Sk, NULL, d, Sk, 0, gs);
+        SUF(mha_gemm)(f->kern, 1, nq, Sk, Dk, dc_bh + i0 * E, E, v_bh, ldq, NULL, d, Sk, 0, gs);
         if (gw_bh)
             for (r = 0; r < nq; r++)
                 for (j = 0; j < Sk; j++) d[r * Sk + j] += gw_bh[(i0 + r) * Sk + j];
@@ -328,8 +320,9 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
             f->kern->softmax_grad(pb + r * Sk, d_r, Sk, f->scale);
         }
         /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh */
-        SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, d, Sk, k_bh, E, NULL, dq_bh + i0 * E, E, 0, gs);
-        SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, d, Sk, q_bh + i0 * E, E, dk_bh, E, !first, gs);
+        SUF(mha_gemm)(f->kern, hm, nq, Dk, Sk, d, Sk, k_bh, hm ? Sk : E, NULL, dq_bh + i0 * E, E,
+                      0, gs);
+        SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, d, Sk, q_bh + i0 * ldq, ldq, dk_bh, E, !first, gs);
     }
     /* this head's share of the bias gradients (db = Σ_rows dY), summed while
      * dQ_bh, dK_bh, dV_bh are still in cache; phase 4 adds the batches */
@@ -401,8 +394,8 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
 
     /* workspace: dctx, dq (B, Sq, E); dk, dv (B, Sk, E); bsum (3, B, E);
      * without sv also q, ctx (B, Sq, E), k and v (B, Sk, E); then per slot
-     * P, D (QB, Sk), K_bhᵀ and V_bhᵀ (Dk, Sk) and mha_gemm's packing */
-    if (mha_mul(2 * QB + 2 * f.Dk, f.Sk, &f.scratch_len) ||
+     * P, D (QB, Sk) and mha_gemm's packing */
+    if (mha_mul(2 * QB, f.Sk, &f.scratch_len) ||
         mha_mul(n_q, sv ? 2 : 4, &n_work) || mha_mul(n_kv, sv ? 2 : 4, &t) ||
         mha_add(n_work, t, &n_work) || mha_mul(f.B * f.E, 3, &t) || mha_add(n_work, t, &n_work) ||
         mha_mul(f.scratch_len, slots, &t) || mha_add(n_work, t, &n_work) ||

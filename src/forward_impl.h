@@ -1,9 +1,9 @@
 /* forward_impl.h: the threaded forward pass, written once for T = float and
  * T = double (included twice by mha.c with T, SUF, KT, EXP and SQRT defined).
  *
- *   Q = query·W_qᵀ + b_q        q is (B, Sq, E)
- *   K = key·W_kᵀ + b_k          k is (B, Sk, E)
- *   V = value·W_vᵀ + b_v        v is (B, Sk, E)
+ *   Q = query·W_qᵀ + b_q        kept per head: qh (B, H, Sq, Dk)
+ *   K = key·W_kᵀ + b_k          kept per head, transposed: kt (B, H, Dk, Sk)
+ *   V = value·W_vᵀ + b_v        kept per head: vh (B, H, Sk, Dk)
  *   per (b, h, block of queries), head h being columns h*Dk .. h*Dk+Dk-1:
  *     S = Q_bh·K_bhᵀ / sqrt(Dk), masked (-inf), softmax, dropout
  *     ctx_bh = S·V_bh           ctx is (B, Sq, E): the heads concatenated
@@ -11,7 +11,10 @@
  *
  * The projections are split into (RM, RN) tiles of C over the threads; each
  * tile runs the packed GEMM (or, when the whole M is small, the unpacked dot
- * kernel).  With weights, one pass per (b, h, block of QB queries) computes
+ * kernel).  Q, K and V are computed tile by tile into per-thread scratch and
+ * scattered from there (in cache) into the per-head layouts the attention
+ * reads: every head's block contiguous, no (B, S, E) copy of them at all.
+ * With weights, one pass per (b, h, block of QB queries) computes
  * S straight into the caller's weights array, finishes the softmax there in
  * place (written once) and multiplies by V: no second (Sq, Sk) buffer.
  * Without, an online softmax runs over blocks of KB keys in per-thread
@@ -29,10 +32,11 @@
 
 typedef struct {
     const T *x, *w, *b; /* x (M, K), w (N, K), b (N) or NULL */
-    T *y;               /* (M, N) */
+    T *y;               /* (M, N), or NULL: each tile goes to the slot's scratch */
     T *x_copy, *w_copy, *b_copy; /* NULL, or where to copy x, w, b (mha_saved) */
+    T *yh;              /* NULL, or y per head: (B, H, S, Dk) */
     T *yt;              /* NULL, or y per head, transposed: (B, H, Dk, S) */
-    int64_t S, Dk;      /* ... its rows per batch and head width */
+    int64_t S, Dk;      /* ... their rows per batch and head width */
     int64_t M, N, K, rn, tiles_n, tiles;
 } SUF(linear_job);
 
@@ -40,10 +44,12 @@ typedef struct {
     const mha_forward_args *a;
     const KT *kern;
     int64_t B, Sq, Sk, E, H, Dk;
-    T *q, *k, *v, *ctx;
-    T *p_save;           /* NULL, or mha_saved's P (B, H, Sq, Sk) */
+    T *qh, *vh;          /* Q (B, H, Sq, Dk) and V (B, H, Sk, Dk) per head */
     T *kt;               /* K per head, transposed: (B, H, Dk, Sk) */
-    T *scratch;          /* per slot: GEMM packing, then the online state */
+    T *ctx;              /* (B, Sq, E) */
+    T *p_save;           /* NULL, or mha_saved's P (B, H, Sq, Sk) */
+    T *scratch;          /* per slot: GEMM packing, then a projection tile or
+                            the attention's state */
     int64_t scratch_len; /* scalars per slot */
     T scale;             /* 1 / sqrt(Dk) */
     T drop_scale;        /* 1 / (1 - p) */
@@ -56,22 +62,35 @@ typedef struct {
     int n_jobs;
 } SUF(fwd);
 
-/* yt[((b*H + h)*Dk + d)*S + s] = y[(b*S + s)*N + h*Dk + d] over the tile's
- * rows i0 .. i0+m and columns n0 .. n0+n (H = N / Dk), while the tile is in
- * cache: 16 rows of one batch at a time, so that each store run is long. */
-static void SUF(tile_to_heads)(const T *y, int64_t N, int64_t i0, int64_t m, int64_t n0,
-                               int64_t n, int64_t S, int64_t Dk, T *yt)
+/* The tile y (m, n) at rows i0.., columns n0.. of a projection (N = H*Dk
+ * columns, S rows per batch), leading dimension ldy, scattered per head:
+ *   yh[((b*H + h)*S + s)*Dk + d]  (one run of the tile's row per head), and
+ *   yt[((b*H + h)*Dk + d)*S + s]  (16 rows of one batch at a time, so that
+ *                                   each store run is long)
+ * for row i0+r = b*S + s and column n0+c = h*Dk + d. */
+static void SUF(tile_to_heads)(const T *y, int64_t ldy, int64_t N, int64_t i0, int64_t m,
+                               int64_t n0, int64_t n, int64_t S, int64_t Dk, T *yh, T *yt)
 {
-    int64_t r0, r1, r, c;
+    const int64_t H = N / Dk;
+    int64_t r0, r1, r, c, c1;
     for (r0 = i0; r0 < i0 + m; r0 = r1) {
         const int64_t b = r0 / S, s0 = r0 % S;
         r1 = i0 + m;
         if (r1 > (b + 1) * S) r1 = (b + 1) * S;
         if (r1 > r0 + 16) r1 = r0 + 16;
-        for (c = n0; c < n0 + n; c++) {
-            T *dst = yt + ((b * (N / Dk) + c / Dk) * Dk + c % Dk) * S + s0;
-            for (r = r0; r < r1; r++) dst[r - r0] = y[r * N + c];
-        }
+        if (yt)
+            for (c = n0; c < n0 + n; c++) {
+                T *dst = yt + ((b * H + c / Dk) * Dk + c % Dk) * S + s0;
+                for (r = r0; r < r1; r++) dst[r - r0] = y[(r - i0) * ldy + c - n0];
+            }
+        if (yh)
+            for (r = r0; r < r1; r++)
+                for (c = n0; c < n0 + n; c = c1) { /* the row's run inside one head */
+                    c1 = (c / Dk + 1) * Dk;
+                    if (c1 > n0 + n) c1 = n0 + n;
+                    memcpy(yh + ((b * H + c / Dk) * S + s0 + r - r0) * Dk + c % Dk,
+                           y + (r - i0) * ldy + c - n0, (size_t)(c1 - c) * sizeof(T));
+                }
     }
 }
 
@@ -84,6 +103,10 @@ static void SUF(linear_task)(void *ctx, int64_t t, int slot)
     int64_t i0 = (t / jb->tiles_n) * RM, n0 = (t % jb->tiles_n) * jb->rn;
     int64_t m = jb->M - i0 < RM ? jb->M - i0 : RM;
     int64_t n = jb->N - n0 < jb->rn ? jb->N - n0 : jb->rn;
+    T *gs = f->scratch + (int64_t)slot * f->scratch_len;
+    /* the tile: in place, or in the slot's scratch (after the packing) */
+    T *y = jb->y ? jb->y + i0 * jb->N + n0 : gs + MHA_GEMM_SCRATCH;
+    const int64_t ldy = jb->y ? jb->N : n;
     /* the caller's copies: x's rows by the first column tile, w's rows (and
      * b) by the first row tile, just before the product reads them */
     if (jb->x_copy && n0 == 0)
@@ -94,12 +117,12 @@ static void SUF(linear_task)(void *ctx, int64_t t, int slot)
     }
     if (f->small)
         SUF(mha_gemm_small)(f->kern, m, n, jb->K, jb->x + i0 * jb->K, jb->K, jb->w + n0 * jb->K,
-                            jb->K, jb->b ? jb->b + n0 : NULL, jb->y + i0 * jb->N + n0, jb->N, 0);
+                            jb->K, jb->b ? jb->b + n0 : NULL, y, ldy, 0);
     else
         SUF(mha_gemm)(f->kern, 1, m, n, jb->K, jb->x + i0 * jb->K, jb->K, jb->w + n0 * jb->K,
-                      jb->K, jb->b ? jb->b + n0 : NULL, jb->y + i0 * jb->N + n0, jb->N, 0,
-                      f->scratch + (int64_t)slot * f->scratch_len);
-    if (jb->yt) SUF(tile_to_heads)(jb->y, jb->N, i0, m, n0, n, jb->S, jb->Dk, jb->yt);
+                      jb->K, jb->b ? jb->b + n0 : NULL, y, ldy, 0, gs);
+    if (jb->yh || jb->yt)
+        SUF(tile_to_heads)(y, ldy, jb->N, i0, m, n0, n, jb->S, jb->Dk, jb->yh, jb->yt);
 }
 
 /* Column tiles: wide for the packed GEMM, narrower when that leaves too
@@ -232,9 +255,9 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     int64_t i0 = (t % f->n_qblk) * QB, nq = f->Sq - i0 < QB ? f->Sq - i0 : QB;
     int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, kend = Sk;
     const T nan_or_zero = a->zero_masked_rows ? (T)0 : (T)NAN;
-    const T *q_bh = f->q + (b * f->Sq + i0) * E + h * Dk; /* (nq, Dk), ld E */
+    const T *q_bh = f->qh + (bh * f->Sq + i0) * Dk;       /* (nq, Dk) */
     const T *kt_bh = f->kt + bh * Dk * Sk;                /* (Dk, Sk) */
-    const T *v_bh = f->v + b * Sk * E + h * Dk;           /* (Sk, Dk), ld E */
+    const T *v_bh = f->vh + bh * Sk * Dk;                 /* (Sk, Dk) */
     T *c_bh = f->ctx + (b * f->Sq + i0) * E + h * Dk;     /* (nq, Dk), ld E */
     T *gs = f->scratch + (int64_t)slot * f->scratch_len;
     T *p_bh = (f->p_save ? f->p_save : (T *)a->weights) + (bh * f->Sq + i0) * Sk; /* (nq, Sk) */
@@ -248,7 +271,7 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
         return;
     }
     if (f->skip_causal && i0 + nq < Sk) kend = i0 + nq; /* later keys: blocked for all */
-    SUF(mha_gemm)(f->kern, 0, nq, kend, Dk, q_bh, E, kt_bh, Sk, NULL, p_bh, Sk, 0, gs);
+    SUF(mha_gemm)(f->kern, 0, nq, kend, Dk, q_bh, Dk, kt_bh, Sk, NULL, p_bh, Sk, 0, gs);
     for (r = 0; r < nq; r++) {
         T *w = p_bh + r * Sk;
         int64_t i = i0 + r, ne = kend, j;
@@ -271,7 +294,7 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
             SUF(dropout_row)(f, a_bh + r * Sk, ne,
                              ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)i) * (uint64_t)Sk);
     }
-    SUF(mha_gemm)(f->kern, 0, nq, Dk, kend, a_bh, Sk, v_bh, E, NULL, c_bh, E, 0, gs);
+    SUF(mha_gemm)(f->kern, 0, nq, Dk, kend, a_bh, Sk, v_bh, Dk, NULL, c_bh, E, 0, gs);
 }
 
 /* Attention without weights: an online softmax over blocks of KB keys. */
@@ -283,9 +306,9 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     int64_t i0 = (t % f->n_qblk) * QB, nq = f->Sq - i0 < QB ? f->Sq - i0 : QB;
     int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, j, j0, d, kend = Sk;
     const T nan_or_zero = a->zero_masked_rows ? (T)0 : (T)NAN;
-    const T *q_bh = f->q + (b * f->Sq + i0) * E + h * Dk;
-    const T *kt_bh = f->kt + bh * Dk * Sk;
-    const T *v_bh = f->v + b * Sk * E + h * Dk;
+    const T *q_bh = f->qh + (bh * f->Sq + i0) * Dk; /* (nq, Dk) */
+    const T *kt_bh = f->kt + bh * Dk * Sk;          /* (Dk, Sk) */
+    const T *v_bh = f->vh + bh * Sk * Dk;           /* (Sk, Dk) */
     T *c_bh = f->ctx + (b * f->Sq + i0) * E + h * Dk;
     T *gs = f->scratch + (int64_t)slot * f->scratch_len; /* GEMM packing */
     T *s = gs + MHA_GEMM_SCRATCH;                        /* (QB, KB) */
@@ -300,7 +323,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     if (f->skip_causal && i0 + nq < Sk) kend = i0 + nq;
     for (j0 = 0; j0 < kend; j0 += KB) {
         int64_t nk = kend - j0 < KB ? kend - j0 : KB;
-        SUF(mha_gemm)(f->kern, 0, nq, nk, Dk, q_bh, E, kt_bh + j0, Sk, NULL, s, KB, 0, gs);
+        SUF(mha_gemm)(f->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, Sk, NULL, s, KB, 0, gs);
         for (r = 0; r < nq; r++) {
             T *srow = s + r * KB, sum, alpha, mnew;
             int64_t i = i0 + r, ne = nk;
@@ -321,7 +344,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
             if (alpha != (T)1) f->kern->scale(acc + r * Dk, Dk, alpha);
             mx[r] = mnew;
         }
-        SUF(mha_gemm)(f->kern, 0, nq, Dk, nk, s, KB, v_bh + j0 * E, E, NULL, acc, Dk, 1, gs);
+        SUF(mha_gemm)(f->kern, 0, nq, Dk, nk, s, KB, v_bh + j0 * Dk, Dk, NULL, acc, Dk, 1, gs);
     }
     for (r = 0; r < nq; r++) {
         T *c = c_bh + r * E;
@@ -371,7 +394,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     size_t bytes;
     int slots;
     const int keep = sv && sv->q; /* Q, K, V and ctx go to the caller's buffers */
-    SUF(linear_job) *jk;
+    SUF(linear_job) *jq, *jk, *jv;
     T *work = NULL;
     mha_status st = mha_check_forward(cfg, p, a, &sz);
     if (st != MHA_OK) return st;
@@ -408,16 +431,22 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     /* P kept: the attention forms it whole (the weights task) */
     f.p_save = keep && sv->p ? (T *)sv->p : NULL;
 
-    /* workspace: q and ctx (B, Sq, E); k, v and kt (B, Sk, E); per-slot
-     * scratch; q, ctx, k and v are the caller's when kept */
-    f.scratch_len = MHA_GEMM_SCRATCH;
-    if (!a->weights && !f.p_save) /* the online softmax's state; Dk <= E: checked */
-        f.scratch_len += QB * KB + 2 * QB + QB * f.Dk;
-    if (f.p_save && !a->weights && f.dropout_on) { /* A = dropout(P), (QB, Sk) */
-        if (mha_mul(QB, f.Sk, &t) || mha_add(f.scratch_len, t, &f.scratch_len))
+    /* per slot: the GEMM's packing, then what one pass needs after it: a
+     * projection tile (at most RM rows and MHA_GEMM_NC columns), or the
+     * online softmax's state (Dk <= E: checked), or A = dropout(P) (QB, Sk)
+     * when P is kept without weights */
+    {
+        int64_t rows = f.B * (f.Sq > f.Sk ? f.Sq : f.Sk), tile, state = 0;
+        if (rows > RM) rows = RM;
+        tile = rows * (f.E < MHA_GEMM_NC ? f.E : MHA_GEMM_NC);
+        if (!a->weights && !f.p_save) state = QB * KB + 2 * QB + QB * f.Dk;
+        if (f.p_save && !a->weights && f.dropout_on && mha_mul(QB, f.Sk, &state))
             return MHA_ERR_OVERFLOW;
+        f.scratch_len = MHA_GEMM_SCRATCH + (tile > state ? tile : state);
     }
-    if (mha_mul(f.B * f.Sk, f.E, &t) || mha_mul(t, keep ? 1 : 3, &t) ||
+    /* workspace: qh and ctx (B, Sq, E) scalars, kt and vh (B, Sk, E), unless
+     * the caller keeps them; then the slots' scratch */
+    if (mha_mul(f.B * f.Sk, f.E, &t) || mha_mul(t, keep ? 0 : 2, &t) ||
         mha_add(t, keep ? 0 : 2 * sz.n_out, &n_work) ||
         mha_mul(f.scratch_len, slots, &n_scratch) || mha_add(n_work, n_scratch, &n_work))
         return MHA_ERR_OVERFLOW;
@@ -425,41 +454,43 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     work = (T *)mha_work_alloc(bytes);
     if (!work) return MHA_ERR_NOMEM;
     if (keep) {
-        f.q = (T *)sv->q;
+        f.qh = (T *)sv->q;
+        f.kt = (T *)sv->k;
+        f.vh = (T *)sv->v;
         f.ctx = (T *)sv->ctx;
-        f.k = (T *)sv->k;
-        f.v = (T *)sv->v;
-        f.kt = work;
+        f.scratch = work;
     } else {
-        f.q = work;
-        f.ctx = f.q + sz.n_out;
-        f.k = f.ctx + sz.n_out;
-        f.v = f.k + f.B * f.Sk * f.E;
-        f.kt = f.v + f.B * f.Sk * f.E;
+        f.qh = work;
+        f.ctx = f.qh + sz.n_out;
+        f.kt = f.ctx + sz.n_out;
+        f.vh = f.kt + f.B * f.Sk * f.E;
+        f.scratch = f.vh + f.B * f.Sk * f.E;
     }
-    f.scratch = f.kt + f.B * f.Sk * f.E;
 
     FWD_TICK_START;
-    /* the three input projections, one parallel pass over all their tiles
-     * (which also make the copies mha_saved asks for) */
-    SUF(job_copies)(SUF(add_job)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq,
-                                 f.q, f.B * f.Sq, f.E, f.E, slots),
-                    sv, offset, MHA_WQ, sv ? sv->query : NULL);
-    jk = SUF(add_job)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk, f.k,
+    /* the three input projections, one parallel pass over all their tiles:
+     * each tile scattered per head (K transposed, so that Q·Kᵀ reads it in
+     * place), and the copies mha_saved asks for made on the way */
+    jq = SUF(add_job)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq, NULL,
+                      f.B * f.Sq, f.E, f.E, slots);
+    jk = SUF(add_job)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk, NULL,
                       f.B * f.Sk, f.E, cfg->kdim, slots);
+    jv = SUF(add_job)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, NULL,
+                      f.B * f.Sk, f.E, cfg->vdim, slots);
+    SUF(job_copies)(jq, sv, offset, MHA_WQ, sv ? sv->query : NULL);
     SUF(job_copies)(jk, sv, offset, MHA_WK, sv ? sv->key : NULL);
-    jk->yt = f.kt; /* and K per head, transposed, so that Q·Kᵀ reads it in place */
-    jk->S = f.Sk;
-    jk->Dk = f.Dk;
-    SUF(job_copies)(SUF(add_job)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv,
-                                 f.v, f.B * f.Sk, f.E, cfg->vdim, slots),
-                    sv, offset, MHA_WV, sv ? sv->value : NULL);
+    SUF(job_copies)(jv, sv, offset, MHA_WV, sv ? sv->value : NULL);
+    jq->yh = f.qh;
+    jk->yt = f.kt;
+    jv->yh = f.vh;
+    jq->S = f.Sq;
+    jk->S = jv->S = f.Sk;
+    jq->Dk = jk->Dk = jv->Dk = f.Dk;
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
     FWD_TICK("qkv proj");
 
-
     /* a NaN or inf in V must reach every row (0·NaN), so no causal skipping */
-    f.skip_causal = a->is_causal && SUF(all_finite)(f.v, f.B * f.Sk * f.E);
+    f.skip_causal = a->is_causal && SUF(all_finite)(f.vh, f.B * f.Sk * f.E);
 
     /* attention, per (b, h, block of queries) */
     mha_parallel_for(f.B * f.H * f.n_qblk, slots,

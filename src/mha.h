@@ -198,10 +198,12 @@ mha_status mha_backward(const mha_config *cfg, const mha_params *p,
 /* ---- training: the forward keeps what the backward needs ---------------
  * mha_forward_save is mha_forward that also writes intermediates and copies
  * into the caller's buffers (contiguous, of cfg->dtype; NULL: not kept):
- *   q    (B, Sq, E)  Q = query·W_qᵀ + b_q       \
- *   k    (B, Sk, E)  K = key·W_kᵀ + b_k          | the four together,
- *   v    (B, Sk, E)  V = value·W_vᵀ + b_v        | or none of them
- *   ctx  (B, Sq, E)  the heads' A·V_bh concatenated, before W_o
+ *   q    (B, H, Sq, Dk)  Q = query·W_qᵀ + b_q per head      \
+ *   k    (B, H, Dk, Sk)  K = key·W_kᵀ + b_k per head,        | the four
+ *                        transposed                          | together,
+ *   v    (B, H, Sk, Dk)  V = value·W_vᵀ + b_v per head       | or none
+ *   ctx  (B, Sq, E)      the heads' A·V_bh concatenated, before W_o
+ *   (the layouts the attention reads: each head's block contiguous)
  *   p    (B, H, Sq, Sk) the softmax P, before dropout (only with the four)
  *   query, key, value  copies of a->query, a->key, a->value
  *   params  a copy of the parameters, as a block of mha_param_layout

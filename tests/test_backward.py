@@ -412,10 +412,16 @@ def test_saved_projections_match_recomputing(need_weights, heads, keeps_p, maske
     fresh = ours.forward_train(q, k, v, save_projections=False, **opts)
     assert kept._saved is not None and fresh._saved is None
     assert len(kept._saved) == (5 if keeps_p else 4)
-    Q, K, V, C = kept._saved[:4]
+    Q, K, V, C = kept._saved[:4]  # per head: (B, H, Sq, Dk), (B, H, Dk, Sk), (B, H, Sk, Dk)
+    assert Q.shape == (3, heads, 70, 64 // heads) and K.shape == (3, heads, 64 // heads, 90)
+    assert V.shape == (3, heads, 90, 64 // heads) and C.shape == (3, 70, 64)
     W = ours.state_dict()
-    np.testing.assert_allclose(Q, q @ W["W_q.weight"].T + W["W_q.bias"], atol=1e-12)
-    np.testing.assert_allclose(V, v @ W["W_v.weight"].T + W["W_v.bias"], atol=1e-12)
+    np.testing.assert_allclose(Q.transpose(0, 2, 1, 3).reshape(3, 70, 64),
+                               q @ W["W_q.weight"].T + W["W_q.bias"], atol=1e-12)
+    np.testing.assert_allclose(K.transpose(0, 3, 1, 2).reshape(3, 90, 64),
+                               k @ W["W_k.weight"].T + W["W_k.bias"], atol=1e-12)
+    np.testing.assert_allclose(V.transpose(0, 2, 1, 3).reshape(3, 90, 64),
+                               v @ W["W_v.weight"].T + W["W_v.bias"], atol=1e-12)
     np.testing.assert_allclose(C @ W["W_o.weight"].T + W["W_o.bias"], kept.output, atol=1e-12,
                                equal_nan=True)
     np.testing.assert_allclose(kept.output, fresh.output, atol=1e-12, equal_nan=True)
