@@ -8,8 +8,9 @@ needs, and the backward that turns it into gradients.
 Nothing is kept in the module between the two calls: ``ctx`` (a
 :class:`ForwardContext`) holds a copy of the parameters, the inputs, the
 masks and the dropout stream (probability and counter) of the forward, and
-the forward's projections Q, K, V and its context before W_o (four
-(B, S, E) arrays) and, when it is no larger than those four together, the
+the forward's projections Q, K, V (per head, as the attention reads them:
+(B, H, Sq, Dk), K transposed (B, H, Dk, Sk), (B, H, Sk, Dk)) and its context
+before W_o (B, Sq, E) and, when it is no larger than those four together, the
 softmax P (B, H, Sq, Sk); ``save_projections=False`` drops them to save
 memory, and the backward then recomputes them.  The backward recomputes the
 rest in C (the softmax block by block when P was not kept, the replayed
@@ -120,7 +121,7 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
         mode) or an explicit probability in [0, 1].
       dropout_counter: None (reserve a fresh random stream, as every training
         call does) or the ``counter`` of an earlier context: replays its mask.
-      save_projections: keep Q, K, V and the context (4 arrays of (B, S, E))
+      save_projections: keep Q, K, V and the context (4 arrays of B·S·E)
         in the context, and the softmax P (B, H, Sq, Sk) when it is no larger
         than those four, so that the backward need not recompute them
         (default); False keeps only the inputs and the backward recomputes.
