@@ -46,8 +46,8 @@ void mha_free(void *p) { free(p); }
  * Each forward and backward needs a workspace.  glibc serves blocks of
  * 32 MiB and more straight from mmap and returns them to the system on
  * free, so every call would page-fault its workspace afresh, one fault per
- * 4 KiB (at B 4, S 1024, E 1024 the forward's 80 MiB: about 20 000 faults,
- * some 15 ms of a 330 ms call here).  So each thread keeps its largest such
+ * 4 KiB (at B 4, S 1024, E 1024 the forward's 67 MiB: about 17 000 faults,
+ * some 13 ms of a 300 ms call here).  So each thread keeps its largest such
  * block for its next call.  Smaller blocks are left to malloc, which already
  * reuses them (and whose reuse depends on seeing them freed).  A block has a
  * 64-byte header holding its capacity.  Without a thread key (creation
