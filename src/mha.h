@@ -148,9 +148,8 @@ int mha_get_num_threads(void);
 /* Each thread that calls mha_forward or mha_backward with a workspace of
  * 32 MiB or more (large shapes: 67 MiB at B 4, S 1024, E 1024 on two
  * threads) keeps the largest such block for its next call, rather than
- * page-faulting fresh
- * memory every call.  The block is freed when the thread exits, or now by
- * mha_release_workspace (for the calling thread). */
+ * page-faulting fresh memory every call.  The block is freed when the
+ * thread exits, or now by mha_release_workspace (for the calling thread). */
 void mha_release_workspace(void);
 
 /* The instruction set of mha_forward's kernels: "portable", "avx2" (AVX2 +
