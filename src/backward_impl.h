@@ -238,8 +238,13 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     const T *gw_bh = f->a->grad_weights ? (const T *)f->a->grad_weights + bh * Sq * Sk : NULL;
     T *p = f->scratch + (int64_t)slot * f->scratch_len; /* (QB, Sk) P, when recomputed */
     T *d = p + QB * Sk;                                 /* (QB, Sk) A, then dA, dP, dS */
+    /* then (QB, Dk) dQ_bh's block, (Sk, Dk) dK_bh and dV_bh: see below */
     uint8_t *keep = f->keep + (int64_t)slot * f->keep_len; /* (QB, Sk) */
     T *gs = f->pack + (int64_t)slot * MHA_GEMM_SCRATCH;  /* mha_gemm's packing */
+    /* the products write dQ_bh, dK_bh, dV_bh here, contiguous, and the task
+     * copies them out into the (B, S, E) rows: a product's output tiles
+     * then stay in cache instead of missing on E-strided lines */
+    T *dqs = d + QB * Sk, *dks = dqs + QB * Dk, *dvs = dks + Sk * Dk;
 
     if (Sk == 0) { /* no key at all: the context is an empty sum, nothing to differentiate */
         for (r = 0; r < Sq; r++)
@@ -303,7 +308,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
             SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, a_blk, Sk, v_bh, ldq, NULL, c_bh + i0 * E, E, 0,
                           gs);
         /* backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh */
-        SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, a_blk, Sk, dc_bh + i0 * E, E, dv_bh, E, !first, gs);
+        SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, a_blk, Sk, dc_bh + i0 * E, E, dvs, Dk, !first, gs);
         /* ... and dA = dctx_bh·V_bhᵀ, plus the gradient of the returned weights */
         SUF(mha_gemm)(f->kern, 1, nq, Sk, Dk, dc_bh + i0 * E, E, v_bh, ldq, NULL, d, Sk, 0, gs);
         if (gw_bh)
@@ -320,9 +325,13 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
             f->kern->softmax_grad(pb + r * Sk, d_r, Sk, f->scale);
         }
         /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh */
-        SUF(mha_gemm)(f->kern, hm, nq, Dk, Sk, d, Sk, k_bh, hm ? Sk : E, NULL, dq_bh + i0 * E, E,
-                      0, gs);
-        SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, d, Sk, q_bh + i0 * ldq, ldq, dk_bh, E, !first, gs);
+        SUF(mha_gemm)(f->kern, hm, nq, Dk, Sk, d, Sk, k_bh, hm ? Sk : E, NULL, dqs, Dk, 0, gs);
+        SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, d, Sk, q_bh + i0 * ldq, ldq, dks, Dk, !first, gs);
+        for (r = 0; r < nq; r++) memcpy(dq_bh + (i0 + r) * E, dqs + r * Dk, (size_t)Dk * sizeof(T));
+    }
+    for (r = 0; r < Sk; r++) {
+        memcpy(dk_bh + r * E, dks + r * Dk, (size_t)Dk * sizeof(T));
+        memcpy(dv_bh + r * E, dvs + r * Dk, (size_t)Dk * sizeof(T));
     }
     /* this head's share of the bias gradients (db = Σ_rows dY), summed while
      * dQ_bh, dK_bh, dV_bh are still in cache; phase 4 adds the batches */
@@ -394,8 +403,10 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
 
     /* workspace: dctx, dq (B, Sq, E); dk, dv (B, Sk, E); bsum (3, B, E);
      * without sv also q, ctx (B, Sq, E), k and v (B, Sk, E); then per slot
-     * P, D (QB, Sk) and mha_gemm's packing */
-    if (mha_mul(2 * QB, f.Sk, &f.scratch_len) ||
+     * P, D (QB, Sk), dQ_bh's block (QB, Dk), dK_bh and dV_bh (Sk, Dk), and
+     * mha_gemm's packing */
+    if (mha_mul(2 * QB + 2 * f.Dk, f.Sk, &f.scratch_len) ||
+        mha_add(f.scratch_len, QB * f.Dk, &f.scratch_len) ||
         mha_mul(n_q, sv ? 2 : 4, &n_work) || mha_mul(n_kv, sv ? 2 : 4, &t) ||
         mha_add(n_work, t, &n_work) || mha_mul(f.B * f.E, 3, &t) || mha_add(n_work, t, &n_work) ||
         mha_mul(f.scratch_len, slots, &t) || mha_add(n_work, t, &n_work) ||

@@ -131,7 +131,12 @@ KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, cons
                                               (uintptr_t)(UKR_PF * ldbk) * sizeof(T)));
         /* a transposed A (ak > 1) takes a new line every k: ask for it as
          * early as B's (its MR entries may straddle two lines) */
-        if (ak > 1) {
+        if (ak == 1 && (k & 15) == 0) { /* A's rows (a new line every 16 k):
+                                             the line after next */
+#pragma GCC unroll 16
+            for (r = 0; r < MR; r++)
+                __builtin_prefetch((const void *)((uintptr_t)(ar[r] + ko) + 32 * sizeof(T)));
+        } else if (ak > 1) {
             __builtin_prefetch((const void *)((uintptr_t)(ar[0] + ko) +
                                               (uintptr_t)(UKR_PF * ak) * sizeof(T)));
             __builtin_prefetch((const void *)((uintptr_t)(ar[MR - 1] + ko) +
