@@ -110,9 +110,11 @@ static void SUF(linear_task)(void *ctx, int64_t t, int slot)
     /* the caller's copies: x's rows by the first column tile, w's rows (and
      * b) by the first row tile, just before the product reads them */
     if (jb->x_copy && n0 == 0)
-        memcpy(jb->x_copy + i0 * jb->K, jb->x + i0 * jb->K, (size_t)(m * jb->K) * sizeof(T));
+        mha_copy_stream(jb->x_copy + i0 * jb->K, jb->x + i0 * jb->K,
+                        (size_t)(m * jb->K) * sizeof(T));
     if (jb->w_copy && i0 == 0) {
-        memcpy(jb->w_copy + n0 * jb->K, jb->w + n0 * jb->K, (size_t)(n * jb->K) * sizeof(T));
+        mha_copy_stream(jb->w_copy + n0 * jb->K, jb->w + n0 * jb->K,
+                        (size_t)(n * jb->K) * sizeof(T));
         if (jb->b_copy) memcpy(jb->b_copy + n0, jb->b + n0, (size_t)n * sizeof(T));
     }
     if (f->small)

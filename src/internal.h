@@ -36,6 +36,12 @@ void mha_free(void *p);
 void *mha_work_alloc(size_t bytes);
 void mha_work_free(void *p);
 
+/* memcpy for a copy that is not read again soon (mha_saved's copies of the
+ * inputs and parameters, read only by the backward): with SSE2, stores that
+ * bypass the caches, so that the copy does not push out what the rest of
+ * the call reads; memcpy otherwise, and for small copies. */
+void mha_copy_stream(void *dst, const void *src, size_t bytes);
+
 /* ---- the dropout / initialisation stream (rng.c) ---- */
 uint64_t mha_stream_key(uint64_t seed, uint64_t counter);
 static inline uint64_t mha_stream_bits(uint64_t key, uint64_t idx)

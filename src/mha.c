@@ -9,6 +9,9 @@
 #include <string.h>
 
 #include "internal.h"
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 const char *mha_status_str(mha_status status)
 {
@@ -90,6 +93,37 @@ static mha_work_cache *work_cache(int create)
         }
     }
     return c;
+}
+
+void mha_copy_stream(void *dst, const void *src, size_t bytes)
+{
+#if defined(__SSE2__)
+    char *d = (char *)dst;
+    const char *s = (const char *)src;
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15, i;
+    if (bytes < 4096) {
+        memcpy(dst, src, bytes);
+        return;
+    }
+    memcpy(d, s, head); /* to a 16-byte boundary of dst */
+    d += head;
+    s += head;
+    bytes -= head;
+    for (i = 0; i + 64 <= bytes; i += 64) {
+        __m128i x0 = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i x1 = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i x2 = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i x3 = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), x0);
+        _mm_stream_si128((__m128i *)(d + i + 16), x1);
+        _mm_stream_si128((__m128i *)(d + i + 32), x2);
+        _mm_stream_si128((__m128i *)(d + i + 48), x3);
+    }
+    memcpy(d + i, s + i, bytes - i);
+    _mm_sfence(); /* ordered before whatever the caller does next */
+#else
+    memcpy(dst, src, bytes);
+#endif
 }
 
 void *mha_work_alloc(size_t bytes)

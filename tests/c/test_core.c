@@ -8,7 +8,8 @@
 #include <string.h>
 
 #include "mha.h"
-#include "kernels.h" /* internal: the per-ISA kernel tables */
+#include "kernels.h"  /* internal: the per-ISA kernel tables */
+#include "internal.h" /* internal: mha_copy_stream */
 
 static int g_pass, g_fail;
 
@@ -403,6 +404,27 @@ static void test_exp(void)
     }
 }
 
+/* mha_copy_stream copies exactly, whatever the alignment and size, and
+ * writes nothing past the end */
+static void test_copy_stream(void)
+{
+    static unsigned char src[200064], dst[200064];
+    const size_t sizes[6] = {0, 1, 4095, 4096, 5003, 200000};
+    size_t i, z, off;
+    int bad = 0;
+    for (i = 0; i < sizeof src; i++) src[i] = (unsigned char)(i * 7 + 3);
+    for (z = 0; z < 6; z++)
+        for (off = 0; off < 18; off += 5) {
+            memset(dst, 0xAB, sizeof dst);
+            mha_copy_stream(dst + off, src + 17 - off % 3, sizes[z]);
+            bad += memcmp(dst + off, src + 17 - off % 3, sizes[z]) != 0;
+            for (i = 0; i < off; i++) bad += dst[i] != 0xAB;
+            for (i = off + sizes[z]; i < off + sizes[z] + 48 && i < sizeof dst; i++)
+                bad += dst[i] != 0xAB;
+        }
+    CHECK(bad == 0, "mha_copy_stream: %d wrong", bad);
+}
+
 /* pack_bt, where an ISA has one, is exactly the transposed packing:
  * Bp[k*NR + c] = B[c*ldb + k], for depths that are and are not multiples
  * of its blocks */
@@ -463,6 +485,7 @@ int main(void)
     int n;
     test_exp();
     test_pack_bt();
+    test_copy_stream();
     test_hand_computed();
     test_no_keys();
     test_status();
