@@ -69,7 +69,8 @@ typedef struct {
     const T *p_saved;     /* NULL, or mha_forward_save's P (B, H, Sq, Sk) */
     T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E) */
     T *bsum;              /* (3, B, E): Σ over each batch's rows of dQ, dK, dV */
-    T *scratch;           /* per slot: P, D (QB, Sk), Kᵀ, Vᵀ (Dk, Sk) */
+    T *scratch;           /* per slot: P, D (QB, Sk), then dQ_bh's block (QB, Dk),
+                             dK_bh and dV_bh (Sk, Dk) */
     T *pack;              /* per slot: MHA_GEMM_SCRATCH scalars for mha_gemm's packing */
     const SUF(mha_kern) *kern; /* the kernels of the ISA in use */
     int64_t scratch_len;  /* scalars per slot */
@@ -336,8 +337,8 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     /* this head's share of the bias gradients (db = Σ_rows dY), summed while
      * dQ_bh, dK_bh, dV_bh are still in cache; phase 4 adds the batches */
     SUF(colsum)(dq_bh, Sq, Dk, E, f->bsum + b * E + h * Dk);
-    SUF(colsum)(dk_bh, Sk, Dk, E, f->bsum + (f->B + b) * E + h * Dk);
-    SUF(colsum)(dv_bh, Sk, Dk, E, f->bsum + (2 * f->B + b) * E + h * Dk);
+    SUF(colsum)(dks, Sk, Dk, Dk, f->bsum + (f->B + b) * E + h * Dk);
+    SUF(colsum)(dvs, Sk, Dk, Dk, f->bsum + (2 * f->B + b) * E + h * Dk);
 }
 
 /* ------------------------------------------------------------ the pass */

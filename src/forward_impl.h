@@ -370,13 +370,12 @@ static int SUF(all_finite)(const T *x, int64_t n)
 
 /* Copy what mha_saved asks for of the inputs and parameters at once (when
  * no projection task runs to copy them on its way). */
-static void SUF(save_copies)(const mha_config *cfg, const mha_params *p,
-                             const mha_forward_args *a, const mha_saved *sv,
-                             const mha_sizes *sz, const int64_t *offset, const int64_t *size)
+static void SUF(save_copies)(const mha_params *p, const mha_forward_args *a,
+                             const mha_saved *sv, const mha_sizes *sz, const int64_t *offset,
+                             const int64_t *size)
 {
     const void *src[MHA_NPARAM] = {p->wq, p->bq, p->wk, p->bk, p->wv, p->bv, p->wo, p->bo};
     int i;
-    (void)cfg;
     if (sv->query) memcpy(sv->query, a->query, (size_t)sz->n_query * sizeof(T));
     if (sv->key) memcpy(sv->key, a->key, (size_t)sz->n_key * sizeof(T));
     if (sv->value) memcpy(sv->value, a->value, (size_t)sz->n_value * sizeof(T));
@@ -403,7 +402,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     st = mha_param_layout(cfg, offset, size, &total);
     if (st != MHA_OK) return st;
     if (sz.n_out == 0) { /* B == 0 or Sq == 0: nothing to compute */
-        if (sv) SUF(save_copies)(cfg, p, a, sv, &sz, offset, size);
+        if (sv) SUF(save_copies)(p, a, sv, &sz, offset, size);
         return MHA_OK;
     }
 

@@ -129,10 +129,11 @@ KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, cons
         for (v = 0; v < NRV; v++)
             __builtin_prefetch((const void *)((uintptr_t)(Bp + v * VL) +
                                               (uintptr_t)(UKR_PF * ldbk) * sizeof(T)));
-        /* a transposed A (ak > 1) takes a new line every k: ask for it as
-         * early as B's (its MR entries may straddle two lines) */
-        if (ak == 1 && (k & 15) == 0) { /* A's rows (a new line every 16 k):
-                                             the line after next */
+        /* A's lines ahead of use: a row-major A (ak == 1) reaches a new line
+         * of each row every 16 k (ask for the line after next); a transposed
+         * one (ak > 1) a new line every k (ask as early as for B's; its MR
+         * entries may straddle two lines) */
+        if (ak == 1 && (k & 15) == 0) {
 #pragma GCC unroll 16
             for (r = 0; r < MR; r++)
                 __builtin_prefetch((const void *)((uintptr_t)(ar[r] + ko) + 32 * sizeof(T)));
