@@ -93,17 +93,14 @@ def _param_block(mha, params):
     return block
 
 
-def _input(x, name, dtype, copy=True):
-    """x as a C-contiguous array of dtype: a private copy (what a context
-    keeps), or with copy=False the array itself when it already is one (what
-    the backward reads once and lets go)."""
+def _input(x, name, dtype):
+    """x as a C-contiguous array of dtype: the array itself when it already
+    is one (the forward's C core makes the context's private copies)."""
     from .module import _as_array, _check_real
 
     arr = _as_array(x, name)
     _check_real(arr, name)
-    if not copy:
-        return np.ascontiguousarray(arr, dtype=dtype)
-    return np.array(arr, dtype=dtype, order="C", copy=True)
+    return np.ascontiguousarray(arr, dtype=dtype)
 
 
 def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None,
@@ -130,7 +127,7 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
     # no copies here: the C forward copies the inputs as its projections read them
     q3, k3, v3, masks, batched = mha._call_args(
         query, key, value, mask, attn_mask, key_padding_mask, masked_rows,
-        convert=lambda x, name: _input(x, name, dtype, copy=False))
+        convert=lambda x, name: _input(x, name, dtype))
     # private copies: the backward must see the masks of this call
     masks = tuple((kind, np.array(m, copy=True)) for kind, m in masks)
 
@@ -156,7 +153,7 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
     zero_rows = masked_rows == "zero"
     keep = 0
     if save_projections:
-        B, Sq, Sk, E = q3.shape[0], q3.shape[1], k3.shape[1], mha.d_model
+        Sq, Sk, E = q3.shape[1], k3.shape[1], mha.d_model
         # P as well when it costs no more memory than Q, K, V and ctx
         keep = 2 if mha.n_heads * Sq * Sk <= 2 * E * (Sq + Sk) else 1
     out, weights, saved, copies = mha._forward_with(block, q3, k3, v3, list(masks),
@@ -200,7 +197,7 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
         raise ValueError("ctx was made by forward_train of a different module (another "
                          "configuration, dtype or seed)")
     dtype = mha.dtype
-    go = _input(grad_output, "grad_output", dtype, copy=False)
+    go = _input(grad_output, "grad_output", dtype)
     if go.shape != ctx.output.shape:
         raise ValueError(f"grad_output must have the output's shape {ctx.output.shape}, "
                          f"got {go.shape}")
@@ -209,7 +206,7 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
         if ctx.weights is None:
             raise ValueError("grad_weights given, but the forward returned no weights "
                              "(need_weights=False)")
-        gw = _input(grad_weights, "grad_weights", dtype, copy=False)
+        gw = _input(grad_weights, "grad_weights", dtype)
         if gw.shape != ctx.weights.shape:
             raise ValueError(f"grad_weights must have the weights' shape {ctx.weights.shape}, "
                              f"got {gw.shape}")
