@@ -8,22 +8,6 @@
 
 #include "internal.h"
 
-#ifdef MHA_BWD_TIMING /* a developer's probe: phase times on stderr */
-#include <stdio.h>
-#include <time.h>
-static double bwd_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-#define BWD_TICK_START double bwd_t0 = bwd_now()
-#define BWD_TICK(name) do { double t1_ = bwd_now(); \
-    fprintf(stderr, "backward %-12s %8.1f ms\n", name, 1e3 * (t1_ - bwd_t0)); bwd_t0 = t1_; } while (0)
-#else
-#define BWD_TICK_START (void)0
-#define BWD_TICK(name) (void)0
-#endif
 
 #define T float
 #define SUF(name) name##_f32

@@ -447,7 +447,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         f.scratch = f.v + n_kv;
     }
     f.pack = f.scratch + f.scratch_len * slots;
-    BWD_TICK_START;
+    MHA_TICK_START;
 
     /* 1. the forward's projections, and dctx = d out·W_o
      *    (backward of out = ctx·W_oᵀ + b_o, for ctx) */
@@ -462,11 +462,11 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     SUF(bjob_add)(&f, SUF(JOB_NN), (const T *)a->grad_out, f.E, (const T *)p->wo, f.E,
                   NULL, f.dctx, f.E, Rq, f.E, f.E);
     mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
-    BWD_TICK("1 proj");
+    MHA_TICK("backward 1 proj");
 
     /* 2. attention, per (b, h) */
     mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f);
-    BWD_TICK("2 attn");
+    MHA_TICK("backward 2 attn");
 
     /* 4. the weight gradients (dW = dYᵀ·X, as (Rows, E)ᵀ·(Rows, In)) and the
      *    input gradients (dX = dY·W) */
@@ -504,7 +504,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         for (i = 0; i < f.n_tr; i++) n_tasks += f.tr[i].tasks;
         mha_parallel_for(n_tasks, slots, SUF(grad_task), &f);
     }
-    BWD_TICK("3+4 grads, bias sums");
+    MHA_TICK("backward 3+4 grads, bias sums");
 
     mha_work_free(work);
     mha_free(f.keep);

@@ -468,7 +468,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
         f.scratch = f.vh + f.B * f.Sk * f.E;
     }
 
-    FWD_TICK_START;
+    MHA_TICK_START;
     /* the three input projections, one parallel pass over all their tiles:
      * each tile scattered per head (K transposed, so that Q·Kᵀ reads it in
      * place), and the copies mha_saved asks for made on the way */
@@ -488,7 +488,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     jk->S = jv->S = f.Sk;
     jq->Dk = jk->Dk = jv->Dk = f.Dk;
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
-    FWD_TICK("qkv proj");
+    MHA_TICK("forward qkv proj");
 
     /* a NaN or inf in V must reach every row (0·NaN), so no causal skipping */
     f.skip_causal = a->is_causal && SUF(all_finite)(f.vh, f.B * f.Sk * f.E);
@@ -497,7 +497,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     mha_parallel_for(f.B * f.H * f.n_qblk, slots,
                      a->weights || f.p_save ? SUF(attend_weights_task) : SUF(attend_online_task),
                      &f);
-    FWD_TICK("attention");
+    MHA_TICK("forward attention");
 
     /* the output projection */
     f.n_jobs = 0;
@@ -505,7 +505,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
                                  f.B * f.Sq, f.E, f.E, slots),
                     sv, offset, MHA_WO, NULL);
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
-    FWD_TICK("out proj");
+    MHA_TICK("forward out proj");
 
     mha_work_free(work);
     return MHA_OK;

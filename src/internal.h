@@ -42,6 +42,26 @@ void mha_work_free(void *p);
  * the call reads; memcpy otherwise, and for small copies. */
 void mha_copy_stream(void *dst, const void *src, size_t bytes);
 
+/* ---- a developer's probe: phase times of a call on stderr ----
+ * Built with -DMHA_TIMING (MHA_EXT_CFLAGS=-DMHA_TIMING), the forward and
+ * backward print each parallel pass's time; otherwise the ticks are empty. */
+#ifdef MHA_TIMING
+#include <stdio.h>
+#include <time.h>
+static inline double mha_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+#define MHA_TICK_START double mha_t0_ = mha_now()
+#define MHA_TICK(what) do { double t1_ = mha_now(); \
+    fprintf(stderr, "%-30s %8.2f ms\n", what, 1e3 * (t1_ - mha_t0_)); mha_t0_ = t1_; } while (0)
+#else
+#define MHA_TICK_START (void)0
+#define MHA_TICK(what) (void)0
+#endif
+
 /* ---- the dropout / initialisation stream (rng.c) ---- */
 uint64_t mha_stream_key(uint64_t seed, uint64_t counter);
 static inline uint64_t mha_stream_bits(uint64_t key, uint64_t idx)

@@ -325,22 +325,6 @@ mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
 }
 
 /* ---- the forward pass, for float and double ---- */
-#ifdef MHA_FWD_TIMING /* a developer's probe: phase times on stderr */
-#include <stdio.h>
-#include <time.h>
-static double fwd_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-#define FWD_TICK_START double fwd_t0 = fwd_now()
-#define FWD_TICK(name) do { double t1_ = fwd_now(); \
-    fprintf(stderr, "forward  %-12s %8.2f ms\n", name, 1e3 * (t1_ - fwd_t0)); fwd_t0 = t1_; } while (0)
-#else
-#define FWD_TICK_START (void)0
-#define FWD_TICK(name) (void)0
-#endif
 
 #define T float
 #define SUF(name) name##_f32
