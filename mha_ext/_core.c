@@ -841,6 +841,7 @@ static PyObject *mha_forward_with_py(MHAObject *self, PyObject *const *args, Py_
     int need_weights, own = 0, copy = 0, tn = typenum_of(self), i;
     long keep = 0;
     mha_saved sv;
+    mha_copies cv;
     mha_status st;
 
     if (nargs < 10 || nargs > 12) {
@@ -868,6 +869,7 @@ static PyObject *mha_forward_with_py(MHAObject *self, PyObject *const *args, Py_
     if (train_call_parse(self, pargs, need_weights, &c) < 0) return NULL;
     own = c.params == NULL;
     memset(&sv, 0, sizeof sv);
+    memset(&cv, 0, sizeof cv);
     {
         npy_intp od[3] = {(npy_intp)c.a.B, (npy_intp)c.a.Sq, (npy_intp)self->cfg.d_model};
         npy_intp wd[4] = {(npy_intp)c.a.B, (npy_intp)self->cfg.n_heads, (npy_intp)c.a.Sq,
@@ -909,14 +911,14 @@ static PyObject *mha_forward_with_py(MHAObject *self, PyObject *const *args, Py_
         sv.p = keep == 2 ? PyArray_DATA(kept[4]) : NULL;
     }
     if (copy) {
-        sv.params = copies[0] ? PyArray_DATA(copies[0]) : NULL;
-        sv.query = PyArray_DATA(copies[1]);
-        sv.key = PyArray_DATA(copies[2]);
-        sv.value = PyArray_DATA(copies[3]);
+        cv.params = copies[0] ? PyArray_DATA(copies[0]) : NULL;
+        cv.query = PyArray_DATA(copies[1]);
+        cv.key = PyArray_DATA(copies[2]);
+        cv.value = PyArray_DATA(copies[3]);
     }
     Py_BEGIN_ALLOW_THREADS
     if (own) pthread_rwlock_rdlock(&self->lock);
-    st = mha_forward_save(&self->cfg, &c.p, &c.a, keep || copy ? &sv : NULL);
+    st = mha_forward_save(&self->cfg, &c.p, &c.a, keep ? &sv : NULL, copy ? &cv : NULL);
     if (own) pthread_rwlock_unlock(&self->lock);
     Py_END_ALLOW_THREADS
     if (st != MHA_OK) {

@@ -144,17 +144,17 @@ static SUF(linear_job) *SUF(add_job)(SUF(fwd) *f, const T *x, const T *w, const 
     return jb;
 }
 
-/* Where mha_saved asks for copies: x into xc, and the weight and bias of
- * parameter pair `wi` (MHA_WQ, ...) into the saved block; a job without
+/* Where mha_copies asks for copies: x into xc, and the weight and bias of
+ * parameter pair `wi` (MHA_WQ, ...) into the copied block; a job without
  * tiles (M == 0) copies its w and b at once. */
-static void SUF(job_copies)(SUF(linear_job) *jb, const mha_saved *sv, const int64_t *offset,
+static void SUF(job_copies)(SUF(linear_job) *jb, const mha_copies *cp, const int64_t *offset,
                             int wi, void *xc)
 {
-    if (!sv) return;
+    if (!cp) return;
     jb->x_copy = (T *)xc;
-    if (sv->params) {
-        jb->w_copy = (T *)sv->params + offset[wi];
-        jb->b_copy = jb->b ? (T *)sv->params + offset[wi + 1] : NULL;
+    if (cp->params) {
+        jb->w_copy = (T *)cp->params + offset[wi];
+        jb->b_copy = jb->b ? (T *)cp->params + offset[wi + 1] : NULL;
     }
     if (jb->tiles == 0 && jb->w_copy) {
         memcpy(jb->w_copy, jb->w, (size_t)(jb->N * jb->K) * sizeof(T));
@@ -368,26 +368,28 @@ static int SUF(all_finite)(const T *x, int64_t n)
     return z == 0;
 }
 
-/* Copy what mha_saved asks for of the inputs and parameters at once (when
+/* Copy what mha_copies asks for of the inputs and parameters at once (when
  * no projection task runs to copy them on its way). */
 static void SUF(save_copies)(const mha_params *p, const mha_forward_args *a,
-                             const mha_saved *sv, const mha_sizes *sz, const int64_t *offset,
+                             const mha_copies *cp, const mha_sizes *sz, const int64_t *offset,
                              const int64_t *size)
 {
     const void *src[MHA_NPARAM] = {p->wq, p->bq, p->wk, p->bk, p->wv, p->bv, p->wo, p->bo};
     int i;
-    if (sv->query) memcpy(sv->query, a->query, (size_t)sz->n_query * sizeof(T));
-    if (sv->key) memcpy(sv->key, a->key, (size_t)sz->n_key * sizeof(T));
-    if (sv->value) memcpy(sv->value, a->value, (size_t)sz->n_value * sizeof(T));
-    if (sv->params)
+    if (cp->query) memcpy(cp->query, a->query, (size_t)sz->n_query * sizeof(T));
+    if (cp->key) memcpy(cp->key, a->key, (size_t)sz->n_key * sizeof(T));
+    if (cp->value) memcpy(cp->value, a->value, (size_t)sz->n_value * sizeof(T));
+    if (cp->params)
         for (i = 0; i < MHA_NPARAM; i++)
-            if (size[i] > 0) memcpy((T *)sv->params + offset[i], src[i], (size_t)size[i] * sizeof(T));
+            if (size[i] > 0) memcpy((T *)cp->params + offset[i], src[i], (size_t)size[i] * sizeof(T));
 }
 
 /* sv: NULL, or the caller's buffers of mha_forward_save (Q, K, V and ctx;
- * P; copies of the inputs and parameters: each NULL when not kept) */
+ * P); cp: NULL, or where to copy the inputs and parameters (each NULL when
+ * not kept) */
 static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
-                               const mha_forward_args *a, const mha_saved *sv)
+                               const mha_forward_args *a, const mha_saved *sv,
+                               const mha_copies *cp)
 {
     mha_sizes sz;
     SUF(fwd) f;
@@ -402,7 +404,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     st = mha_param_layout(cfg, offset, size, &total);
     if (st != MHA_OK) return st;
     if (sz.n_out == 0) { /* B == 0 or Sq == 0: nothing to compute */
-        if (sv) SUF(save_copies)(p, a, sv, &sz, offset, size);
+        if (cp) SUF(save_copies)(p, a, cp, &sz, offset, size);
         return MHA_OK;
     }
 
@@ -478,9 +480,9 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
                       f.B * f.Sk, f.E, cfg->kdim, slots);
     jv = SUF(add_job)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, NULL,
                       f.B * f.Sk, f.E, cfg->vdim, slots);
-    SUF(job_copies)(jq, sv, offset, MHA_WQ, sv ? sv->query : NULL);
-    SUF(job_copies)(jk, sv, offset, MHA_WK, sv ? sv->key : NULL);
-    SUF(job_copies)(jv, sv, offset, MHA_WV, sv ? sv->value : NULL);
+    SUF(job_copies)(jq, cp, offset, MHA_WQ, cp ? cp->query : NULL);
+    SUF(job_copies)(jk, cp, offset, MHA_WK, cp ? cp->key : NULL);
+    SUF(job_copies)(jv, cp, offset, MHA_WV, cp ? cp->value : NULL);
     jq->yh = f.qh;
     jk->yt = f.kt;
     jv->yh = f.vh;
@@ -503,7 +505,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     f.n_jobs = 0;
     SUF(job_copies)(SUF(add_job)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out,
                                  f.B * f.Sq, f.E, f.E, slots),
-                    sv, offset, MHA_WO, NULL);
+                    cp, offset, MHA_WO, NULL);
     mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
     MHA_TICK("forward out proj");
 

@@ -20,6 +20,7 @@ const char *mha_status_str(mha_status status)
     case MHA_ERR_ARG: return "invalid argument";
     case MHA_ERR_OVERFLOW: return "size overflow";
     case MHA_ERR_NOMEM: return "out of memory";
+    case MHA_ERR_INTERRUPTED: return "interrupted";
     }
     return "unknown status";
 }
@@ -352,11 +353,12 @@ mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
 
 mha_status mha_forward(const mha_config *cfg, const mha_params *p, const mha_forward_args *a)
 {
-    return mha_forward_save(cfg, p, a, NULL);
+    return mha_forward_save(cfg, p, a, NULL, NULL);
 }
 
 mha_status mha_forward_save(const mha_config *cfg, const mha_params *p,
-                            const mha_forward_args *a, const mha_saved *s)
+                            const mha_forward_args *a, const mha_saved *s,
+                            const mha_copies *c)
 {
     if (!cfg) return MHA_ERR_ARG;
     if (s) { /* the four projections together or not at all; P only with them */
@@ -364,8 +366,8 @@ mha_status mha_forward_save(const mha_config *cfg, const mha_params *p,
         if ((n != 0 && n != 4) || (s->p && n == 0)) return MHA_ERR_ARG;
     }
     switch (cfg->dtype) {
-    case MHA_FLOAT32: return forward_f32(cfg, p, a, s);
-    case MHA_FLOAT64: return forward_f64(cfg, p, a, s);
+    case MHA_FLOAT32: return forward_f32(cfg, p, a, s, c);
+    case MHA_FLOAT64: return forward_f64(cfg, p, a, s, c);
     }
     return MHA_ERR_ARG;
 }

@@ -28,7 +28,9 @@ typedef enum {
     MHA_OK = 0,
     MHA_ERR_ARG = 1,      /* an argument is NULL, negative or inconsistent */
     MHA_ERR_OVERFLOW = 2, /* a size or offset does not fit in int64_t/size_t */
-    MHA_ERR_NOMEM = 3     /* an allocation failed */
+    MHA_ERR_NOMEM = 3,    /* an allocation failed */
+    MHA_ERR_INTERRUPTED = 4 /* the call's poll function asked it to stop;
+                               its outputs are unspecified */
 } mha_status;
 
 /* A short English description of a status ("ok", "size overflow", ...). */
@@ -101,6 +103,14 @@ typedef struct {
 
 #define MHA_MAX_MASKS 8
 
+/* A caller's "should this call stop?" question (for example: did the user
+ * press Ctrl-C).  Called on the thread that made the call, between tasks,
+ * at most about every MHA_POLL_MS milliseconds and never during the first
+ * MHA_POLL_MS; nonzero stops the call, which then returns
+ * MHA_ERR_INTERRUPTED. */
+typedef int (*mha_poll_fn)(void *ctx);
+#define MHA_POLL_MS 50
+
 typedef struct {
     int64_t B, Sq, Sk;    /* B >= 0, Sq >= 0, Sk >= 0 */
     const void *query;    /* (B, Sq, E)  contiguous */
@@ -120,6 +130,8 @@ typedef struct {
     void *out;            /* (B, Sq, E) written */
     void *weights;        /* (B, H, Sq, Sk) written, after dropout; or NULL:
                              then no (Sq, Sk) buffer per head is allocated */
+    mha_poll_fn poll;     /* NULL, or asked between tasks whether to stop */
+    void *poll_ctx;       /*   its argument */
 } mha_forward_args;
 
 /* The size checks of a call of shape (B, Sq, Sk), with nothing computed or
@@ -196,36 +208,43 @@ mha_status mha_backward(const mha_config *cfg, const mha_params *p,
                         const mha_backward_args *a);
 
 /* ---- training: the forward keeps what the backward needs ---------------
- * mha_forward_save is mha_forward that also writes intermediates and copies
- * into the caller's buffers (contiguous, of cfg->dtype; NULL: not kept):
+ * mha_forward_save is mha_forward that also writes, into the caller's
+ * buffers (contiguous, of cfg->dtype; NULL: not kept), what the backward
+ * can read instead of recomputing (mha_saved) and snapshots of its inputs
+ * and parameters (mha_copies).
+ *
+ * mha_saved, in the layouts the attention reads (each head's block
+ * contiguous):
  *   q    (B, H, Sq, Dk)  Q = query·W_qᵀ + b_q per head      \
  *   k    (B, H, Dk, Sk)  K = key·W_kᵀ + b_k per head,        | the four
  *                        transposed                          | together,
  *   v    (B, H, Sk, Dk)  V = value·W_vᵀ + b_v per head       | or none
  *   ctx  (B, Sq, E)      the heads' A·V_bh concatenated, before W_o
- *   (the layouts the attention reads: each head's block contiguous)
- *   p    (B, H, Sq, Sk) the softmax P, before dropout (only with the four)
+ *   p    (B, H, Sq, Sk)  the softmax P, before dropout (only with the four)
+ * mha_copies, for a caller that must keep the forward's inputs and
+ * parameters against later writes (made by the projection tasks while
+ * they read those inputs anyway: no second pass):
  *   query, key, value  copies of a->query, a->key, a->value
- *   params  a copy of the parameters, as a block of mha_param_layout
- * The copies are made by the projection tasks while they read those inputs
- * anyway (a caller that must keep the forward's inputs and parameters for
- * the backward, against later writes, gets them without a second pass).
+ *   params             a copy of the parameters, a block of mha_param_layout
  * mha_backward_saved is mha_backward that reads q, k, v, ctx (and p when
  * set) back instead of recomputing the three input projections, the context
  * (and the softmax); the dropout mask is still replayed.  `s` must come from
  * mha_forward_save of the call that a->fwd describes, with the same
  * parameters, and hold the four; s == NULL is mha_backward.  The buffers are
- * only read; the copies are not used (pass them as a->fwd's inputs and p).
- * Nothing is kept inside the library between the two calls. */
+ * only read.  Nothing is kept inside the library between the two calls. */
 typedef struct {
     void *q, *k, *v, *ctx;
     void *p;
-    void *query, *key, *value;
-    void *params;
 } mha_saved;
 
+typedef struct {
+    void *query, *key, *value;
+    void *params;
+} mha_copies;
+
 mha_status mha_forward_save(const mha_config *cfg, const mha_params *p,
-                            const mha_forward_args *a, const mha_saved *s);
+                            const mha_forward_args *a, const mha_saved *s,
+                            const mha_copies *c);
 mha_status mha_backward_saved(const mha_config *cfg, const mha_params *p,
                               const mha_backward_args *a, const mha_saved *s);
 

@@ -198,8 +198,8 @@ static void test_saved(int64_t B, int64_t Sq, int64_t Sk, int64_t E, int64_t H, 
     a.out = out;
     CHECK(mha_forward(&c, &p, &a) == MHA_OK, "forward");
     a.out = out2;
-    CHECK(mha_forward_save(&c, &p, &a, &bad) == MHA_ERR_ARG, "a NULL buffer is refused");
-    CHECK(mha_forward_save(&c, &p, &a, &kept) == MHA_OK, "forward_save");
+    CHECK(mha_forward_save(&c, &p, &a, &bad, NULL) == MHA_ERR_ARG, "a NULL buffer is refused");
+    CHECK(mha_forward_save(&c, &p, &a, &kept, NULL) == MHA_OK, "forward_save");
     CHECK(memcmp(out, out2, (size_t)nq * 8) == 0, "forward_save's output differs from forward's");
     memcpy(copy, sq, (size_t)nq * 8);
     memcpy(copy + nq, sc, (size_t)nq * 8);
@@ -230,21 +230,21 @@ static void test_saved(int64_t B, int64_t Sq, int64_t Sk, int64_t E, int64_t H, 
         double *sp = malloc((size_t)(nw + 1) * 8), *w0 = malloc((size_t)(nw + 1) * 8),
                *w1 = malloc((size_t)(nw + 1) * 8), *w2 = malloc((size_t)(nw + 1) * 8),
                *cx = malloc((size_t)(nq + nk + nv + 1) * 8), *cp = malloc((size_t)total * 8);
-        mha_saved full = {sq, sk, sv, sc, sp, cx, cx + nq, cx + nq + nk, cp};
-        mha_saved p_alone = {NULL, NULL, NULL, NULL, sp, NULL, NULL, NULL, NULL};
-        mha_saved copies = {NULL, NULL, NULL, NULL, NULL, cx, cx + nq, cx + nq + nk, cp};
+        mha_saved full = {sq, sk, sv, sc, sp};
+        mha_saved p_alone = {NULL, NULL, NULL, NULL, sp};
+        mha_copies copies = {cx, cx + nq, cx + nq + nk, cp};
         double e_out = 0, e_p = 0, e_w = 0, e_g = 0;
-        CHECK(mha_forward_save(&c, &p, &a, &p_alone) == MHA_ERR_ARG, "P without the four refused");
+        CHECK(mha_forward_save(&c, &p, &a, &p_alone, NULL) == MHA_ERR_ARG, "P without the four refused");
         memset(cx, 0, (size_t)(nq + nk + nv) * 8);
         memset(cp, 0, (size_t)total * 8);
-        CHECK(mha_forward_save(&c, &p, &a, &copies) == MHA_OK, "forward_save, copies only");
+        CHECK(mha_forward_save(&c, &p, &a, NULL, &copies) == MHA_OK, "forward_save, copies only");
         CHECK(memcmp(out, out2, (size_t)nq * 8) == 0, "copies change the output");
         CHECK(memcmp(cx, X, (size_t)(nq + nk + nv) * 8) == 0 && memcmp(cp, P, (size_t)total * 8) == 0,
               "copies of the inputs and parameters B%lld Sq%lld Sk%lld", (long long)B,
               (long long)Sq, (long long)Sk);
         memset(cx, 0, (size_t)(nq + nk + nv) * 8);
         memset(cp, 0, (size_t)total * 8);
-        CHECK(mha_forward_save(&c, &p, &a, &full) == MHA_OK, "forward_save with P");
+        CHECK(mha_forward_save(&c, &p, &a, &full, &copies) == MHA_OK, "forward_save with P");
         CHECK(memcmp(cx, X, (size_t)(nq + nk + nv) * 8) == 0 && memcmp(cp, P, (size_t)total * 8) == 0,
               "copies made with P kept");
         for (i = 0; i < nq; i++)
@@ -258,7 +258,7 @@ static void test_saved(int64_t B, int64_t Sq, int64_t Sk, int64_t E, int64_t H, 
             a0 = a; a0.weights = w1; a0.out = out2;
             CHECK(mha_forward(&c, &p, &a0) == MHA_OK, "weights with dropout");
             a0.weights = w2;
-            CHECK(mha_forward_save(&c, &p, &a0, &full) == MHA_OK, "forward_save with weights and P");
+            CHECK(mha_forward_save(&c, &p, &a0, &full, &copies) == MHA_OK, "forward_save with weights and P");
         }
         for (i = 0; i < nw; i++) {
             e_p = fmax(e_p, isnan(w0[i]) != isnan(sp[i]) ? INFINITY
