@@ -151,14 +151,15 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
         counter = 0
     block = _param_block(mha, params)
     zero_rows = masked_rows == "zero"
-    keep = 0
+    save_p = False
     if save_projections:
         Sq, Sk, E = q3.shape[1], k3.shape[1], mha.d_model
         # P as well when it costs no more memory than Q, K, V and ctx
-        keep = 2 if mha.n_heads * Sq * Sk <= 2 * E * (Sq + Sk) else 1
-    out, weights, saved, copies = mha._forward_with(block, q3, k3, v3, list(masks),
-                                                    bool(is_causal), bool(need_weights),
-                                                    zero_rows, p, counter, keep, True)
+        save_p = mha.n_heads * Sq * Sk <= 2 * E * (Sq + Sk)
+    out, weights, saved, copies = mha._forward_train(
+        q3, k3, v3, params=block, masks=list(masks), is_causal=bool(is_causal),
+        need_weights=bool(need_weights), zero_rows=zero_rows, dropout=p, counter=counter,
+        save=bool(save_projections), save_p=save_p)
     block_copy, q3, k3, v3 = copies
     if block is None:
         block = block_copy
@@ -216,9 +217,10 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
             gw = np.repeat(gw[:, None] / dtype.type(mha.n_heads), mha.n_heads, axis=1)
     if not ctx._batched:
         go = go[None]
-    gp, gq, gk, gv = mha._backward(ctx._params, ctx._query, ctx._key, ctx._value,
-                                   list(ctx._masks), ctx._is_causal, ctx._zero_rows,
-                                   ctx.dropout, ctx.counter, go, gw, ctx._saved)
+    gp, gq, gk, gv = mha._backward(ctx._query, ctx._key, ctx._value, go, params=ctx._params,
+                                   masks=list(ctx._masks), is_causal=ctx._is_causal,
+                                   zero_rows=ctx._zero_rows, dropout=ctx.dropout,
+                                   counter=ctx.counter, grad_weights=gw, saved=ctx._saved)
     grads = {}
     layout = mha._layout()
     for i, k in enumerate(_KEYS):

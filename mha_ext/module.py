@@ -404,12 +404,18 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         into the parameter views made inside the block are atomic for calls
         from other threads: those wait, and then see all the new values (the
         writing thread itself may call the module inside the block).  Writes
-        outside such a block are not synchronised with concurrent calls."""
-        self._write_lock()
+        outside such a block are not synchronised with concurrent calls.
+
+        The lock belongs to the thread that entered the block (blocks nest).
+        Leaving the block releases it whichever thread leaves it (a block
+        entered in one thread and left in another, or a generator of this
+        block finalised by the garbage collector): it is never left held
+        by a thread that has gone."""
+        token = self._write_lock()
         try:
             yield self
         finally:
-            self._write_unlock()
+            self._write_unlock(token)
 
     # ------------------------------------------------------------ modes
     def train(self, mode: bool = True) -> "MultiHeadAttention":
@@ -470,8 +476,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         q3, k3, v3, masks, batched = self._call_args(query, key, value, mask, attn_mask,
                                                      key_padding_mask, masked_rows)
         zero_rows = masked_rows == "zero"
-        out, weights = self._forward(q3, k3, v3, masks, bool(is_causal), bool(need_weights),
-                                     zero_rows, False)
+        out, weights = self._forward(q3, k3, v3, masks=masks, is_causal=bool(is_causal),
+                                     need_weights=bool(need_weights), zero_rows=zero_rows)
         if weights is not None and average_weights:
             weights = weights.mean(axis=1)
         if not batched:
