@@ -312,37 +312,37 @@ static PyGetSetDef mha_getset[] = {
 
 static PyMethodDef mha_methods[] = {
     {"_forward", (PyCFunction)(void (*)(void))mha_forward_py, METH_VARARGS | METH_KEYWORDS,
-     "_forward(query, key, value, *, masks=(), is_causal=False, need_weights=True, "
+     "_forward($self, query, key, value, *, masks=(), is_causal=False, need_weights=True, "
      "zero_rows=False, reference=False)\n--\n\n"
      "The C forward pass -> (output, weights | None); use the module's __call__ instead."},
     {"_forward_train", (PyCFunction)(void (*)(void))mha_forward_train_py,
      METH_VARARGS | METH_KEYWORDS,
-     "_forward_train(query, key, value, *, params=None, masks=(), is_causal=False, "
+     "_forward_train($self, query, key, value, *, params=None, masks=(), is_causal=False, "
      "need_weights=True, zero_rows=False, dropout=0.0, counter=0, save=True, save_p=False)"
      "\n--\n\n"
      "The forward with explicit parameters and dropout stream -> (output, weights | None, "
      "saved | None, copies): saved (Q, K, V, ctx, P | None) for _backward, copies "
      "(params | None, query, key, value); use MultiHeadAttention.forward_train."},
     {"_backward", (PyCFunction)(void (*)(void))mha_backward_py, METH_VARARGS | METH_KEYWORDS,
-     "_backward(query, key, value, grad_output, *, params=None, masks=(), is_causal=False, "
+     "_backward($self, query, key, value, grad_output, *, params=None, masks=(), is_causal=False, "
      "zero_rows=False, dropout=0.0, counter=0, grad_weights=None, saved=None)\n--\n\n"
      "The gradients (grad_params, grad_query, grad_key, grad_value) of _forward_train's "
      "call with the same arguments; use MultiHeadAttention.backward."},
     {"_block", (PyCFunction)mha_block, METH_NOARGS,
-     "_block()\n--\n\nA 1-D view of all parameters (live memory; its base is the "
+     "_block($self)\n--\n\nA 1-D view of all parameters (live memory; its base is the "
      "parameter array, not the module)."},
     {"_layout", (PyCFunction)mha_layout, METH_NOARGS,
-     "_layout()\n--\n\n(offset, size) of W_q.weight, W_q.bias, ... W_o.bias in _block()."},
+     "_layout($self)\n--\n\n(offset, size) of W_q.weight, W_q.bias, ... W_o.bias in _block()."},
     {"_load", (PyCFunction)mha_load, METH_O,
-     "_load(block, /)\n--\n\nReplace all parameters at once (atomic for concurrent calls)."},
+     "_load($self, block, /)\n--\n\nReplace all parameters at once (atomic for concurrent calls)."},
     {"_write_lock", (PyCFunction)mha_write_lock, METH_NOARGS,
-     "_write_lock()\n--\n\nHold the parameters' write lock (see editing()); returns the "
+     "_write_lock($self)\n--\n\nHold the parameters' write lock (see editing()); returns the "
      "hold's token."},
     {"_write_unlock", (PyCFunction)(void (*)(void))mha_write_unlock, METH_FASTCALL,
-     "_write_unlock(token=None, /)\n--\n\nRelease one hold of _write_lock: the one "
+     "_write_unlock($self, token=None, /)\n--\n\nRelease one hold of _write_lock: the one "
      "named by token (from any thread), or the calling thread's."},
     {"_take_counter", (PyCFunction)mha_take_counter, METH_NOARGS,
-     "_take_counter()\n--\n\nReserve one dropout stream: its counter (training API)."},
+     "_take_counter($self)\n--\n\nReserve one dropout stream: its counter (training API)."},
     {NULL}
 };
 
@@ -372,7 +372,7 @@ static PyObject *set_num_threads(PyObject *m, PyObject *arg)
     int64_t n = 0;
     (void)m;
     /* any int (NumPy's too; not a bool or float); out of 1..256: ValueError */
-    if (positive_int(arg, "set_num_threads's n", &n) < 0 || n > 256) {
+    if (positive_int(arg, "set_num_threads: n", &n) < 0 || n > 256) {
         if (n > 256 || PyErr_ExceptionMatches(PyExc_ValueError)) {
             PyErr_Clear();
             PyErr_Format(PyExc_ValueError, "set_num_threads expects 1 to 256 threads, got %R",
