@@ -373,8 +373,7 @@ static int convert_masks(MHAObject *self, PyObject *seq, const int64_t dim[4], s
             PyErr_SetString(PyExc_TypeError, "masks: each mask must be a (kind, array) pair");
             goto fail;
         }
-        kind = PyLong_Check(PyTuple_GET_ITEM(item, 0)) ? PyLong_AsLong(PyTuple_GET_ITEM(item, 0))
-                                                       : -1;
+        kind = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
         if (kind == -1 && PyErr_Occurred()) goto fail;
         if (kind != MHA_MASK_BLOCK && kind != MHA_MASK_ADD) {
             PyErr_SetString(PyExc_ValueError, "masks: kind must be 0 (blocking) or 1 (additive)");
