@@ -31,56 +31,53 @@ static PyObject *as_index(PyObject *obj, const char *name, const char *want)
 int positive_int(PyObject *obj, const char *name, int64_t *out)
 {
     PyObject *i = as_index(obj, name, "an int");
-    long long v;
-    int overflow = 0;
+    long long v = 0;
+    int overflow = 0, rc = -1;
     if (!i) return -1;
     v = PyLong_AsLongLongAndOverflow(i, &overflow);
-    if (v == -1 && PyErr_Occurred()) {
-        Py_DECREF(i);
-        return -1;
-    }
+    if (v == -1 && PyErr_Occurred()) goto fail;
     if (overflow > 0) {
         PyErr_Format(PyExc_ValueError, "%s is too large: %R", name, i);
-        Py_DECREF(i);
-        return -1;
+        goto fail;
     }
     if (overflow < 0 || v <= 0) {
         PyErr_Format(PyExc_ValueError, "%s must be positive, got %R", name, i);
-        Py_DECREF(i);
-        return -1;
+        goto fail;
     }
-    Py_DECREF(i);
     *out = (int64_t)v;
-    return 0;
-}
-
-/* An int in [0, 2**64) (seed, counter). */
-int parse_u64(PyObject *obj, const char *name, uint64_t *out)
-{
-    PyObject *i = as_index(obj, name, "an int in [0, 2**64)"), *zero = NULL;
-    unsigned long long v;
-    int neg;
-    if (!i) return -1;
-    if (!(zero = PyLong_FromLong(0))) goto fail;
-    neg = PyObject_RichCompareBool(i, zero, Py_LT);
-    if (neg < 0) goto fail;
-    if (neg) goto range;
-    v = PyLong_AsUnsignedLongLong(i);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) goto fail;
-        PyErr_Clear();
-        goto range;
-    }
-    Py_DECREF(i);
-    Py_DECREF(zero);
-    *out = (uint64_t)v;
-    return 0;
-range:
-    PyErr_Format(PyExc_ValueError, "%s must be in [0, 2**64), got %R", name, i);
+    rc = 0;
 fail:
     Py_DECREF(i);
-    Py_XDECREF(zero);
-    return -1;
+    return rc;
+}
+
+/* An int in [0, 2**64) (seed, counter, token). */
+int parse_u64(PyObject *obj, const char *name, uint64_t *out)
+{
+    PyObject *i = as_index(obj, name, "an int in [0, 2**64)");
+    unsigned long long v;
+    long long sv;
+    int rc = -1, overflow = 0;
+    if (!i) return -1;
+    sv = PyLong_AsLongLongAndOverflow(i, &overflow);
+    if (sv == -1 && PyErr_Occurred()) goto fail;
+    if (overflow < 0 || (overflow == 0 && sv < 0)) {
+        PyErr_Format(PyExc_ValueError, "%s must be in [0, 2**64), got %R", name, i);
+        goto fail;
+    }
+    v = PyLong_AsUnsignedLongLong(i);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s must be in [0, 2**64), got %R", name, i);
+        }
+        goto fail;
+    }
+    *out = (uint64_t)v;
+    rc = 0;
+fail:
+    Py_DECREF(i);
+    return rc;
 }
 
 /* A flag: a bool, NumPy bool or int.  Arrays and other objects whose truth
