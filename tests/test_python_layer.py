@@ -174,8 +174,15 @@ def _trace(m, **kw):
     return m.trace(X, **kw)
 
 
-@pytest.mark.parametrize("entry", [_call, _train, _trace], ids=["call", "forward_train",
-                                                                 "trace"])
+def _adapter(m, **kw):
+    need("torch")
+    import mha_ext.torch as mt
+
+    return mt.MultiHeadAttention(E, H, seed=0)(X, **kw)
+
+
+@pytest.mark.parametrize("entry", [_call, _train, _trace, _adapter],
+                         ids=["call", "forward_train", "trace", "torch-adapter"])
 @pytest.mark.parametrize("name", FLAGS)
 @pytest.mark.parametrize("value", ARRAYS, ids=["array", "list", "2d"])
 def test_array_valued_flag_names_the_argument(entry, name, value):
@@ -292,3 +299,21 @@ def test_adapter_array_input_still_works():
     out_np, _ = m(X)
     out_t, _ = m(torch.from_numpy(X))
     assert torch.equal(out_np, out_t)
+
+
+# ---------------------------------------------------------------- defect 7: plot
+
+@pytest.mark.parametrize("bad, exc", [([[[[1.0, 2.0], [3.0]]]], ValueError),
+                                      (np.array([[[["a"]]]]), TypeError)])
+def test_plot_heads_bad_weights_name_the_argument(bad, exc):
+    need("matplotlib")
+    with pytest.raises(exc, match="weights"):
+        mha_ext.plot_heads(bad)
+
+
+def test_plot_heads_sparse_tensor_names_the_argument():
+    torch = need("torch")
+    need("matplotlib")
+    w = torch.ones(1, 2, 3, 3).to_sparse()
+    with pytest.raises(TypeError, match="weights must be a dense tensor"):
+        mha_ext.plot_heads(w)
