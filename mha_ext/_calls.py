@@ -119,10 +119,11 @@ def keep_level(mha, call, save_projections):
 # ---------------------------------------------------------------- the C calls
 # Each function below holds one private C method's protocol (src: _core.c).
 
-def c_forward(mha, call):
-    """The module's call: (output (B, Sq, E), weights (B, H, Sq, Sk) or None)."""
+def c_forward(mha, call, reference=False):
+    """The module's call: (output (B, Sq, E), weights (B, H, Sq, Sk) or None);
+    reference=True runs the core's plain reference forward (the tests' oracle)."""
     return mha._forward(call.query, call.key, call.value, call.masks, call.is_causal,
-                        call.need_weights, call.zero_rows, False)
+                        call.need_weights, call.zero_rows, bool(reference))
 
 
 def c_forward_train(mha, call, block, dropout, counter, keep):

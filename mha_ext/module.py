@@ -273,6 +273,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         masked_rows: "nan" (default) gives NaN weights and output for a query
           that sees no key, like the seed module; "zero" gives zero weights and
           an output row equal to W_o.bias, like torch's SDPA.
+        is_causal, need_weights and average_weights are single truth values
+        (bools, NumPy bools); a sequence or array is a TypeError naming it.
         """
         call = _calls.prepare(self, query, key, value, mask, attn_mask, key_padding_mask,
                               is_causal, need_weights, average_weights, masked_rows)
