@@ -152,8 +152,12 @@ mha_status mha_forward_ref(const mha_config *cfg, const mha_params *p,
  * the stream (seed, counter); idx = ((b*H + h)*Sq + i)*Sk + j. */
 double mha_dropout_uniform(uint64_t seed, uint64_t counter, uint64_t idx);
 
-/* Worker threads used by mha_forward (default: the CPUs this process may
- * use).  n < 1 is clamped to 1. */
+/* Worker threads used by mha_forward and mha_backward.  The default, fixed
+ * at first use: the environment variable MHA_EXT_NUM_THREADS when it holds
+ * a positive integer (an invalid value is ignored), else the CPUs this
+ * process may use (its affinity mask).  OMP_NUM_THREADS is not read: the
+ * pool is mha_ext's own, not OpenMP's.  n < 1 is clamped to 1 (and n to
+ * 256). */
 void mha_set_num_threads(int n);
 int mha_get_num_threads(void);
 

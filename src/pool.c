@@ -14,6 +14,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -65,6 +66,22 @@ static int default_threads(void)
     return n < MAX_THREADS ? (int)n : MAX_THREADS;
 }
 
+/* MHA_EXT_NUM_THREADS, when it holds a positive integer (and nothing
+ * else), else 0: the caller then takes the CPUs.  OMP_NUM_THREADS is not
+ * read: this pool is mha_ext's own, not OpenMP's. */
+static int env_threads(void)
+{
+    const char *s = getenv("MHA_EXT_NUM_THREADS");
+    char *end;
+    long n;
+    if (!s || *s == '\0') return 0;
+    errno = 0;
+    n = strtol(s, &end, 10);
+    while (*end == ' ' || *end == '\t' || *end == '\n') end++;
+    if (errno != 0 || *end != '\0' || n < 1) return 0;
+    return n < MAX_THREADS ? (int)n : MAX_THREADS;
+}
+
 static void init_locks(void)
 {
     pthread_mutex_init(&g_busy, NULL);
@@ -86,7 +103,8 @@ static void after_fork_child(void)
 static void pool_init(void)
 {
     init_locks();
-    g_nthreads = default_threads();
+    g_nthreads = env_threads();
+    if (g_nthreads == 0) g_nthreads = default_threads();
     pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 }
 
