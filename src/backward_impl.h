@@ -1,6 +1,6 @@
 /* backward_impl.h: the gradients of the forward pass (forward_impl.h), written
- * once for T = float and T = double (included twice by backward.c with T, SUF
- * and EXP defined).  Legend as in mha.h; dX is dL/dX.
+ * once for T = float and T = double (included twice by backward.c with T and SUF
+ * defined).  Legend as in mha.h; dX is dL/dX.
  *
  * The forward, line by line, and the lines of the backward that undo it:
  *

@@ -1,5 +1,5 @@
 /* forward_impl.h: the threaded forward pass, written once for T = float and
- * T = double (included twice by mha.c with T, SUF, KT, EXP and SQRT defined).
+ * T = double (included twice by forward.c with T, SUF, KT and EXP defined).
  *
  *   Q = query·W_qᵀ + b_q        kept per head: qh (B, H, Sq, Dk)
  *   K = key·W_kᵀ + b_k          kept per head, transposed: kt (B, H, Dk, Sk)

@@ -31,7 +31,7 @@ static inline int mha_bytes(int64_t n, size_t size, size_t *r)
 void *mha_alloc(size_t bytes);
 void mha_free(void *p);
 /* The same for a call's workspace, through the calling thread's cache of
- * one block (mha.c): free with mha_work_free, which keeps the block for the
+ * one block (memory.c): free with mha_work_free, which keeps the block for the
  * thread's next call (mha_release_workspace frees it). */
 void *mha_work_alloc(size_t bytes);
 void mha_work_free(void *p);
@@ -121,7 +121,7 @@ void mha_gemm_small_f64(const mha_kern_f64 *kt, int64_t M, int64_t N, int64_t K,
                         const double *A, int64_t lda, const double *B, int64_t ldb,
                         const double *bias, double *C, int64_t ldc, int accumulate);
 
-/* ---- argument checks shared by mha_forward and mha_forward_ref (mha.c) ----
+/* ---- argument checks shared by every entry point (mha.c) ----
  * On MHA_OK, sizes hold the element counts of query, key, value, out and
  * weights (the last even when a->weights is NULL). */
 typedef struct {
@@ -129,5 +129,23 @@ typedef struct {
 } mha_sizes;
 mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
                              const mha_forward_args *a, mha_sizes *sz);
+
+/* ---- the instances per dtype: what the entry points of mha.c call ----
+ * Each is the template named beside it, instantiated in its .c file. */
+/* forward.c (forward_impl.h) */
+mha_status mha_forward_f32(const mha_config *cfg, const mha_params *p,
+                           const mha_forward_args *a, const mha_saved *s, const mha_copies *c);
+mha_status mha_forward_f64(const mha_config *cfg, const mha_params *p,
+                           const mha_forward_args *a, const mha_saved *s, const mha_copies *c);
+/* backward.c (backward_impl.h) */
+mha_status mha_backward_f32(const mha_config *cfg, const mha_params *p,
+                            const mha_backward_args *a, const mha_saved *s);
+mha_status mha_backward_f64(const mha_config *cfg, const mha_params *p,
+                            const mha_backward_args *a, const mha_saved *s);
+/* ref.c (ref_forward_impl.h, ref_backward_impl.h) */
+mha_status mha_forward_ref_f32(const mha_config *cfg, const mha_params *p,
+                               const mha_forward_args *a);
+mha_status mha_forward_ref_f64(const mha_config *cfg, const mha_params *p,
+                               const mha_forward_args *a);
 
 #endif /* MHA_INTERNAL_H */
