@@ -356,6 +356,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     int slots;
     T *work = NULL, *g = NULL;
     mha_status st;
+    mha_poll_state ps;
 
     if (!a) return MHA_ERR_ARG;
     /* the forward's checks; out is not used, grad_out has its shape */
@@ -447,6 +448,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         f.scratch = f.v + n_kv;
     }
     f.pack = f.scratch + f.scratch_len * slots;
+    mha_poll_start(&ps, a->fwd.poll, a->fwd.poll_ctx);
     MHA_TICK_START;
 
     /* 1. the forward's projections, and dctx = d out·W_o
@@ -461,11 +463,11 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     }
     SUF(bjob_add)(&f, SUF(JOB_NN), (const T *)a->grad_out, f.E, (const T *)p->wo, f.E,
                   NULL, f.dctx, f.E, Rq, f.E, f.E);
-    mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
+    if (mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f, &ps)) goto stopped;
     MHA_TICK("backward 1 proj");
 
     /* 2. attention, per (b, h) */
-    mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f);
+    if (mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f, &ps)) goto stopped;
     MHA_TICK("backward 2 attn");
 
     /* 4. the weight gradients (dW = dYᵀ·X, as (Rows, E)ᵀ·(Rows, In)) and the
@@ -502,13 +504,17 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         int64_t n_tasks = SUF(bjob_tiles)(&f);
         int i;
         for (i = 0; i < f.n_tr; i++) n_tasks += f.tr[i].tasks;
-        mha_parallel_for(n_tasks, slots, SUF(grad_task), &f);
+        if (mha_parallel_for(n_tasks, slots, SUF(grad_task), &f, &ps)) goto stopped;
     }
     MHA_TICK("backward 3+4 grads, bias sums");
 
     mha_work_free(work);
     mha_free(f.keep);
     return MHA_OK;
+stopped: /* the poll asked to stop: the gradients are unspecified */
+    mha_work_free(work);
+    mha_free(f.keep);
+    return MHA_ERR_INTERRUPTED;
 }
 
 #undef QB

@@ -399,6 +399,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     const int keep = sv && sv->q; /* Q, K, V and ctx go to the caller's buffers */
     SUF(linear_job) *jq, *jk, *jv;
     T *work = NULL;
+    mha_poll_state ps;
     mha_status st = mha_check_forward(cfg, p, a, &sz);
     if (st != MHA_OK) return st;
     st = mha_param_layout(cfg, offset, size, &total);
@@ -470,6 +471,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
         f.scratch = f.vh + f.B * f.Sk * f.E;
     }
 
+    mha_poll_start(&ps, a->poll, a->poll_ctx);
     MHA_TICK_START;
     /* the three input projections, one parallel pass over all their tiles:
      * each tile scattered per head (K transposed, so that Q·Kᵀ reads it in
@@ -489,16 +491,18 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     jq->S = f.Sq;
     jk->S = jv->S = f.Sk;
     jq->Dk = jk->Dk = jv->Dk = f.Dk;
-    mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
+    if (mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f, &ps)) goto stopped;
     MHA_TICK("forward qkv proj");
 
     /* a NaN or inf in V must reach every row (0·NaN), so no causal skipping */
     f.skip_causal = a->is_causal && SUF(all_finite)(f.vh, f.B * f.Sk * f.E);
 
     /* attention, per (b, h, block of queries) */
-    mha_parallel_for(f.B * f.H * f.n_qblk, slots,
-                     a->weights || f.p_save ? SUF(attend_weights_task) : SUF(attend_online_task),
-                     &f);
+    if (mha_parallel_for(f.B * f.H * f.n_qblk, slots,
+                         a->weights || f.p_save ? SUF(attend_weights_task)
+                                                : SUF(attend_online_task),
+                         &f, &ps))
+        goto stopped;
     MHA_TICK("forward attention");
 
     /* the output projection */
@@ -506,11 +510,14 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     SUF(job_copies)(SUF(add_job)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out,
                                  f.B * f.Sq, f.E, f.E, slots),
                     cp, offset, MHA_WO, NULL);
-    mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
+    if (mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f, &ps)) goto stopped;
     MHA_TICK("forward out proj");
 
     mha_work_free(work);
     return MHA_OK;
+stopped: /* the poll asked to stop: the outputs are unspecified */
+    mha_work_free(work);
+    return MHA_ERR_INTERRUPTED;
 }
 
 #undef QB

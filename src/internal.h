@@ -81,12 +81,29 @@ static inline double mha_stream_uniform(uint64_t key, uint64_t idx)
 #define MHA_INIT_COUNTER UINT64_MAX
 
 /* ---- worker threads (pool.c) ---- */
+/* A call's poll (mha_forward_args.poll): started by the entry point, asked
+ * by mha_parallel_for on the calling thread between tasks, no sooner than
+ * MHA_POLL_MS after mha_poll_start and then at most every MHA_POLL_MS.
+ * Once it answers nonzero, `stopped` stays set: every later pass of the
+ * call returns at once, and the call returns MHA_ERR_INTERRUPTED. */
+typedef struct {
+    mha_poll_fn fn;   /* NULL: never asked */
+    void *ctx;
+    int64_t next_ms;  /* the monotonic clock's time of the next question */
+    int stopped;
+} mha_poll_state;
+void mha_poll_start(mha_poll_state *ps, mha_poll_fn fn, void *ctx);
+
 /* fn(ctx, task, slot) for every task in [0, n_tasks); slot in [0, max_slots)
  * names the thread running it, for per-thread scratch.  Runs on the calling
  * thread alone when n_tasks or max_slots is 1, or when another call holds
- * the pool. */
+ * the pool.  ps: NULL, or the call's poll; when it says stop, no thread
+ * starts another task of the pass (those running finish) and
+ * mha_parallel_for returns nonzero (as it does at once for a call already
+ * stopped); else 0. */
 typedef void (*mha_task_fn)(void *ctx, int64_t task, int slot);
-void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx);
+int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
+                     mha_poll_state *ps);
 
 /* ---- matrix multiply (gemm.c) ----
  * C (M, N) (+)= A (M, K) · op(B) + bias, row-major with leading dimensions:

@@ -520,6 +520,111 @@ static void test_no_keys(void)
         }
 }
 
+/* ---- the poll hook (mha_forward_args.poll) ---- */
+typedef struct {
+    int calls;
+    int stop_at; /* answer stop at this call (1: the first); 0: never */
+} poll_count;
+
+static int count_poll(void *ctx)
+{
+    poll_count *pc = (poll_count *)ctx;
+    pc->calls++;
+    return pc->stop_at > 0 && pc->calls >= pc->stop_at;
+}
+
+/* A poll that never says stop changes no bit of any result; one that says
+ * stop at its first question makes a call long enough to be asked return
+ * MHA_ERR_INTERRUPTED (forward, forward_save, backward, backward_saved),
+ * having asked once; the next call, on the same pool, gives the same
+ * results as before.  The batch grows until a call lasts long enough to be
+ * asked three times (some 4 MHA_POLL_MS: the same call is then surely
+ * asked again, however the machine's load varies). */
+static void test_poll(void)
+{
+    const int64_t S = 256, E = 128, H = 4, BMAX = 256;
+    mha_config c = {E, H, E, E, 1, MHA_FLOAT64};
+    int64_t off[MHA_NPARAM], size[MHA_NPARAM], total, i, B, n;
+    uint64_t s = 2024;
+    double *P, *X, *G, *o0, *o1, *g0, *g1, *sq, *sk, *sv, *sc;
+    mha_params p;
+    mha_forward_args a;
+    mha_backward_args ba;
+    mha_saved kept;
+    poll_count never = {0, 0}, stop = {0, 1};
+    mha_param_layout(&c, off, size, &total);
+    n = BMAX * S * E;
+    P = malloc((size_t)total * 8);
+    X = malloc((size_t)n * 8); G = malloc((size_t)n * 8);
+    o0 = malloc((size_t)n * 8); o1 = malloc((size_t)n * 8);
+    g0 = malloc((size_t)(total + 3 * n) * 8); g1 = malloc((size_t)(total + 3 * n) * 8);
+    sq = malloc((size_t)n * 8); sk = malloc((size_t)n * 8);
+    sv = malloc((size_t)n * 8); sc = malloc((size_t)n * 8);
+    kept.q = sq; kept.k = sk; kept.v = sv; kept.ctx = sc; kept.p = NULL;
+    CHECK(mha_params_init(&c, P, 8) == MHA_OK, "init");
+    mha_params_from_block(&c, P, &p);
+    for (i = 0; i < n; i++) X[i] = lcg_next(&s);
+    for (i = 0; i < n; i++) G[i] = lcg_next(&s);
+    memset(&a, 0, sizeof a);
+    a.Sq = S; a.Sk = S;
+    a.query = X; a.key = X; a.value = X;
+    a.is_causal = 1;
+    a.dropout = 0.1; a.seed = 3; a.counter = 4;
+    for (B = 2; B <= BMAX; B *= 2) { /* long enough to be asked at least once */
+        a.B = B; a.out = o1;
+        a.poll = count_poll; a.poll_ctx = &never;
+        never.calls = 0;
+        CHECK(mha_forward(&c, &p, &a) == MHA_OK, "forward with a poll");
+        if (never.calls >= 3) break; /* asked 3 times: some 200 ms, a margin */
+    }
+    if (B > BMAX) B = BMAX;
+    n = B * S * E;
+    CHECK(never.calls > 0, "no call was long enough to be polled (B %lld)", (long long)B);
+    a.poll = NULL; a.out = o0;
+    CHECK(mha_forward(&c, &p, &a) == MHA_OK, "forward");
+    CHECK(memcmp(o0, o1, (size_t)n * 8) == 0, "a poll that never stops changed the output");
+    a.poll = count_poll; a.poll_ctx = &stop;
+    CHECK(mha_forward(&c, &p, &a) == MHA_ERR_INTERRUPTED && stop.calls == 1,
+          "forward stopped by its poll (asked %d times)", stop.calls);
+    stop.calls = 0;
+    CHECK(mha_forward_save(&c, &p, &a, &kept, NULL) == MHA_ERR_INTERRUPTED && stop.calls == 1,
+          "forward_save stopped by its poll (asked %d times)", stop.calls);
+    a.poll = NULL; a.out = o1;
+    memset(o1, 0, (size_t)n * 8);
+    CHECK(mha_forward(&c, &p, &a) == MHA_OK && memcmp(o0, o1, (size_t)n * 8) == 0,
+          "the call after an interrupted one");
+    CHECK(mha_forward_save(&c, &p, &a, &kept, NULL) == MHA_OK && memcmp(o0, o1, (size_t)n * 8) == 0,
+          "forward_save after an interrupted call");
+
+    /* the backward asks a->fwd.poll */
+    memset(&ba, 0, sizeof ba);
+    ba.fwd = a;
+    ba.grad_out = G;
+    ba.grad_params = g0; ba.grad_query = g0 + total;
+    ba.grad_key = g0 + total + n; ba.grad_value = g0 + total + 2 * n;
+    CHECK(mha_backward(&c, &p, &ba) == MHA_OK, "backward");
+    ba.grad_params = g1; ba.grad_query = g1 + total;
+    ba.grad_key = g1 + total + n; ba.grad_value = g1 + total + 2 * n;
+    ba.fwd.poll = count_poll; ba.fwd.poll_ctx = &never;
+    never.calls = 0;
+    CHECK(mha_backward(&c, &p, &ba) == MHA_OK && never.calls > 0, "backward with a poll");
+    CHECK(memcmp(g0, g1, (size_t)(total + 3 * n) * 8) == 0,
+          "a poll that never stops changed the gradients");
+    ba.fwd.poll_ctx = &stop;
+    stop.calls = 0;
+    CHECK(mha_backward(&c, &p, &ba) == MHA_ERR_INTERRUPTED && stop.calls == 1,
+          "backward stopped by its poll (asked %d times)", stop.calls);
+    stop.calls = 0;
+    CHECK(mha_backward_saved(&c, &p, &ba, &kept) == MHA_ERR_INTERRUPTED && stop.calls == 1,
+          "backward_saved stopped by its poll (asked %d times)", stop.calls);
+    ba.fwd.poll = NULL;
+    memset(g1, 0, (size_t)(total + 3 * n) * 8);
+    CHECK(mha_backward(&c, &p, &ba) == MHA_OK && memcmp(g0, g1, (size_t)(total + 3 * n) * 8) == 0,
+          "the backward after an interrupted one");
+    free(P); free(X); free(G); free(o0); free(o1); free(g0); free(g1);
+    free(sq); free(sk); free(sv); free(sc);
+}
+
 int main(void)
 {
     const char *isas[3] = {"portable", "avx2", "avx512"};
@@ -533,6 +638,7 @@ int main(void)
     test_status();
     test_dropout_stream();
     test_workspace_cache();
+    test_poll();
     /* sizes that are multiples of no tile, masks, causal, dropout, cross;
      * on every instruction set this CPU runs */
     for (n = 0; n < 3; n++) {
