@@ -164,5 +164,9 @@ mha_status mha_forward_ref_f32(const mha_config *cfg, const mha_params *p,
                                const mha_forward_args *a);
 mha_status mha_forward_ref_f64(const mha_config *cfg, const mha_params *p,
                                const mha_forward_args *a);
+mha_status mha_backward_ref_f32(const mha_config *cfg, const mha_params *p,
+                                const mha_backward_args *a);
+mha_status mha_backward_ref_f64(const mha_config *cfg, const mha_params *p,
+                                const mha_backward_args *a);
 
 #endif /* MHA_INTERNAL_H */

@@ -148,3 +148,14 @@ mha_status mha_forward_ref(const mha_config *cfg, const mha_params *p, const mha
     }
     return MHA_ERR_ARG;
 }
+
+mha_status mha_backward_ref(const mha_config *cfg, const mha_params *p,
+                            const mha_backward_args *a)
+{
+    if (!cfg) return MHA_ERR_ARG;
+    switch (cfg->dtype) {
+    case MHA_FLOAT32: return mha_backward_ref_f32(cfg, p, a);
+    case MHA_FLOAT64: return mha_backward_ref_f64(cfg, p, a);
+    }
+    return MHA_ERR_ARG;
+}

@@ -215,6 +215,13 @@ typedef struct {
 mha_status mha_backward(const mha_config *cfg, const mha_params *p,
                         const mha_backward_args *a);
 
+/* The plain reference backward: the same contract as mha_backward, obvious
+ * loops, one thread, the forward recomputed row by row as mha_forward_ref
+ * computes it (src/ref_backward_impl.h quotes each forward line beside its
+ * backward).  It is the oracle the C tests hold mha_backward to. */
+mha_status mha_backward_ref(const mha_config *cfg, const mha_params *p,
+                            const mha_backward_args *a);
+
 /* ---- training: the forward keeps what the backward needs ---------------
  * mha_forward_save is mha_forward that also writes, into the caller's
  * buffers (contiguous, of cfg->dtype; NULL: not kept), what the backward

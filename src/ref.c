@@ -14,6 +14,7 @@
 #define SUF(name) name##_f32
 #define EXP expf
 #include "ref_forward_impl.h"
+#include "ref_backward_impl.h"
 #undef T
 #undef SUF
 #undef EXP
@@ -22,6 +23,7 @@
 #define SUF(name) name##_f64
 #define EXP exp
 #include "ref_forward_impl.h"
+#include "ref_backward_impl.h"
 #undef T
 #undef SUF
 #undef EXP
@@ -36,4 +38,16 @@ mha_status mha_forward_ref_f64(const mha_config *cfg, const mha_params *p,
                                const mha_forward_args *a)
 {
     return forward_ref_f64(cfg, p, a);
+}
+
+mha_status mha_backward_ref_f32(const mha_config *cfg, const mha_params *p,
+                                const mha_backward_args *a)
+{
+    return backward_ref_f32(cfg, p, a);
+}
+
+mha_status mha_backward_ref_f64(const mha_config *cfg, const mha_params *p,
+                                const mha_backward_args *a)
+{
+    return backward_ref_f64(cfg, p, a);
 }
