@@ -12,15 +12,25 @@
 
 #define T float
 #define SUF(name) name##_f32
+#define KT mha_kern_f32
+#define EXP expf
+#include "softmax_impl.h"
 #include "backward_impl.h"
 #undef T
 #undef SUF
+#undef KT
+#undef EXP
 
 #define T double
 #define SUF(name) name##_f64
+#define KT mha_kern_f64
+#define EXP exp
+#include "softmax_impl.h"
 #include "backward_impl.h"
 #undef T
 #undef SUF
+#undef KT
+#undef EXP
 
 mha_status mha_backward_f32(const mha_config *cfg, const mha_params *p,
                             const mha_backward_args *a, const mha_saved *s)

@@ -1,6 +1,6 @@
 /* backward_impl.h: the gradients of the forward pass (forward_impl.h), written
- * once for T = float and T = double (included twice by backward.c with T and SUF
- * defined).  Legend as in mha.h; dX is dL/dX.
+ * once for T = float and T = double (included twice by backward.c with T, SUF,
+ * KT and EXP defined, after softmax_impl.h: the forward's softmax row).  Legend as in mha.h; dX is dL/dX.
  *
  * The forward, line by line, and the lines of the backward that undo it:
  *
@@ -72,7 +72,7 @@ typedef struct {
     T *scratch;           /* per slot: P, D (QB, Sk), then dQ_bh's block (QB, Dk),
                              dK_bh and dV_bh (Sk, Dk) */
     T *pack;              /* per slot: MHA_GEMM_SCRATCH scalars for mha_gemm's packing */
-    const SUF(mha_kern) *kern; /* the kernels of the ISA in use */
+    const KT *kern;       /* the kernels of the ISA in use */
     int64_t scratch_len;  /* scalars per slot */
     uint8_t *keep;        /* per slot: the replayed dropout mask (QB, Sk) */
     int64_t keep_len;     /* bytes per slot */
@@ -185,35 +185,6 @@ static void SUF(colsum)(const T *x, int64_t R, int64_t C, int64_t ld, T *out)
 
 /* ------------------------------------------------------------ attention */
 
-/* The forward's masks on the scaled scores s[0..Sk) of row (b, h, i):
- * additive masks first, then -inf where any blocking mask or causality
- * blocks (forward_impl.h's apply_masks, over a whole row). */
-static void SUF(bwd_masks)(const mha_forward_args *fa, T *s, int64_t b, int64_t h, int64_t i,
-                           int64_t Sk)
-{
-    int m;
-    int64_t j;
-    for (m = 0; m < fa->n_masks; m++) {
-        const mha_mask *mk = &fa->masks[m];
-        const int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2];
-        const int64_t st = mk->stride[3];
-        if (mk->kind != MHA_MASK_ADD) continue;
-        const T *d = (const T *)mk->data + base;
-        for (j = 0; j < Sk; j++) s[j] += d[j * st];
-    }
-    for (m = 0; m < fa->n_masks; m++) {
-        const mha_mask *mk = &fa->masks[m];
-        const int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2];
-        const int64_t st = mk->stride[3];
-        if (mk->kind != MHA_MASK_BLOCK) continue;
-        const uint8_t *d = (const uint8_t *)mk->data + base;
-        for (j = 0; j < Sk; j++)
-            if (d[j * st]) s[j] = -(T)INFINITY;
-    }
-    if (fa->is_causal)
-        for (j = i + 1; j < Sk; j++) s[j] = -(T)INFINITY;
-}
-
 /* One (b, h): the forward of the attention recomputed block by block of
  * queries, each step followed by its backward. */
 static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
@@ -222,7 +193,6 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     const mha_forward_args *fa = f->fa;
     const int64_t b = bh / f->H, h = bh % f->H;
     const int64_t E = f->E, Sq = f->Sq, Sk = f->Sk, Dk = f->Dk;
-    const T nan_or_zero = fa->zero_masked_rows ? (T)0 : (T)NAN;
     int64_t i0, r, j;
     /* Q_bh and V_bh: per head (kept by the forward) or columns of (B, S, E)
      * (recomputed); K_bh: transposed per head (Dk, Sk) or columns of K */
@@ -269,28 +239,8 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
         if (!f->p_saved)
             SUF(mha_gemm)(f->kern, !hm, nq, Sk, Dk, q_bh + i0 * ldq, ldq, k_bh, hm ? Sk : E, NULL,
                           p, Sk, 0, gs);
-        for (r = 0; r < nq && !f->p_saved; r++) { /* the forward's kernels: the same P */
-            T *p_r = p + r * Sk, m, sum;
-            if (fa->n_masks == 0 && !fa->is_causal) {
-                m = f->kern->scale_max(p_r, Sk, f->scale);
-            } else {
-                f->kern->scale(p_r, Sk, f->scale);
-                SUF(bwd_masks)(fa, p_r, b, h, i0 + r, Sk);
-                m = f->kern->max(p_r, Sk);
-            }
-            if (m == -(T)INFINITY) /* a NaN score with no visible key: a NaN row */
-                for (j = 0; j < Sk; j++)
-                    if (p_r[j] != p_r[j]) {
-                        m = p_r[j];
-                        break;
-                    }
-            if (m == -(T)INFINITY) { /* every key blocked */
-                for (j = 0; j < Sk; j++) p_r[j] = nan_or_zero;
-                continue;
-            }
-            sum = f->kern->exp_sum(p_r, Sk, m); /* NaN in: a NaN sum, then a NaN row */
-            f->kern->scale(p_r, Sk, (T)1 / sum);
-        }
+        for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: the same P */
+            SUF(softmax_row)(f->kern, fa, f->scale, p + r * Sk, b, h, i0 + r, Sk, Sk);
         /* forward: A = dropout(P), keep replayed from the call's stream */
         if (f->dropout_on) {
             for (r = 0; r < nq; r++) {
@@ -298,7 +248,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
                                      (uint64_t)Sk;
                 for (j = 0; j < Sk; j++) {
                     keep[r * Sk + j] =
-                        mha_stream_uniform(f->drop_key, idx + (uint64_t)j) >= fa->dropout;
+                        (uint8_t)mha_dropout_keep(f->drop_key, idx + (uint64_t)j, fa->dropout);
                     d[r * Sk + j] = keep[r * Sk + j] ? pb[r * Sk + j] * f->drop_scale : (T)0;
                 }
             }

@@ -12,6 +12,7 @@
 #define SUF(name) name##_f32
 #define KT mha_kern_f32
 #define EXP expf
+#include "softmax_impl.h"
 #include "forward_impl.h"
 #undef T
 #undef SUF
@@ -22,6 +23,7 @@
 #define SUF(name) name##_f64
 #define KT mha_kern_f64
 #define EXP exp
+#include "softmax_impl.h"
 #include "forward_impl.h"
 #undef T
 #undef SUF

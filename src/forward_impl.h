@@ -1,5 +1,6 @@
 /* forward_impl.h: the threaded forward pass, written once for T = float and
- * T = double (included twice by forward.c with T, SUF, KT and EXP defined).
+ * T = double (included twice by forward.c with T, SUF, KT and EXP defined, after
+ * softmax_impl.h: the softmax row it shares with the backward).
  *
  *   Q = query·W_qᵀ + b_q        kept per head: qh (B, H, Sq, Dk)
  *   K = key·W_kᵀ + b_k          kept per head, transposed: kt (B, H, Dk, Sk)
@@ -170,65 +171,6 @@ static int64_t SUF(job_tiles)(const SUF(fwd) *f)
     return n;
 }
 
-/* s[0..n) are the scaled scores of row (b, h, i) for keys j0 .. j0+n-1:
- * add the additive masks, then set -inf where any blocking mask or the
- * causal rule blocks. */
-static void SUF(apply_masks)(const SUF(fwd) *f, T *s, int64_t b, int64_t h, int64_t i,
-                             int64_t j0, int64_t n)
-{
-    const mha_forward_args *a = f->a;
-    int m;
-    int64_t j;
-    for (m = 0; m < a->n_masks; m++) {
-        const mha_mask *mk = &a->masks[m];
-        int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
-                       j0 * mk->stride[3];
-        int64_t st = mk->stride[3];
-        if (mk->kind != MHA_MASK_ADD) continue;
-        const T *d = (const T *)mk->data + base;
-        if (st == 1)
-            for (j = 0; j < n; j++) s[j] += d[j];
-        else
-            for (j = 0; j < n; j++) s[j] += d[j * st];
-    }
-    for (m = 0; m < a->n_masks; m++) {
-        const mha_mask *mk = &a->masks[m];
-        int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
-                       j0 * mk->stride[3];
-        int64_t st = mk->stride[3];
-        if (mk->kind != MHA_MASK_BLOCK) continue;
-        const uint8_t *d = (const uint8_t *)mk->data + base;
-        for (j = 0; j < n; j++)
-            if (d[j * st]) s[j] = -(T)INFINITY;
-    }
-    if (a->is_causal) {
-        j = i + 1 - j0; /* the first blocked key of this row, relative to j0 */
-        for (j = j < 0 ? 0 : j; j < n; j++) s[j] = -(T)INFINITY;
-    }
-}
-
-/* Scale the scores s[0..n) of row (b, h, i), keys j0.., mask them, and return
- * their maximum: -inf when every key is blocked, NaN when a score is NaN
- * and no other key is visible (then the reference's row is all NaN too;
- * otherwise a NaN score turns the sum, hence the whole row, into NaN). */
-static T SUF(scores_max)(const SUF(fwd) *f, T *s, int64_t b, int64_t h, int64_t i,
-                         int64_t j0, int64_t n)
-{
-    T m;
-    int64_t j;
-    if (f->a->n_masks == 0 && !f->a->is_causal) {
-        m = f->kern->scale_max(s, n, f->scale);
-    } else {
-        f->kern->scale(s, n, f->scale);
-        SUF(apply_masks)(f, s, b, h, i, j0, n);
-        m = f->kern->max(s, n);
-    }
-    if (m == -(T)INFINITY)
-        for (j = 0; j < n; j++)
-            if (s[j] != s[j]) return s[j];
-    return m;
-}
-
 static void SUF(fill_rows)(T *x, int64_t rows, int64_t cols, int64_t ld, T value)
 {
     int64_t r, c;
@@ -236,11 +178,13 @@ static void SUF(fill_rows)(T *x, int64_t rows, int64_t cols, int64_t ld, T value
         for (c = 0; c < cols; c++) x[r * ld + c] = value;
 }
 
+/* A = dropout(P) over w[0..n), the row's elements idx, idx+1, ... of the
+ * call's stream */
 static void SUF(dropout_row)(const SUF(fwd) *f, T *w, int64_t n, uint64_t idx)
 {
     int64_t j;
     for (j = 0; j < n; j++)
-        w[j] = mha_stream_uniform(f->drop_key, idx + (uint64_t)j) >= f->a->dropout
+        w[j] = mha_dropout_keep(f->drop_key, idx + (uint64_t)j, f->a->dropout)
                    ? w[j] * f->drop_scale : (T)0;
 }
 
@@ -256,7 +200,6 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     int64_t bh = t / f->n_qblk, b = bh / f->H, h = bh % f->H;
     int64_t i0 = (t % f->n_qblk) * QB, nq = f->Sq - i0 < QB ? f->Sq - i0 : QB;
     int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, kend = Sk;
-    const T nan_or_zero = a->zero_masked_rows ? (T)0 : (T)NAN;
     const T *q_bh = f->qh + (bh * f->Sq + i0) * Dk;       /* (nq, Dk) */
     const T *kt_bh = f->kt + bh * Dk * Sk;                /* (Dk, Sk) */
     const T *v_bh = f->vh + bh * Sk * Dk;                 /* (Sk, Dk) */
@@ -276,23 +219,11 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     SUF(mha_gemm)(f->kern, 0, nq, kend, Dk, q_bh, Dk, kt_bh, Sk, NULL, p_bh, Sk, 0, gs);
     for (r = 0; r < nq; r++) {
         T *w = p_bh + r * Sk;
-        int64_t i = i0 + r, ne = kend, j;
-        T m = SUF(scores_max)(f, w, b, h, i, 0, kend);
-        int blocked = m == -(T)INFINITY;
-        if (blocked) { /* every key blocked: no dropout either */
-            for (j = 0; j < Sk; j++) w[j] = nan_or_zero;
-        } else {
-            if (a->is_causal && i + 1 < ne) ne = i + 1; /* the rest are exact zeros */
-            T sum = f->kern->exp_sum(w, ne, m);
-            if (sum != sum) { /* a NaN score: the reference's whole row is NaN */
-                for (j = 0; j < Sk; j++) w[j] = (T)NAN;
-                ne = Sk;
-            }
-            for (j = ne; j < Sk; j++) w[j] = 0;
-            f->kern->scale(w, ne, (T)1 / sum);
-        }
+        const int64_t i = i0 + r;
+        /* P = softmax(masked S / sqrt(Dk)); ne < 0: every key blocked */
+        const int64_t ne = SUF(softmax_row)(f->kern, a, f->scale, w, b, h, i, kend, Sk);
         if (a_bh != p_bh) memcpy(a_bh + r * Sk, w, (size_t)Sk * sizeof(T));
-        if (f->dropout_on && !blocked)
+        if (f->dropout_on && ne >= 0) /* a blocked row: no dropout either */
             SUF(dropout_row)(f, a_bh + r * Sk, ne,
                              ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)i) * (uint64_t)Sk);
     }
@@ -306,8 +237,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     const mha_forward_args *a = f->a;
     int64_t bh = t / f->n_qblk, b = bh / f->H, h = bh % f->H;
     int64_t i0 = (t % f->n_qblk) * QB, nq = f->Sq - i0 < QB ? f->Sq - i0 : QB;
-    int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, j, j0, d, kend = Sk;
-    const T nan_or_zero = a->zero_masked_rows ? (T)0 : (T)NAN;
+    int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, j0, d, kend = Sk;
     const T *q_bh = f->qh + (bh * f->Sq + i0) * Dk; /* (nq, Dk) */
     const T *kt_bh = f->kt + bh * Dk * Sk;          /* (Dk, Sk) */
     const T *v_bh = f->vh + bh * Sk * Dk;           /* (Sk, Dk) */
@@ -327,31 +257,22 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
         int64_t nk = kend - j0 < KB ? kend - j0 : KB;
         SUF(mha_gemm)(f->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, Sk, NULL, s, KB, 0, gs);
         for (r = 0; r < nq; r++) {
-            T *srow = s + r * KB, sum, alpha, mnew;
-            int64_t i = i0 + r, ne = nk;
-            T bm = SUF(scores_max)(f, srow, b, h, i, j0, nk);
-            if (bm == -(T)INFINITY) { /* nothing visible in this block */
-                for (j = 0; j < nk; j++) srow[j] = 0;
-                continue;
-            }
-            mnew = (bm != bm || mx[r] != mx[r]) ? (T)NAN : bm > mx[r] ? bm : mx[r];
-            alpha = EXP(mx[r] - mnew);
-            if (a->is_causal && i + 1 - j0 < ne) ne = i + 1 - j0;
-            sum = f->kern->exp_sum(srow, ne, mnew);
-            for (j = ne; j < nk; j++) srow[j] = 0;
+            T *srow = s + r * KB, alpha;
+            const int64_t i = i0 + r;
+            const int64_t ne = SUF(softmax_online_step)(f->kern, a, f->scale, srow, b, h, i, j0,
+                                                        nk, &mx[r], &l[r], &alpha);
+            if (ne < 0) continue; /* nothing visible in this block */
             if (f->dropout_on)
                 SUF(dropout_row)(f, srow, ne, ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)i) *
                                                   (uint64_t)Sk + (uint64_t)j0);
-            l[r] = l[r] * alpha + sum;
             if (alpha != (T)1) f->kern->scale(acc + r * Dk, Dk, alpha);
-            mx[r] = mnew;
         }
         SUF(mha_gemm)(f->kern, 0, nq, Dk, nk, s, KB, v_bh + j0 * Dk, Dk, NULL, acc, Dk, 1, gs);
     }
     for (r = 0; r < nq; r++) {
         T *c = c_bh + r * E;
         if (mx[r] == -(T)INFINITY) { /* every key blocked; Sk == 0: an empty sum */
-            for (d = 0; d < Dk; d++) c[d] = Sk == 0 ? (T)0 : nan_or_zero;
+            for (d = 0; d < Dk; d++) c[d] = Sk == 0 ? (T)0 : SUF(blocked_row_value)(a);
         } else {
             T inv = (T)1 / l[r];
             for (d = 0; d < Dk; d++) c[d] = acc[r * Dk + d] * inv;

@@ -77,6 +77,13 @@ static inline double mha_stream_uniform(uint64_t key, uint64_t idx)
 {
     return (double)(mha_stream_bits(key, idx) >> 11) * 0x1.0p-53;
 }
+/* The dropout rule, one home for the forward and the backward: element idx
+ * of the stream `key` is kept (and scaled by 1/(1 - p)) iff its uniform
+ * draw is >= p. */
+static inline int mha_dropout_keep(uint64_t key, uint64_t idx, double p)
+{
+    return mha_stream_uniform(key, idx) >= p;
+}
 /* the counter reserved for parameter initialisation */
 #define MHA_INIT_COUNTER UINT64_MAX
 
