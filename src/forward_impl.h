@@ -31,15 +31,14 @@
                         narrower column tiles, 64 wide, before more row tiles) */
 #define SMALL_M 24   /* below this many rows, projections use the dot kernel */
 
+/* What a projection's tiles do besides the product (the product itself,
+ * y = x·wᵀ + b, is the pass's mha_product of the same index): */
 typedef struct {
-    const T *x, *w, *b; /* x (M, K), w (N, K), b (N) or NULL */
-    T *y;               /* (M, N), or NULL: each tile goes to the slot's scratch */
-    T *x_copy, *w_copy, *b_copy; /* NULL, or where to copy x, w, b (mha_saved) */
+    T *x_copy, *w_copy, *b_copy; /* NULL, or where to copy x, w, b (mha_copies) */
     T *yh;              /* NULL, or y per head: (B, H, S, Dk) */
     T *yt;              /* NULL, or y per head, transposed: (B, H, Dk, S) */
     int64_t S, Dk;      /* ... their rows per batch and head width */
-    int64_t M, N, K, rn, tiles_n, tiles;
-} SUF(linear_job);
+} SUF(proj_extra);
 
 typedef struct {
     const mha_forward_args *a;
@@ -59,8 +58,8 @@ typedef struct {
     int skip_causal;     /* causal and V finite: skip keys past the diagonal */
     int small;           /* the projections use the dot kernel */
     int64_t n_qblk;
-    SUF(linear_job) jobs[3];
-    int n_jobs;
+    mha_products prods;  /* the pass's projections (internal.h's task list) */
+    SUF(proj_extra) extra[3]; /* ... and what each does besides */
 } SUF(fwd);
 
 /* The tile y (m, n) at rows i0.., columns n0.. of a projection (N = H*Dk
@@ -95,80 +94,69 @@ static void SUF(tile_to_heads)(const T *y, int64_t ldy, int64_t N, int64_t i0, i
     }
 }
 
+/* One tile of a projection: the product, into the caller's y or the
+ * slot's scratch, and around it the copies and the scatter per head. */
 static void SUF(linear_task)(void *ctx, int64_t t, int slot)
 {
     SUF(fwd) *f = (SUF(fwd) *)ctx;
-    int j = 0;
-    while (t >= f->jobs[j].tiles) t -= f->jobs[j++].tiles;
-    const SUF(linear_job) *jb = &f->jobs[j];
-    int64_t i0 = (t / jb->tiles_n) * RM, n0 = (t % jb->tiles_n) * jb->rn;
-    int64_t m = jb->M - i0 < RM ? jb->M - i0 : RM;
-    int64_t n = jb->N - n0 < jb->rn ? jb->N - n0 : jb->rn;
+    const mha_tile tl = mha_products_tile(&f->prods, t);
+    const mha_product *jb = &f->prods.p[tl.j];
+    const SUF(proj_extra) *ex = &f->extra[tl.j];
+    const T *x = (const T *)jb->A, *w = (const T *)jb->B, *b = (const T *)jb->bias;
+    const int64_t i0 = tl.i0, n0 = tl.n0, m = tl.m, n = tl.n;
     T *gs = f->scratch + (int64_t)slot * f->scratch_len;
     /* the tile: in place, or in the slot's scratch (after the packing) */
-    T *y = jb->y ? jb->y + i0 * jb->N + n0 : gs + MHA_GEMM_SCRATCH;
-    const int64_t ldy = jb->y ? jb->N : n;
+    T *y = jb->C ? (T *)jb->C + i0 * jb->N + n0 : gs + MHA_GEMM_SCRATCH;
+    const int64_t ldy = jb->C ? jb->N : n;
     /* the caller's copies: x's rows by the first column tile, w's rows (and
      * b) by the first row tile, just before the product reads them */
-    if (jb->x_copy && n0 == 0)
-        mha_copy_stream(jb->x_copy + i0 * jb->K, jb->x + i0 * jb->K,
+    if (ex->x_copy && n0 == 0)
+        mha_copy_stream(ex->x_copy + i0 * jb->K, x + i0 * jb->K,
                         (size_t)(m * jb->K) * sizeof(T));
-    if (jb->w_copy && i0 == 0) {
-        mha_copy_stream(jb->w_copy + n0 * jb->K, jb->w + n0 * jb->K,
+    if (ex->w_copy && i0 == 0) {
+        mha_copy_stream(ex->w_copy + n0 * jb->K, w + n0 * jb->K,
                         (size_t)(n * jb->K) * sizeof(T));
-        if (jb->b_copy) memcpy(jb->b_copy + n0, jb->b + n0, (size_t)n * sizeof(T));
+        if (ex->b_copy) memcpy(ex->b_copy + n0, b + n0, (size_t)n * sizeof(T));
     }
-    if (f->small)
-        SUF(mha_gemm_small)(f->kern, m, n, jb->K, jb->x + i0 * jb->K, jb->K, jb->w + n0 * jb->K,
-                            jb->K, jb->b ? jb->b + n0 : NULL, y, ldy, 0);
-    else
-        SUF(mha_gemm)(f->kern, 1, m, n, jb->K, jb->x + i0 * jb->K, jb->K, jb->w + n0 * jb->K,
-                      jb->K, jb->b ? jb->b + n0 : NULL, y, ldy, 0, gs);
-    if (jb->yh || jb->yt)
-        SUF(tile_to_heads)(y, ldy, jb->N, i0, m, n0, n, jb->S, jb->Dk, jb->yh, jb->yt);
+    SUF(mha_tile_gemm)(f->kern, jb, &tl, y, ldy, f->small, gs);
+    if (ex->yh || ex->yt)
+        SUF(tile_to_heads)(y, ldy, jb->N, i0, m, n0, n, ex->S, ex->Dk, ex->yh, ex->yt);
 }
 
-/* Column tiles: wide for the packed GEMM, narrower when that leaves too
- * few tasks for the threads.  The tiling never changes a result. */
-static SUF(linear_job) *SUF(add_job)(SUF(fwd) *f, const T *x, const T *w, const T *b, T *y,
-                                     int64_t M, int64_t N, int64_t K, int slots)
+/* A projection y (M, N) = x (M, K)·w (N, K)ᵀ + b into the pass's list, in
+ * RM-row tiles; column tiles wide for the packed GEMM, narrower when that
+ * leaves too few tasks for the threads.  Returns its extra, cleared. */
+static SUF(proj_extra) *SUF(add_proj)(SUF(fwd) *f, const T *x, const T *w, const T *b, T *y,
+                                      int64_t M, int64_t N, int64_t K, int slots)
 {
-    SUF(linear_job) *jb = &f->jobs[f->n_jobs++];
-    int64_t rows = (M + RM - 1) / RM;
-    memset(jb, 0, sizeof *jb);
-    jb->x = x; jb->w = w; jb->b = b; jb->y = y;
-    jb->M = M; jb->N = N; jb->K = K;
-    jb->rn = MHA_GEMM_NC;
-    while (jb->rn > 64 && rows * ((N + jb->rn - 1) / jb->rn) < 4 * (int64_t)slots) jb->rn /= 2;
-    jb->tiles_n = (N + jb->rn - 1) / jb->rn;
-    jb->tiles = M > 0 && N > 0 ? rows * jb->tiles_n : 0;
-    return jb;
+    const int64_t rows = (M + RM - 1) / RM;
+    int64_t rn = MHA_GEMM_NC;
+    SUF(proj_extra) *ex = &f->extra[f->prods.n];
+    while (rn > 64 && rows * ((N + rn - 1) / rn) < 4 * (int64_t)slots) rn /= 2;
+    mha_products_add(&f->prods, MHA_NT, x, K, w, K, b, y, N, M, N, K, RM, rn);
+    memset(ex, 0, sizeof *ex);
+    return ex;
 }
 
-/* Where mha_copies asks for copies: x into xc, and the weight and bias of
- * parameter pair `wi` (MHA_WQ, ...) into the copied block; a job without
- * tiles (M == 0) copies its w and b at once. */
-static void SUF(job_copies)(SUF(linear_job) *jb, const mha_copies *cp, const int64_t *offset,
-                            int wi, void *xc)
+/* Where mha_copies asks for copies of projection j's inputs: x into xc,
+ * and the weight and bias of parameter pair `wi` (MHA_WQ, ...) into the
+ * copied block; a projection without tiles (M == 0) copies its w and b at
+ * once. */
+static void SUF(proj_copies)(SUF(fwd) *f, int j, const mha_copies *cp, const int64_t *offset,
+                             int wi, void *xc)
 {
+    const mha_product *jb = &f->prods.p[j];
+    SUF(proj_extra) *ex = &f->extra[j];
     if (!cp) return;
-    jb->x_copy = (T *)xc;
+    ex->x_copy = (T *)xc;
     if (cp->params) {
-        jb->w_copy = (T *)cp->params + offset[wi];
-        jb->b_copy = jb->b ? (T *)cp->params + offset[wi + 1] : NULL;
+        ex->w_copy = (T *)cp->params + offset[wi];
+        ex->b_copy = jb->bias ? (T *)cp->params + offset[wi + 1] : NULL;
     }
-    if (jb->tiles == 0 && jb->w_copy) {
-        memcpy(jb->w_copy, jb->w, (size_t)(jb->N * jb->K) * sizeof(T));
-        if (jb->b_copy) memcpy(jb->b_copy, jb->b, (size_t)jb->N * sizeof(T));
+    if (jb->tiles == 0 && ex->w_copy) {
+        memcpy(ex->w_copy, jb->B, (size_t)(jb->N * jb->K) * sizeof(T));
+        if (ex->b_copy) memcpy(ex->b_copy, jb->bias, (size_t)jb->N * sizeof(T));
     }
-}
-
-static int64_t SUF(job_tiles)(const SUF(fwd) *f)
-{
-    int64_t n = 0;
-    int j;
-    for (j = 0; j < f->n_jobs; j++) n += f->jobs[j].tiles;
-    return n;
 }
 
 static void SUF(fill_rows)(T *x, int64_t rows, int64_t cols, int64_t ld, T value)
@@ -318,7 +306,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     size_t bytes;
     int slots;
     const int keep = sv && sv->q; /* Q, K, V and ctx go to the caller's buffers */
-    SUF(linear_job) *jq, *jk, *jv;
+    SUF(proj_extra) *jq, *jk, *jv;
     T *work = NULL;
     mha_poll_state ps;
     mha_status st = mha_check_forward(cfg, p, a, &sz);
@@ -397,22 +385,22 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     /* the three input projections, one parallel pass over all their tiles:
      * each tile scattered per head (K transposed, so that Q·Kᵀ reads it in
      * place), and the copies mha_saved asks for made on the way */
-    jq = SUF(add_job)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq, NULL,
-                      f.B * f.Sq, f.E, f.E, slots);
-    jk = SUF(add_job)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk, NULL,
-                      f.B * f.Sk, f.E, cfg->kdim, slots);
-    jv = SUF(add_job)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, NULL,
-                      f.B * f.Sk, f.E, cfg->vdim, slots);
-    SUF(job_copies)(jq, cp, offset, MHA_WQ, cp ? cp->query : NULL);
-    SUF(job_copies)(jk, cp, offset, MHA_WK, cp ? cp->key : NULL);
-    SUF(job_copies)(jv, cp, offset, MHA_WV, cp ? cp->value : NULL);
+    jq = SUF(add_proj)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq, NULL,
+                       f.B * f.Sq, f.E, f.E, slots);
+    jk = SUF(add_proj)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk, NULL,
+                       f.B * f.Sk, f.E, cfg->kdim, slots);
+    jv = SUF(add_proj)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, NULL,
+                       f.B * f.Sk, f.E, cfg->vdim, slots);
+    SUF(proj_copies)(&f, 0, cp, offset, MHA_WQ, cp ? cp->query : NULL);
+    SUF(proj_copies)(&f, 1, cp, offset, MHA_WK, cp ? cp->key : NULL);
+    SUF(proj_copies)(&f, 2, cp, offset, MHA_WV, cp ? cp->value : NULL);
     jq->yh = f.qh;
     jk->yt = f.kt;
     jv->yh = f.vh;
     jq->S = f.Sq;
     jk->S = jv->S = f.Sk;
     jq->Dk = jk->Dk = jv->Dk = f.Dk;
-    if (mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f, &ps)) goto stopped;
+    if (mha_parallel_for(f.prods.tiles, slots, SUF(linear_task), &f, &ps)) goto stopped;
     MHA_TICK("forward qkv proj");
 
     /* a NaN or inf in V must reach every row (0·NaN), so no causal skipping */
@@ -427,11 +415,11 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     MHA_TICK("forward attention");
 
     /* the output projection */
-    f.n_jobs = 0;
-    SUF(job_copies)(SUF(add_job)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out,
-                                 f.B * f.Sq, f.E, f.E, slots),
-                    cp, offset, MHA_WO, NULL);
-    if (mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f, &ps)) goto stopped;
+    memset(&f.prods, 0, sizeof f.prods);
+    SUF(add_proj)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out, f.B * f.Sq, f.E,
+                  f.E, slots);
+    SUF(proj_copies)(&f, 0, cp, offset, MHA_WO, NULL);
+    if (mha_parallel_for(f.prods.tiles, slots, SUF(linear_task), &f, &ps)) goto stopped;
     MHA_TICK("forward out proj");
 
     mha_work_free(work);
