@@ -35,7 +35,6 @@
 #define RM 96  /* rows per product tile */
 #define RN 64   /* columns per product tile */
 #define RN_TN 1024 /* ... for TN: each MR-row panel of Aᵀ serves the whole tile */
-#define KC 256  /* depth of one pass over a weight-gradient tile (cache) */
 #define TC 64   /* columns per column-sum task */
 
 /* colsum (C) = Σ_rows x for x (R, C), rows in order */
@@ -429,5 +428,4 @@ stopped: /* the poll asked to stop: the gradients are unspecified */
 #undef RM
 #undef RN
 #undef RN_TN
-#undef KC
 #undef TC
