@@ -123,7 +123,7 @@ def test_huge_negative_additive_masks(isa, dtype):
         add[3, 0] = 0
         assert_same(m, q, k, v, [(1, add)])
         assert_same(m, q, k, v, [(1, add)], causal=True)
-        _, w = m._forward(q, k, v, [(1, add)], False, True, False, False)
+        _, w = m._forward(q, k, v, masks=[(1, add)])
         hidden = np.broadcast_to(add == value, w.shape).copy()
         hidden[:, :, 2, :] = False
         assert np.all(w[hidden] == 0)
