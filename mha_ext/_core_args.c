@@ -80,26 +80,35 @@ fail:
     return rc;
 }
 
-/* A flag: a bool, NumPy bool or int.  Arrays and other objects whose truth
- * is ambiguous are a TypeError naming the argument. */
+/* A flag: one truth value (a bool, NumPy bool, number, 0-d array, None),
+ * taken as Python's `if` takes it.  Arrays with dimensions, sequences and
+ * strings are ambiguous: a TypeError naming the argument (NumPy's own
+ * message does not say which).  The rule of _convert.flag in Python. */
 int parse_flag(PyObject *obj, const char *name, int *out)
 {
-    int v;
-    if (!(PyBool_Check(obj) || PyArray_IsScalar(obj, Bool) ||
-          (PyIndex_Check(obj) && !PyArray_Check(obj)))) {
-        PyErr_Format(PyExc_TypeError, "%s must be a bool, not %.100s", name,
-                     Py_TYPE(obj)->tp_name);
-        return -1;
+    int v, ambiguous = PyArray_Check(obj)
+                           ? PyArray_NDIM((PyArrayObject *)obj) != 0
+                           : PySequence_Check(obj) || PyUnicode_Check(obj) ||
+                                 PyBytes_Check(obj) || PyAnySet_Check(obj) || PyDict_Check(obj);
+    if (ambiguous) goto type;
+    if ((v = PyObject_IsTrue(obj)) < 0) {
+        PyErr_Clear();
+        goto type;
     }
-    if ((v = PyObject_IsTrue(obj)) < 0) return -1;
     *out = v;
     return 0;
+type:
+    PyErr_Format(PyExc_TypeError, "%s must be True or False, not %.100s", name,
+                 Py_TYPE(obj)->tp_name);
+    return -1;
 }
 
 int parse_dropout(PyObject *obj, const char *name, double *out)
 {
     double p;
-    if (PyBool_Check(obj) || PyComplex_Check(obj) || PyArray_Check(obj)) goto type;
+    if (PyBool_Check(obj) || PyComplex_Check(obj) ||
+        (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) != 0))
+        goto type;
     p = PyFloat_AsDouble(obj);
     if (p == -1.0 && PyErr_Occurred()) {
         PyErr_Clear();

@@ -127,21 +127,26 @@ FLAGS = {"_forward": ["is_causal", "need_weights", "zero_rows", "reference"],
 
 
 @pytest.mark.parametrize("method", sorted(FLAGS))
-@pytest.mark.parametrize("bad", [np.array([True, False]), np.array(True), "yes", None, 1.0])
+@pytest.mark.parametrize("bad", [np.array([True, False]), np.zeros((1, 1)), "yes", [True],
+                                 (1,), {1}])
 def test_ambiguous_flags_name_the_argument(method, bad):
+    """Not NumPy's bare "truth value of an array ... is ambiguous"."""
     m = M(8, 2, seed=0)
     call = _calls(m)[method]
     for flag in FLAGS[method]:
-        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        with pytest.raises(TypeError, match=f"{flag} must be True or False"):
             call(**{flag: bad})
 
 
-def test_flags_accept_bools_numpy_bools_and_ints():
+@pytest.mark.parametrize("true, false", [(True, False), (np.True_, np.False_), (1, 0),
+                                         (np.array(True), np.array(False)), (2.0, None)])
+def test_flags_are_single_truth_values(true, false):
     m = M(8, 2, seed=0)
-    a = m._forward(X, X, X, is_causal=np.True_, need_weights=1)
-    b = m._forward(X, X, X, is_causal=True, need_weights=True)
+    a = m._forward(X, X, X, is_causal=true, need_weights=false)
+    b = m._forward(X, X, X, is_causal=True, need_weights=False)
     np.testing.assert_array_equal(a[0], b[0])
-    np.testing.assert_array_equal(a[1], b[1])
+    assert a[1] is None
+    assert not np.array_equal(a[0], m._forward(X, X, X)[0])
 
 
 def test_training_calls_take_numpy_scalars_and_check_ranges():
@@ -155,6 +160,10 @@ def test_training_calls_take_numpy_scalars_and_check_ranges():
         m._forward_train(X, X, X, dropout=1.5)
     with pytest.raises(TypeError, match="dropout must be a real number"):
         m._forward_train(X, X, X, dropout=np.array([0.5]))
+    # a 0-d array is one number (the constructor took one before, too)
+    np.testing.assert_array_equal(
+        m._forward_train(X, X, X, dropout=np.array(0.5), counter=3)[0], b[0])
+    assert M(8, 2, np.array(0.25)).dropout == 0.25
 
 
 # ------------------------------------------------------------- the protocol
