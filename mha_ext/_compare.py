@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import html
 import math
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -153,6 +154,19 @@ def _row(name, a, b, truth):
     return Row(name, ea, eb, agree, closer)
 
 
+def _warn_dropout(model):
+    # dropout in training mode draws different masks in each run
+    for name, m in model.named_modules():
+        p = getattr(m, "dropout", getattr(m, "p", 0.0))
+        p = getattr(p, "p", p)
+        if m.training and isinstance(p, float) and p > 0.0:
+            warnings.warn(f"mha_ext.compare: {name or type(m).__name__} is in training mode "
+                          f"with dropout {p}: the three runs draw different dropout masks, "
+                          f"so the table compares noise; call model.eval() first",
+                          stacklevel=3)
+            return
+
+
 def _dtype_name(model):
     for p in model.parameters():
         return str(p.dtype).replace("torch.", "")
@@ -168,6 +182,7 @@ def compare(model, *inputs, from_torch_options=None, **kwargs) -> Comparison:
     mha_ext.MultiHeadAttention.from_torch).  The model is left as it was."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"compare expects a torch.nn.Module, not {type(model).__name__}")
+    _warn_dropout(model)
     if isinstance(model, nn.MultiheadAttention):
         ours = MultiheadAttention.from_torch(model)
         return _compare_module(model, ours, inputs, kwargs)

@@ -1,5 +1,14 @@
 """mha_ext.torch: our attention as a torch.nn.Module, trainable with torch.
 
+Two classes and a context manager:
+
+  MultiheadAttention   torch.nn.MultiheadAttention's exact surface (torch's
+                       spelling, lowercase h), a drop-in inside
+                       nn.Transformer* models (see mha_ext._torch_mha)
+  MultiHeadAttention   mha_ext.MultiHeadAttention's surface (below)
+  swapped(model)       every nn.MultiheadAttention of a model computed by
+                       mha_ext inside a with-block (see mha_ext._swap)
+
     from mha_ext.torch import MultiHeadAttention
     attn = MultiHeadAttention(64, 4, dropout=0.1, seed=0)
     out, weights = attn(x)                  # x a (B, S, 64) CPU tensor

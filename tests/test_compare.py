@@ -96,3 +96,23 @@ def test_refuses_what_it_cannot_compare():
         mha_ext.compare(np.zeros(3), 1)
     with pytest.raises(TypeError, match="no torch.nn.MultiheadAttention"):
         mha_ext.compare(nn.Linear(3, 3), x(2, 3))
+
+
+def test_dropout_in_training_mode_warns():
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 32, dropout=0.1,
+                                                             batch_first=True), 1,
+                                  enable_nested_tensor=False)
+    with pytest.warns(UserWarning, match="model.eval()"):
+        mha_ext.compare(model, x(B, S, E))
+
+
+def test_import_mha_ext_does_not_import_torch():
+    # compare is reached through mha_ext.compare, importing torch on first use only
+    import subprocess
+    import sys
+
+    from _support import PKG_ROOT
+    code = ("import sys; import mha_ext; assert 'torch' not in sys.modules; "
+            "f = mha_ext.compare; assert 'torch' in sys.modules and callable(f)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   env={"PYTHONPATH": PKG_ROOT, "PATH": ""})
