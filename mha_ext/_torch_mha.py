@@ -12,12 +12,16 @@ check refuses modules with hooks, so the layer calls our forward, which
 computes in mha_ext's C core.  nn.TransformerEncoder's nested-tensor path
 (eval, no grad, a src_key_padding_mask) hands the layers nested tensors:
 our forward pads them, attends with the padding as key_padding_mask and
-returns a nested tensor again.  Which numbers torch's own path would give
-for a query row that sees no key is reproduced (see :meth:`forward`).
+returns a nested tensor again.  What torch's own path would give for a
+query row that sees no key (NaN or out_proj.bias) is reproduced, also the
+layer's fused kernel's NaN: its conditions are checked on the calling
+layer, found on the call stack (see :meth:`forward`).
 
 Legend: B batch, L query length, S key length, E = embed_dim, H = num_heads.
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import torch
@@ -42,6 +46,36 @@ def _use_our_forward(module, args):
     nn.TransformerEncoderLayer's fast-path check refuses the layer and calls
     our forward instead of torch's fused kernel."""
     return None
+
+
+_SA_BLOCK = nn.TransformerEncoderLayer._sa_block.__code__
+
+
+def _layer_would_fuse(layer, src):
+    """nn.TransformerEncoderLayer.forward's fast-path conditions (torch
+    2.13), with our own pre-hook not counted as a hook."""
+    attn = layer.self_attn
+    if not torch.backends.mha.get_fastpath_enabled() or src.dim() != 3 or layer.training:
+        return False
+    if not attn.batch_first or attn.in_proj_bias is None or not attn._qkv_same_embed_dim:
+        return False
+    if not layer.activation_relu_or_gelu or layer.norm1.eps != layer.norm2.eps:
+        return False
+    if attn.num_heads % 2 or torch.is_autocast_enabled():
+        return False
+    for m in layer.modules():
+        hooks = list(getattr(m, "_forward_pre_hooks", {}).values())
+        if m is attn:
+            hooks = [h for h in hooks if h is not _use_our_forward]
+        if hooks or getattr(m, "_forward_hooks", {}):
+            return False
+    tensors = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+               attn.out_proj.bias, layer.norm1.weight, layer.norm1.bias, layer.norm2.weight,
+               layer.norm2.bias, layer.linear1.weight, layer.linear1.bias,
+               layer.linear2.weight, layer.linear2.bias)
+    if any(t is None for t in tensors) or torch.overrides.has_torch_function(tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def _positive_int(value, name):
@@ -220,6 +254,21 @@ class MultiheadAttention(nn.Module):
             return False
         return True
 
+    def _in_fused_layer(self, query):
+        """Whether an nn.TransformerEncoderLayer calling us (found on the call
+        stack) would have run torch's fused layer kernel but for our hook;
+        that kernel gives NaN for a query that sees no key."""
+        frame = sys._getframe(1)
+        for _ in range(8):
+            frame = frame.f_back
+            if frame is None:
+                return False
+            if frame.f_code is _SA_BLOCK:
+                layer = frame.f_locals.get("self")
+                return isinstance(layer, nn.TransformerEncoderLayer) \
+                    and layer.self_attn is self and _layer_would_fuse(layer, query)
+        return False
+
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
                 attn_mask=None, average_attn_weights=True, is_causal=False):
         """torch.nn.MultiheadAttention.forward, computed by mha_ext.
@@ -238,15 +287,18 @@ class MultiheadAttention(nn.Module):
         default) or (B, H, L, S), None with need_weights=False.
 
         A query row that sees no key is NaN (output and weights) where torch
-        takes its weights path (need_weights=True) or its fused path (eval,
-        no grad, batch-first self-attention, bool or no masks); on torch's
-        SDPA path (need_weights=False otherwise) the row's output is
-        out_proj.bias, as torch gives.
+        takes its weights path (need_weights=True) or a fused path (this
+        module's: eval, no grad, batch-first self-attention, bool or no
+        masks; or, called from an nn.TransformerEncoderLayer, the layer's
+        fused kernel, whose conditions are checked on the calling layer);
+        on torch's SDPA path (need_weights=False otherwise) the row's output
+        is out_proj.bias, as torch gives.
         """
         if query.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
-        fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask)
+        fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask) \
+            or (not need_weights and self._in_fused_layer(query))
         causal = False
         if is_causal:
             if attn_mask is None:

@@ -257,3 +257,33 @@ def test_swapped_restores_after_an_error():
             assert isinstance(stock.self_attn, MultiheadAttention)
             1 / 0
     assert stock.self_attn is old
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("bf,nf", CONFIGS, ids=lambda v: str(v))
+@pytest.mark.parametrize("kind", ["TransformerEncoderLayer", "TransformerDecoderLayer",
+                                  "TransformerEncoder", "Transformer"])
+def test_rows_that_see_no_key_match_the_stock_model(kind, bf, nf, train, grad):
+    # batch 1 fully padded: torch's paths differ (NaN from the weights and
+    # fused paths, out_proj.bias from SDPA); NaN must sit where torch has them
+    dtype = torch.float64
+    stock = randomise_biases(_build(kind, bf, nf, dtype)).train(train)
+    ours = swap_copy(stock)
+    src, tgt = seq(S, dtype, bf, 1), seq(L, dtype, bf, 2)
+    pad_s = torch.zeros(B, S, dtype=torch.bool)
+    pad_s[1] = True
+    pad_t = torch.zeros(B, L, dtype=torch.bool)
+    pad_t[1] = True
+    if kind in ("TransformerEncoderLayer", "TransformerEncoder"):
+        args, kw = (src,), {"src_key_padding_mask": pad_s}
+    elif kind == "TransformerDecoderLayer":
+        args, kw = (tgt, src), {"tgt_key_padding_mask": pad_t,
+                                "memory_key_padding_mask": pad_s}
+    else:
+        args, kw = (src, tgt), {"src_key_padding_mask": pad_s,
+                                "memory_key_padding_mask": pad_s}
+    with torch.set_grad_enabled(grad), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = stock(*args, **kw), ours(*args, **kw)
+    assert _err(a.detach(), b.detach(), f"{kind} fully padded") <= TOL[dtype]
