@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import _habits
 from ._convert import as_real, check_tensor
 from ._params import LINEARS
 from ._torch_fn import AttentionFunction as _AttentionFunction
@@ -138,7 +139,9 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query, key=None, value=None, mask=None, *, attn_mask=None,
                 key_padding_mask=None, is_causal=False, need_weights=True,
-                average_weights=False, masked_rows="nan"):
+                average_weights=False, masked_rows="nan", **unknown):
+        if unknown:  # torch's names (average_attn_weights, ...) named with ours
+            _habits.call_keywords(unknown, "forward")
         params = self._params()
         dtype = params[0].dtype
         core = self._core_for(dtype)

@@ -61,6 +61,14 @@ def test_average_attn_weights_names_ours(method):
         getattr(m, method)(rng_x(B, S, E), average_attn_weights=True)
 
 
+def test_torch_adapter_names_ours_too():
+    import mha_ext.torch as mt
+
+    a = mt.MultiHeadAttention(E, H, seed=0)
+    with pytest.raises(TypeError, match="mha_ext spells it 'average_weights'"):
+        a(torch.zeros(B, S, E), average_attn_weights=False)
+
+
 def test_other_unknown_keywords_stay_pythons_error():
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         MultiHeadAttention(E, H, seed=0)(rng_x(B, S, E), bogus=1)
