@@ -8,7 +8,7 @@ work lives in one home each:
   _params    parameter keys, the block layout, state dicts <-> blocks
   _masks     mask, attn_mask, key_padding_mask -> the C side's (kind, array)
   _calls     call arguments, output shaping, the only caller of _forward,
-             _forward_with and _backward
+             _forward_train and _backward
   _interop   from_torch
   _habits    torch habits: torch keyword names, batch_first, mask_polarity
   autograd   forward_train / backward / ForwardContext
