@@ -3,6 +3,7 @@ from typing import Any, Literal, Optional, Sequence, Tuple
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self
 
 def set_num_threads(n: int, /) -> None:
     """Use n threads (1 to 256) for the library's own parallel work."""
@@ -19,7 +20,7 @@ class MultiHeadAttention:
 
     def __new__(cls, d_model: int, n_heads: int, dropout: float = ..., *, bias: bool = ...,
                 kdim: Optional[int] = ..., vdim: Optional[int] = ...,
-                dtype: npt.DTypeLike = ..., seed: Optional[int] = ...) -> "MultiHeadAttention": ...
+                dtype: npt.DTypeLike = ..., seed: Optional[int] = ...) -> Self: ...
     @property
     def d_model(self) -> int: ...
     @property
