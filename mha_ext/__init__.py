@@ -28,9 +28,10 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import types
 
 
-def _installed_package(source_dir):
+def _installed_package(source_dir: str) -> types.ModuleType:
     """The installed mha_ext that a source checkout without a built
     extension stands in front of, or an ImportError that says what to do.
 
@@ -43,7 +44,7 @@ def _installed_package(source_dir):
     others = [p for p in sys.path
               if os.path.realpath(os.path.join(p or os.curdir, "mha_ext")) != here]
     spec = importlib.machinery.PathFinder.find_spec("mha_ext", others)
-    found = None
+    found: "tuple[importlib.machinery.ModuleSpec, str] | None" = None
     if spec is not None and spec.submodule_search_locations:
         pkg_dir = list(spec.submodule_search_locations)[0]
         if importlib.machinery.PathFinder.find_spec(
@@ -66,6 +67,7 @@ def _installed_package(source_dir):
             "mha_ext installed in %s is version %s, not this tree's %s: %s"
             % (source_dir, site, installed or "(unknown)", __version__, build_hint),
             name="mha_ext._core")
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["mha_ext"] = module      # what `import mha_ext` returns
     try:
@@ -77,7 +79,9 @@ def _installed_package(source_dir):
 
 
 try:
-    from . import _core
+    # not `from . import _core`: that turns a missing module into a plain
+    # ImportError ("cannot import name"), this keeps ModuleNotFoundError.name
+    _core = importlib.import_module(__name__ + "._core")
 except ModuleNotFoundError as _exc:
     if _exc.name != __name__ + "._core":
         raise
