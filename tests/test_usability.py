@@ -136,6 +136,9 @@ def _resolves(name):
         try:
             importlib.import_module(".".join(parts[:i]))
             break
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.split(".")[0] != "mha_ext":
+                return True     # needs an optional dependency (torch) not installed here
         except ImportError:
             continue
     obj = importlib.import_module(parts[0])
