@@ -100,3 +100,27 @@ def test_root_with_another_installed_version_says_so(fresh):
     assert proc.returncode == 1
     assert "not this tree's 99." in proc.stderr, proc.stderr
     assert "pip install ." in proc.stderr
+
+
+def test_notebook_kernel_at_the_root(fresh):
+    """A notebook started at the root (its kernel's cwd, first on sys.path)
+    gets the installed mha_ext.  The kernel is this Python's: it needs an
+    installed mha_ext (CI: the README's `pip install ".[test]"`)."""
+    from _support import need
+    import mha_ext
+    if "site-packages" not in Path(mha_ext.__file__).parts:
+        pytest.skip("mha_ext is built in place here, not installed")
+    nbformat = need("nbformat")
+    nbclient = need("nbclient")
+    need("ipykernel")
+    _, repo = fresh
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "import os, mha_ext\nprint(os.getcwd())\nprint(mha_ext.__file__)\n"
+        "print(mha_ext.MultiHeadAttention(8, 2).num_parameters)"))
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(repo)}}).execute()
+    cwd, where, n = nb.cells[0].outputs[0]["text"].split()
+    assert Path(cwd).resolve() == repo.resolve()
+    assert Path(where).resolve() == Path(mha_ext.__file__).resolve()
+    assert n == "288"
