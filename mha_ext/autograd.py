@@ -24,14 +24,12 @@ Legend: B batch, Sq query length, Sk key length, E = d_model, H = n_heads.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
 
-__all__ = ["ForwardContext", "forward_train", "backward"]
+from . import _calls, _params
+from ._convert import contiguous, counter as _counter, probability
 
-_KEYS = ("W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias",
-         "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias")
+__all__ = ["ForwardContext", "forward_train", "backward"]
 
 
 class ForwardContext:
@@ -60,49 +58,6 @@ class ForwardContext:
                 f"dropout={self.dropout!r}, counter={self.counter})")
 
 
-def _param_block(mha, params):
-    """The flat parameter block (a private copy) from a state_dict-like
-    mapping or a 1-D block; None (the module's parameters) stays None: the
-    forward copies those itself, under the module's lock."""
-    from .module import _as_array, _check_real
-
-    if params is None:
-        return None
-    block = np.array(mha._block(), copy=True)
-    layout = mha._layout()
-    if isinstance(params, Mapping):
-        for i, k in enumerate(_KEYS):
-            offset, size = layout[i]
-            if size == 0:
-                continue
-            if k not in params:
-                raise KeyError(f"params is missing {k!r}")
-            value = _as_array(params[k], f"params[{k!r}]")
-            _check_real(value, f"params[{k!r}]")
-            want = mha._tensor(i).shape
-            if value.shape != want:
-                raise ValueError(f"params[{k!r}] must have shape {want}, got {value.shape}")
-            block[offset:offset + size] = value.reshape(-1)
-        return block
-    value = _as_array(params, "params")
-    _check_real(value, "params")
-    if value.shape != block.shape:
-        raise ValueError(f"params must be a mapping like state_dict() or a 1-D block of "
-                         f"{block.size} scalars, got shape {value.shape}")
-    block[...] = value
-    return block
-
-
-def _input(x, name, dtype):
-    """x as a C-contiguous array of dtype: the array itself when it already
-    is one (the forward's C core makes the context's private copies)."""
-    from .module import _as_array, _check_real
-
-    arr = _as_array(x, name)
-    _check_real(arr, name)
-    return np.ascontiguousarray(arr, dtype=dtype)
-
-
 def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None,
                   key_padding_mask=None, is_causal=False, need_weights=True,
                   average_weights=False, masked_rows="nan", params=None, dropout=None,
@@ -123,56 +78,37 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
         than those four, so that the backward need not recompute them
         (default); False keeps only the inputs and the backward recomputes.
     """
-    dtype = mha.dtype
     # no copies here: the C forward copies the inputs as its projections read them
-    q3, k3, v3, masks, batched = mha._call_args(
-        query, key, value, mask, attn_mask, key_padding_mask, masked_rows,
-        convert=lambda x, name: _input(x, name, dtype))
+    call = _calls.prepare(mha, query, key, value, mask, attn_mask, key_padding_mask,
+                          is_causal, need_weights, average_weights, masked_rows,
+                          dtype=mha.dtype)
     # private copies: the backward must see the masks of this call
-    masks = tuple((kind, np.array(m, copy=True)) for kind, m in masks)
+    masks = tuple((kind, np.array(m, copy=True)) for kind, m in call.masks)
+    call = call._replace(masks=list(masks))
 
     if dropout is None:
         p = float(mha.dropout) if mha.training else 0.0
     else:
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or \
-                not 0.0 <= float(dropout) <= 1.0:
-            raise ValueError(f"dropout must be a probability in [0, 1], got {dropout!r}")
-        p = float(dropout)
+        p = probability(dropout, "dropout")
     if p > 0.0:
         if dropout_counter is None:
             counter = mha._take_counter()
         else:
-            if isinstance(dropout_counter, bool) or not isinstance(dropout_counter, int) \
-                    or not 0 <= dropout_counter < 2 ** 64:
-                raise ValueError(f"dropout_counter must be an int in [0, 2**64), "
-                                 f"got {dropout_counter!r}")
-            counter = dropout_counter
+            counter = _counter(dropout_counter, "dropout_counter")
     else:
         counter = 0
-    block = _param_block(mha, params)
-    zero_rows = masked_rows == "zero"
-    keep = 0
-    if save_projections:
-        Sq, Sk, E = q3.shape[1], k3.shape[1], mha.d_model
-        # P as well when it costs no more memory than Q, K, V and ctx
-        keep = 2 if mha.n_heads * Sq * Sk <= 2 * E * (Sq + Sk) else 1
-    out, weights, saved, copies = mha._forward_with(block, q3, k3, v3, list(masks),
-                                                    bool(is_causal), bool(need_weights),
-                                                    zero_rows, p, counter, keep, True)
+    block = _params.params_block(mha, params)
+    keep = _calls.keep_level(mha, call, save_projections)
+    out, weights, saved, copies = _calls.c_forward_train(mha, call, block, p, counter, keep)
     block_copy, q3, k3, v3 = copies
     if block is None:
         block = block_copy
-    if weights is not None and average_weights:
-        weights = weights.mean(axis=1)
-    if not batched:
-        out = out[0]
-        weights = None if weights is None else weights[0]
+    out, weights = _calls.shape_output(call, out, weights)
     return ForwardContext(output=out, weights=weights, dropout=p, counter=counter,
                           _params=block, _query=q3, _key=k3, _value=v3, _saved=saved,
-                          _masks=masks,
-                          _is_causal=bool(is_causal), _zero_rows=zero_rows, _batched=batched,
-                          _need_weights=bool(need_weights),
-                          _average_weights=bool(average_weights), _seed=mha.seed)
+                          _masks=masks, _is_causal=call.is_causal, _zero_rows=call.zero_rows,
+                          _batched=call.batched, _need_weights=call.need_weights,
+                          _average_weights=call.average_weights, _seed=mha.seed)
 
 
 def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
@@ -197,7 +133,7 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
         raise ValueError("ctx was made by forward_train of a different module (another "
                          "configuration, dtype or seed)")
     dtype = mha.dtype
-    go = _input(grad_output, "grad_output", dtype)
+    go = contiguous(grad_output, "grad_output", dtype)
     if go.shape != ctx.output.shape:
         raise ValueError(f"grad_output must have the output's shape {ctx.output.shape}, "
                          f"got {go.shape}")
@@ -206,27 +142,15 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
         if ctx.weights is None:
             raise ValueError("grad_weights given, but the forward returned no weights "
                              "(need_weights=False)")
-        gw = _input(grad_weights, "grad_weights", dtype)
+        gw = contiguous(grad_weights, "grad_weights", dtype)
         if gw.shape != ctx.weights.shape:
             raise ValueError(f"grad_weights must have the weights' shape {ctx.weights.shape}, "
                              f"got {gw.shape}")
-        if not ctx._batched:
-            gw = gw[None]
-        if ctx._average_weights:  # weights = mean over heads
-            gw = np.repeat(gw[:, None] / dtype.type(mha.n_heads), mha.n_heads, axis=1)
-    if not ctx._batched:
-        go = go[None]
-    gp, gq, gk, gv = mha._backward(ctx._params, ctx._query, ctx._key, ctx._value,
-                                   list(ctx._masks), ctx._is_causal, ctx._zero_rows,
-                                   ctx.dropout, ctx.counter, go, gw, ctx._saved)
-    grads = {}
-    layout = mha._layout()
-    for i, k in enumerate(_KEYS):
-        offset, size = layout[i]
-        if size == 0:
-            continue
-        shape = mha._tensor(i).shape
-        grads[k] = gp[offset:offset + size].reshape(shape)
+    go, gw = _calls.grads_for_c(go, gw, ctx._batched, ctx._average_weights, mha.n_heads)
+    gp, gq, gk, gv = _calls.c_backward(mha, ctx._params, ctx._query, ctx._key, ctx._value,
+                                       ctx._masks, ctx._is_causal, ctx._zero_rows,
+                                       ctx.dropout, ctx.counter, go, gw, ctx._saved)
+    grads = _params.grads(mha, gp)
     if not ctx._batched:
         gq, gk, gv = gq[0], gk[0], gv[0]
     grads["query"] = gq

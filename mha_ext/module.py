@@ -1,9 +1,19 @@
 """MultiHeadAttention: the Python face of the C type in _core.c.
 
 The C base class owns the parameter memory and runs the forward pass with
-the GIL released.  This subclass adds what is easier in Python: the mask
-semantics of the seed notebook and of torch.nn.MultiheadAttention, torch
-tensors as inputs, unbatched inputs, state dicts, train()/eval() and repr().
+the GIL released.  This subclass is the public face and stays thin; the
+work lives in one home each:
+
+  _convert   torch tensors and array-likes to arrays, scalar argument checks
+  _params    parameter keys, the block layout, state dicts <-> blocks
+  _masks     mask, attn_mask, key_padding_mask -> the C side's (kind, array)
+  _calls     call arguments, output shaping, the only caller of _forward,
+             _forward_with and _backward
+  _interop   from_torch
+  autograd   forward_train / backward / ForwardContext
+
+Imports flow one way: _convert <- _params, _masks <- _calls <- autograd <-
+module <- torch (mha_ext.torch); _interop and trace sit beside autograd.
 
 Legend: B batch, Sq query length, Sk key length, E = d_model, H = n_heads,
 Dk = E / H.
@@ -11,65 +21,19 @@ Dk = E / H.
 from __future__ import annotations
 
 import contextlib
-from collections import namedtuple
 from collections.abc import Mapping
 from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from . import _core
+from . import _calls, _core, _interop, _params
+from . import autograd as _autograd
+from . import trace as _trace
+from ._convert import as_real
+from ._params import IncompatibleKeys
 
 __all__ = ["MultiHeadAttention", "Linear"]
-
-# parameter names in the order of the C block (src/mha.h, mha_param_layout)
-_KEYS = ("W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias",
-         "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias")
-
-# torch.nn.MultiheadAttention's keys: packed (kdim == vdim == d_model) or separate
-_TORCH_PACKED = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
-_TORCH_SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-                   "out_proj.weight", "out_proj.bias")
-_TORCH_KEYS = frozenset(_TORCH_PACKED + _TORCH_SEPARATE)
-_TORCH_UNSUPPORTED = {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}
-
-IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
-
-
-def _to_numpy(x):
-    """A torch tensor (also one that requires grad) as a NumPy array; anything
-    else unchanged.  torch is never imported here."""
-    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
-        x = x.detach()
-        if x.device.type != "cpu":
-            x = x.cpu()
-        if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16
-            x = x.float()
-        return x.resolve_conj().resolve_neg().numpy()
-    return x
-
-
-def _as_array(x, name):
-    """x as an ndarray (no copy for an ndarray), with a message naming `name`
-    when it cannot be one."""
-    try:
-        x = _to_numpy(x)
-        if isinstance(x, np.ndarray):
-            return x
-        return np.asarray(x)
-    except MemoryError as exc:
-        raise MemoryError(f"{name}: {exc}") from exc
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{name} must be array-like: {exc}") from None
-    except Exception as exc:  # e.g. an __array__ that raises: still bad input
-        raise TypeError(f"{name} must be array-like, converting it raised "
-                        f"{type(exc).__name__}: {exc}") from exc
-
-
-def _check_real(arr, name):
-    if arr.dtype.kind not in "biuf":
-        raise TypeError(f"{name} must hold real numbers (bool, int or float), "
-                        f"got dtype {arr.dtype}")
 
 
 def _assign(target, value, name):
@@ -77,8 +41,7 @@ def _assign(target, value, name):
     that assignment) copies value into the module's memory, never rebinds."""
     if value is target:
         return
-    arr = _as_array(value, name)
-    _check_real(arr, name)
+    arr = as_real(value, name)
     if arr.shape != target.shape:
         raise ValueError(f"{name} must have shape {target.shape}, got {arr.shape}")
     target[...] = arr
@@ -159,18 +122,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         pass
 
     # ------------------------------------------------------------ parameters
-    def _tensor(self, i):
-        offset, size = self._layout()[i]
-        if size == 0:
-            return None
-        flat = self._block()[offset:offset + size]
-        if i % 2 == 1:  # a bias
-            return flat
-        fan_in = (self.d_model, self.kdim, self.vdim, self.d_model)[i // 2]
-        return flat.reshape(self.d_model, fan_in)
-
     def _linear(self, i):
-        return Linear(self._tensor(i), self._tensor(i + 1))
+        return Linear(_params.tensor(self, i), _params.tensor(self, i + 1))
 
     @property
     def W_q(self) -> Linear:
@@ -192,13 +145,10 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         """The output projection: weight (E, E), bias (E,)."""
         return self._linear(6)
 
-    def _keys(self):
-        return tuple(k for k in _KEYS if self.bias or not k.endswith(".bias"))
-
     def state_dict(self) -> dict[str, np.ndarray]:
         """A dict of NumPy copies under the seed module's keys: 'W_q.weight',
         'W_q.bias', ... 'W_o.bias' (no bias keys when bias=False)."""
-        return {k: self._tensor(_KEYS.index(k)).copy() for k in self._keys()}
+        return _params.state_dict(self)
 
     def load_state_dict(self, state_dict: Mapping[str, ArrayLike],
                         strict: bool = True) -> IncompatibleKeys:
@@ -217,72 +167,9 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         error nothing is changed; the new parameters replace the old ones at
         once, so a concurrent call sees either all old or all new ones.
         Returns (missing_keys, unexpected_keys) like torch."""
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping of names to arrays, "
-                            f"not {type(state_dict).__name__}")
-        for k, option in _TORCH_UNSUPPORTED.items():
-            if k in state_dict:
-                raise ValueError(f"state_dict has {k!r}: torch.nn.MultiheadAttention with "
-                                 f"{option} is not supported by mha_ext")
-        seed_keys = self._keys()
-        if (any(k in _TORCH_KEYS for k in state_dict)
-                and not any(k in seed_keys for k in state_dict)):
-            keys, parts = self._torch_layout(state_dict)
-        else:
-            keys = seed_keys
-            parts = {k: (_KEYS.index(k),) for k in keys}
-        missing = [k for k in keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in keys]
-        if strict and missing:
-            raise KeyError(f"state_dict is missing {missing[0]!r} "
-                           f"(expected keys: {', '.join(keys)})")
-        if strict and unexpected:
-            raise KeyError(f"state_dict has an unexpected key {unexpected[0]!r} "
-                           f"(expected keys: {', '.join(keys)})")
-        block = np.array(self._block(), copy=True)
-        layout = self._layout()
-        for k in keys:
-            if k not in state_dict:
-                continue
-            value = _as_array(state_dict[k], f"state_dict[{k!r}]")
-            _check_real(value, f"state_dict[{k!r}]")
-            # a key holds one tensor, or several stacked along the first axis
-            shapes = [self._tensor(i).shape for i in parts[k]]
-            want = (sum(sh[0] for sh in shapes),) + shapes[0][1:]
-            if value.shape != want:
-                raise ValueError(f"state_dict[{k!r}] must have shape {want}, "
-                                 f"got {value.shape}")
-            row = 0
-            for i, sh in zip(parts[k], shapes):
-                offset, size = layout[i]
-                block[offset:offset + size] = value[row:row + sh[0]].reshape(-1)
-                row += sh[0]
+        block, incompatible = _params.load_block(self, state_dict, strict)
         self._load(block)
-        return IncompatibleKeys(missing, unexpected)
-
-    def _torch_layout(self, state_dict):
-        """The keys torch.nn.MultiheadAttention would have for this module, and
-        for each the indices of the C block's tensors it stacks."""
-        E = self.d_model
-        same = self.kdim == E and self.vdim == E
-        separate = any(k in state_dict for k in ("q_proj_weight", "k_proj_weight",
-                                                  "v_proj_weight"))
-        if "in_proj_weight" in state_dict and not same:
-            raise ValueError(
-                f"state_dict['in_proj_weight'] is torch's packed layout, which needs "
-                f"kdim == vdim == d_model; this module has d_model={E}, kdim={self.kdim}, "
-                f"vdim={self.vdim}, so torch stores 'q_proj_weight' ({E}, {E}), "
-                f"'k_proj_weight' ({E}, {self.kdim}) and 'v_proj_weight' ({E}, {self.vdim})")
-        if "in_proj_weight" in state_dict or (same and not separate):
-            keys = list(_TORCH_PACKED)
-        else:
-            keys = list(_TORCH_SEPARATE)
-        if not self.bias:
-            keys = [k for k in keys if not k.endswith("_bias") and not k.endswith(".bias")]
-        parts = {"in_proj_weight": (0, 2, 4), "in_proj_bias": (1, 3, 5),
-                 "q_proj_weight": (0,), "k_proj_weight": (2,), "v_proj_weight": (4,),
-                 "out_proj.weight": (6,), "out_proj.bias": (7,)}
-        return tuple(keys), parts
+        return incompatible
 
     @classmethod
     def from_torch(cls, module, *, dtype: DTypeLike | None = None,
@@ -293,92 +180,12 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
         Takes over the weights, biases, kdim/vdim, dtype (float32 or float64;
         pass dtype= for a float16/bfloat16 module), dropout and training mode.
-        add_bias_kv and add_zero_attn are not supported (ValueError).  The copy
-        owns its memory: later changes to either module do not reach the other.
+        add_bias_kv and add_zero_attn are not supported (ValueError), nor a
+        module on the meta device (ValueError: it has no data to copy).  The
+        copy owns its memory: later changes to either module do not reach
+        the other.
         """
-        if hasattr(module, "in_proj_weight") and hasattr(module, "out_proj"):
-            return cls._from_torch_mha(module, dtype, seed)
-        if all(hasattr(module, n) for n in ("W_q", "W_k", "W_v", "W_o")):
-            return cls._from_torch_seed(module, dtype, seed)
-        raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention or a module with "
-                        f"W_q, W_k, W_v, W_o linear children, not {type(module).__name__}")
-
-    @staticmethod
-    def _torch_dtype(tensor, dtype):
-        if dtype is not None:
-            return dtype
-        name = str(tensor.dtype).replace("torch.", "")
-        if name in ("float32", "float64"):
-            return name
-        raise ValueError(f"from_torch: the module's parameters are {name}; mha_ext computes "
-                         f"in float32 or float64, so pass dtype='float32' or 'float64'")
-
-    @staticmethod
-    def _torch_dropout(module):
-        p = getattr(module, "dropout", 0.0)
-        p = getattr(p, "p", p)  # an nn.Dropout child, or a float
-        if p is None:
-            return 0.0
-        return float(p)
-
-    @classmethod
-    def _from_torch_mha(cls, module, dtype, seed):
-        if getattr(module, "bias_k", None) is not None or getattr(module, "bias_v", None) is not None:
-            raise ValueError("from_torch: torch.nn.MultiheadAttention with add_bias_kv=True "
-                             "is not supported (mha_ext has no learned extra key/value)")
-        if getattr(module, "add_zero_attn", False):
-            raise ValueError("from_torch: torch.nn.MultiheadAttention with add_zero_attn=True "
-                             "is not supported (mha_ext adds no zero key/value)")
-        E, H = int(module.embed_dim), int(module.num_heads)
-        kdim, vdim = int(module.kdim), int(module.vdim)
-        w_out = module.out_proj.weight
-        in_bias, out_bias = module.in_proj_bias, module.out_proj.bias
-        bias = in_bias is not None or out_bias is not None
-        m = cls(E, H, cls._torch_dropout(module), bias=bias, kdim=kdim, vdim=vdim,
-                dtype=cls._torch_dtype(w_out, dtype), seed=seed)
-        if module.in_proj_weight is not None:
-            w = _to_numpy(module.in_proj_weight)
-            ws = (w[:E], w[E:2 * E], w[2 * E:])
-        else:
-            ws = tuple(_to_numpy(getattr(module, f"{n}_proj_weight")) for n in "qkv")
-        state = {"W_q.weight": ws[0], "W_k.weight": ws[1], "W_v.weight": ws[2],
-                 "W_o.weight": _to_numpy(w_out)}
-        if bias:
-            b = np.zeros(3 * E) if in_bias is None else _to_numpy(in_bias)
-            state.update({"W_q.bias": b[:E], "W_k.bias": b[E:2 * E], "W_v.bias": b[2 * E:],
-                          "W_o.bias": np.zeros(E) if out_bias is None else _to_numpy(out_bias)})
-        m.load_state_dict(state)
-        m.train(bool(module.training))
-        return m
-
-    @classmethod
-    def _from_torch_seed(cls, module, dtype, seed):
-        lins = [getattr(module, n) for n in ("W_q", "W_k", "W_v", "W_o")]
-        for n, lin in zip(("W_q", "W_k", "W_v", "W_o"), lins):
-            if getattr(lin, "weight", None) is None or getattr(lin.weight, "ndim", 0) != 2:
-                raise TypeError(f"from_torch: {type(module).__name__}.{n} must be a linear "
-                                f"layer with a 2-D .weight")
-        E = int(lins[0].weight.shape[0])
-        H = getattr(module, "n_heads", None) or getattr(module, "num_heads", None)
-        if H is None:
-            d_k = getattr(module, "d_k", None)
-            if d_k is None:
-                raise ValueError(f"from_torch: {type(module).__name__} has no n_heads, "
-                                 f"num_heads or d_k attribute, so the number of heads is unknown")
-            H = E // int(d_k)
-        biases = [getattr(lin, "bias", None) for lin in lins]
-        bias = any(b is not None for b in biases)
-        m = cls(E, int(H), cls._torch_dropout(module), bias=bias,
-                kdim=int(lins[1].weight.shape[1]), vdim=int(lins[2].weight.shape[1]),
-                dtype=cls._torch_dtype(lins[0].weight, dtype), seed=seed)
-        state = {}
-        for n, lin, b in zip(("W_q", "W_k", "W_v", "W_o"), lins, biases):
-            state[f"{n}.weight"] = _to_numpy(lin.weight)
-            if bias:
-                state[f"{n}.bias"] = np.zeros(E) if b is None else _to_numpy(b)
-        m.load_state_dict(state)
-        m.train(bool(module.training))
-        return m
+        return _interop.from_torch(cls, module, dtype, seed)
 
     # ------------------------------------------------------------ copies
     def __reduce__(self):
@@ -414,9 +221,9 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     # ------------------------------------------------------------ modes
     def train(self, mode: bool = True) -> "MultiHeadAttention":
         """Training mode (dropout active) when mode is True; returns self."""
-        if not isinstance(mode, bool):
-            raise ValueError(f"training mode must be a bool, got {mode!r}")
-        self.training = mode
+        if not isinstance(mode, (bool, np.bool_)):
+            raise ValueError(f"train(mode): the training mode must be a bool, got {mode!r}")
+        self.training = bool(mode)
         return self
 
     def eval(self) -> "MultiHeadAttention":
@@ -466,122 +273,15 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         masked_rows: "nan" (default) gives NaN weights and output for a query
           that sees no key, like the seed module; "zero" gives zero weights and
           an output row equal to W_o.bias, like torch's SDPA.
+        is_causal, need_weights and average_weights are single truth values
+        (bools, NumPy bools); a sequence or array is a TypeError naming it.
         """
-        q3, k3, v3, masks, batched = self._call_args(query, key, value, mask, attn_mask,
-                                                     key_padding_mask, masked_rows)
-        zero_rows = masked_rows == "zero"
-        out, weights = self._forward(q3, k3, v3, masks, bool(is_causal), bool(need_weights),
-                                     zero_rows, False)
-        if weights is not None and average_weights:
-            weights = weights.mean(axis=1)
-        if not batched:
-            out = out[0]
-            weights = None if weights is None else weights[0]
-        return out, weights
+        call = _calls.prepare(self, query, key, value, mask, attn_mask, key_padding_mask,
+                              is_causal, need_weights, average_weights, masked_rows)
+        out, weights = _calls.c_forward(self, call)
+        return _calls.shape_output(call, out, weights)
 
     __call__ = forward
-
-    def _call_args(self, query, key, value, mask, attn_mask, key_padding_mask, masked_rows,
-                   convert=None):
-        """A call's arguments checked and brought to the C side's form:
-        (query, key, value) as 3-D arrays, the masks as (kind, array) pairs
-        (kind 0 blocking, 1 additive) and whether the call was batched.
-        convert(x, name) makes an input an array (default: no copy for an
-        ndarray); shared by forward() and autograd.forward_train()."""
-        convert = convert or _as_array
-        q = convert(query, "query")
-        k = q if key is None else convert(key, "key")
-        v = k if value is None else convert(value, "value")
-        if q.ndim == 2:
-            for name, x in (("key", k), ("value", v)):
-                if x.ndim != 2:
-                    raise ValueError(f"query is unbatched (2-D, shape {q.shape}), so {name} "
-                                     f"must be 2-D too, got shape {x.shape}")
-            batched = False
-            # keep self-attention visible to the C side (no second copy)
-            q3 = q[None]
-            k3 = q3 if k is q else k[None]
-            v3 = k3 if v is k else (q3 if v is q else v[None])
-        else:
-            batched = True
-            q3, k3, v3 = q, k, v
-        if q3.ndim != 3:
-            raise ValueError(f"query must be 3-D (batch, seq, d_model) or 2-D (seq, d_model), "
-                             f"got shape {q.shape}")
-        if k3.ndim != 3 or v3.ndim != 3:
-            bad, x = ("key", k) if k3.ndim != 3 else ("value", v)
-            raise ValueError(f"{bad} must be 3-D like query (shape {q.shape}), got shape {x.shape}")
-        B, Sq, Sk, H = q3.shape[0], q3.shape[1], k3.shape[1], self.n_heads
-        if masked_rows not in ("nan", "zero"):
-            raise ValueError(f"masked_rows must be 'nan' or 'zero', got {masked_rows!r}")
-        masks = []
-        if mask is not None:
-            masks.append(self._seed_mask(mask, batched, (B, H, Sq, Sk)))
-        if attn_mask is not None:
-            masks.append(self._attn_mask(attn_mask, batched, B, H, Sq, Sk))
-        if key_padding_mask is not None:
-            masks.append(self._padding_mask(key_padding_mask, batched, B, Sk))
-        return q3, k3, v3, masks, batched
-
-    @staticmethod
-    def _seed_mask(mask, batched, dims):
-        m = _as_array(mask, "mask")
-        if m.dtype.kind not in "biuf":
-            raise TypeError(f"mask must be bool, int or float with 0/1 values (1 = blocked), "
-                            f"got dtype {m.dtype}")
-        if m.ndim > (4 if batched else 3):
-            raise ValueError(f"mask must broadcast to (B, H, Sq, Sk) (unbatched: (H, Sq, Sk)), "
-                             f"got shape {m.shape}")
-        target = dims if batched else dims[1:]
-        try:
-            fits = np.broadcast_shapes(m.shape, target) == target
-        except ValueError:
-            fits = False
-        if not fits:
-            names = ("batch", "heads", "query length", "key length")[-len(target):]
-            bad = [f"its {n} axis is {d}, not {t}" for n, d, t in
-                   zip(names[-m.ndim:], m.shape, target[-m.ndim:]) if d not in (1, t)]
-            raise ValueError(f"mask of shape {m.shape} does not broadcast to "
-                             f"{'(B, H, Sq, Sk)' if batched else '(H, Sq, Sk)'} = {target}"
-                             + (f": {', '.join(bad)}" if bad else ""))
-        if m.dtype.kind == "b":
-            return (0, m.view(np.uint8))
-        if not np.all((m == 0) | (m == 1)):
-            raise ValueError("mask must hold only 0 and 1 (1 = blocked); for additive float "
-                             "masks (-inf to block) use attn_mask")
-        return (0, m != 0)
-
-    @staticmethod
-    def _kind(m, name):
-        if m.dtype.kind == "b":
-            return 0
-        if m.dtype.kind == "f":
-            return 1
-        raise TypeError(f"{name} must be bool (True = blocked) or float (added to the "
-                        f"scores), got dtype {m.dtype}")
-
-    def _attn_mask(self, attn_mask, batched, B, H, Sq, Sk):
-        m = _as_array(attn_mask, "attn_mask")
-        kind = self._kind(m, "attn_mask")
-        if m.shape == (Sq, Sk):
-            return (kind, m)
-        if batched and m.shape == (B * H, Sq, Sk):
-            return (kind, m.reshape(B, H, Sq, Sk))
-        if not batched and m.shape == (H, Sq, Sk):
-            return (kind, m)
-        third = f"(B*H, Sq, Sk) = ({B * H}, {Sq}, {Sk})" if batched else \
-            f"(H, Sq, Sk) = ({H}, {Sq}, {Sk})"
-        raise ValueError(f"attn_mask must have shape (Sq, Sk) = ({Sq}, {Sk}) or {third}, "
-                         f"got {m.shape}")
-
-    def _padding_mask(self, key_padding_mask, batched, B, Sk):
-        m = _as_array(key_padding_mask, "key_padding_mask")
-        kind = self._kind(m, "key_padding_mask")
-        want = (B, Sk) if batched else (Sk,)
-        if m.shape != want:
-            raise ValueError(f"key_padding_mask must have shape "
-                             f"{'(B, Sk)' if batched else '(Sk,)'} = {want}, got {m.shape}")
-        return (kind, m.reshape(B, 1, 1, Sk) if batched else m)
 
     # ------------------------------------------------------------ training
     def forward_train(self, query, key=None, value=None, mask=None, **kwargs):
@@ -590,20 +290,17 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         parameters, the inputs, the masks, the dropout stream).  Keywords as
         for the call, plus params=, dropout= and dropout_counter= (see
         mha_ext.autograd.forward_train)."""
-        from .autograd import forward_train
-        return forward_train(self, query, key, value, mask, **kwargs)
+        return _autograd.forward_train(self, query, key, value, mask, **kwargs)
 
     def backward(self, ctx, grad_output: ArrayLike,
                  grad_weights: ArrayLike | None = None) -> dict[str, np.ndarray]:
         """Gradients of the forward_train call that made ctx, from dL/d output
         (and optionally dL/d weights): a dict keyed like state_dict() plus
         'query', 'key' and 'value' (see mha_ext.autograd.backward)."""
-        from .autograd import backward
-        return backward(self, ctx, grad_output, grad_weights)
+        return _autograd.backward(self, ctx, grad_output, grad_weights)
 
     def trace(self, query: ArrayLike, key: ArrayLike | None = None,
               value: ArrayLike | None = None, mask: ArrayLike | None = None, **kwargs):
         """The computation step by step (see mha_ext.trace.Trace): each step's
         name, formula, shape and array.  print() it for the shape flow."""
-        from .trace import trace
-        return trace(self, query, key, value, mask, **kwargs)
+        return _trace.trace(self, query, key, value, mask, **kwargs)

@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from ._convert import as_array
+
 __all__ = ["plot_heads"]
 
 _INSTALL = ('plot_heads needs matplotlib, an optional extra of mha_ext: '
@@ -33,9 +35,7 @@ def _weights_array(weights):
         weights = weights.weights
         if weights is None:
             raise ValueError("this trace has no weights (need_weights=False)")
-    if hasattr(weights, "detach") and hasattr(weights, "cpu"):
-        weights = weights.detach().cpu().numpy()
-    w = np.asarray(weights)
+    w = as_array(weights, "weights")
     if w.dtype.kind not in "biuf":
         raise TypeError("weights must be real numbers, got dtype %s" % w.dtype)
     return w.astype(np.float64)

@@ -25,16 +25,13 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from . import autograd as _ag
+from ._convert import as_real, check_tensor, to_numpy
+from ._params import LINEARS, SEED_KEYS
 from .module import MultiHeadAttention as _Core
 
 __all__ = ["MultiHeadAttention"]
 
-_NAMES = ("W_q", "W_k", "W_v", "W_o")
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
-
-
-def _numpy(t):
-    return t.detach().numpy()
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -44,9 +41,9 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, core, opts, query, key, value, *params):
-        block = torch.cat([p.detach().reshape(-1) for p in params]).numpy()
-        saved = _ag.forward_train(core, _numpy(query), _numpy(key), _numpy(value),
-                                  params=block, **opts)
+        block = to_numpy(torch.cat([p.detach().reshape(-1) for p in params]), "parameters")
+        saved = _ag.forward_train(core, to_numpy(query, "query"), to_numpy(key, "key"),
+                                  to_numpy(value, "value"), params=block, **opts)
         ctx.core = core
         ctx.saved = saved
         ctx.set_materialize_grads(False)
@@ -62,15 +59,15 @@ class _AttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_weights):
         saved, core = ctx.saved, ctx.core
-        go = np.zeros_like(saved.output) if grad_out is None else _numpy(grad_out)
+        go = np.zeros_like(saved.output) if grad_out is None else to_numpy(grad_out, "grad_out")
         gw = None
         if grad_weights is not None and saved.weights is not None:
-            gw = _numpy(grad_weights)
+            gw = to_numpy(grad_weights, "grad_weights")
         grads = _ag.backward(core, saved, go, gw)
         need = ctx.needs_input_grad
         inputs = [torch.from_numpy(grads[k]) if need[2 + i] else None
                   for i, k in enumerate(("query", "key", "value"))]
-        keys = [k for k in _ag._KEYS if k in grads]
+        keys = [k for k in SEED_KEYS if k in grads]
         params = [torch.from_numpy(np.ascontiguousarray(grads[k])) if need[5 + i] else None
                   for i, k in enumerate(keys)]
         return (None, None, *inputs, *params)
@@ -112,7 +109,7 @@ class MultiHeadAttention(nn.Module):
         core = self._core
         ins = (core.d_model, core.kdim, core.vdim, core.d_model)
         state = core.state_dict()
-        for name, fan_in in zip(_NAMES, ins):
+        for name, fan_in in zip(LINEARS, ins):
             lin = nn.Linear(fan_in, core.d_model, bias=core.bias, dtype=tdtype)
             with torch.no_grad():
                 lin.weight.copy_(torch.from_numpy(state[f"{name}.weight"]))
@@ -146,7 +143,7 @@ class MultiHeadAttention(nn.Module):
 
     def _params(self):
         out = []
-        for name in _NAMES:
+        for name in LINEARS:
             lin = getattr(self, name)
             out.append(lin.weight)
             if lin.bias is not None:
@@ -177,8 +174,10 @@ class MultiHeadAttention(nn.Module):
         value = key if value is None else value
         tensors = []
         for name, x in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(x, torch.Tensor):
-                x = torch.as_tensor(np.asarray(x))
+            if isinstance(x, torch.Tensor):
+                check_tensor(x, name)   # dense, with data
+            else:
+                x = torch.as_tensor(as_real(x, name))
             if x.device.type != "cpu":
                 raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
             if x.is_complex():

@@ -32,6 +32,8 @@ import html
 
 import numpy as np
 
+from ._convert import flag, to_numpy
+
 __all__ = ["Step", "Trace", "trace"]
 
 
@@ -200,15 +202,11 @@ class Trace:
 
 def _as_array(x, dtype):
     """x as an ndarray of dtype (torch tensors, also ones needing grad)."""
-    if hasattr(x, "detach") and hasattr(x, "cpu"):
-        x = x.detach().cpu().numpy()
-    return np.array(x, dtype=dtype)     # a copy: steps never alias inputs
+    return np.array(to_numpy(x), dtype=dtype)     # a copy: steps never alias inputs
 
 
 def _as_mask(x):
-    if hasattr(x, "detach") and hasattr(x, "cpu"):
-        x = x.detach().cpu().numpy()
-    return np.asarray(x)
+    return np.asarray(to_numpy(x))
 
 
 def _linear(x, weight, bias):
@@ -261,8 +259,8 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     dropped from every step.
     """
     dtype = np.dtype(module.dtype)
-    need_weights = bool(kwargs.get("need_weights", True))
-    average = bool(kwargs.get("average_weights", False))
+    need_weights = flag(kwargs.get("need_weights", True), "need_weights")
+    average = flag(kwargs.get("average_weights", False), "average_weights")
     p = float(module.dropout)
     dropout_active = bool(module.training) and p > 0.0
 
@@ -431,7 +429,7 @@ def _masks(mask, kwargs, unbatched, B, H, Sq, Sk, dtype):
         else:
             add(kpm, "key_padding_mask")
 
-    if kwargs.get("is_causal", False):
+    if flag(kwargs.get("is_causal", False), "is_causal"):
         causal = np.triu(np.ones((Sq, Sk), dtype=bool), k=1)[None, None]
         block(causal, "j > i (causal)")
 

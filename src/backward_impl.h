@@ -1,6 +1,6 @@
 /* backward_impl.h: the gradients of the forward pass (forward_impl.h), written
- * once for T = float and T = double (included twice by backward.c with T, SUF
- * and EXP defined).  Legend as in mha.h; dX is dL/dX.
+ * once for T = float and T = double (included twice by backward.c with T, SUF,
+ * KT and EXP defined, after softmax_impl.h: the forward's softmax row).  Legend as in mha.h; dX is dL/dX.
  *
  * The forward, line by line, and the lines of the backward that undo it:
  *
@@ -35,21 +35,7 @@
 #define RM 96  /* rows per product tile */
 #define RN 64   /* columns per product tile */
 #define RN_TN 1024 /* ... for TN: each MR-row panel of Aᵀ serves the whole tile */
-#define KC 256  /* depth of one pass over a weight-gradient tile (cache) */
 #define TC 64   /* columns per column-sum task */
-
-enum { SUF(JOB_NT) = 0, SUF(JOB_NN) = 1, SUF(JOB_TN) = 2 };
-
-/* One product, cut into RM x RN (TN: RM x RN_TN) tiles:
- *   NT: C (M, N) = A (M, K) · B (N, K)ᵀ + bias   (a projection, as forward)
- *   NN: C (M, N) = A (M, K) · B (K, N)           (an input gradient)
- *   TN: C (M, N) = A (K, M)ᵀ · B (K, N)          (a weight gradient) */
-typedef struct {
-    int kind;
-    const T *A, *B, *bias;
-    T *C;
-    int64_t M, N, K, lda, ldb, ldc, rn, tiles_n, tiles;
-} SUF(bjob);
 
 /* colsum (C) = Σ_rows x for x (R, C), rows in order */
 typedef struct {
@@ -72,7 +58,7 @@ typedef struct {
     T *scratch;           /* per slot: P, D (QB, Sk), then dQ_bh's block (QB, Dk),
                              dK_bh and dV_bh (Sk, Dk) */
     T *pack;              /* per slot: MHA_GEMM_SCRATCH scalars for mha_gemm's packing */
-    const SUF(mha_kern) *kern; /* the kernels of the ISA in use */
+    const KT *kern;       /* the kernels of the ISA in use */
     int64_t scratch_len;  /* scalars per slot */
     uint8_t *keep;        /* per slot: the replayed dropout mask (QB, Sk) */
     int64_t keep_len;     /* bytes per slot */
@@ -80,59 +66,31 @@ typedef struct {
     T drop_scale;         /* 1 / (1 - p) */
     uint64_t drop_key;
     int dropout_on;
-    SUF(bjob) jobs[8];
-    int n_jobs;
+    mha_products prods;   /* a pass's products (internal.h's task list) */
     SUF(btr) tr[4];
     int n_tr;
 } SUF(bwd);
 
 /* ------------------------------------------------------------ products */
 
-static void SUF(bjob_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const T *B,
+/* a product into the pass's list: RM x RN tiles (TN: RM x RN_TN) */
+static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const T *B,
                           int64_t ldb, const T *bias, T *C, int64_t ldc,
                           int64_t M, int64_t N, int64_t K)
 {
-    SUF(bjob) *jb = &f->jobs[f->n_jobs++];
-    jb->kind = kind;
-    jb->A = A; jb->lda = lda;
-    jb->B = B; jb->ldb = ldb;
-    jb->bias = bias;
-    jb->C = C; jb->ldc = ldc;
-    jb->M = M; jb->N = N; jb->K = K;
-    jb->rn = kind == SUF(JOB_TN) ? RN_TN : RN;
-    jb->tiles_n = (N + jb->rn - 1) / jb->rn;
-    jb->tiles = M > 0 && N > 0 ? (M + RM - 1) / RM * jb->tiles_n : 0;
-}
-
-static int64_t SUF(bjob_tiles)(const SUF(bwd) *f)
-{
-    int64_t n = 0;
-    int j;
-    for (j = 0; j < f->n_jobs; j++) n += f->jobs[j].tiles;
-    return n;
+    mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM,
+                     kind == MHA_TN ? RN_TN : RN);
 }
 
 /* One tile of a product, through the forward's packed GEMM (gemm.c), which
  * packs B's panels (transposed for NT) into the slot's scratch. */
-static void SUF(bjob_task)(void *vf, int64_t t, int slot)
+static void SUF(prod_task)(void *vf, int64_t t, int slot)
 {
     const SUF(bwd) *f = (const SUF(bwd) *)vf;
-    int j = 0;
-    while (t >= f->jobs[j].tiles) t -= f->jobs[j++].tiles;
-    const SUF(bjob) *jb = &f->jobs[j];
-    int64_t i0 = (t / jb->tiles_n) * RM, n0 = (t % jb->tiles_n) * jb->rn;
-    int64_t m = jb->M - i0 < RM ? jb->M - i0 : RM;
-    int64_t n = jb->N - n0 < jb->rn ? jb->N - n0 : jb->rn;
-    T *c_t = jb->C + i0 * jb->ldc + n0;
-    T *gs = f->pack + (int64_t)slot * MHA_GEMM_SCRATCH;
-    const int nt = jb->kind == SUF(JOB_NT);
-    if (jb->kind == SUF(JOB_TN))
-        SUF(mha_gemm_tn)(f->kern, m, n, jb->K, jb->A + i0, jb->lda, jb->B + n0, jb->ldb, c_t,
-                         jb->ldc, 0, gs);
-    else
-        SUF(mha_gemm)(f->kern, nt, m, n, jb->K, jb->A + i0 * jb->lda, jb->lda,
-                      jb->B + (nt ? n0 * jb->ldb : n0), jb->ldb,
-                      jb->bias ? jb->bias + n0 : NULL, c_t, jb->ldc, 0, gs);
+    const mha_tile tl = mha_products_tile(&f->prods, t);
+    const mha_product *pr = &f->prods.p[tl.j];
+    SUF(mha_tile_gemm)(f->kern, pr, &tl, (T *)pr->C + tl.i0 * pr->ldc + tl.n0, pr->ldc, 0,
+                       f->pack + (int64_t)slot * MHA_GEMM_SCRATCH);
 }
 
 /* ------------------------------------------------------------ column sums */
@@ -167,11 +125,10 @@ static void SUF(btr_task)(void *vf, int64_t t, int slot)
 static void SUF(grad_task)(void *vf, int64_t t, int slot)
 {
     const SUF(bwd) *f = (const SUF(bwd) *)vf;
-    const int64_t tiles = SUF(bjob_tiles)(f);
-    if (t < tiles)
-        SUF(bjob_task)(vf, t, slot);
+    if (t < f->prods.tiles)
+        SUF(prod_task)(vf, t, slot);
     else
-        SUF(btr_task)(vf, t - tiles, slot);
+        SUF(btr_task)(vf, t - f->prods.tiles, slot);
 }
 
 /* out[c] = Σ_r x[r*ld + c] for c < C, rows in order */
@@ -185,35 +142,6 @@ static void SUF(colsum)(const T *x, int64_t R, int64_t C, int64_t ld, T *out)
 
 /* ------------------------------------------------------------ attention */
 
-/* The forward's masks on the scaled scores s[0..Sk) of row (b, h, i):
- * additive masks first, then -inf where any blocking mask or causality
- * blocks (forward_impl.h's apply_masks, over a whole row). */
-static void SUF(bwd_masks)(const mha_forward_args *fa, T *s, int64_t b, int64_t h, int64_t i,
-                           int64_t Sk)
-{
-    int m;
-    int64_t j;
-    for (m = 0; m < fa->n_masks; m++) {
-        const mha_mask *mk = &fa->masks[m];
-        const int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2];
-        const int64_t st = mk->stride[3];
-        if (mk->kind != MHA_MASK_ADD) continue;
-        const T *d = (const T *)mk->data + base;
-        for (j = 0; j < Sk; j++) s[j] += d[j * st];
-    }
-    for (m = 0; m < fa->n_masks; m++) {
-        const mha_mask *mk = &fa->masks[m];
-        const int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2];
-        const int64_t st = mk->stride[3];
-        if (mk->kind != MHA_MASK_BLOCK) continue;
-        const uint8_t *d = (const uint8_t *)mk->data + base;
-        for (j = 0; j < Sk; j++)
-            if (d[j * st]) s[j] = -(T)INFINITY;
-    }
-    if (fa->is_causal)
-        for (j = i + 1; j < Sk; j++) s[j] = -(T)INFINITY;
-}
-
 /* One (b, h): the forward of the attention recomputed block by block of
  * queries, each step followed by its backward. */
 static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
@@ -222,7 +150,6 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
     const mha_forward_args *fa = f->fa;
     const int64_t b = bh / f->H, h = bh % f->H;
     const int64_t E = f->E, Sq = f->Sq, Sk = f->Sk, Dk = f->Dk;
-    const T nan_or_zero = fa->zero_masked_rows ? (T)0 : (T)NAN;
     int64_t i0, r, j;
     /* Q_bh and V_bh: per head (kept by the forward) or columns of (B, S, E)
      * (recomputed); K_bh: transposed per head (Dk, Sk) or columns of K */
@@ -269,28 +196,8 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
         if (!f->p_saved)
             SUF(mha_gemm)(f->kern, !hm, nq, Sk, Dk, q_bh + i0 * ldq, ldq, k_bh, hm ? Sk : E, NULL,
                           p, Sk, 0, gs);
-        for (r = 0; r < nq && !f->p_saved; r++) { /* the forward's kernels: the same P */
-            T *p_r = p + r * Sk, m, sum;
-            if (fa->n_masks == 0 && !fa->is_causal) {
-                m = f->kern->scale_max(p_r, Sk, f->scale);
-            } else {
-                f->kern->scale(p_r, Sk, f->scale);
-                SUF(bwd_masks)(fa, p_r, b, h, i0 + r, Sk);
-                m = f->kern->max(p_r, Sk);
-            }
-            if (m == -(T)INFINITY) /* a NaN score with no visible key: a NaN row */
-                for (j = 0; j < Sk; j++)
-                    if (p_r[j] != p_r[j]) {
-                        m = p_r[j];
-                        break;
-                    }
-            if (m == -(T)INFINITY) { /* every key blocked */
-                for (j = 0; j < Sk; j++) p_r[j] = nan_or_zero;
-                continue;
-            }
-            sum = f->kern->exp_sum(p_r, Sk, m); /* NaN in: a NaN sum, then a NaN row */
-            f->kern->scale(p_r, Sk, (T)1 / sum);
-        }
+        for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: the same P */
+            SUF(softmax_row)(f->kern, fa, f->scale, p + r * Sk, b, h, i0 + r, Sk, Sk);
         /* forward: A = dropout(P), keep replayed from the call's stream */
         if (f->dropout_on) {
             for (r = 0; r < nq; r++) {
@@ -298,7 +205,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
                                      (uint64_t)Sk;
                 for (j = 0; j < Sk; j++) {
                     keep[r * Sk + j] =
-                        mha_stream_uniform(f->drop_key, idx + (uint64_t)j) >= fa->dropout;
+                        (uint8_t)mha_dropout_keep(f->drop_key, idx + (uint64_t)j, fa->dropout);
                     d[r * Sk + j] = keep[r * Sk + j] ? pb[r * Sk + j] * f->drop_scale : (T)0;
                 }
             }
@@ -356,6 +263,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     int slots;
     T *work = NULL, *g = NULL;
     mha_status st;
+    mha_poll_state ps;
 
     if (!a) return MHA_ERR_ARG;
     /* the forward's checks; out is not used, grad_out has its shape */
@@ -447,48 +355,49 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         f.scratch = f.v + n_kv;
     }
     f.pack = f.scratch + f.scratch_len * slots;
+    mha_poll_start(&ps, a->fwd.poll, a->fwd.poll_ctx);
     MHA_TICK_START;
 
     /* 1. the forward's projections, and dctx = d out·W_o
      *    (backward of out = ctx·W_oᵀ + b_o, for ctx) */
     if (!f.saved) {
-        SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.query, f.E, (const T *)p->wq, f.E,
+        SUF(prod_add)(&f, MHA_NT, (const T *)a->fwd.query, f.E, (const T *)p->wq, f.E,
                       (const T *)p->bq, f.q, f.E, Rq, f.E, f.E);
-        SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.key, Ek, (const T *)p->wk, Ek,
+        SUF(prod_add)(&f, MHA_NT, (const T *)a->fwd.key, Ek, (const T *)p->wk, Ek,
                       (const T *)p->bk, f.k, f.E, Rk, f.E, Ek);
-        SUF(bjob_add)(&f, SUF(JOB_NT), (const T *)a->fwd.value, Ev, (const T *)p->wv, Ev,
+        SUF(prod_add)(&f, MHA_NT, (const T *)a->fwd.value, Ev, (const T *)p->wv, Ev,
                       (const T *)p->bv, f.v, f.E, Rk, f.E, Ev);
     }
-    SUF(bjob_add)(&f, SUF(JOB_NN), (const T *)a->grad_out, f.E, (const T *)p->wo, f.E,
+    SUF(prod_add)(&f, MHA_NN, (const T *)a->grad_out, f.E, (const T *)p->wo, f.E,
                   NULL, f.dctx, f.E, Rq, f.E, f.E);
-    mha_parallel_for(SUF(bjob_tiles)(&f), slots, SUF(bjob_task), &f);
+    if (mha_parallel_for(f.prods.tiles, slots, SUF(prod_task), &f, &ps)) goto stopped;
     MHA_TICK("backward 1 proj");
 
     /* 2. attention, per (b, h) */
-    mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f);
+    if (mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f, &ps)) goto stopped;
     MHA_TICK("backward 2 attn");
 
     /* 4. the weight gradients (dW = dYᵀ·X, as (Rows, E)ᵀ·(Rows, In)) and the
      *    input gradients (dX = dY·W) */
-    f.n_jobs = 0;
+    memset(&f.prods, 0, sizeof f.prods);
     if (g) {
-        SUF(bjob_add)(&f, SUF(JOB_TN), (const T *)a->grad_out, f.E, f.ctx, f.E, NULL,
+        SUF(prod_add)(&f, MHA_TN, (const T *)a->grad_out, f.E, f.ctx, f.E, NULL,
                       g + offset[MHA_WO], f.E, f.E, f.E, Rq);
-        SUF(bjob_add)(&f, SUF(JOB_TN), f.dq, f.E, (const T *)a->fwd.query, f.E, NULL,
+        SUF(prod_add)(&f, MHA_TN, f.dq, f.E, (const T *)a->fwd.query, f.E, NULL,
                       g + offset[MHA_WQ], f.E, f.E, f.E, Rq);
-        SUF(bjob_add)(&f, SUF(JOB_TN), f.dk, f.E, (const T *)a->fwd.key, Ek, NULL,
+        SUF(prod_add)(&f, MHA_TN, f.dk, f.E, (const T *)a->fwd.key, Ek, NULL,
                       g + offset[MHA_WK], Ek, f.E, Ek, Rk);
-        SUF(bjob_add)(&f, SUF(JOB_TN), f.dv, f.E, (const T *)a->fwd.value, Ev, NULL,
+        SUF(prod_add)(&f, MHA_TN, f.dv, f.E, (const T *)a->fwd.value, Ev, NULL,
                       g + offset[MHA_WV], Ev, f.E, Ev, Rk);
     }
     if (a->grad_query)
-        SUF(bjob_add)(&f, SUF(JOB_NN), f.dq, f.E, (const T *)p->wq, f.E, NULL,
+        SUF(prod_add)(&f, MHA_NN, f.dq, f.E, (const T *)p->wq, f.E, NULL,
                       (T *)a->grad_query, f.E, Rq, f.E, f.E);
     if (a->grad_key)
-        SUF(bjob_add)(&f, SUF(JOB_NN), f.dk, f.E, (const T *)p->wk, Ek, NULL,
+        SUF(prod_add)(&f, MHA_NN, f.dk, f.E, (const T *)p->wk, Ek, NULL,
                       (T *)a->grad_key, Ek, Rk, Ek, f.E);
     if (a->grad_value)
-        SUF(bjob_add)(&f, SUF(JOB_NN), f.dv, f.E, (const T *)p->wv, Ev, NULL,
+        SUF(prod_add)(&f, MHA_NN, f.dv, f.E, (const T *)p->wv, Ev, NULL,
                       (T *)a->grad_value, Ev, Rk, Ev, f.E);
     /* ... and, in the same pass, the bias gradients: the column sums of
      * d out, and of dQ, dK, dV as the sums of their batches' sums */
@@ -499,21 +408,24 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         SUF(btr_add)(&f, f.bsum + 2 * f.B * f.E, g + offset[MHA_BV], f.B, f.E);
     }
     {
-        int64_t n_tasks = SUF(bjob_tiles)(&f);
+        int64_t n_tasks = f.prods.tiles;
         int i;
         for (i = 0; i < f.n_tr; i++) n_tasks += f.tr[i].tasks;
-        mha_parallel_for(n_tasks, slots, SUF(grad_task), &f);
+        if (mha_parallel_for(n_tasks, slots, SUF(grad_task), &f, &ps)) goto stopped;
     }
     MHA_TICK("backward 3+4 grads, bias sums");
 
     mha_work_free(work);
     mha_free(f.keep);
     return MHA_OK;
+stopped: /* the poll asked to stop: the gradients are unspecified */
+    mha_work_free(work);
+    mha_free(f.keep);
+    return MHA_ERR_INTERRUPTED;
 }
 
 #undef QB
 #undef RM
 #undef RN
 #undef RN_TN
-#undef KC
 #undef TC

@@ -1,5 +1,6 @@
 /* forward_impl.h: the threaded forward pass, written once for T = float and
- * T = double (included twice by mha.c with T, SUF, KT, EXP and SQRT defined).
+ * T = double (included twice by forward.c with T, SUF, KT and EXP defined, after
+ * softmax_impl.h: the softmax row it shares with the backward).
  *
  *   Q = query·W_qᵀ + b_q        kept per head: qh (B, H, Sq, Dk)
  *   K = key·W_kᵀ + b_k          kept per head, transposed: kt (B, H, Dk, Sk)
@@ -30,15 +31,14 @@
                         narrower column tiles, 64 wide, before more row tiles) */
 #define SMALL_M 24   /* below this many rows, projections use the dot kernel */
 
+/* What a projection's tiles do besides the product (the product itself,
+ * y = x·wᵀ + b, is the pass's mha_product of the same index): */
 typedef struct {
-    const T *x, *w, *b; /* x (M, K), w (N, K), b (N) or NULL */
-    T *y;               /* (M, N), or NULL: each tile goes to the slot's scratch */
-    T *x_copy, *w_copy, *b_copy; /* NULL, or where to copy x, w, b (mha_saved) */
+    T *x_copy, *w_copy, *b_copy; /* NULL, or where to copy x, w, b (mha_copies) */
     T *yh;              /* NULL, or y per head: (B, H, S, Dk) */
     T *yt;              /* NULL, or y per head, transposed: (B, H, Dk, S) */
     int64_t S, Dk;      /* ... their rows per batch and head width */
-    int64_t M, N, K, rn, tiles_n, tiles;
-} SUF(linear_job);
+} SUF(proj_extra);
 
 typedef struct {
     const mha_forward_args *a;
@@ -58,8 +58,8 @@ typedef struct {
     int skip_causal;     /* causal and V finite: skip keys past the diagonal */
     int small;           /* the projections use the dot kernel */
     int64_t n_qblk;
-    SUF(linear_job) jobs[3];
-    int n_jobs;
+    mha_products prods;  /* the pass's projections (internal.h's task list) */
+    SUF(proj_extra) extra[3]; /* ... and what each does besides */
 } SUF(fwd);
 
 /* The tile y (m, n) at rows i0.., columns n0.. of a projection (N = H*Dk
@@ -94,139 +94,69 @@ static void SUF(tile_to_heads)(const T *y, int64_t ldy, int64_t N, int64_t i0, i
     }
 }
 
+/* One tile of a projection: the product, into the caller's y or the
+ * slot's scratch, and around it the copies and the scatter per head. */
 static void SUF(linear_task)(void *ctx, int64_t t, int slot)
 {
     SUF(fwd) *f = (SUF(fwd) *)ctx;
-    int j = 0;
-    while (t >= f->jobs[j].tiles) t -= f->jobs[j++].tiles;
-    const SUF(linear_job) *jb = &f->jobs[j];
-    int64_t i0 = (t / jb->tiles_n) * RM, n0 = (t % jb->tiles_n) * jb->rn;
-    int64_t m = jb->M - i0 < RM ? jb->M - i0 : RM;
-    int64_t n = jb->N - n0 < jb->rn ? jb->N - n0 : jb->rn;
+    const mha_tile tl = mha_products_tile(&f->prods, t);
+    const mha_product *jb = &f->prods.p[tl.j];
+    const SUF(proj_extra) *ex = &f->extra[tl.j];
+    const T *x = (const T *)jb->A, *w = (const T *)jb->B, *b = (const T *)jb->bias;
+    const int64_t i0 = tl.i0, n0 = tl.n0, m = tl.m, n = tl.n;
     T *gs = f->scratch + (int64_t)slot * f->scratch_len;
     /* the tile: in place, or in the slot's scratch (after the packing) */
-    T *y = jb->y ? jb->y + i0 * jb->N + n0 : gs + MHA_GEMM_SCRATCH;
-    const int64_t ldy = jb->y ? jb->N : n;
+    T *y = jb->C ? (T *)jb->C + i0 * jb->N + n0 : gs + MHA_GEMM_SCRATCH;
+    const int64_t ldy = jb->C ? jb->N : n;
     /* the caller's copies: x's rows by the first column tile, w's rows (and
      * b) by the first row tile, just before the product reads them */
-    if (jb->x_copy && n0 == 0)
-        mha_copy_stream(jb->x_copy + i0 * jb->K, jb->x + i0 * jb->K,
+    if (ex->x_copy && n0 == 0)
+        mha_copy_stream(ex->x_copy + i0 * jb->K, x + i0 * jb->K,
                         (size_t)(m * jb->K) * sizeof(T));
-    if (jb->w_copy && i0 == 0) {
-        mha_copy_stream(jb->w_copy + n0 * jb->K, jb->w + n0 * jb->K,
+    if (ex->w_copy && i0 == 0) {
+        mha_copy_stream(ex->w_copy + n0 * jb->K, w + n0 * jb->K,
                         (size_t)(n * jb->K) * sizeof(T));
-        if (jb->b_copy) memcpy(jb->b_copy + n0, jb->b + n0, (size_t)n * sizeof(T));
+        if (ex->b_copy) memcpy(ex->b_copy + n0, b + n0, (size_t)n * sizeof(T));
     }
-    if (f->small)
-        SUF(mha_gemm_small)(f->kern, m, n, jb->K, jb->x + i0 * jb->K, jb->K, jb->w + n0 * jb->K,
-                            jb->K, jb->b ? jb->b + n0 : NULL, y, ldy, 0);
-    else
-        SUF(mha_gemm)(f->kern, 1, m, n, jb->K, jb->x + i0 * jb->K, jb->K, jb->w + n0 * jb->K,
-                      jb->K, jb->b ? jb->b + n0 : NULL, y, ldy, 0, gs);
-    if (jb->yh || jb->yt)
-        SUF(tile_to_heads)(y, ldy, jb->N, i0, m, n0, n, jb->S, jb->Dk, jb->yh, jb->yt);
+    SUF(mha_tile_gemm)(f->kern, jb, &tl, y, ldy, f->small, gs);
+    if (ex->yh || ex->yt)
+        SUF(tile_to_heads)(y, ldy, jb->N, i0, m, n0, n, ex->S, ex->Dk, ex->yh, ex->yt);
 }
 
-/* Column tiles: wide for the packed GEMM, narrower when that leaves too
- * few tasks for the threads.  The tiling never changes a result. */
-static SUF(linear_job) *SUF(add_job)(SUF(fwd) *f, const T *x, const T *w, const T *b, T *y,
-                                     int64_t M, int64_t N, int64_t K, int slots)
+/* A projection y (M, N) = x (M, K)·w (N, K)ᵀ + b into the pass's list, in
+ * RM-row tiles; column tiles wide for the packed GEMM, narrower when that
+ * leaves too few tasks for the threads.  Returns its extra, cleared. */
+static SUF(proj_extra) *SUF(add_proj)(SUF(fwd) *f, const T *x, const T *w, const T *b, T *y,
+                                      int64_t M, int64_t N, int64_t K, int slots)
 {
-    SUF(linear_job) *jb = &f->jobs[f->n_jobs++];
-    int64_t rows = (M + RM - 1) / RM;
-    memset(jb, 0, sizeof *jb);
-    jb->x = x; jb->w = w; jb->b = b; jb->y = y;
-    jb->M = M; jb->N = N; jb->K = K;
-    jb->rn = MHA_GEMM_NC;
-    while (jb->rn > 64 && rows * ((N + jb->rn - 1) / jb->rn) < 4 * (int64_t)slots) jb->rn /= 2;
-    jb->tiles_n = (N + jb->rn - 1) / jb->rn;
-    jb->tiles = M > 0 && N > 0 ? rows * jb->tiles_n : 0;
-    return jb;
+    const int64_t rows = (M + RM - 1) / RM;
+    int64_t rn = MHA_GEMM_NC;
+    SUF(proj_extra) *ex = &f->extra[f->prods.n];
+    while (rn > 64 && rows * ((N + rn - 1) / rn) < 4 * (int64_t)slots) rn /= 2;
+    mha_products_add(&f->prods, MHA_NT, x, K, w, K, b, y, N, M, N, K, RM, rn);
+    memset(ex, 0, sizeof *ex);
+    return ex;
 }
 
-/* Where mha_copies asks for copies: x into xc, and the weight and bias of
- * parameter pair `wi` (MHA_WQ, ...) into the copied block; a job without
- * tiles (M == 0) copies its w and b at once. */
-static void SUF(job_copies)(SUF(linear_job) *jb, const mha_copies *cp, const int64_t *offset,
-                            int wi, void *xc)
+/* Where mha_copies asks for copies of projection j's inputs: x into xc,
+ * and the weight and bias of parameter pair `wi` (MHA_WQ, ...) into the
+ * copied block; a projection without tiles (M == 0) copies its w and b at
+ * once. */
+static void SUF(proj_copies)(SUF(fwd) *f, int j, const mha_copies *cp, const int64_t *offset,
+                             int wi, void *xc)
 {
+    const mha_product *jb = &f->prods.p[j];
+    SUF(proj_extra) *ex = &f->extra[j];
     if (!cp) return;
-    jb->x_copy = (T *)xc;
+    ex->x_copy = (T *)xc;
     if (cp->params) {
-        jb->w_copy = (T *)cp->params + offset[wi];
-        jb->b_copy = jb->b ? (T *)cp->params + offset[wi + 1] : NULL;
+        ex->w_copy = (T *)cp->params + offset[wi];
+        ex->b_copy = jb->bias ? (T *)cp->params + offset[wi + 1] : NULL;
     }
-    if (jb->tiles == 0 && jb->w_copy) {
-        memcpy(jb->w_copy, jb->w, (size_t)(jb->N * jb->K) * sizeof(T));
-        if (jb->b_copy) memcpy(jb->b_copy, jb->b, (size_t)jb->N * sizeof(T));
+    if (jb->tiles == 0 && ex->w_copy) {
+        memcpy(ex->w_copy, jb->B, (size_t)(jb->N * jb->K) * sizeof(T));
+        if (ex->b_copy) memcpy(ex->b_copy, jb->bias, (size_t)jb->N * sizeof(T));
     }
-}
-
-static int64_t SUF(job_tiles)(const SUF(fwd) *f)
-{
-    int64_t n = 0;
-    int j;
-    for (j = 0; j < f->n_jobs; j++) n += f->jobs[j].tiles;
-    return n;
-}
-
-/* s[0..n) are the scaled scores of row (b, h, i) for keys j0 .. j0+n-1:
- * add the additive masks, then set -inf where any blocking mask or the
- * causal rule blocks. */
-static void SUF(apply_masks)(const SUF(fwd) *f, T *s, int64_t b, int64_t h, int64_t i,
-                             int64_t j0, int64_t n)
-{
-    const mha_forward_args *a = f->a;
-    int m;
-    int64_t j;
-    for (m = 0; m < a->n_masks; m++) {
-        const mha_mask *mk = &a->masks[m];
-        int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
-                       j0 * mk->stride[3];
-        int64_t st = mk->stride[3];
-        if (mk->kind != MHA_MASK_ADD) continue;
-        const T *d = (const T *)mk->data + base;
-        if (st == 1)
-            for (j = 0; j < n; j++) s[j] += d[j];
-        else
-            for (j = 0; j < n; j++) s[j] += d[j * st];
-    }
-    for (m = 0; m < a->n_masks; m++) {
-        const mha_mask *mk = &a->masks[m];
-        int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
-                       j0 * mk->stride[3];
-        int64_t st = mk->stride[3];
-        if (mk->kind != MHA_MASK_BLOCK) continue;
-        const uint8_t *d = (const uint8_t *)mk->data + base;
-        for (j = 0; j < n; j++)
-            if (d[j * st]) s[j] = -(T)INFINITY;
-    }
-    if (a->is_causal) {
-        j = i + 1 - j0; /* the first blocked key of this row, relative to j0 */
-        for (j = j < 0 ? 0 : j; j < n; j++) s[j] = -(T)INFINITY;
-    }
-}
-
-/* Scale the scores s[0..n) of row (b, h, i), keys j0.., mask them, and return
- * their maximum: -inf when every key is blocked, NaN when a score is NaN
- * and no other key is visible (then the reference's row is all NaN too;
- * otherwise a NaN score turns the sum, hence the whole row, into NaN). */
-static T SUF(scores_max)(const SUF(fwd) *f, T *s, int64_t b, int64_t h, int64_t i,
-                         int64_t j0, int64_t n)
-{
-    T m;
-    int64_t j;
-    if (f->a->n_masks == 0 && !f->a->is_causal) {
-        m = f->kern->scale_max(s, n, f->scale);
-    } else {
-        f->kern->scale(s, n, f->scale);
-        SUF(apply_masks)(f, s, b, h, i, j0, n);
-        m = f->kern->max(s, n);
-    }
-    if (m == -(T)INFINITY)
-        for (j = 0; j < n; j++)
-            if (s[j] != s[j]) return s[j];
-    return m;
 }
 
 static void SUF(fill_rows)(T *x, int64_t rows, int64_t cols, int64_t ld, T value)
@@ -236,11 +166,13 @@ static void SUF(fill_rows)(T *x, int64_t rows, int64_t cols, int64_t ld, T value
         for (c = 0; c < cols; c++) x[r * ld + c] = value;
 }
 
+/* A = dropout(P) over w[0..n), the row's elements idx, idx+1, ... of the
+ * call's stream */
 static void SUF(dropout_row)(const SUF(fwd) *f, T *w, int64_t n, uint64_t idx)
 {
     int64_t j;
     for (j = 0; j < n; j++)
-        w[j] = mha_stream_uniform(f->drop_key, idx + (uint64_t)j) >= f->a->dropout
+        w[j] = mha_dropout_keep(f->drop_key, idx + (uint64_t)j, f->a->dropout)
                    ? w[j] * f->drop_scale : (T)0;
 }
 
@@ -256,7 +188,6 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     int64_t bh = t / f->n_qblk, b = bh / f->H, h = bh % f->H;
     int64_t i0 = (t % f->n_qblk) * QB, nq = f->Sq - i0 < QB ? f->Sq - i0 : QB;
     int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, kend = Sk;
-    const T nan_or_zero = a->zero_masked_rows ? (T)0 : (T)NAN;
     const T *q_bh = f->qh + (bh * f->Sq + i0) * Dk;       /* (nq, Dk) */
     const T *kt_bh = f->kt + bh * Dk * Sk;                /* (Dk, Sk) */
     const T *v_bh = f->vh + bh * Sk * Dk;                 /* (Sk, Dk) */
@@ -276,23 +207,11 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     SUF(mha_gemm)(f->kern, 0, nq, kend, Dk, q_bh, Dk, kt_bh, Sk, NULL, p_bh, Sk, 0, gs);
     for (r = 0; r < nq; r++) {
         T *w = p_bh + r * Sk;
-        int64_t i = i0 + r, ne = kend, j;
-        T m = SUF(scores_max)(f, w, b, h, i, 0, kend);
-        int blocked = m == -(T)INFINITY;
-        if (blocked) { /* every key blocked: no dropout either */
-            for (j = 0; j < Sk; j++) w[j] = nan_or_zero;
-        } else {
-            if (a->is_causal && i + 1 < ne) ne = i + 1; /* the rest are exact zeros */
-            T sum = f->kern->exp_sum(w, ne, m);
-            if (sum != sum) { /* a NaN score: the reference's whole row is NaN */
-                for (j = 0; j < Sk; j++) w[j] = (T)NAN;
-                ne = Sk;
-            }
-            for (j = ne; j < Sk; j++) w[j] = 0;
-            f->kern->scale(w, ne, (T)1 / sum);
-        }
+        const int64_t i = i0 + r;
+        /* P = softmax(masked S / sqrt(Dk)); ne < 0: every key blocked */
+        const int64_t ne = SUF(softmax_row)(f->kern, a, f->scale, w, b, h, i, kend, Sk);
         if (a_bh != p_bh) memcpy(a_bh + r * Sk, w, (size_t)Sk * sizeof(T));
-        if (f->dropout_on && !blocked)
+        if (f->dropout_on && ne >= 0) /* a blocked row: no dropout either */
             SUF(dropout_row)(f, a_bh + r * Sk, ne,
                              ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)i) * (uint64_t)Sk);
     }
@@ -306,8 +225,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     const mha_forward_args *a = f->a;
     int64_t bh = t / f->n_qblk, b = bh / f->H, h = bh % f->H;
     int64_t i0 = (t % f->n_qblk) * QB, nq = f->Sq - i0 < QB ? f->Sq - i0 : QB;
-    int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, j, j0, d, kend = Sk;
-    const T nan_or_zero = a->zero_masked_rows ? (T)0 : (T)NAN;
+    int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, j0, d, kend = Sk;
     const T *q_bh = f->qh + (bh * f->Sq + i0) * Dk; /* (nq, Dk) */
     const T *kt_bh = f->kt + bh * Dk * Sk;          /* (Dk, Sk) */
     const T *v_bh = f->vh + bh * Sk * Dk;           /* (Sk, Dk) */
@@ -327,31 +245,22 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
         int64_t nk = kend - j0 < KB ? kend - j0 : KB;
         SUF(mha_gemm)(f->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, Sk, NULL, s, KB, 0, gs);
         for (r = 0; r < nq; r++) {
-            T *srow = s + r * KB, sum, alpha, mnew;
-            int64_t i = i0 + r, ne = nk;
-            T bm = SUF(scores_max)(f, srow, b, h, i, j0, nk);
-            if (bm == -(T)INFINITY) { /* nothing visible in this block */
-                for (j = 0; j < nk; j++) srow[j] = 0;
-                continue;
-            }
-            mnew = (bm != bm || mx[r] != mx[r]) ? (T)NAN : bm > mx[r] ? bm : mx[r];
-            alpha = EXP(mx[r] - mnew);
-            if (a->is_causal && i + 1 - j0 < ne) ne = i + 1 - j0;
-            sum = f->kern->exp_sum(srow, ne, mnew);
-            for (j = ne; j < nk; j++) srow[j] = 0;
+            T *srow = s + r * KB, alpha;
+            const int64_t i = i0 + r;
+            const int64_t ne = SUF(softmax_online_step)(f->kern, a, f->scale, srow, b, h, i, j0,
+                                                        nk, &mx[r], &l[r], &alpha);
+            if (ne < 0) continue; /* nothing visible in this block */
             if (f->dropout_on)
                 SUF(dropout_row)(f, srow, ne, ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)i) *
                                                   (uint64_t)Sk + (uint64_t)j0);
-            l[r] = l[r] * alpha + sum;
             if (alpha != (T)1) f->kern->scale(acc + r * Dk, Dk, alpha);
-            mx[r] = mnew;
         }
         SUF(mha_gemm)(f->kern, 0, nq, Dk, nk, s, KB, v_bh + j0 * Dk, Dk, NULL, acc, Dk, 1, gs);
     }
     for (r = 0; r < nq; r++) {
         T *c = c_bh + r * E;
         if (mx[r] == -(T)INFINITY) { /* every key blocked; Sk == 0: an empty sum */
-            for (d = 0; d < Dk; d++) c[d] = Sk == 0 ? (T)0 : nan_or_zero;
+            for (d = 0; d < Dk; d++) c[d] = Sk == 0 ? (T)0 : SUF(blocked_row_value)(a);
         } else {
             T inv = (T)1 / l[r];
             for (d = 0; d < Dk; d++) c[d] = acc[r * Dk + d] * inv;
@@ -397,8 +306,9 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     size_t bytes;
     int slots;
     const int keep = sv && sv->q; /* Q, K, V and ctx go to the caller's buffers */
-    SUF(linear_job) *jq, *jk, *jv;
+    SUF(proj_extra) *jq, *jk, *jv;
     T *work = NULL;
+    mha_poll_state ps;
     mha_status st = mha_check_forward(cfg, p, a, &sz);
     if (st != MHA_OK) return st;
     st = mha_param_layout(cfg, offset, size, &total);
@@ -470,47 +380,53 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
         f.scratch = f.vh + f.B * f.Sk * f.E;
     }
 
+    mha_poll_start(&ps, a->poll, a->poll_ctx);
     MHA_TICK_START;
     /* the three input projections, one parallel pass over all their tiles:
      * each tile scattered per head (K transposed, so that Q·Kᵀ reads it in
      * place), and the copies mha_saved asks for made on the way */
-    jq = SUF(add_job)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq, NULL,
-                      f.B * f.Sq, f.E, f.E, slots);
-    jk = SUF(add_job)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk, NULL,
-                      f.B * f.Sk, f.E, cfg->kdim, slots);
-    jv = SUF(add_job)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, NULL,
-                      f.B * f.Sk, f.E, cfg->vdim, slots);
-    SUF(job_copies)(jq, cp, offset, MHA_WQ, cp ? cp->query : NULL);
-    SUF(job_copies)(jk, cp, offset, MHA_WK, cp ? cp->key : NULL);
-    SUF(job_copies)(jv, cp, offset, MHA_WV, cp ? cp->value : NULL);
+    jq = SUF(add_proj)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq, NULL,
+                       f.B * f.Sq, f.E, f.E, slots);
+    jk = SUF(add_proj)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk, NULL,
+                       f.B * f.Sk, f.E, cfg->kdim, slots);
+    jv = SUF(add_proj)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, NULL,
+                       f.B * f.Sk, f.E, cfg->vdim, slots);
+    SUF(proj_copies)(&f, 0, cp, offset, MHA_WQ, cp ? cp->query : NULL);
+    SUF(proj_copies)(&f, 1, cp, offset, MHA_WK, cp ? cp->key : NULL);
+    SUF(proj_copies)(&f, 2, cp, offset, MHA_WV, cp ? cp->value : NULL);
     jq->yh = f.qh;
     jk->yt = f.kt;
     jv->yh = f.vh;
     jq->S = f.Sq;
     jk->S = jv->S = f.Sk;
     jq->Dk = jk->Dk = jv->Dk = f.Dk;
-    mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
+    if (mha_parallel_for(f.prods.tiles, slots, SUF(linear_task), &f, &ps)) goto stopped;
     MHA_TICK("forward qkv proj");
 
     /* a NaN or inf in V must reach every row (0·NaN), so no causal skipping */
     f.skip_causal = a->is_causal && SUF(all_finite)(f.vh, f.B * f.Sk * f.E);
 
     /* attention, per (b, h, block of queries) */
-    mha_parallel_for(f.B * f.H * f.n_qblk, slots,
-                     a->weights || f.p_save ? SUF(attend_weights_task) : SUF(attend_online_task),
-                     &f);
+    if (mha_parallel_for(f.B * f.H * f.n_qblk, slots,
+                         a->weights || f.p_save ? SUF(attend_weights_task)
+                                                : SUF(attend_online_task),
+                         &f, &ps))
+        goto stopped;
     MHA_TICK("forward attention");
 
     /* the output projection */
-    f.n_jobs = 0;
-    SUF(job_copies)(SUF(add_job)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out,
-                                 f.B * f.Sq, f.E, f.E, slots),
-                    cp, offset, MHA_WO, NULL);
-    mha_parallel_for(SUF(job_tiles)(&f), slots, SUF(linear_task), &f);
+    memset(&f.prods, 0, sizeof f.prods);
+    SUF(add_proj)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out, f.B * f.Sq, f.E,
+                  f.E, slots);
+    SUF(proj_copies)(&f, 0, cp, offset, MHA_WO, NULL);
+    if (mha_parallel_for(f.prods.tiles, slots, SUF(linear_task), &f, &ps)) goto stopped;
     MHA_TICK("forward out proj");
 
     mha_work_free(work);
     return MHA_OK;
+stopped: /* the poll asked to stop: the outputs are unspecified */
+    mha_work_free(work);
+    return MHA_ERR_INTERRUPTED;
 }
 
 #undef QB

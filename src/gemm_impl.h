@@ -115,3 +115,22 @@ void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T 
         kt->dot(M - i < 4 ? M - i : 4, N, K, A + i * lda, lda, B, ldb, bias, C + i * ldc, ldc,
                 accumulate);
 }
+
+/* internal.h's mha_tile_gemm: one tile of a product of the task list */
+void SUF(mha_tile_gemm)(const KT *kt, const mha_product *pr, const mha_tile *tl, T *c,
+                        int64_t ldc, int small, T *scratch)
+{
+    const T *A = (const T *)pr->A, *B = (const T *)pr->B, *bias = (const T *)pr->bias;
+    const int nt = pr->kind == MHA_NT;
+    if (pr->kind == MHA_TN)
+        SUF(mha_gemm_tn)(kt, tl->m, tl->n, pr->K, A + tl->i0, pr->lda, B + tl->n0, pr->ldb, c,
+                         ldc, 0, scratch);
+    else if (nt && small)
+        SUF(mha_gemm_small)(kt, tl->m, tl->n, pr->K, A + tl->i0 * pr->lda, pr->lda,
+                            B + tl->n0 * pr->ldb, pr->ldb, bias ? bias + tl->n0 : NULL, c, ldc,
+                            0);
+    else
+        SUF(mha_gemm)(kt, nt, tl->m, tl->n, pr->K, A + tl->i0 * pr->lda, pr->lda,
+                      B + (nt ? tl->n0 * pr->ldb : tl->n0), pr->ldb, bias ? bias + tl->n0 : NULL,
+                      c, ldc, 0, scratch);
+}

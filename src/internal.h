@@ -31,7 +31,7 @@ static inline int mha_bytes(int64_t n, size_t size, size_t *r)
 void *mha_alloc(size_t bytes);
 void mha_free(void *p);
 /* The same for a call's workspace, through the calling thread's cache of
- * one block (mha.c): free with mha_work_free, which keeps the block for the
+ * one block (memory.c): free with mha_work_free, which keeps the block for the
  * thread's next call (mha_release_workspace frees it). */
 void *mha_work_alloc(size_t bytes);
 void mha_work_free(void *p);
@@ -77,16 +77,40 @@ static inline double mha_stream_uniform(uint64_t key, uint64_t idx)
 {
     return (double)(mha_stream_bits(key, idx) >> 11) * 0x1.0p-53;
 }
+/* The dropout rule, one home for the forward and the backward: element idx
+ * of the stream `key` is kept (and scaled by 1/(1 - p)) iff its uniform
+ * draw is >= p. */
+static inline int mha_dropout_keep(uint64_t key, uint64_t idx, double p)
+{
+    return mha_stream_uniform(key, idx) >= p;
+}
 /* the counter reserved for parameter initialisation */
 #define MHA_INIT_COUNTER UINT64_MAX
 
 /* ---- worker threads (pool.c) ---- */
+/* A call's poll (mha_forward_args.poll): started by the entry point, asked
+ * by mha_parallel_for on the calling thread between tasks, no sooner than
+ * MHA_POLL_MS after mha_poll_start and then at most every MHA_POLL_MS.
+ * Once it answers nonzero, `stopped` stays set: every later pass of the
+ * call returns at once, and the call returns MHA_ERR_INTERRUPTED. */
+typedef struct {
+    mha_poll_fn fn;   /* NULL: never asked */
+    void *ctx;
+    int64_t next_ms;  /* the monotonic clock's time of the next question */
+    int stopped;
+} mha_poll_state;
+void mha_poll_start(mha_poll_state *ps, mha_poll_fn fn, void *ctx);
+
 /* fn(ctx, task, slot) for every task in [0, n_tasks); slot in [0, max_slots)
  * names the thread running it, for per-thread scratch.  Runs on the calling
  * thread alone when n_tasks or max_slots is 1, or when another call holds
- * the pool. */
+ * the pool.  ps: NULL, or the call's poll; when it says stop, no thread
+ * starts another task of the pass (those running finish) and
+ * mha_parallel_for returns nonzero (as it does at once for a call already
+ * stopped); else 0. */
 typedef void (*mha_task_fn)(void *ctx, int64_t task, int slot);
-void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx);
+int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
+                     mha_poll_state *ps);
 
 /* ---- matrix multiply (gemm.c) ----
  * C (M, N) (+)= A (M, K) · op(B) + bias, row-major with leading dimensions:
@@ -121,7 +145,83 @@ void mha_gemm_small_f64(const mha_kern_f64 *kt, int64_t M, int64_t N, int64_t K,
                         const double *A, int64_t lda, const double *B, int64_t ldb,
                         const double *bias, double *C, int64_t ldc, int accumulate);
 
-/* ---- argument checks shared by mha_forward and mha_forward_ref (mha.c) ----
+/* ---- one task list for tiled products (the forward's and the backward's
+ * passes) ----
+ * A pass's products, each cut into tiles of rm x rn of C, row tiles outer;
+ * the pass's tasks number the tiles product after product.  Kinds:
+ *   MHA_NT: C (M, N) = A (M, K) · B (N, K)ᵀ + bias   (a projection)
+ *   MHA_NN: C (M, N) = A (M, K) · B (K, N)           (an input gradient)
+ *   MHA_TN: C (M, N) = A (K, M)ᵀ · B (K, N)          (a weight gradient)
+ * Pointers are of the call's dtype; C may be NULL when the task writes
+ * each tile elsewhere (the forward's projections, scattered per head).
+ * mha_tile_gemm_f32/_f64 (gemm.c) run one tile. */
+enum { MHA_NT = 0, MHA_NN = 1, MHA_TN = 2 };
+typedef struct {
+    int kind;
+    const void *A, *B, *bias; /* bias (N) or NULL */
+    void *C;
+    int64_t lda, ldb, ldc, M, N, K;
+    int64_t rm, rn, tiles_n, tiles;
+} mha_product;
+#define MHA_MAX_PRODUCTS 8
+typedef struct {
+    mha_product p[MHA_MAX_PRODUCTS];
+    int n;
+    int64_t tiles; /* the pass's tasks: the products' tiles together */
+} mha_products;
+/* one task's tile: rows i0 .. i0+m-1, columns n0 .. n0+n-1 of product j */
+typedef struct {
+    int j;
+    int64_t i0, n0, m, n;
+} mha_tile;
+
+/* Append a product (at most MHA_MAX_PRODUCTS per list) cut into rm x rn
+ * tiles; the tiling never changes a result. */
+static inline mha_product *mha_products_add(mha_products *l, int kind, const void *A,
+                                            int64_t lda, const void *B, int64_t ldb,
+                                            const void *bias, void *C, int64_t ldc, int64_t M,
+                                            int64_t N, int64_t K, int64_t rm, int64_t rn)
+{
+    mha_product *pr = &l->p[l->n++];
+    pr->kind = kind;
+    pr->A = A; pr->lda = lda;
+    pr->B = B; pr->ldb = ldb;
+    pr->bias = bias;
+    pr->C = C; pr->ldc = ldc;
+    pr->M = M; pr->N = N; pr->K = K;
+    pr->rm = rm; pr->rn = rn;
+    pr->tiles_n = (N + rn - 1) / rn;
+    pr->tiles = M > 0 && N > 0 ? (M + rm - 1) / rm * pr->tiles_n : 0;
+    l->tiles += pr->tiles;
+    return pr;
+}
+
+/* the tile of task t (0 <= t < l->tiles) */
+static inline mha_tile mha_products_tile(const mha_products *l, int64_t t)
+{
+    mha_tile tl;
+    const mha_product *pr;
+    int j = 0;
+    while (t >= l->p[j].tiles) t -= l->p[j++].tiles;
+    pr = &l->p[j];
+    tl.j = j;
+    tl.i0 = (t / pr->tiles_n) * pr->rm;
+    tl.n0 = (t % pr->tiles_n) * pr->rn;
+    tl.m = pr->M - tl.i0 < pr->rm ? pr->M - tl.i0 : pr->rm;
+    tl.n = pr->N - tl.n0 < pr->rn ? pr->N - tl.n0 : pr->rn;
+    return tl;
+}
+
+/* One tile of a product into c (leading dimension ldc: the product's C at
+ * the tile, or the caller's scratch), through the packed loop nest
+ * (scratch: MHA_GEMM_SCRATCH scalars), or for an NT product with `small`
+ * the unpacked dot kernel. */
+void mha_tile_gemm_f32(const mha_kern_f32 *kt, const mha_product *pr, const mha_tile *tl,
+                       float *c, int64_t ldc, int small, float *scratch);
+void mha_tile_gemm_f64(const mha_kern_f64 *kt, const mha_product *pr, const mha_tile *tl,
+                       double *c, int64_t ldc, int small, double *scratch);
+
+/* ---- argument checks shared by every entry point (mha.c) ----
  * On MHA_OK, sizes hold the element counts of query, key, value, out and
  * weights (the last even when a->weights is NULL). */
 typedef struct {
@@ -129,5 +229,27 @@ typedef struct {
 } mha_sizes;
 mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
                              const mha_forward_args *a, mha_sizes *sz);
+
+/* ---- the instances per dtype: what the entry points of mha.c call ----
+ * Each is the template named beside it, instantiated in its .c file. */
+/* forward.c (forward_impl.h) */
+mha_status mha_forward_f32(const mha_config *cfg, const mha_params *p,
+                           const mha_forward_args *a, const mha_saved *s, const mha_copies *c);
+mha_status mha_forward_f64(const mha_config *cfg, const mha_params *p,
+                           const mha_forward_args *a, const mha_saved *s, const mha_copies *c);
+/* backward.c (backward_impl.h) */
+mha_status mha_backward_f32(const mha_config *cfg, const mha_params *p,
+                            const mha_backward_args *a, const mha_saved *s);
+mha_status mha_backward_f64(const mha_config *cfg, const mha_params *p,
+                            const mha_backward_args *a, const mha_saved *s);
+/* ref.c (ref_forward_impl.h, ref_backward_impl.h) */
+mha_status mha_forward_ref_f32(const mha_config *cfg, const mha_params *p,
+                               const mha_forward_args *a);
+mha_status mha_forward_ref_f64(const mha_config *cfg, const mha_params *p,
+                               const mha_forward_args *a);
+mha_status mha_backward_ref_f32(const mha_config *cfg, const mha_params *p,
+                                const mha_backward_args *a);
+mha_status mha_backward_ref_f64(const mha_config *cfg, const mha_params *p,
+                                const mha_backward_args *a);
 
 #endif /* MHA_INTERNAL_H */

@@ -2,6 +2,7 @@
  * target attribute so that the default build stays portable; isa.c uses
  * them only when the CPU has both.  The template is kern_impl.h. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "kernels.h"
@@ -41,8 +42,30 @@ typedef int64_t vi64x4 __attribute__((vector_size(32)));
 #undef V_FMA
 #undef SUF
 
-static const mha_kern_f32 avx2_f32 = MHA_KERN_FILL("avx2", MR, NRV * 8, f32_avx2, 0);
-static const mha_kern_f64 avx2_f64 = MHA_KERN_FILL("avx2", MR, NRV * 4, f64_avx2, 0);
+static const mha_kern_f32 avx2_f32 = {
+    .name = "avx2", .mr = MR, .nr = NRV * 8,
+    .ukr = ukr_f32_avx2,
+    .dot = dot_f32_avx2,
+    .scale_max = scale_max_f32_avx2,
+    .max = max_f32_avx2,
+    .exp_sum = exp_sum_f32_avx2,
+    .scale = scale_f32_avx2,
+    .exp = exp_row_f32_avx2,
+    .softmax_grad = softmax_grad_f32_avx2,
+    .pack_bt = NULL,
+};
+static const mha_kern_f64 avx2_f64 = {
+    .name = "avx2", .mr = MR, .nr = NRV * 4,
+    .ukr = ukr_f64_avx2,
+    .dot = dot_f64_avx2,
+    .scale_max = scale_max_f64_avx2,
+    .max = max_f64_avx2,
+    .exp_sum = exp_sum_f64_avx2,
+    .scale = scale_f64_avx2,
+    .exp = exp_row_f64_avx2,
+    .softmax_grad = softmax_grad_f64_avx2,
+    .pack_bt = NULL,
+};
 const mha_kern_f32 *const mha_kern_avx2_f32_p = &avx2_f32;
 const mha_kern_f64 *const mha_kern_avx2_f64_p = &avx2_f64;
 #else

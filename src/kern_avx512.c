@@ -2,6 +2,7 @@
  * target attribute so that the default build stays portable; isa.c uses
  * them only when the CPU has it.  The template is kern_impl.h. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "kernels.h"
@@ -94,9 +95,30 @@ KATTR static void pack_bt_f32_avx512(int64_t kc, const float *B, int64_t ldb, fl
         for (c = 0; c < NR; c++) Bp[k * NR + c] = B[c * ldb + k];
 }
 
-static const mha_kern_f32 avx512_f32 =
-    MHA_KERN_FILL("avx512", MR, NRV * 16, f32_avx512, pack_bt_f32_avx512);
-static const mha_kern_f64 avx512_f64 = MHA_KERN_FILL("avx512", MR, NRV * 8, f64_avx512, 0);
+static const mha_kern_f32 avx512_f32 = {
+    .name = "avx512", .mr = MR, .nr = NRV * 16,
+    .ukr = ukr_f32_avx512,
+    .dot = dot_f32_avx512,
+    .scale_max = scale_max_f32_avx512,
+    .max = max_f32_avx512,
+    .exp_sum = exp_sum_f32_avx512,
+    .scale = scale_f32_avx512,
+    .exp = exp_row_f32_avx512,
+    .softmax_grad = softmax_grad_f32_avx512,
+    .pack_bt = pack_bt_f32_avx512,
+};
+static const mha_kern_f64 avx512_f64 = {
+    .name = "avx512", .mr = MR, .nr = NRV * 8,
+    .ukr = ukr_f64_avx512,
+    .dot = dot_f64_avx512,
+    .scale_max = scale_max_f64_avx512,
+    .max = max_f64_avx512,
+    .exp_sum = exp_sum_f64_avx512,
+    .scale = scale_f64_avx512,
+    .exp = exp_row_f64_avx512,
+    .softmax_grad = softmax_grad_f64_avx512,
+    .pack_bt = NULL,
+};
 const mha_kern_f32 *const mha_kern_avx512_f32_p = &avx512_f32;
 const mha_kern_f64 *const mha_kern_avx512_f64_p = &avx512_f64;
 #else

@@ -11,6 +11,9 @@
  *   KATTR            the target attribute of every function here
  * T, KDOUBLE, VL, VT, VI, V_SET1 and SUF are undefined at the end of this
  * file; the rest stay the includer's.
+ * Each instance defines ukr_S, dot_S, scale_max_S, max_S, exp_sum_S,
+ * scale_S, exp_row_S and softmax_grad_S for its suffix S (f32_avx2,
+ * f64_portable, ...), which the includer lists by name in its table.
  * Semantics are documented in kernels.h.  Every loop order is fixed: a
  * result never depends on threads or on which tile an element falls in. */
 
@@ -46,14 +49,21 @@ KATTR static inline T SUF(hmax)(VT v)
 
 /* exp(x) lane by lane: x = n·ln2 + r, |r| <= ln2/2, exp(r) by a polynomial,
  * times 2^n applied as two factors 2^(n/2) so that results down to the
- * subnormals are right.  NaN gives NaN, -inf 0, +inf +inf. */
+ * subnormals are right.  NaN gives NaN, -inf 0, +inf +inf.
+ * n is taken from x clamped to [lo, hi] (NaN to lo): outside that range the
+ * result is 0 or +inf anyway (selected at the end from x itself), and the
+ * clamp keeps n's integer arithmetic in range for every x (unclamped, an x
+ * of -1e7 in float or -6e15 in double overflowed the conversion: signed
+ * overflow, undefined behaviour).  Inside the range nothing changes. */
 KATTR static inline VT SUF(vexp)(VT x)
 {
 #if KDOUBLE
     const T magic = 6755399441055744.0; /* 1.5 * 2^52 */
     const T lo = -745.2, hi = 709.79;
     const T c1 = 6.93145751953125E-1, c2 = 1.42860682030941723212E-6;
-    VT t = V_FMA(x, SUF(vset1)(1.4426950408889634074), SUF(vset1)(magic));
+    VT xc = SUF(vselect)(x > lo, x, SUF(vset1)(lo)); /* NaN -> lo too */
+    xc = SUF(vselect)(xc < hi, xc, SUF(vset1)(hi));
+    VT t = V_FMA(xc, SUF(vset1)(1.4426950408889634074), SUF(vset1)(magic));
     VT n = t - magic;
     VT r = V_FMA(n, SUF(vset1)(-c1), x);
     r = V_FMA(n, SUF(vset1)(-c2), r);
@@ -78,7 +88,9 @@ KATTR static inline VT SUF(vexp)(VT x)
     const T magic = 12582912.0f; /* 1.5 * 2^23 */
     const T lo = -103.98f, hi = 88.73f;
     const T c1 = 0.693359375f, c2 = -2.12194440e-4f;
-    VT t = V_FMA(x, SUF(vset1)(1.44269504088896341f), SUF(vset1)(magic));
+    VT xc = SUF(vselect)(x > lo, x, SUF(vset1)(lo)); /* NaN -> lo too */
+    xc = SUF(vselect)(xc < hi, xc, SUF(vset1)(hi));
+    VT t = V_FMA(xc, SUF(vset1)(1.44269504088896341f), SUF(vset1)(magic));
     VT n = t - magic;
     VT r = V_FMA(n, SUF(vset1)(-c1), x);
     r = V_FMA(n, SUF(vset1)(-c2), r);

@@ -3,6 +3,7 @@
  * No FMA: a*b + c rounds twice.  Runs on every CPU; MHA_EXT_ISA=portable
  * forces it.  The template is kern_impl.h. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "kernels.h"
@@ -37,5 +38,27 @@ typedef int64_t vi64x2 __attribute__((vector_size(16)));
 #define SUF(name) name##_f64_portable
 #include "kern_impl.h"
 
-const mha_kern_f32 mha_kern_portable_f32 = MHA_KERN_FILL("portable", MR, NRV * 4, f32_portable, 0);
-const mha_kern_f64 mha_kern_portable_f64 = MHA_KERN_FILL("portable", MR, NRV * 2, f64_portable, 0);
+const mha_kern_f32 mha_kern_portable_f32 = {
+    .name = "portable", .mr = MR, .nr = NRV * 4,
+    .ukr = ukr_f32_portable,
+    .dot = dot_f32_portable,
+    .scale_max = scale_max_f32_portable,
+    .max = max_f32_portable,
+    .exp_sum = exp_sum_f32_portable,
+    .scale = scale_f32_portable,
+    .exp = exp_row_f32_portable,
+    .softmax_grad = softmax_grad_f32_portable,
+    .pack_bt = NULL,
+};
+const mha_kern_f64 mha_kern_portable_f64 = {
+    .name = "portable", .mr = MR, .nr = NRV * 2,
+    .ukr = ukr_f64_portable,
+    .dot = dot_f64_portable,
+    .scale_max = scale_max_f64_portable,
+    .max = max_f64_portable,
+    .exp_sum = exp_sum_f64_portable,
+    .scale = scale_f64_portable,
+    .exp = exp_row_f64_portable,
+    .softmax_grad = softmax_grad_f64_portable,
+    .pack_bt = NULL,
+};

@@ -1,7 +1,8 @@
 /* kernels.h: the per-ISA kernel tables (internal).  One table per
  * (instruction set, dtype); kern_portable.c, kern_avx2.c and kern_avx512.c
- * fill them from the one template kern_impl.h, and isa.c picks one at run
- * time from the CPU's features (or MHA_EXT_ISA / mha_set_isa).
+ * instantiate the one template kern_impl.h (ukr_f32_avx2, exp_sum_f64_portable,
+ * ...) and list each instance by name in their tables, and isa.c picks one
+ * at run time from the CPU's features (or MHA_EXT_ISA / mha_set_isa).
  *
  * ukr: the GEMM micro-kernel, C (mr, nr) (+)= A · Bp (+ bias), where
  *   A (mr, kc) is read in place, element (r, k) at A[r*lda + k*ak] (mr <=
@@ -29,36 +30,41 @@
 
 #include <stdint.h>
 
-#define MHA_KERN_TABLE(T, SUF)                                                        \
-    typedef struct {                                                                  \
-        const char *name;                                                             \
-        int mr, nr;                                                                   \
-        void (*ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, const T *Bp,     \
-                    int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,          \
-                    int accumulate, const T *bias);                                   \
-        void (*dot)(int64_t m, int64_t n, int64_t K, const T *A, int64_t lda,         \
-                    const T *B, int64_t ldb, const T *bias, T *C, int64_t ldc,        \
-                    int accumulate);                                                  \
-        T (*scale_max)(T *s, int64_t n, T c);                                         \
-        T (*max)(const T *s, int64_t n);                                              \
-        T (*exp_sum)(T *s, int64_t n, T m);                                           \
-        void (*scale)(T *s, int64_t n, T c);                                          \
-        void (*exp)(T *s, int64_t n);                                                 \
-        void (*softmax_grad)(const T *p, T *d, int64_t n, T c);                       \
-        void (*pack_bt)(int64_t kc, const T *B, int64_t ldb, T *Bp);                  \
-    } mha_kern_##SUF;
+/* the table for float */
+typedef struct {
+    const char *name;
+    int mr, nr;
+    void (*ukr)(int64_t kc, const float *A, int64_t lda, int64_t ak, const float *Bp, int64_t ldbk,
+                float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const float *bias);
+    void (*dot)(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B,
+                int64_t ldb, const float *bias, float *C, int64_t ldc, int accumulate);
+    float (*scale_max)(float *s, int64_t n, float c);
+    float (*max)(const float *s, int64_t n);
+    float (*exp_sum)(float *s, int64_t n, float m);
+    void (*scale)(float *s, int64_t n, float c);
+    void (*exp)(float *s, int64_t n);
+    void (*softmax_grad)(const float *p, float *d, int64_t n, float c);
+    void (*pack_bt)(int64_t kc, const float *B, int64_t ldb, float *Bp);
+} mha_kern_f32;
 
-MHA_KERN_TABLE(float, f32)
-MHA_KERN_TABLE(double, f64)
+/* the same for double */
+typedef struct {
+    const char *name;
+    int mr, nr;
+    void (*ukr)(int64_t kc, const double *A, int64_t lda, int64_t ak, const double *Bp, int64_t ldbk,
+                double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const double *bias);
+    void (*dot)(int64_t m, int64_t n, int64_t K, const double *A, int64_t lda, const double *B,
+                int64_t ldb, const double *bias, double *C, int64_t ldc, int accumulate);
+    double (*scale_max)(double *s, int64_t n, double c);
+    double (*max)(const double *s, int64_t n);
+    double (*exp_sum)(double *s, int64_t n, double m);
+    void (*scale)(double *s, int64_t n, double c);
+    void (*exp)(double *s, int64_t n);
+    void (*softmax_grad)(const double *p, double *d, int64_t n, double c);
+    void (*pack_bt)(int64_t kc, const double *B, int64_t ldb, double *Bp);
+} mha_kern_f64;
 
 enum { MHA_ISA_PORTABLE = 0, MHA_ISA_AVX2 = 1, MHA_ISA_AVX512 = 2, MHA_ISA_COUNT };
-
-/* The initialiser of one ISA's table for one dtype: S is the name suffix
- * the kern_impl.h instance was built with (f32_avx2, f64_portable, ...);
- * PACK_BT the table's pack_bt or NULL. */
-#define MHA_KERN_FILL(NAME, MR_, NR_, S, PACK_BT)                                  \
-    {NAME, MR_, NR_, ukr_##S, dot_##S, scale_max_##S, max_##S, exp_sum_##S, scale_##S,  \
-     exp_row_##S, softmax_grad_##S, PACK_BT}
 
 /* the tables, NULL where this build or compiler has none */
 extern const mha_kern_f32 mha_kern_portable_f32, *const mha_kern_avx2_f32_p,

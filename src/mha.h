@@ -104,10 +104,14 @@ typedef struct {
 #define MHA_MAX_MASKS 8
 
 /* A caller's "should this call stop?" question (for example: did the user
- * press Ctrl-C).  Called on the thread that made the call, between tasks,
- * at most about every MHA_POLL_MS milliseconds and never during the first
- * MHA_POLL_MS; nonzero stops the call, which then returns
- * MHA_ERR_INTERRUPTED. */
+ * press Ctrl-C).  mha_forward, mha_forward_save, mha_backward and
+ * mha_backward_saved (through fwd.poll) call it on the thread that made the
+ * call, between tasks, at most about every MHA_POLL_MS milliseconds and
+ * never during the first MHA_POLL_MS (short calls never see it); nonzero
+ * stops the call: no thread starts another task, everything the call
+ * allocated is freed, and it returns MHA_ERR_INTERRUPTED (the pool serves
+ * the next call as usual).  A poll that answers 0 changes no result.  The
+ * reference paths (mha_forward_ref, mha_backward_ref) do not call it. */
 typedef int (*mha_poll_fn)(void *ctx);
 #define MHA_POLL_MS 50
 
@@ -152,8 +156,12 @@ mha_status mha_forward_ref(const mha_config *cfg, const mha_params *p,
  * the stream (seed, counter); idx = ((b*H + h)*Sq + i)*Sk + j. */
 double mha_dropout_uniform(uint64_t seed, uint64_t counter, uint64_t idx);
 
-/* Worker threads used by mha_forward (default: the CPUs this process may
- * use).  n < 1 is clamped to 1. */
+/* Worker threads used by mha_forward and mha_backward.  The default, fixed
+ * at first use: the environment variable MHA_EXT_NUM_THREADS when it holds
+ * a positive integer (an invalid value is ignored), else the CPUs this
+ * process may use (its affinity mask).  OMP_NUM_THREADS is not read: the
+ * pool is mha_ext's own, not OpenMP's.  n < 1 is clamped to 1 (and n to
+ * 256). */
 void mha_set_num_threads(int n);
 int mha_get_num_threads(void);
 
@@ -206,6 +214,13 @@ typedef struct {
  * Statuses as mha_forward's. */
 mha_status mha_backward(const mha_config *cfg, const mha_params *p,
                         const mha_backward_args *a);
+
+/* The plain reference backward: the same contract as mha_backward, obvious
+ * loops, one thread, the forward recomputed row by row as mha_forward_ref
+ * computes it (src/ref_backward_impl.h quotes each forward line beside its
+ * backward).  It is the oracle the C tests hold mha_backward to. */
+mha_status mha_backward_ref(const mha_config *cfg, const mha_params *p,
+                            const mha_backward_args *a);
 
 /* ---- training: the forward keeps what the backward needs ---------------
  * mha_forward_save is mha_forward that also writes, into the caller's

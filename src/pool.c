@@ -14,10 +14,12 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -65,6 +67,22 @@ static int default_threads(void)
     return n < MAX_THREADS ? (int)n : MAX_THREADS;
 }
 
+/* MHA_EXT_NUM_THREADS, when it holds a positive integer (and nothing
+ * else), else 0: the caller then takes the CPUs.  OMP_NUM_THREADS is not
+ * read: this pool is mha_ext's own, not OpenMP's. */
+static int env_threads(void)
+{
+    const char *s = getenv("MHA_EXT_NUM_THREADS");
+    char *end;
+    long n;
+    if (!s || *s == '\0') return 0;
+    errno = 0;
+    n = strtol(s, &end, 10);
+    while (*end == ' ' || *end == '\t' || *end == '\n') end++;
+    if (errno != 0 || *end != '\0' || n < 1) return 0;
+    return n < MAX_THREADS ? (int)n : MAX_THREADS;
+}
+
 static void init_locks(void)
 {
     pthread_mutex_init(&g_busy, NULL);
@@ -86,14 +104,57 @@ static void after_fork_child(void)
 static void pool_init(void)
 {
     init_locks();
-    g_nthreads = default_threads();
+    g_nthreads = env_threads();
+    if (g_nthreads == 0) g_nthreads = default_threads();
     pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 }
 
-static void run_tasks(int slot)
+/* ---- the call's poll ----
+ * The coarse clock where there is one: a few nanoseconds a read (no
+ * rdtsc), ticks of a few milliseconds, plenty for MHA_POLL_MS. */
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+#ifdef CLOCK_MONOTONIC_COARSE
+    if (clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0)
+#endif
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+void mha_poll_start(mha_poll_state *ps, mha_poll_fn fn, void *ctx)
+{
+    ps->fn = fn;
+    ps->ctx = ctx;
+    ps->stopped = 0;
+    ps->next_ms = fn ? now_ms() + MHA_POLL_MS : 0;
+}
+
+/* on the calling thread, after each of its tasks: nonzero to stop */
+static int poll_says_stop(mha_poll_state *ps)
+{
+    int64_t now;
+    if (!ps || !ps->fn) return 0;
+    now = now_ms();
+    if (now < ps->next_ms) return 0;
+    if (ps->fn(ps->ctx)) ps->stopped = 1;
+    ps->next_ms = now_ms() + MHA_POLL_MS; /* the poll itself may take a while */
+    return ps->stopped;
+}
+
+/* Take tasks until none is left.  ps (the caller's thread only): when it
+ * says stop, the counter is moved past the end, so that no thread takes
+ * another task. */
+static void run_tasks(int slot, mha_poll_state *ps)
 {
     int64_t t;
-    while ((t = (int64_t)atomic_fetch_add(&g_next, 1)) < g_ntasks) g_fn(g_ctx, t, slot);
+    while ((t = (int64_t)atomic_fetch_add(&g_next, 1)) < g_ntasks) {
+        g_fn(g_ctx, t, slot);
+        if (poll_says_stop(ps)) {
+            atomic_store(&g_next, g_ntasks);
+            break;
+        }
+    }
 }
 
 static void *worker_main(void *arg)
@@ -113,7 +174,7 @@ static void *worker_main(void *arg)
         seen = g_generation;
         if (index >= g_job_workers) continue;
         pthread_mutex_unlock(&g_lock);
-        run_tasks(index + 1);
+        run_tasks(index + 1, NULL);
         pthread_mutex_lock(&g_lock);
         if (--g_pending == 0) pthread_cond_signal(&g_done);
     }
@@ -137,11 +198,13 @@ static int start_workers(int want)
     return g_nworkers;
 }
 
-void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx)
+int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
+                     mha_poll_state *ps)
 {
     int64_t t;
     int workers;
-    if (n_tasks <= 0) return;
+    if (ps && ps->stopped) return 1;
+    if (n_tasks <= 0) return 0;
     pthread_once(&g_once, pool_init);
     if (max_slots > 1 && n_tasks > 1 && pthread_mutex_trylock(&g_busy) == 0) {
         pthread_mutex_lock(&g_lock);
@@ -161,7 +224,7 @@ void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx)
             g_generation++;
             pthread_cond_broadcast(&g_wake);
             pthread_mutex_unlock(&g_lock);
-            run_tasks(0);
+            run_tasks(0, ps);
             { /* the workers' last tasks usually end within microseconds */
                 int i;
                 for (i = 0; i < SPIN && atomic_load(&g_pending) > 0; i++) cpu_pause();
@@ -171,12 +234,16 @@ void mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx)
             g_job_workers = 0;
             pthread_mutex_unlock(&g_lock);
             pthread_mutex_unlock(&g_busy);
-            return;
+            return ps && ps->stopped;
         }
         pthread_mutex_unlock(&g_lock);
         pthread_mutex_unlock(&g_busy);
     }
-    for (t = 0; t < n_tasks; t++) fn(ctx, t, 0);
+    for (t = 0; t < n_tasks; t++) {
+        fn(ctx, t, 0);
+        if (poll_says_stop(ps)) return 1;
+    }
+    return 0;
 }
 
 void mha_set_num_threads(int n)

@@ -1,7 +1,12 @@
 """Build and run the C core's own tests (tests/c/test_core.c) against src/.
 
 They need no Python or NumPy: a hand-computed case, masks, float32 against
-float64, the fast path against the reference, size overflow as a status.
+float64, the fast path against the reference (forward and, against
+mha_backward_ref, backward, on every instruction set), the reference backward
+against finite differences, the vector exp over its whole negative range
+(defect 4), the poll hook (stop -> MHA_ERR_INTERRUPTED, then a normal call),
+size overflow as a status.  With MHA_EXT_CFLAGS (the CI's sanitizer stage)
+they are built with those flags too.
 """
 import os
 import pathlib

@@ -103,6 +103,32 @@ def test_masks(isa, dtype, Sq, Sk):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_huge_negative_additive_masks(isa, dtype):
+    """additive masks of -1e7, -1e10, -6e15, -1e30: score gaps far below
+    exp's underflow, where the vector exp's exponent conversion overflowed
+    (defect 4, undefined behaviour that the CI's ASan+UBSan stage, running
+    this test, reports); the weights there are exactly 0, as in the
+    reference"""
+    m = make(16, 2, dtype=dtype)
+    Sq, Sk = 9, 37
+    q, k, v = inputs(m, 2, Sq, Sk)
+    rng = np.random.default_rng(11)
+    for value in (-1e7, -1e10, -6e15, -1e30):
+        add = np.zeros((Sq, Sk), dtype)
+        add[rng.random((Sq, Sk)) < 0.4] = value
+        add[2, :] = value  # a whole row shifted: an ordinary softmax again
+        add[3, 1:] = value  # one visible key
+        add[3, 0] = 0
+        assert_same(m, q, k, v, [(1, add)])
+        assert_same(m, q, k, v, [(1, add)], causal=True)
+        _, w = m._forward(q, k, v, [(1, add)], False, True, False, False)
+        hidden = np.broadcast_to(add == value, w.shape).copy()
+        hidden[:, :, 2, :] = False
+        assert np.all(w[hidden] == 0)
+        np.testing.assert_allclose(w[:, :, 3, 0], 1.0, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_tile_boundaries(isa, dtype):
     """past one KC/NC block (257), a projection task (M = 400) and an online
     key block (Sk = 300)"""

@@ -1,13 +1,10 @@
 """What a new user notices first (issue 13, points 6 and 7): the demo's
-help and torch hint, help() on the class, the thread count from the
-environment, the dtype of the result for other input dtypes, and dotted
-names in the docstrings that resolve."""
+help and torch hint, help() on the class, the dtype of the result for other
+input dtypes, and dotted names in the docstrings that resolve."""
 import importlib
 import inspect
-import os
 import pydoc
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,18 +12,8 @@ import numpy as np
 import pytest
 
 import mha_ext
-from _support import PKG_ROOT
 
 PKG_DIR = Path(mha_ext.__file__).resolve().parent
-
-
-def _python(code, **env):
-    full = dict(os.environ, PYTHONPATH=PKG_ROOT)
-    for k in ("MHA_EXT_NUM_THREADS", "OMP_NUM_THREADS"):
-        full.pop(k, None)
-    full.update(env)
-    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
-                          text=True, timeout=120)
 
 
 # ------------------------------------------------------------------ the demo
@@ -82,20 +69,7 @@ def test_help_of_the_c_type_shows_its_signature():
 
 
 # ------------------------------------------------------------------ threads
-
-@pytest.mark.xfail(strict=True, reason="src/pool.c (core helper): MHA_EXT_NUM_THREADS; "
-                   "remove this marker at merge")
-def test_thread_count_from_the_environment():
-    code = "import mha_ext; print(mha_ext.get_num_threads())"
-    default = int(_python(code).stdout)
-    assert int(_python(code, MHA_EXT_NUM_THREADS="3").stdout) == 3
-    # OMP_NUM_THREADS is torch's (OpenMP's) and is not read
-    assert int(_python(code, OMP_NUM_THREADS="5").stdout) == default
-    # set_num_threads still overrides it
-    assert _python("import mha_ext; mha_ext.set_num_threads(2); "
-                   "print(mha_ext.get_num_threads())",
-                   MHA_EXT_NUM_THREADS="3").stdout.strip() == "2"
-
+# MHA_EXT_NUM_THREADS: tests/test_num_threads_env.py
 
 # ------------------------------------------------------------------ dtypes
 

@@ -1,5 +1,5 @@
-/* ref_impl.h: the plain reference forward pass, for T = float and double
- * (included twice by mha_ref.c).  Obvious loops, one thread, one row of
+/* ref_forward_impl.h: the plain reference forward pass, for T = float and
+ * double (included twice by ref.c).  Obvious loops, one thread, one row of
  * scores at a time: the oracle the fast path is tested against.
  * Legend as in mha.h. */
 

@@ -1,0 +1,143 @@
+"""Call arguments and output shaping, and the only place that calls the C
+type's private methods ``_forward``, ``_forward_with`` and ``_backward``.
+
+A call's life in Python: :func:`prepare` checks the arguments and brings
+them to the C side's form (a :class:`Call`: 3-D inputs, key/value defaults
+kept as the same array for self-attention, masks as (kind, array) pairs,
+flags as bools); one of the ``c_*`` functions below runs it in C (one small
+function per private C method, holding that method's protocol); and
+:func:`shape_output` gives the results the shapes the caller asked for
+(unbatched, mean over heads).  :func:`grads_for_c` is its inverse for the
+backward's incoming gradients.
+
+Legend: B batch, Sq query length, Sk key length, E = d_model, H = n_heads.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ._convert import as_array, contiguous, flag
+from ._masks import masks as _masks
+
+__all__ = ["Call", "prepare", "shape_output", "grads_for_c", "keep_level", "c_forward",
+           "c_forward_train", "c_backward"]
+
+
+class Call(NamedTuple):
+    """One call's arguments in the C side's form."""
+    query: np.ndarray        # (B, Sq, E)
+    key: np.ndarray          # (B, Sk, kdim); the query array itself for self-attention
+    value: np.ndarray        # (B, Sk, vdim); the key (or query) array itself when defaulted
+    masks: list              # [(kind, array)], kind 0 blocking, 1 additive (see _masks)
+    batched: bool            # False: the caller's inputs were 2-D
+    is_causal: bool
+    need_weights: bool
+    average_weights: bool
+    zero_rows: bool          # masked_rows == "zero"
+
+
+def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
+            key_padding_mask=None, is_causal=False, need_weights=True,
+            average_weights=False, masked_rows="nan", dtype=None) -> Call:
+    """A call's arguments checked and brought to the C side's form.  key
+    defaults to query, value to key.  With dtype None the inputs are arrays
+    as given (no copy for an ndarray; the C side converts); with a dtype they
+    are C-contiguous arrays of it (no copy when they already are)."""
+    if dtype is None:
+        convert = as_array
+    else:
+        def convert(x, name):
+            return contiguous(x, name, dtype)
+    q = convert(query, "query")
+    k = q if key is None else convert(key, "key")
+    v = k if value is None else convert(value, "value")
+    if q.ndim == 2:
+        for name, x in (("key", k), ("value", v)):
+            if x.ndim != 2:
+                raise ValueError(f"query is unbatched (2-D, shape {q.shape}), so {name} "
+                                 f"must be 2-D too, got shape {x.shape}")
+        batched = False
+        # keep self-attention visible to the C side (no second copy)
+        q3 = q[None]
+        k3 = q3 if k is q else k[None]
+        v3 = k3 if v is k else (q3 if v is q else v[None])
+    else:
+        batched = True
+        q3, k3, v3 = q, k, v
+    if q3.ndim != 3:
+        raise ValueError(f"query must be 3-D (batch, seq, d_model) or 2-D (seq, d_model), "
+                         f"got shape {q.shape}")
+    if k3.ndim != 3 or v3.ndim != 3:
+        bad, x = ("key", k) if k3.ndim != 3 else ("value", v)
+        raise ValueError(f"{bad} must be 3-D like query (shape {q.shape}), got shape {x.shape}")
+    B, Sq, Sk = q3.shape[0], q3.shape[1], k3.shape[1]
+    if not isinstance(masked_rows, str) or masked_rows not in ("nan", "zero"):
+        raise ValueError(f"masked_rows must be 'nan' or 'zero', got {masked_rows!r}")
+    ms = _masks(mask, attn_mask, key_padding_mask, batched, B, mha.n_heads, Sq, Sk)
+    return Call(q3, k3, v3, ms, batched, flag(is_causal, "is_causal"),
+                flag(need_weights, "need_weights"), flag(average_weights, "average_weights"),
+                masked_rows == "zero")
+
+
+def shape_output(call, out, weights):
+    """(output, weights) as the caller asked: weights averaged over heads with
+    average_weights, the batch axis dropped for unbatched inputs."""
+    if weights is not None and call.average_weights:
+        weights = weights.mean(axis=1)
+    if not call.batched:
+        out = out[0]
+        weights = None if weights is None else weights[0]
+    return out, weights
+
+
+def grads_for_c(grad_output, grad_weights, batched, average_weights, n_heads):
+    """The inverse of shape_output for the backward's incoming gradients:
+    dL/d output as (B, Sq, E) and dL/d weights as (B, H, Sq, Sk) (or None)."""
+    go, gw = grad_output, grad_weights
+    if gw is not None:
+        if not batched:
+            gw = gw[None]
+        if average_weights:  # weights = mean over heads
+            gw = np.repeat(gw[:, None] / gw.dtype.type(n_heads), n_heads, axis=1)
+    if not batched:
+        go = go[None]
+    return go, gw
+
+
+def keep_level(mha, call, save_projections):
+    """What forward_train's C call keeps for the backward: 0 nothing, 1 the
+    projections Q, K, V and the context, 2 also the softmax P when it costs
+    no more memory than those four."""
+    if not flag(save_projections, "save_projections"):
+        return 0
+    Sq, Sk, E = call.query.shape[1], call.key.shape[1], mha.d_model
+    return 2 if mha.n_heads * Sq * Sk <= 2 * E * (Sq + Sk) else 1
+
+
+# ---------------------------------------------------------------- the C calls
+# Each function below holds one private C method's protocol (src: _core.c).
+
+def c_forward(mha, call, reference=False):
+    """The module's call: (output (B, Sq, E), weights (B, H, Sq, Sk) or None);
+    reference=True runs the core's plain reference forward (the tests' oracle)."""
+    return mha._forward(call.query, call.key, call.value, call.masks, call.is_causal,
+                        call.need_weights, call.zero_rows, bool(reference))
+
+
+def c_forward_train(mha, call, block, dropout, counter, keep):
+    """The training forward with parameters `block` (None: the module's,
+    copied under its lock): (output, weights, saved, (block, query, key,
+    value) copies) with the shapes of c_forward's results."""
+    return mha._forward_with(block, call.query, call.key, call.value, list(call.masks),
+                             call.is_causal, call.need_weights, call.zero_rows,
+                             dropout, counter, keep, True)
+
+
+def c_backward(mha, block, query, key, value, masks, is_causal, zero_rows, dropout,
+               counter, grad_output, grad_weights, saved):
+    """The backward of one c_forward_train call: (parameter gradient block,
+    d query, d key, d value), the inputs' gradients 3-D."""
+    return mha._backward(block, query, key, value, list(masks), is_causal, zero_rows,
+                         dropout, counter, grad_output, grad_weights, saved)

@@ -1,0 +1,139 @@
+"""Argument conversion, the one home for it: torch tensors to NumPy, array-likes
+to ndarrays with a message naming the argument, the real-number check, the
+contiguous copy in a dtype, and the checks of scalar arguments (flags,
+probabilities, stream counters) that Python code takes.
+
+Imports nothing of mha_ext and never imports torch: a torch tensor is
+recognised by its type's module.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+__all__ = ["is_tensor", "check_tensor", "to_numpy", "as_array", "check_real", "as_real",
+           "contiguous", "flag", "probability", "counter"]
+
+
+def is_tensor(x) -> bool:
+    """Whether x is a torch tensor (torch is never imported here)."""
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def check_tensor(x, name):
+    """Refuse, naming `name`, the tensors NumPy cannot read: sparse or other
+    non-strided layouts (TypeError) and tensors on the meta device, which
+    have no data (ValueError)."""
+    layout = str(getattr(x, "layout", "torch.strided"))
+    if layout != "torch.strided":
+        raise TypeError(f"{name} must be a dense tensor, got a {layout.replace('torch.', '')} "
+                        f"tensor; convert it with .to_dense() first")
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is a tensor on the meta device, which has no data; "
+                         f"materialise it on the CPU first (for a module: "
+                         f"module.to_empty(device='cpu'), then initialise or load its weights)")
+
+
+def to_numpy(x, name="tensor"):
+    """A torch tensor (also one that requires grad, on another device, in
+    bfloat16, conjugated or negated lazily) as a NumPy array; anything else
+    unchanged.  A sparse or meta tensor is an error naming `name`."""
+    if not is_tensor(x):
+        return x
+    check_tensor(x, name)
+    x = x.detach()
+    if x.device.type != "cpu":
+        x = x.cpu()
+    if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16
+        x = x.float()
+    return x.resolve_conj().resolve_neg().numpy()
+
+
+def as_array(x, name) -> np.ndarray:
+    """x as an ndarray (no copy for an ndarray or a CPU tensor), with a
+    message naming `name` when it cannot be one."""
+    if is_tensor(x):
+        check_tensor(x, name)
+    try:
+        x = to_numpy(x, name)
+        if isinstance(x, np.ndarray):
+            return x
+        return np.asarray(x)
+    except MemoryError as exc:
+        raise MemoryError(f"{name}: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name} must be array-like: {exc}") from None
+    except Exception as exc:  # e.g. an __array__ that raises: still bad input
+        raise TypeError(f"{name} must be array-like, converting it raised "
+                        f"{type(exc).__name__}: {exc}") from exc
+
+
+def check_real(arr, name):
+    """TypeError naming `name` unless arr holds bool, int or float."""
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must hold real numbers (bool, int or float), "
+                        f"got dtype {arr.dtype}")
+
+
+def as_real(x, name) -> np.ndarray:
+    """as_array, then check_real."""
+    arr = as_array(x, name)
+    check_real(arr, name)
+    return arr
+
+
+def contiguous(x, name, dtype) -> np.ndarray:
+    """x as a C-contiguous array of dtype: the array itself when it already
+    is one, else a converted copy."""
+    return np.ascontiguousarray(as_real(x, name), dtype=dtype)
+
+
+def _describe(value):
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"an array of shape {tuple(shape)}"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def flag(value, name) -> bool:
+    """A call's on/off argument as a bool.  A bool, a NumPy bool, a 0-d array
+    or any other single truth value is taken as Python's `if` would take it;
+    a sequence, string or array with more than one value is a TypeError
+    naming `name` (NumPy's own message does not say which argument)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    ndim = getattr(value, "ndim", None)
+    if ndim == 0 and getattr(value, "shape", None) == ():
+        value = value.item() if hasattr(value, "item") else value
+    elif ndim is not None or hasattr(value, "__len__"):
+        raise TypeError(f"{name} must be True or False, got {_describe(value)}")
+    try:
+        return bool(value)
+    except Exception as exc:
+        raise TypeError(f"{name} must be True or False, got {_describe(value)} "
+                        f"({type(exc).__name__}: {exc})") from None
+
+
+def probability(value, name) -> float:
+    """A real number in [0, 1] (Python's or NumPy's, not a bool) as a float;
+    ValueError naming `name` otherwise, NaN included."""
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+          and 0.0 <= float(value) <= 1.0)
+    if not ok:
+        raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+    return float(value)
+
+
+def counter(value, name) -> int:
+    """An integer in [0, 2**64) (Python's or NumPy's, not a bool) as an int;
+    ValueError naming `name` otherwise."""
+    ok = (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+          and 0 <= int(value) < 2 ** 64)
+    if not ok:
+        raise ValueError(f"{name} must be an int in [0, 2**64), got {value!r}")
+    return int(value)
+

@@ -1,0 +1,171 @@
+"""Parameter keys and the block layout, the one home for them.
+
+The C type keeps all parameters in one flat block (src/mha.h,
+mha_param_layout): W_q.weight, W_q.bias, W_k.weight, ... W_o.bias, tensor i
+at ``mha._layout()[i] = (offset, size)`` (size 0 for the biases of a module
+built with bias=False).  This module names those tensors (the seed module's
+keys, torch.nn.MultiheadAttention's packed and separate keys and which block
+tensors each one stacks) and converts between state dicts and blocks.
+
+Legend: E = d_model; tensor i is a weight (E, fan_in) for even i, a bias (E,)
+for odd i.
+"""
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Mapping
+
+import numpy as np
+
+from ._convert import as_real, flag
+
+__all__ = ["LINEARS", "SEED_KEYS", "TORCH_PACKED", "TORCH_SEPARATE", "TORCH_KEYS",
+           "TORCH_PARTS", "TORCH_UNSUPPORTED", "IncompatibleKeys", "seed_keys", "shape",
+           "tensor", "state_dict", "load_block", "params_block", "grads"]
+
+# the four projections, in the order of the C block
+LINEARS = ("W_q", "W_k", "W_v", "W_o")
+# parameter names in the order of the C block (src/mha.h, mha_param_layout)
+SEED_KEYS = tuple(f"{n}.{part}" for n in LINEARS for part in ("weight", "bias"))
+
+# torch.nn.MultiheadAttention's keys: packed (kdim == vdim == d_model) or separate
+TORCH_PACKED = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
+TORCH_SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
+                  "out_proj.weight", "out_proj.bias")
+TORCH_KEYS = frozenset(TORCH_PACKED + TORCH_SEPARATE)
+# torch key -> the block tensors it stacks along its first axis
+TORCH_PARTS = {"in_proj_weight": (0, 2, 4), "in_proj_bias": (1, 3, 5),
+               "q_proj_weight": (0,), "k_proj_weight": (2,), "v_proj_weight": (4,),
+               "out_proj.weight": (6,), "out_proj.bias": (7,)}
+# torch keys of options mha_ext does not have -> the option
+TORCH_UNSUPPORTED = {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}
+
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+
+def seed_keys(mha):
+    """The seed keys this module has (no bias keys with bias=False)."""
+    return tuple(k for k in SEED_KEYS if mha.bias or not k.endswith(".bias"))
+
+
+def shape(mha, i):
+    """The shape of block tensor i: (E, fan_in) for a weight, (E,) for a bias."""
+    if i % 2 == 1:
+        return (mha.d_model,)
+    return (mha.d_model, (mha.d_model, mha.kdim, mha.vdim, mha.d_model)[i // 2])
+
+
+def tensor(mha, i, block=None):
+    """Block tensor i as a view of `block` (default: the module's live
+    memory), shaped; None for an absent bias."""
+    offset, size = mha._layout()[i]
+    if size == 0:
+        return None
+    flat = (mha._block() if block is None else block)[offset:offset + size]
+    return flat.reshape(shape(mha, i))
+
+
+def state_dict(mha):
+    """A dict of NumPy copies under the seed keys."""
+    return {k: tensor(mha, SEED_KEYS.index(k)).copy() for k in seed_keys(mha)}
+
+
+def _torch_layout(mha, state):
+    """The keys torch.nn.MultiheadAttention would have for this module, given
+    which of its layouts `state` uses."""
+    E = mha.d_model
+    same = mha.kdim == E and mha.vdim == E
+    separate = any(k in state for k in ("q_proj_weight", "k_proj_weight", "v_proj_weight"))
+    if "in_proj_weight" in state and not same:
+        raise ValueError(
+            f"state_dict['in_proj_weight'] is torch's packed layout, which needs "
+            f"kdim == vdim == d_model; this module has d_model={E}, kdim={mha.kdim}, "
+            f"vdim={mha.vdim}, so torch stores 'q_proj_weight' ({E}, {E}), "
+            f"'k_proj_weight' ({E}, {mha.kdim}) and 'v_proj_weight' ({E}, {mha.vdim})")
+    if "in_proj_weight" in state or (same and not separate):
+        keys = TORCH_PACKED
+    else:
+        keys = TORCH_SEPARATE
+    if not mha.bias:
+        keys = [k for k in keys if not k.endswith("_bias") and not k.endswith(".bias")]
+    return tuple(keys)
+
+
+def load_block(mha, state, strict=True):
+    """The new block for load_state_dict: a copy of the module's block with
+    the values of `state` (seed or torch keys) written in, and
+    IncompatibleKeys(missing, unexpected).  Nothing of the module changes."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state_dict must be a mapping of names to arrays, "
+                        f"not {type(state).__name__}")
+    strict = flag(strict, "strict")
+    for k, option in TORCH_UNSUPPORTED.items():
+        if k in state:
+            raise ValueError(f"state_dict has {k!r}: torch.nn.MultiheadAttention with "
+                             f"{option} is not supported by mha_ext")
+    ours = seed_keys(mha)
+    if any(k in TORCH_KEYS for k in state) and not any(k in ours for k in state):
+        keys, parts = _torch_layout(mha, state), TORCH_PARTS
+    else:
+        keys, parts = ours, {k: (SEED_KEYS.index(k),) for k in ours}
+    missing = [k for k in keys if k not in state]
+    unexpected = [k for k in state if k not in keys]
+    if strict and missing:
+        raise KeyError(f"state_dict is missing {missing[0]!r} "
+                       f"(expected keys: {', '.join(keys)})")
+    if strict and unexpected:
+        raise KeyError(f"state_dict has an unexpected key {unexpected[0]!r} "
+                       f"(expected keys: {', '.join(keys)})")
+    block = np.array(mha._block(), copy=True)
+    layout = mha._layout()
+    for k in keys:
+        if k not in state:
+            continue
+        value = as_real(state[k], f"state_dict[{k!r}]")
+        # a key holds one tensor, or several stacked along the first axis
+        shapes = [shape(mha, i) for i in parts[k]]
+        want = (sum(sh[0] for sh in shapes),) + shapes[0][1:]
+        if value.shape != want:
+            raise ValueError(f"state_dict[{k!r}] must have shape {want}, got {value.shape}")
+        row = 0
+        for i, sh in zip(parts[k], shapes):
+            offset, size = layout[i]
+            block[offset:offset + size] = value[row:row + sh[0]].reshape(-1)
+            row += sh[0]
+    return block, IncompatibleKeys(missing, unexpected)
+
+
+def params_block(mha, params):
+    """The flat parameter block (a private copy) from forward_train's
+    params=: a mapping with every seed key or a 1-D block; None (the
+    module's parameters) stays None: the forward copies those itself, under
+    the module's lock."""
+    if params is None:
+        return None
+    block = np.array(mha._block(), copy=True)
+    layout = mha._layout()
+    if isinstance(params, Mapping):
+        for i, k in enumerate(SEED_KEYS):
+            offset, size = layout[i]
+            if size == 0:
+                continue
+            if k not in params:
+                raise KeyError(f"params is missing {k!r}")
+            value = as_real(params[k], f"params[{k!r}]")
+            want = shape(mha, i)
+            if value.shape != want:
+                raise ValueError(f"params[{k!r}] must have shape {want}, got {value.shape}")
+            block[offset:offset + size] = value.reshape(-1)
+        return block
+    value = as_real(params, "params")
+    if value.shape != block.shape:
+        raise ValueError(f"params must be a mapping like state_dict() or a 1-D block of "
+                         f"{block.size} scalars, got shape {value.shape}")
+    block[...] = value
+    return block
+
+
+def grads(mha, block):
+    """A gradient block as a dict under the seed keys (views of `block`)."""
+    layout = mha._layout()
+    return {k: tensor(mha, i, block) for i, k in enumerate(SEED_KEYS) if layout[i][1] != 0}

@@ -1,0 +1,141 @@
+/* softmax_impl.h: the one softmax row of the attention, written once for
+ * T = float and T = double and included by forward.c and backward.c (with
+ * T, SUF, KT and EXP defined) before their passes, which both call it: the
+ * forward's and the backward's probabilities are the same bits because
+ * they come from the same code (ggml's ggml_vec_soft_max_f32 is the model).
+ * The reference passes (ref_*_impl.h) keep their own plain loops: an oracle
+ * shares nothing with the fast path but the inputs.
+ *
+ * Instances: row_masks_f32/_f64, row_max_f32/_f64, softmax_row_f32/_f64,
+ * softmax_online_step_f32/_f64, blocked_row_value_f32/_f64.
+ *
+ * A row is (b, h, i): the scores of query i of head h in batch b against
+ * the keys.  The rules, each in one place:
+ *   masks       additive masks first, then -inf where a blocking mask or
+ *               causality (key j > query i) blocks        (row_masks)
+ *   blocked     a row with no visible key is the blocked value: NaN, or 0
+ *               with zero_masked_rows                      (row_max, blocked_row_value)
+ *   NaN         a NaN score makes the whole row NaN       (row_max, softmax_row)
+ *   causal      keys past the diagonal are exact zeros, never exponentiated
+ *   dropout     mha_dropout_keep (internal.h) */
+
+/* The value of every weight, and of the context, of a row with every key
+ * blocked (Sk == 0 is no such row: its context is an empty sum, 0). */
+static inline T SUF(blocked_row_value)(const mha_forward_args *a)
+{
+    return a->zero_masked_rows ? (T)0 : (T)NAN;
+}
+
+/* s[0..n) are the scaled scores of row (b, h, i) for keys j0 .. j0+n-1:
+ * add the additive masks, then set -inf where any blocking mask or the
+ * causal rule blocks. */
+static inline void SUF(row_masks)(const mha_forward_args *a, T *s, int64_t b, int64_t h,
+                                  int64_t i, int64_t j0, int64_t n)
+{
+    int m;
+    int64_t j;
+    for (m = 0; m < a->n_masks; m++) {
+        const mha_mask *mk = &a->masks[m];
+        int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
+                       j0 * mk->stride[3];
+        int64_t st = mk->stride[3];
+        if (mk->kind != MHA_MASK_ADD) continue;
+        const T *d = (const T *)mk->data + base;
+        if (st == 1)
+            for (j = 0; j < n; j++) s[j] += d[j];
+        else
+            for (j = 0; j < n; j++) s[j] += d[j * st];
+    }
+    for (m = 0; m < a->n_masks; m++) {
+        const mha_mask *mk = &a->masks[m];
+        int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
+                       j0 * mk->stride[3];
+        int64_t st = mk->stride[3];
+        if (mk->kind != MHA_MASK_BLOCK) continue;
+        const uint8_t *d = (const uint8_t *)mk->data + base;
+        for (j = 0; j < n; j++)
+            if (d[j * st]) s[j] = -(T)INFINITY;
+    }
+    if (a->is_causal) {
+        j = i + 1 - j0; /* the first blocked key of this row, relative to j0 */
+        for (j = j < 0 ? 0 : j; j < n; j++) s[j] = -(T)INFINITY;
+    }
+}
+
+/* Scale the raw scores s[0..n) of row (b, h, i), keys j0.., by `scale`,
+ * mask them, and return their maximum: -inf when every key is blocked, NaN
+ * when a score is NaN and no other key is visible (then the reference's
+ * row is all NaN too; otherwise a NaN score turns the sum, hence the whole
+ * row, into NaN). */
+static inline T SUF(row_max)(const KT *kern, const mha_forward_args *a, T scale, T *s,
+                             int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n)
+{
+    T m;
+    int64_t j;
+    if (a->n_masks == 0 && !a->is_causal) {
+        m = kern->scale_max(s, n, scale);
+    } else {
+        kern->scale(s, n, scale);
+        SUF(row_masks)(a, s, b, h, i, j0, n);
+        m = kern->max(s, n);
+    }
+    if (m == -(T)INFINITY)
+        for (j = 0; j < n; j++)
+            if (s[j] != s[j]) return s[j];
+    return m;
+}
+
+/* The softmax P of row (b, h, i) in place over s[0..n) (n = Sk), from the
+ * raw scores of keys [0, kend) (kend <= n: the keys from kend on are
+ * blocked by causality for this row, their s never read).  Returns the
+ * number ne of leading entries that may be nonzero (those past it are
+ * exact zeros), or -1 for a blocked row (every entry the blocked value). */
+static inline int64_t SUF(softmax_row)(const KT *kern, const mha_forward_args *a, T scale,
+                                       T *s, int64_t b, int64_t h, int64_t i, int64_t kend,
+                                       int64_t n)
+{
+    int64_t ne = kend, j;
+    T sum, m = SUF(row_max)(kern, a, scale, s, b, h, i, 0, kend);
+    if (m == -(T)INFINITY) { /* every key blocked */
+        const T value = SUF(blocked_row_value)(a);
+        for (j = 0; j < n; j++) s[j] = value;
+        return -1;
+    }
+    if (a->is_causal && i + 1 < ne) ne = i + 1; /* the rest are exact zeros */
+    sum = kern->exp_sum(s, ne, m);
+    if (sum != sum) { /* a NaN score: the reference's whole row is NaN */
+        for (j = 0; j < n; j++) s[j] = (T)NAN;
+        return n;
+    }
+    for (j = ne; j < n; j++) s[j] = 0;
+    kern->scale(s, ne, (T)1 / sum);
+    return ne;
+}
+
+/* One block of the online softmax of row (b, h, i): s[0..nk) holds the raw
+ * scores of keys j0 .. j0+nk-1; *mx and *l are the row's running maximum
+ * and sum (-inf and 0 before its first block).  On return s holds
+ * exp(s - max) (exact zeros where blocked), *mx and *l include the block,
+ * and *alpha is the factor by which the caller rescales what it has summed
+ * so far.  Returns the number of leading entries that may be nonzero, or -1
+ * when the block has no visible key (s all 0; *mx, *l unchanged, *alpha 1). */
+static inline int64_t SUF(softmax_online_step)(const KT *kern, const mha_forward_args *a,
+                                               T scale, T *s, int64_t b, int64_t h, int64_t i,
+                                               int64_t j0, int64_t nk, T *mx, T *l, T *alpha)
+{
+    int64_t ne = nk, j;
+    T sum, mnew, bm = SUF(row_max)(kern, a, scale, s, b, h, i, j0, nk);
+    *alpha = 1;
+    if (bm == -(T)INFINITY) { /* nothing visible in this block */
+        for (j = 0; j < nk; j++) s[j] = 0;
+        return -1;
+    }
+    mnew = (bm != bm || *mx != *mx) ? (T)NAN : bm > *mx ? bm : *mx;
+    *alpha = EXP(*mx - mnew);
+    if (a->is_causal && i + 1 - j0 < ne) ne = i + 1 - j0;
+    sum = kern->exp_sum(s, ne, mnew);
+    for (j = ne; j < nk; j++) s[j] = 0;
+    *l = *l * *alpha + sum;
+    *mx = mnew;
+    return ne;
+}
