@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from _support import PKG_ROOT, has, need
+from _support import PKG_ROOT, has, need, required
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "tour.ipynb"
 
@@ -26,7 +26,7 @@ def test_notebook_executes(tmp_path, monkeypatch):
     need("ipykernel")
     need("matplotlib")
     torch_here = has("torch")
-    if not torch_here and os.environ.get("CI"):
+    if not torch_here and required("torch"):
         pytest.fail("torch is required in CI: the notebook compares with it")
 
     # the kernel finds the package the tests import (source tree or installed)
