@@ -32,7 +32,8 @@ def need(name):
     except ImportError as exc:  # pragma: no cover - depends on the machine
         if required(name):
             pytest.fail(f"{name} is required when CI is set, but: {exc}", pytrace=False)
-        pytest.skip(f"{name} is not installed ({exc})")
+        # module level too (a file that needs torch throughout skips whole)
+        pytest.skip(f"{name} is not installed ({exc})", allow_module_level=True)
 
 
 def has(name):
