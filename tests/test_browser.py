@@ -1,0 +1,199 @@
+"""The explorer and the trace's HTML in a real browser: Debian's headless
+Chromium, offline.
+
+Each page gets a probe script (inserted first in <head>) that records JS
+errors and Content-Security-Policy violations, then, after the page loaded,
+drives the explorer as a user would (picks head 0, then head 1, and compares
+a hash of the drawn pixels; picks a query; hovers a cell) and lists every
+resource the page requested (performance.getEntriesByType("resource")).  It
+writes its findings as JSON into <pre id="mha-probe">, which the test reads
+from ``chromium --dump-dom``.  A second run takes a screenshot, kept under
+$MHA_ARTIFACTS (default: <tmp>/mha_ext-artifacts) and printed.
+
+Two negative controls prove the probe can see what it looks for: a page that
+throws, and a page that tries to fetch.
+
+Without chromium the tests skip, except under CI (the CI variable set),
+where they fail: CI installs Debian's ``chromium``.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mha_ext
+from mha_ext.explorer import explore
+
+TOKENS = "the cat sat on the mat because it was warm".split()
+
+PROBE = r"""<script>
+window.__mha = {errors: [], violations: []};
+window.addEventListener("error", function (e) { __mha.errors.push(String(e.message)); });
+document.addEventListener("securitypolicyviolation", function (e) {
+  __mha.violations.push(e.violatedDirective + " " + e.blockedURI); });
+window.addEventListener("load", function () { setTimeout(function () {
+  var out = {errors: __mha.errors, violations: __mha.violations};
+  try {
+    var root = document.querySelector(".mha-explorer");
+    if (root) {
+      out.ready = root.getAttribute("data-ready") === "1";
+      out.nojs_left = !!root.querySelector(".mha-nojs");
+      var pick = function (name, v) {
+        var s = root.querySelector('select[data-control="' + name + '"]');
+        s.value = String(v); s.dispatchEvent(new Event("change")); };
+      pick("head", 0); out.sig0 = root.mhaExplorer.signature();
+      pick("head", 1); out.sig1 = root.mhaExplorer.signature();
+      pick("head", 0); out.sig0again = root.mhaExplorer.signature();
+      pick("head", 1);
+      pick("query", 6);
+      out.info = root.querySelector(".mha-info").textContent;
+      var cv = root.querySelector(".mha-view canvas"), g = cv.mhaGeom, r = cv.getBoundingClientRect();
+      cv.dispatchEvent(new MouseEvent("mousemove", {bubbles: true,
+        clientX: r.left + g.left + 2.5 * g.cs, clientY: r.top + g.top + 6.5 * g.cs}));
+      var tip = root.querySelector(".mha-tip");
+      out.tip = tip.textContent; out.tip_shown = tip.style.display === "block";
+    }
+    var td = document.querySelector("table.mha-trace td");
+    if (td) {
+      out.trace_align = getComputedStyle(td).textAlign;
+      var d = document.querySelectorAll("table.mha-trace details");
+      out.details = d.length;
+      if (d.length > 11) d[11].open = true;
+    }
+  } catch (e) { out.errors.push("probe: " + e); }
+  out.resources = performance.getEntriesByType("resource").map(function (e) { return e.name; });
+  var pre = document.createElement("pre"); pre.id = "mha-probe";
+  pre.textContent = JSON.stringify(out); document.body.appendChild(pre);
+}, 50); });
+</script>"""
+
+
+def _chromium():
+    for name in (os.environ.get("MHA_CHROMIUM"), "chromium", "chromium-browser"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    if "CI" in os.environ:
+        pytest.fail("chromium is required when CI is set (apt-get install chromium)",
+                    pytrace=False)
+    pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+
+
+def _artifacts():
+    d = Path(os.environ.get("MHA_ARTIFACTS") or Path(tempfile.gettempdir()) / "mha_ext-artifacts")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _run(browser, page, tmp_path, *extra):
+    # offline: no proxy reachable, every host name unresolvable, no sync or updates
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update",
+           "--disable-sync", "--proxy-server=127.0.0.1:9",
+           "--host-resolver-rules=MAP * ~NOTFOUND", "--user-data-dir=%s" % (tmp_path / "profile"),
+           "--window-size=1100,900", "--virtual-time-budget=5000", *extra, page.as_uri()]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("chromium did not finish within 120 s: %s" % " ".join(cmd))
+    return r
+
+
+def _probe(browser, html_text, tmp_path, name):
+    """Load the page with the probe; returns the probe's findings."""
+    page = tmp_path / (name + ".html")
+    page.write_text(html_text.replace("<head>", "<head>" + PROBE, 1), encoding="utf-8")
+    r = _run(browser, page, tmp_path, "--dump-dom")
+    m = re.search(r'<pre id="mha-probe">(.*?)</pre>', r.stdout, re.S)
+    assert m, "the probe did not report (exit %d): %s" % (r.returncode, r.stderr[-2000:])
+    import html as _html
+    return json.loads(_html.unescape(m.group(1)))
+
+
+def _screenshot(browser, html_text, tmp_path, name, capsys, drive=True):
+    """A screenshot of the page, after the probe drove it (drive) or as it
+    opens; returns its path (kept: a CI artifact)."""
+    page = tmp_path / (name + "-shot.html")
+    page.write_text(html_text.replace("<head>", "<head>" + PROBE, 1) if drive else html_text,
+                    encoding="utf-8")
+    shot = _artifacts() / (name + ".png")
+    if shot.exists():
+        shot.unlink()
+    _run(browser, page, tmp_path, "--screenshot=%s" % shot, "--hide-scrollbars")
+    assert shot.exists() and shot.stat().st_size > 5000, "no screenshot at %s" % shot
+    with capsys.disabled():
+        print("\n[browser] screenshot: %s" % shot)
+    return shot
+
+
+def _trace():
+    m = mha_ext.MultiHeadAttention(64, 4, seed=0).eval()
+    x = np.random.default_rng(0).standard_normal((2, 10, 64))
+    return m.trace(x, is_causal=True)
+
+
+def test_explorer_in_chromium(tmp_path, capsys):
+    browser = _chromium()
+    page = explore(_trace(), tokens=TOKENS, title="causal self-attention, random weights")
+    text = page.to_html(full_page=True)
+    out = _probe(browser, text, tmp_path, "explorer")
+    assert out["errors"] == [] and out["violations"] == [], out
+    assert out["ready"] and not out["nojs_left"], out
+    assert out["sig0"] != out["sig1"], "picking another head did not change the drawn cells"
+    assert out["sig0"] == out["sig0again"], "the same head drew different cells"
+    assert out["resources"] == [], "the page requested %s" % out["resources"]
+    assert out["tip_shown"], out
+    # query 6 ("because") -> key 2 ("sat"), head 1, batch 0, with its values
+    assert '"because"' in out["tip"] and '"sat"' in out["tip"] and "head 1" in out["tip"]
+    assert "raw scores" in out["tip"] and "softmax" in out["tip"]
+    assert 'query 6 "because", head 1' in out["info"], out["info"]
+    _screenshot(browser, text, tmp_path, "explorer", capsys)
+
+
+def test_trained_model_explorer_in_chromium(tmp_path, capsys):
+    """The explorer of the example's trained model, all heads (screenshot)."""
+    browser = _chromium()
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    try:
+        import heads_model
+    finally:
+        sys.path.pop(0)
+    model = heads_model.train(steps=200)
+    x = np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    tr = model.attn.trace(model.embed(x))
+    text = explore(tr, tokens=[str(t) for t in x[0]],
+                   title="trained heads: previous / mirror / first").to_html(full_page=True)
+    out = _probe(browser, text, tmp_path, "trained")
+    assert out["errors"] == [] and out["violations"] == [] and out["resources"] == [], out
+    assert out["sig0"] != out["sig1"]
+    _screenshot(browser, text, tmp_path, "explorer-trained", capsys, drive=False)
+
+
+def test_trace_html_in_chromium(tmp_path, capsys):
+    browser = _chromium()
+    tr = _trace()
+    path = tr.save_html(tmp_path / "trace-saved.html")
+    text = Path(path).read_text(encoding="utf-8")
+    out = _probe(browser, text, tmp_path, "trace")
+    assert out["errors"] == [] and out["violations"] == [] and out["resources"] == [], out
+    assert out["trace_align"] == "left"
+    assert out["details"] == len(tr)                 # a values preview per step
+    _screenshot(browser, text, tmp_path, "trace", capsys)
+
+
+@pytest.mark.parametrize("bad, what", [
+    ("<script>throw new Error('boom')</script>", "errors"),
+    ("<script>fetch('http://example.com/x.js').catch(function () {})</script>", "violations"),
+])
+def test_probe_sees_errors_and_requests(tmp_path, bad, what):
+    """Negative controls: the probe reports a JS error and a request."""
+    browser = _chromium()
+    text = explore(np.full((1, 2, 3, 3), 1 / 3)).to_html(full_page=True)
+    out = _probe(browser, text.replace("</body>", bad + "</body>"), tmp_path, "bad")
+    assert out[what], out
