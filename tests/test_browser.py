@@ -66,6 +66,7 @@ window.addEventListener("load", function () { setTimeout(function () {
       out.details = d.length;
       if (d.length > 11) d[11].open = true;
     }
+    if (window.__mhaExtra) out.extra = window.__mhaExtra();
   } catch (e) { out.errors.push("probe: " + e); }
   out.resources = performance.getEntriesByType("resource").map(function (e) { return e.name; });
   var pre = document.createElement("pre"); pre.id = "mha-probe";
@@ -197,3 +198,55 @@ def test_probe_sees_errors_and_requests(tmp_path, bad, what):
     text = explore(np.full((1, 2, 3, 3), 1 / 3)).to_html(full_page=True)
     out = _probe(browser, text.replace("</body>", bad + "</body>"), tmp_path, "bad")
     assert out[what], out
+
+
+# What Jupyter Notebook / Lab do with a trusted text/html output: set it as
+# innerHTML, then replace each <script> by a fresh one so that it runs.  An
+# untrusted output in JupyterLab goes through a sanitiser that drops <script>
+# and <style> (with their content): the explorer must then say what to do.
+FRONT_END = r"""<!DOCTYPE html><html><head><meta charset="utf-8"><title>outputs</title></head>
+<body><div id="out1"></div><div id="out2"></div><div id="untrusted"></div>
+<script>
+var frags = %s;
+function render(host, html) {
+  host.innerHTML = html;
+  host.querySelectorAll("script").forEach(function (old) {
+    var s = document.createElement("script");
+    for (var i = 0; i < old.attributes.length; i++) s.setAttribute(old.attributes[i].name, old.attributes[i].value);
+    s.textContent = old.textContent;
+    old.parentNode.replaceChild(s, old);
+  });
+}
+render(document.getElementById("out1"), frags[0]);
+render(document.getElementById("out2"), frags[1]);
+document.getElementById("untrusted").innerHTML =
+  frags[0].replace(/<script[\s\S]*?<\/script>/g, "").replace(/<style>[\s\S]*?<\/style>/g, "");
+window.__mhaExtra = function () {
+  var roots = document.querySelectorAll("#out1 .mha-explorer, #out2 .mha-explorer");
+  var u = document.getElementById("untrusted");
+  return {ready: Array.prototype.map.call(roots, function (r) { return r.getAttribute("data-ready"); }),
+          ids: Array.prototype.map.call(roots, function (r) { return r.id; }),
+          heads: Array.prototype.map.call(roots, function (r) { return r.querySelectorAll(".mha-view canvas").length; }),
+          untrusted_text: u.textContent, untrusted_canvases: u.querySelectorAll("canvas").length};
+};
+</script></body></html>"""
+
+
+def test_notebook_outputs_in_chromium(tmp_path, capsys):
+    """_repr_html_ as a notebook front-end inserts it: two explorers in one
+    page each draw into their own output; sanitised (untrusted), the output
+    says how to see it."""
+    browser = _chromium()
+    tr = _trace()
+    frags = [explore(tr, tokens=TOKENS)._repr_html_(),
+             explore(np.asarray(tr.weights)[:, :3], head=2)._repr_html_()]
+    text = FRONT_END % json.dumps(frags).replace("</", "<\\/")
+    out = _probe(browser, text, tmp_path, "frontend")
+    assert out["errors"] == [] and out["resources"] == [], out
+    extra = out["extra"]
+    assert extra["ready"] == ["1", "1"] and len(set(extra["ids"])) == 2, extra
+    assert extra["heads"][1] == 1                    # head=2: one heatmap
+    assert out["sig0"] != out["sig1"]
+    assert "JavaScript did not run" in extra["untrusted_text"]
+    assert extra["untrusted_canvases"] == 0
+    _screenshot(browser, text, tmp_path, "frontend", capsys, drive=False)
