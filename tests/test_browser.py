@@ -37,6 +37,21 @@ window.__mha = {errors: [], violations: []};
 window.addEventListener("error", function (e) { __mha.errors.push(String(e.message)); });
 document.addEventListener("securitypolicyviolation", function (e) {
   __mha.violations.push(e.violatedDirective + " " + e.blockedURI); });
+function cells(root) {
+  // the colour drawn at the centre of every cell of the one-head heatmap
+  var cv = root.querySelector(".mha-view canvas"), g = cv.mhaGeom, d = root.mhaExplorer.data;
+  var dpr = cv.width / parseFloat(cv.style.width), ctx = cv.getContext("2d"), grid = [];
+  for (var i = 0; i < d.Sq; i++) {
+    var row = [];
+    for (var j = 0; j < d.Sk; j++) {
+      var p = ctx.getImageData(Math.floor((g.left + (j + 0.5) * g.cs) * dpr),
+                               Math.floor((g.top + (i + 0.5) * g.cs) * dpr), 1, 1).data;
+      row.push([p[0], p[1], p[2]]);
+    }
+    grid.push(row);
+  }
+  return grid;
+}
 window.addEventListener("load", function () { setTimeout(function () {
   var out = {errors: __mha.errors, violations: __mha.violations};
   try {
@@ -47,8 +62,8 @@ window.addEventListener("load", function () { setTimeout(function () {
       var pick = function (name, v) {
         var s = root.querySelector('select[data-control="' + name + '"]');
         s.value = String(v); s.dispatchEvent(new Event("change")); };
-      pick("head", 0); out.sig0 = root.mhaExplorer.signature();
-      pick("head", 1); out.sig1 = root.mhaExplorer.signature();
+      pick("head", 0); out.sig0 = root.mhaExplorer.signature(); out.cells0 = cells(root);
+      pick("head", 1); out.sig1 = root.mhaExplorer.signature(); out.cells1 = cells(root);
       pick("head", 0); out.sig0again = root.mhaExplorer.signature();
       pick("head", 1);
       pick("query", 6);
@@ -132,6 +147,23 @@ def _screenshot(browser, html_text, tmp_path, name, capsys, drive=True):
     return shot
 
 
+YELLOW = np.array([253, 231, 37])      # the top of the colour map
+
+
+def _check_cells(cells, weights, blocked):
+    """cells (Sq, Sk, 3) drawn with the per-row scale: each row's largest
+    weight is the top colour, blocked cells are grey hatching."""
+    cells = np.array(cells)
+    for i in range(weights.shape[0]):
+        free = ~blocked[i]
+        assert np.all(cells[i, ~free, 0] == cells[i, ~free, 1]), "blocked cell not grey"
+        dist = np.abs(cells[i] - YELLOW).sum(-1).astype(float)
+        dist[~free] = np.inf
+        want = np.argmax(np.where(free, weights[i], -np.inf))
+        assert dist.argmin() == want, "row %d: drew its top at key %d, not %d" % (
+            i, dist.argmin(), want)
+
+
 def _trace():
     m = mha_ext.MultiHeadAttention(64, 4, seed=0).eval()
     x = np.random.default_rng(0).standard_normal((2, 10, 64))
@@ -147,6 +179,10 @@ def test_explorer_in_chromium(tmp_path, capsys):
     assert out["ready"] and not out["nojs_left"], out
     assert out["sig0"] != out["sig1"], "picking another head did not change the drawn cells"
     assert out["sig0"] == out["sig0again"], "the same head drew different cells"
+    tr = _trace()
+    blocked = np.isneginf(tr["masked scores"].array[0])
+    _check_cells(out["cells0"], tr["softmax"].array[0, 0], blocked[0])
+    _check_cells(out["cells1"], tr["softmax"].array[0, 1], blocked[1])
     assert out["resources"] == [], "the page requested %s" % out["resources"]
     assert out["tip_shown"], out
     # query 6 ("because") -> key 2 ("sat"), head 1, batch 0, with its values
@@ -173,6 +209,10 @@ def test_trained_model_explorer_in_chromium(tmp_path, capsys):
     out = _probe(browser, text, tmp_path, "trained")
     assert out["errors"] == [] and out["violations"] == [] and out["resources"] == [], out
     assert out["sig0"] != out["sig1"]
+    w = tr["softmax"].array[0]
+    none = np.zeros(w.shape[1:], dtype=bool)
+    _check_cells(out["cells0"], w[0], none)
+    _check_cells(out["cells1"], w[1], none)
     _screenshot(browser, text, tmp_path, "explorer-trained", capsys, drive=False)
 
 

@@ -292,7 +292,7 @@ function mhaExplorer(root, data) {
     return hsh.toString(16);
   }
 
-  root.mhaExplorer = { state: state, draw: draw, signature: signature, describe: describe };
+  root.mhaExplorer = { state: state, data: data, draw: draw, signature: signature, describe: describe };
   draw();
   root.setAttribute("data-ready", "1");
 }
