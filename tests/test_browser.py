@@ -113,8 +113,11 @@ def _run(browser, page, tmp_path, *extra):
            "--disable-sync", "--proxy-server=127.0.0.1:9",
            "--host-resolver-rules=MAP * ~NOTFOUND", "--user-data-dir=%s" % (tmp_path / "profile"),
            "--window-size=1100,900", "--virtual-time-budget=5000", *extra, page.as_uri()]
+    # the browser is not ours to sanitise: no preloaded ASan, no sanitizer logs
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS", "PYTHONMALLOC")}
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired:
         pytest.fail("chromium did not finish within 120 s: %s" % " ".join(cmd))
     return r
