@@ -293,3 +293,20 @@ def test_notebook_outputs_in_chromium(tmp_path, capsys):
     assert "JavaScript did not run" in extra["untrusted_text"]
     assert extra["untrusted_canvases"] == 0
     _screenshot(browser, text, tmp_path, "frontend", capsys, drive=False)
+
+
+def test_long_sequence_in_chromium(tmp_path, capsys):
+    """S = 64 with long tokens: thinned labels, a scrolling view, hover works."""
+    browser = _chromium()
+    m = mha_ext.MultiHeadAttention(32, 2, seed=0).eval()
+    S = 64
+    tr = m.trace(np.random.default_rng(0).standard_normal((1, S, 32)), is_causal=True)
+    tokens = ["word%d" % i if i % 7 else "a_much_longer_token_%d" % i for i in range(S)]
+    text = explore(tr, tokens=tokens, head=0).to_html(full_page=True)
+    out = _probe(browser, text, tmp_path, "long")
+    assert out["errors"] == [] and out["violations"] == [] and out["resources"] == [], out
+    assert out["sig0"] != out["sig1"]
+    assert '"because"' not in out["tip"] and '"word6"' in out["tip"] and '"word2"' in out["tip"]
+    blocked = np.isneginf(tr["masked scores"].array[0])
+    _check_cells(out["cells1"], tr["softmax"].array[0, 1], blocked[1])
+    _screenshot(browser, text, tmp_path, "explorer-long", capsys, drive=False)
