@@ -47,7 +47,12 @@ _CSP = ("default-src 'none'; script-src 'unsafe-inline'; "
 
 
 def _asset(name):
-    return (_HERE / name).read_text(encoding="utf-8")
+    try:
+        return (_HERE / name).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RuntimeError("mha_ext/_html/%s is missing from this installation: the "
+                           "package data was not installed (reinstall mha_ext)"
+                           % name) from exc
 
 
 def _labels(tokens, n, what):

@@ -132,3 +132,10 @@ def test_blocked_is_for_weights_only():
     with pytest.raises(ValueError, match="a trace knows its masks"):
         explore(_trace(), blocked=np.zeros((5, 5)))
     assert MAX_VALUES >= 1_000_000
+
+
+def test_missing_assets_are_a_clear_error(monkeypatch, tmp_path):
+    import mha_ext.explorer as ex_mod
+    monkeypatch.setattr(ex_mod, "_HERE", tmp_path)
+    with pytest.raises(RuntimeError, match="explorer.css is missing from this installation"):
+        explore(np.ones((1, 1, 1)))._repr_html_()
