@@ -176,3 +176,20 @@ def test_trained_example_heads_specialise():
         assert off.max() > 0.1
     assert rep.values["loss_delta"][heads["first"]] > 0.5
     assert rep.values["loss_delta"][heads["previous"]] > 0.5
+
+
+def test_example_script_runs():
+    import os
+    import subprocess
+    import sys
+    from _support import PKG_ROOT
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([PKG_ROOT, os.environ.get("PYTHONPATH", "")]))
+    try:
+        r = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "150"], capture_output=True,
+                           text=True, timeout=120, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("examples/heads_model.py did not finish within 120 s")
+    assert r.returncode == 0, r.stderr
+    assert "accuracy:" in r.stdout and "loss_delta" in r.stdout and "looks at" in r.stdout
+    for role in ("previous", "mirror", "first"):
+        assert role in r.stdout.split("looks at", 1)[1]
