@@ -96,11 +96,14 @@ except ModuleNotFoundError as _exc:
 else:
     from ._core import get_num_threads, set_num_threads
     from .module import Linear, MultiHeadAttention
+    from . import heads
+    from .explorer import Explorer, explore
     from .plot import plot_heads
     from .trace import Step, Trace, trace
 
     __all__ = ["MultiHeadAttention", "Linear", "Trace", "Step", "trace", "plot_heads",
-               "set_num_threads", "get_num_threads", "__version__"]
+               "explore", "Explorer", "heads", "set_num_threads", "get_num_threads",
+               "__version__"]
 
 def __getattr__(name):
     # mha_ext.compare needs torch: imported on first use only
