@@ -122,14 +122,16 @@ typedef struct {
 #define MHA_MAX_MASKS 8
 
 /* A caller's "should this call stop?" question (for example: did the user
- * press Ctrl-C).  mha_forward, mha_forward_save, mha_backward and
- * mha_backward_saved (through fwd.poll) call it on the thread that made the
+ * press Ctrl-C).  mha_forward, mha_forward_save, mha_backward,
+ * mha_backward_saved (through fwd.poll), mha_sdpa_forward and
+ * mha_sdpa_backward call it on the thread that made the
  * call, between tasks, at most about every MHA_POLL_MS milliseconds and
  * never during the first MHA_POLL_MS (short calls never see it); nonzero
  * stops the call: no thread starts another task, everything the call
  * allocated is freed, and it returns MHA_ERR_INTERRUPTED (the pool serves
  * the next call as usual).  A poll that answers 0 changes no result.  The
- * reference paths (mha_forward_ref, mha_backward_ref) do not call it. */
+ * reference paths (mha_forward_ref, mha_backward_ref, mha_sdpa_*_ref) do
+ * not call it. */
 typedef int (*mha_poll_fn)(void *ctx);
 #define MHA_POLL_MS 50
 
