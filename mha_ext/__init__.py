@@ -20,3 +20,11 @@ from .trace import Step, Trace, trace
 __all__ = ["MultiHeadAttention", "Linear", "Trace", "Step", "trace", "plot_heads",
            "set_num_threads", "get_num_threads"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # mha_ext.compare needs torch: imported on first use only
+    if name == "compare":
+        from ._compare import compare
+        return compare
+    raise AttributeError(f"module 'mha_ext' has no attribute {name!r}")

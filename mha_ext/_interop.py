@@ -1,7 +1,21 @@
 """torch interop, the one home for it: MultiHeadAttention.from_torch for a
-torch.nn.MultiheadAttention or a module with W_q/W_k/W_v/W_o linear
-children (the seed notebook's layout), and the discovery of dtype, dropout
-and training mode.
+torch.nn.MultiheadAttention or a seed-style module, and the discovery of
+dtype, dropout, training mode and number of heads.
+
+Seed-style layouts recognised (tried in this order):
+
+  W_q, W_k, W_v, W_o                         the seed notebook's
+  q_linear, k_linear, v_linear, out_linear   the teaching texts' other one
+  q_proj, k_proj, v_proj, out_proj | o_proj  most Hugging Face models
+  per-head lists: each of Q, K, V a ModuleList (or list) of one Linear per
+    head, either as the projection attributes above (``W_q = ModuleList``)
+    or as a list of head modules (``heads``, ``attention_heads``,
+    ``attn_heads``) each with q/k/v linears under one of the names above or
+    ``query``/``key``/``value`` or ``q``/``k``/``v``; head h's rows become
+    rows h*Dk..(h+1)*Dk of our projection
+  names={"W_q": "path", ...}                  explicit, for anything else;
+    a path may contain one ``*`` standing for every index of a list
+    (``"heads.*.query"``)
 
 torch is never imported here: the torch module is read through its
 attributes, its tensors converted by _convert.to_numpy.  The class to build
@@ -16,16 +30,28 @@ from ._params import LINEARS
 
 __all__ = ["from_torch"]
 
+_LAYOUTS = (("W_q", "W_k", "W_v", ("W_o",)),
+            ("q_linear", "k_linear", "v_linear", ("out_linear",)),
+            ("q_proj", "k_proj", "v_proj", ("out_proj", "o_proj")))
+_HEAD_LISTS = ("heads", "attention_heads", "attn_heads")
+_HEAD_QKV = tuple(lay[:3] for lay in _LAYOUTS) + (("query", "key", "value"), ("q", "k", "v"))
+_OUTS = ("W_o", "out_linear", "out_proj", "o_proj", "proj", "out", "output", "linear")
+_HEAD_COUNTS = ("n_heads", "num_heads", "nhead", "n_head", "num_attention_heads", "h")
+_HEAD_WIDTHS = ("d_k", "head_dim", "d_head", "head_size")
 
-def from_torch(cls, module, dtype=None, seed=None):
+
+def from_torch(cls, module, dtype=None, seed=None, names=None, n_heads=None,
+               mask_polarity=None):
     """A `cls` (a MultiHeadAttention class) holding a copy of `module`."""
     _check_materialised(module)
-    if hasattr(module, "in_proj_weight") and hasattr(module, "out_proj"):
-        return _from_torch_mha(cls, module, dtype, seed)
-    if all(hasattr(module, n) for n in LINEARS):
-        return _from_torch_seed(cls, module, dtype, seed)
-    raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention or a module with "
-                    f"W_q, W_k, W_v, W_o linear children, not {type(module).__name__}")
+    if names is None and hasattr(module, "in_proj_weight") and hasattr(module, "out_proj"):
+        m = _from_torch_mha(cls, module, dtype, seed)
+    else:
+        found = _find(module, names)
+        m = _from_linears(cls, module, found, dtype, seed, n_heads)
+    if mask_polarity is not None:
+        m.mask_polarity = mask_polarity
+    return m
 
 
 def _check_materialised(module):
@@ -92,34 +118,156 @@ def _from_torch_mha(cls, module, dtype, seed):
                       else to_numpy(out_bias, "out_proj.bias")})
     m.load_state_dict(state)
     m.train(bool(module.training))
+    # torch's layout of the inputs: a seq-first module's copy takes (S, B, E) too
+    m.batch_first = bool(getattr(module, "batch_first", True))
     return m
 
 
-def _from_torch_seed(cls, module, dtype, seed):
-    # the seed notebook's layout: W_q, W_k, W_v, W_o linear children
-    lins = [getattr(module, n) for n in LINEARS]
-    for n, lin in zip(LINEARS, lins):
-        if getattr(lin, "weight", None) is None or getattr(lin.weight, "ndim", 0) != 2:
-            raise TypeError(f"from_torch: {type(module).__name__}.{n} must be a linear "
-                            f"layer with a 2-D .weight")
-    E = int(lins[0].weight.shape[0])
-    H = getattr(module, "n_heads", None) or getattr(module, "num_heads", None)
-    if H is None:
-        d_k = getattr(module, "d_k", None)
-        if d_k is None:
-            raise ValueError(f"from_torch: {type(module).__name__} has no n_heads, "
-                             f"num_heads or d_k attribute, so the number of heads is unknown")
-        H = E // int(d_k)
-    biases = [getattr(lin, "bias", None) for lin in lins]
-    bias = any(b is not None for b in biases)
-    m = cls(E, int(H), _dropout(module), bias=bias,
-            kdim=int(lins[1].weight.shape[1]), vdim=int(lins[2].weight.shape[1]),
-            dtype=_dtype(lins[0].weight, dtype), seed=seed)
+# ---------------------------------------------------------------- seed-style layouts
+
+def _get(obj, path):
+    # the attribute at a dotted path (list indices as numbers), or None
+    for part in path.split("."):
+        if obj is None:
+            return None
+        if part.isdigit() and not hasattr(obj, part):
+            try:
+                obj = obj[int(part)]
+            except (TypeError, IndexError, KeyError):
+                return None
+        else:
+            obj = getattr(obj, part, None)
+    return obj
+
+
+def _is_linear(x):
+    w = getattr(x, "weight", None)
+    return w is not None and getattr(w, "ndim", 0) == 2
+
+
+def _as_list(x):
+    # a ModuleList / list / tuple of linears, or None
+    if x is None or _is_linear(x) or isinstance(x, (str, bytes)):
+        return None
+    try:
+        items = list(x)
+    except TypeError:
+        return None
+    return items if items and all(_is_linear(i) for i in items) else None
+
+
+def _resolve(module, path, ours):
+    # a linear, or a list of per-head linears, at `path` (which may hold one *)
+    if "*" in path:
+        head, _, tail = path.partition("*")
+        seq = _get(module, head.rstrip(".")) if head.rstrip(".") else module
+        try:
+            items = list(seq)
+        except TypeError:
+            raise TypeError(f"from_torch: names[{ours!r}] = {path!r}: "
+                            f"{head.rstrip('.') or 'the module'} is not a list") from None
+        found = [_get(i, tail.lstrip(".")) if tail.strip(".") else i for i in items]
+    else:
+        x = _get(module, path)
+        if _is_linear(x):
+            return x
+        found = _as_list(x)
+    if not found or not all(_is_linear(i) for i in found):
+        raise TypeError(f"from_torch: names[{ours!r}] = {path!r} is not a linear layer "
+                        f"(or a list of them) with a 2-D .weight")
+    return found
+
+
+def _find(module, names):
+    """{W_q, W_k, W_v, W_o: a linear or a list of per-head linears}."""
+    if names is not None:
+        if not isinstance(names, dict) or set(names) != set(LINEARS):
+            raise ValueError(f"from_torch: names must map each of {', '.join(LINEARS)} to "
+                             f"an attribute path of the module, got {names!r}")
+        return {ours: _resolve(module, path, ours) for ours, path in names.items()}
+    for q, k, v, outs in _LAYOUTS:
+        out = next((o for o in outs if _is_linear(getattr(module, o, None))), None)
+        parts = [getattr(module, n, None) for n in (q, k, v)]
+        if out is None:
+            continue
+        if all(_is_linear(p) for p in parts):
+            return dict(zip(LINEARS, parts + [getattr(module, out)]))
+        lists = [_as_list(p) for p in parts]
+        if all(lists):
+            return dict(zip(LINEARS, lists + [getattr(module, out)]))
+    for lst in _HEAD_LISTS:
+        heads = getattr(module, lst, None)
+        out = next((o for o in _OUTS if _is_linear(getattr(module, o, None))), None)
+        if heads is None or out is None:
+            continue
+        try:
+            heads = list(heads)
+        except TypeError:
+            continue
+        for qkv in _HEAD_QKV:
+            if heads and all(all(_is_linear(getattr(h, n, None)) for n in qkv) for h in heads):
+                per = [[getattr(h, n) for h in heads] for n in qkv]
+                return dict(zip(LINEARS, per + [getattr(module, out)]))
+    raise TypeError(
+        f"from_torch expects a torch.nn.MultiheadAttention or an attention module with "
+        f"W_q, W_k, W_v, W_o (or q_linear/k_linear/v_linear/out_linear, or q_proj/k_proj/"
+        f"v_proj/out_proj or o_proj) linear children, or per-head lists of them; "
+        f"{type(module).__name__} has none of these: pass names={{'W_q': 'path', 'W_k': ..., "
+        f"'W_v': ..., 'W_o': ...}} naming its projections")
+
+
+def _stack(x, name, ours):
+    # (weight, bias or None, number of heads or None) of a linear or a per-head list
+    if isinstance(x, list):
+        ws = [to_numpy(lin.weight, f"{ours}[{h}].weight") for h, lin in enumerate(x)]
+        bs = [getattr(lin, "bias", None) for lin in x]
+        if any(b is None for b in bs) and not all(b is None for b in bs):
+            raise ValueError(f"from_torch: some heads of {ours} have a bias and some not")
+        b = None if bs[0] is None else np.concatenate(
+            [to_numpy(b, f"{ours}[{h}].bias") for h, b in enumerate(bs)])
+        return np.concatenate(ws, axis=0), b, len(x)
+    b = getattr(x, "bias", None)
+    return to_numpy(x.weight, f"{name}.weight"), (None if b is None else
+                                                   to_numpy(b, f"{name}.bias")), None
+
+
+def _heads(module, E, listed, n_heads):
+    if n_heads is not None:
+        return int(n_heads)
+    if listed:
+        return listed
+    for a in _HEAD_COUNTS:
+        h = getattr(module, a, None)
+        if isinstance(h, (int, np.integer)) and not isinstance(h, bool):
+            return int(h)
+    for a in _HEAD_WIDTHS:
+        d = getattr(module, a, None)
+        if isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0:
+            return E // int(d)
+    raise ValueError(f"from_torch: {type(module).__name__} has none of the attributes "
+                     f"{', '.join(_HEAD_COUNTS + _HEAD_WIDTHS)}, so the number of heads is "
+                     f"unknown; pass n_heads=")
+
+
+def _from_linears(cls, module, found, dtype, seed, n_heads):
+    # the four projections (linears or per-head lists) into a `cls`
+    parts = {ours: _stack(found[ours], ours, ours) for ours in LINEARS}
+    counts = {n for _, _, n in parts.values() if n is not None}
+    if len(counts) > 1:
+        raise ValueError(f"from_torch: the per-head lists have different lengths {counts}")
+    wq = parts["W_q"][0]
+    E = int(wq.shape[0])
+    H = _heads(module, E, counts.pop() if counts else None, n_heads)
+    bias = any(b is not None for _, b, _ in parts.values())
+    first = found["W_q"][0] if isinstance(found["W_q"], list) else found["W_q"]
+    m = cls(E, H, _dropout(module), bias=bias,
+            kdim=int(parts["W_k"][0].shape[1]), vdim=int(parts["W_v"][0].shape[1]),
+            dtype=_dtype(first.weight, dtype), seed=seed)
     state = {}
-    for n, lin, b in zip(LINEARS, lins, biases):
-        state[f"{n}.weight"] = to_numpy(lin.weight, f"{n}.weight")
+    for ours, (w, b, _) in parts.items():
+        state[f"{ours}.weight"] = w
         if bias:
-            state[f"{n}.bias"] = np.zeros(E) if b is None else to_numpy(b, f"{n}.bias")
+            state[f"{ours}.bias"] = np.zeros(w.shape[0]) if b is None else b
     m.load_state_dict(state)
-    m.train(bool(module.training))
+    m.train(bool(getattr(module, "training", True)))
     return m

@@ -8,8 +8,9 @@ work lives in one home each:
   _params    parameter keys, the block layout, state dicts <-> blocks
   _masks     mask, attn_mask, key_padding_mask -> the C side's (kind, array)
   _calls     call arguments, output shaping, the only caller of _forward,
-             _forward_with and _backward
+             _forward_train and _backward
   _interop   from_torch
+  _habits    torch habits: torch keyword names, batch_first, mask_polarity
   autograd   forward_train / backward / ForwardContext
 
 Imports flow one way: _convert <- _params, _masks <- _calls <- autograd <-
@@ -27,7 +28,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from . import _calls, _core, _interop, _params
+from . import _calls, _core, _habits, _interop, _params
 from . import autograd as _autograd
 from . import trace as _trace
 from ._convert import as_real
@@ -114,12 +115,39 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     memory.
     """
 
+    def __new__(cls, *args, **kwargs):
+        _habits.constructor_keywords(kwargs)  # torch's names -> a TypeError naming ours
+        return super().__new__(cls, *args, **kwargs)
+
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, *,
                  bias: bool = True, kdim: int | None = None, vdim: int | None = None,
                  dtype: DTypeLike = "float32", seed: int | None = None) -> None:
         # The C base class (__new__) checked the arguments and built the
         # parameters; this signature is here for help() and editors.
         pass
+
+    # ------------------------------------------------------------ layouts
+    @property
+    def batch_first(self) -> bool:
+        """True (default): 3-D inputs are (B, S, E).  False: they are torch's
+        seq-first (S, B, E) and the output is (Sq, B, E); masks and weights
+        keep their shapes.  from_torch copies a torch module's setting."""
+        return _habits.batch_first(self)
+
+    @batch_first.setter
+    def batch_first(self, value):
+        _habits.set_batch_first(self, value)
+
+    @property
+    def mask_polarity(self) -> str:
+        """How the seed ``mask`` argument reads: "block" (default, 1 =
+        blocked) or "keep" (1 = attend, 0 = blocked, as modules that
+        ``masked_fill(mask == 0, -inf)`` write it)."""
+        return _habits.mask_polarity(self)
+
+    @mask_polarity.setter
+    def mask_polarity(self, value):
+        _habits.set_mask_polarity(self, value)
 
     # ------------------------------------------------------------ parameters
     def _linear(self, i):
@@ -173,19 +201,32 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
     @classmethod
     def from_torch(cls, module, *, dtype: DTypeLike | None = None,
-                   seed: int | None = None) -> "MultiHeadAttention":
-        """A copy of a torch module: torch.nn.MultiheadAttention (either
-        batch_first; mha_ext calls are always batch-first) or any module with
-        W_q, W_k, W_v, W_o linear children (the seed notebook's layout).
+                   seed: int | None = None, names: Mapping[str, str] | None = None,
+                   n_heads: int | None = None,
+                   mask_polarity: Literal["block", "keep"] | None = None,
+                   ) -> "MultiHeadAttention":
+        """A copy of a torch module: torch.nn.MultiheadAttention, or a
+        seed-style attention module: W_q/W_k/W_v/W_o,
+        q_linear/k_linear/v_linear/out_linear or q_proj/k_proj/v_proj/out_proj
+        (or o_proj) linear children, or per-head lists of Q, K, V linears
+        (see mha_ext._interop); ``names={"W_q": "path", ...}`` names the four
+        projections of any other module (a path may hold one ``*`` for every
+        head of a list, e.g. "heads.*.query").
 
         Takes over the weights, biases, kdim/vdim, dtype (float32 or float64;
-        pass dtype= for a float16/bfloat16 module), dropout and training mode.
+        pass dtype= for a float16/bfloat16 module), dropout, training mode
+        and, from an nn.MultiheadAttention, batch_first (a seq-first
+        module's copy takes (S, B, E) inputs, as torch does).  The number of
+        heads comes from the module (n_heads, num_heads, ... or d_k,
+        head_dim, ...; the length of per-head lists) or n_heads=.
+        mask_polarity="keep" makes ``mask`` read 1 = attend, as modules that
+        ``masked_fill(mask == 0, -inf)`` do; it is never guessed.
         add_bias_kv and add_zero_attn are not supported (ValueError), nor a
         module on the meta device (ValueError: it has no data to copy).  The
         copy owns its memory: later changes to either module do not reach
         the other.
         """
-        return _interop.from_torch(cls, module, dtype, seed)
+        return _interop.from_torch(cls, module, dtype, seed, names, n_heads, mask_polarity)
 
     # ------------------------------------------------------------ copies
     def __reduce__(self):
@@ -211,12 +252,18 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         into the parameter views made inside the block are atomic for calls
         from other threads: those wait, and then see all the new values (the
         writing thread itself may call the module inside the block).  Writes
-        outside such a block are not synchronised with concurrent calls."""
-        self._write_lock()
+        outside such a block are not synchronised with concurrent calls.
+
+        The lock belongs to the thread that entered the block (blocks nest).
+        Leaving the block releases it whichever thread leaves it (a block
+        entered in one thread and left in another, or a generator of this
+        block finalised by the garbage collector): it is never left held
+        by a thread that has gone."""
+        token = self._write_lock()
         try:
             yield self
         finally:
-            self._write_unlock()
+            self._write_unlock(token)
 
     # ------------------------------------------------------------ modes
     def train(self, mode: bool = True) -> "MultiHeadAttention":
@@ -249,7 +296,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                 attn_mask: ArrayLike | None = None, key_padding_mask: ArrayLike | None = None,
                 is_causal: bool = False, need_weights: bool = True,
                 average_weights: bool = False,
-                masked_rows: Literal["nan", "zero"] = "nan",
+                masked_rows: Literal["nan", "zero"] = "nan", **unknown,
                 ) -> tuple[np.ndarray, np.ndarray | None]:
         """Attention of query over key and value; returns (output, weights).
 
@@ -275,11 +322,18 @@ class MultiHeadAttention(_core.MultiHeadAttention):
           an output row equal to W_o.bias, like torch's SDPA.
         is_causal, need_weights and average_weights are single truth values
         (bools, NumPy bools); a sequence or array is a TypeError naming it.
+        torch's keyword names (average_attn_weights, batch_first) are a
+        TypeError naming ours.  With ``batch_first = False`` 3-D inputs are
+        (S, B, E) and the output (Sq, B, E); with ``mask_polarity = "keep"``
+        mask reads 1 = attend.
         """
+        query, key, value, mask, seq_first = _habits.adapt_call(
+            self, query, key, value, mask, unknown, "forward")
         call = _calls.prepare(self, query, key, value, mask, attn_mask, key_padding_mask,
                               is_causal, need_weights, average_weights, masked_rows)
         out, weights = _calls.c_forward(self, call)
-        return _calls.shape_output(call, out, weights)
+        out, weights = _calls.shape_output(call, out, weights)
+        return (_habits.seq_first_output(out) if seq_first else out), weights
 
     __call__ = forward
 
@@ -289,7 +343,11 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         with .output, .weights and everything backward() needs (a copy of the
         parameters, the inputs, the masks, the dropout stream).  Keywords as
         for the call, plus params=, dropout= and dropout_counter= (see
-        mha_ext.autograd.forward_train)."""
+        mha_ext.autograd.forward_train).  Batch-first, block-polarity
+        modules only (ValueError otherwise)."""
+        _habits.plain_layout_only(self, "forward_train")
+        _habits.call_keywords({k: v for k, v in kwargs.items() if k in _habits.TORCH_NAMES
+                               or k == "batch_first"}, "forward_train")
         return _autograd.forward_train(self, query, key, value, mask, **kwargs)
 
     def backward(self, ctx, grad_output: ArrayLike,
@@ -302,5 +360,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     def trace(self, query: ArrayLike, key: ArrayLike | None = None,
               value: ArrayLike | None = None, mask: ArrayLike | None = None, **kwargs):
         """The computation step by step (see mha_ext.trace.Trace): each step's
-        name, formula, shape and array.  print() it for the shape flow."""
+        name, formula, shape and array.  print() it for the shape flow.
+        Batch-first, block-polarity modules only (ValueError otherwise)."""
+        _habits.plain_layout_only(self, "trace")
         return _trace.trace(self, query, key, value, mask, **kwargs)

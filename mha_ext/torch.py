@@ -1,5 +1,14 @@
 """mha_ext.torch: our attention as a torch.nn.Module, trainable with torch.
 
+Two classes and a context manager:
+
+  MultiheadAttention   torch.nn.MultiheadAttention's exact surface (torch's
+                       spelling, lowercase h), a drop-in inside
+                       nn.Transformer* models (see mha_ext._torch_mha)
+  MultiHeadAttention   mha_ext.MultiHeadAttention's surface (below)
+  swapped(model)       every nn.MultiheadAttention of a model computed by
+                       mha_ext inside a with-block (see mha_ext._swap)
+
     from mha_ext.torch import MultiHeadAttention
     attn = MultiHeadAttention(64, 4, dropout=0.1, seed=0)
     out, weights = attn(x)                  # x a (B, S, 64) CPU tensor
@@ -12,7 +21,8 @@ mha_ext.MultiHeadAttention's), used as parameter holders: the computation is
 a ``torch.autograd.Function`` whose forward is mha_ext's forward_train and
 whose backward is mha_ext's backward, both in C on mha_ext's thread pool.
 CPU tensors of float32 or float64 only; calls are batch-first, like
-mha_ext.MultiHeadAttention's.  Double backward is not supported.
+mha_ext.MultiHeadAttention's.  Double backward is not supported: differentiating
+a gradient computed with create_graph=True raises a RuntimeError.
 
 This module is imported only on request (``import mha_ext.torch``); it needs
 torch.  Inside it ``import torch`` is the real torch (absolute imports).
@@ -22,55 +32,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from . import autograd as _ag
-from ._convert import as_real, check_tensor, to_numpy
-from ._params import LINEARS, SEED_KEYS
+from . import _habits
+from ._convert import as_real, check_tensor
+from ._params import LINEARS
+from ._torch_fn import AttentionFunction as _AttentionFunction
+from ._swap import swapped
+from ._torch_mha import MultiheadAttention
 from .module import MultiHeadAttention as _Core
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "MultiheadAttention", "swapped"]
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
-
-
-class _AttentionFunction(torch.autograd.Function):
-    """forward(core, opts, query, key, value, *params) -> (output, weights);
-    params are W_q.weight, W_q.bias, ... W_o.bias (biases omitted when the
-    module has none), in the order of the C parameter block."""
-
-    @staticmethod
-    def forward(ctx, core, opts, query, key, value, *params):
-        block = to_numpy(torch.cat([p.detach().reshape(-1) for p in params]), "parameters")
-        saved = _ag.forward_train(core, to_numpy(query, "query"), to_numpy(key, "key"),
-                                  to_numpy(value, "value"), params=block, **opts)
-        ctx.core = core
-        ctx.saved = saved
-        ctx.set_materialize_grads(False)
-        out = torch.from_numpy(saved.output)
-        if saved.weights is None:
-            weights = torch.empty(0, dtype=out.dtype)
-            ctx.mark_non_differentiable(weights)
-        else:
-            weights = torch.from_numpy(saved.weights)
-        return out, weights
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_weights):
-        saved, core = ctx.saved, ctx.core
-        go = np.zeros_like(saved.output) if grad_out is None else to_numpy(grad_out, "grad_out")
-        gw = None
-        if grad_weights is not None and saved.weights is not None:
-            gw = to_numpy(grad_weights, "grad_weights")
-        grads = _ag.backward(core, saved, go, gw)
-        need = ctx.needs_input_grad
-        inputs = [torch.from_numpy(grads[k]) if need[2 + i] else None
-                  for i, k in enumerate(("query", "key", "value"))]
-        keys = [k for k in SEED_KEYS if k in grads]
-        params = [torch.from_numpy(np.ascontiguousarray(grads[k])) if need[5 + i] else None
-                  for i, k in enumerate(keys)]
-        return (None, None, *inputs, *params)
 
 
 class MultiHeadAttention(nn.Module):
@@ -166,7 +139,9 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query, key=None, value=None, mask=None, *, attn_mask=None,
                 key_padding_mask=None, is_causal=False, need_weights=True,
-                average_weights=False, masked_rows="nan"):
+                average_weights=False, masked_rows="nan", **unknown):
+        if unknown:  # torch's names (average_attn_weights, ...) named with ours
+            _habits.call_keywords(unknown, "forward")
         params = self._params()
         dtype = params[0].dtype
         core = self._core_for(dtype)

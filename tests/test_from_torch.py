@@ -123,6 +123,17 @@ def test_from_torch_mha(torch, dtype, batch_first, kw):
     assert m.bias == kw.get("bias", True)
     assert m.dtype == np.dtype(dtype)
     assert m.training is False and m.dropout == 0.0
+    # issue 12: the copy takes torch's layout of the inputs
+    assert m.batch_first is batch_first
+    if not batch_first:
+        q, k, v = (x.transpose(1, 0, 2) for x in inputs(dtype, m.kdim, m.vdim))
+        out, w = m(q, k, v)
+        with torch.no_grad():
+            t_out, t_w = t(*(torch.from_numpy(np.ascontiguousarray(x)) for x in (q, k, v)),
+                           average_attn_weights=False)
+        assert_close(dtype, out, t_out.numpy())
+        assert_close(dtype, w, t_w.numpy())
+        m.batch_first = True  # and batch-first calls on request
     assert_same_numbers(torch, t, m, dtype, batch_first)
 
 

@@ -177,13 +177,19 @@ def test_seed_configuration_with_every_torch_mask(torch, dtype):
 
 
 def test_batch_first_false(torch, dtype):
-    """A seq-first torch module; our call stays batch-first."""
+    """A seq-first torch module: its copy takes (S, B, E) as torch does
+    (issue 12); with batch_first = True our call is batch-first."""
     t = make_torch_mha(torch, E, H, dtype, batch_first=False)
     m = MultiHeadAttention.from_torch(t)
+    assert m.batch_first is False
     q, k, v = inputs(dtype, B, SQ, SK, E)
     with torch.no_grad():
         t_out, t_w = t(*(tensor(torch, x.transpose(1, 0, 2)) for x in (q, k, v)),
                        average_attn_weights=False)
+    out, w = m(*(x.transpose(1, 0, 2) for x in (q, k, v)))
+    assert_close("batch_first=False module", dtype, out, t_out)
+    assert_close("batch_first=False module", dtype, w, t_w)
+    m.batch_first = True
     out, w = m(q, k, v)
     assert_close("batch_first=False module", dtype, out, t_out.transpose(0, 1))
     assert_close("batch_first=False module", dtype, w, t_w)

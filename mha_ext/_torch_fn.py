@@ -1,0 +1,98 @@
+"""The torch autograd Function both torch classes run on (mha_ext.torch's
+MultiHeadAttention and MultiheadAttention): forward is mha_ext's
+forward_train, backward is mha_ext's backward, both in C.
+
+The backward is not itself differentiable.  Under ``create_graph=True`` the
+gradients it returns are routed through :class:`_NoDoubleBackward`, so that
+differentiating them (double backward, gradgradcheck) raises a clear
+RuntimeError instead of silently treating them as constants.
+
+Legend: B batch, Sq query length, Sk key length, E = d_model, H = n_heads.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import autograd as _ag
+from ._convert import to_numpy
+from ._params import SEED_KEYS
+
+__all__ = ["AttentionFunction", "DOUBLE_BACKWARD"]
+
+DOUBLE_BACKWARD = ("mha_ext.torch: double backward is not supported: the gradient computed by "
+                   "mha_ext's C backward is not itself differentiable (create_graph=True "
+                   "followed by differentiating that gradient, gradgradcheck, gradient "
+                   "penalties); use torch.nn.MultiheadAttention for higher-order gradients")
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """forward(n, *tensors): the first n tensors (gradients) unchanged; the
+    rest (the forward's inputs that require grad) only connect the result to
+    the graph.  Its backward is the error of a double backward."""
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        return tuple(t.clone() for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(DOUBLE_BACKWARD)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """forward(core, opts, query, key, value, *params) -> (output, weights);
+    core a mha_ext.MultiHeadAttention of the computation's dtype (its own
+    parameters unused), opts the keywords of its forward_train; params are
+    W_q.weight, W_q.bias, ... W_o.bias (biases omitted when the module has
+    none), in the order of the C parameter block.  weights is an empty
+    tensor with need_weights=False."""
+
+    @staticmethod
+    def forward(ctx, core, opts, query, key, value, *params):
+        block = to_numpy(torch.cat([p.detach().reshape(-1) for p in params]), "parameters")
+        saved = _ag.forward_train(core, to_numpy(query, "query"), to_numpy(key, "key"),
+                                  to_numpy(value, "value"), params=block, **opts)
+        ctx.core = core
+        ctx.saved = saved
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(query, key, value, *params)
+        out = torch.from_numpy(saved.output)
+        if saved.weights is None:
+            weights = torch.empty(0, dtype=out.dtype)
+            ctx.mark_non_differentiable(weights)
+        else:
+            weights = torch.from_numpy(saved.weights)
+        return out, weights
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_weights):
+        with torch.no_grad():
+            grads = _gradients(ctx, grad_out, grad_weights)
+        if torch.is_grad_enabled():
+            # create_graph=True: make a later differentiation of these fail loudly
+            anchors = [t for t in ctx.saved_tensors if t.requires_grad]
+            have = [i for i, g in enumerate(grads) if g is not None]
+            if anchors and have:
+                guarded = _NoDoubleBackward.apply(len(have), *[grads[i] for i in have],
+                                                  *anchors)
+                for i, g in zip(have, guarded):
+                    grads[i] = g
+        return (None, None, *grads)
+
+
+def _gradients(ctx, grad_out, grad_weights):
+    # [d query, d key, d value, d params...] as tensors, None where not needed
+    saved, core = ctx.saved, ctx.core
+    go = np.zeros_like(saved.output) if grad_out is None else to_numpy(grad_out, "grad_out")
+    gw = None
+    if grad_weights is not None and saved.weights is not None:
+        gw = to_numpy(grad_weights, "grad_weights")
+    grads = _ag.backward(core, saved, go, gw)
+    need = ctx.needs_input_grad
+    inputs = [torch.from_numpy(grads[k]) if need[2 + i] else None
+              for i, k in enumerate(("query", "key", "value"))]
+    keys = [k for k in SEED_KEYS if k in grads]
+    params = [torch.from_numpy(np.ascontiguousarray(grads[k])) if need[5 + i] else None
+              for i, k in enumerate(keys)]
+    return inputs + params

@@ -1,0 +1,351 @@
+"""mha_ext.torch.MultiheadAttention: torch.nn.MultiheadAttention's exact
+surface (constructor, attributes, parameters, state_dict keys, forward),
+computed by mha_ext's C forward and backward.  It can be assigned into
+nn.TransformerEncoderLayer / DecoderLayer / Encoder / Transformer.
+
+torch's fused fast paths: nn.MultiheadAttention (in eval, without grad, on
+batch-first self-attention) and nn.TransformerEncoderLayer (the same, whole
+layer in one kernel, ``torch._transformer_encoder_layer_fwd``) would read
+our parameters and compute with torch's kernels, bypassing our forward.
+Every instance registers a no-op forward pre-hook: the layer's fast-path
+check refuses modules with hooks, so the layer calls our forward, which
+computes in mha_ext's C core.  nn.TransformerEncoder's nested-tensor path
+(eval, no grad, a src_key_padding_mask) hands the layers nested tensors:
+our forward pads them, attends with the padding as key_padding_mask and
+returns a nested tensor again.  What torch's own path would give for a
+query row that sees no key (NaN or out_proj.bias) is reproduced, also the
+layer's fused kernel's NaN: its conditions are checked on the calling
+layer, found on the call stack (see :meth:`forward`).
+
+Legend: B batch, L query length, S key length, E = embed_dim, H = num_heads.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.init import constant_, xavier_uniform_
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+from torch.nn.parameter import Parameter
+
+from .module import MultiHeadAttention as _Core
+from ._torch_fn import AttentionFunction
+
+__all__ = ["MultiheadAttention"]
+
+_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+
+UNSUPPORTED = ("mha_ext.torch.MultiheadAttention: {} is not supported yet (mha_ext's C "
+               "core has no {}); use torch.nn.MultiheadAttention for it")
+
+
+def _use_our_forward(module, args):
+    """The forward pre-hook every instance carries (a no-op): with it,
+    nn.TransformerEncoderLayer's fast-path check refuses the layer and calls
+    our forward instead of torch's fused kernel."""
+    return None
+
+
+_SA_BLOCK = nn.TransformerEncoderLayer._sa_block.__code__
+
+
+def _layer_would_fuse(layer, src):
+    """nn.TransformerEncoderLayer.forward's fast-path conditions (torch
+    2.13), with our own pre-hook not counted as a hook."""
+    attn = layer.self_attn
+    if not torch.backends.mha.get_fastpath_enabled() or src.dim() != 3 or layer.training:
+        return False
+    if not attn.batch_first or attn.in_proj_bias is None or not attn._qkv_same_embed_dim:
+        return False
+    if not layer.activation_relu_or_gelu or layer.norm1.eps != layer.norm2.eps:
+        return False
+    if attn.num_heads % 2 or torch.is_autocast_enabled():
+        return False
+    for m in layer.modules():
+        hooks = list(getattr(m, "_forward_pre_hooks", {}).values())
+        if m is attn:
+            hooks = [h for h in hooks if h is not _use_our_forward]
+        if hooks or getattr(m, "_forward_hooks", {}):
+            return False
+    tensors = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+               attn.out_proj.bias, layer.norm1.weight, layer.norm1.bias, layer.norm2.weight,
+               layer.norm2.bias, layer.linear1.weight, layer.linear1.bias,
+               layer.linear2.weight, layer.linear2.bias)
+    if any(t is None for t in tensors) or torch.overrides.has_torch_function(tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def _positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be greater than 0, got {value}")
+    return int(value)
+
+
+class MultiheadAttention(nn.Module):
+    """torch.nn.MultiheadAttention, computed by mha_ext's C core.
+
+    MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True,
+                       add_bias_kv=False, add_zero_attn=False, kdim=None,
+                       vdim=None, batch_first=False, device=None, dtype=None)
+
+    Arguments, attributes, parameters (in_proj_weight, or q_proj_weight /
+    k_proj_weight / v_proj_weight when kdim or vdim differ; in_proj_bias;
+    out_proj), their initialisation and the state_dict keys are torch's, so
+    ``load_state_dict(torch_mha.state_dict())`` works both ways.
+    add_bias_kv=True and add_zero_attn=True are a NotImplementedError (the
+    core lacks them).  float32 and float64 on the CPU.
+
+    forward(query, key, value, key_padding_mask=None, need_weights=True,
+            attn_mask=None, average_attn_weights=True, is_causal=False)
+    as torch's (see :meth:`forward`); gradients come from mha_ext's C
+    backward.  ``MultiheadAttention.from_torch(module)`` copies a torch one.
+    """
+
+    __constants__ = ["batch_first"]
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False,
+                 device=None, dtype=None) -> None:
+        embed_dim = _positive_int(embed_dim, "embed_dim")
+        num_heads = _positive_int(num_heads, "num_heads")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
+                             f"({num_heads})")
+        if add_bias_kv:
+            raise NotImplementedError(UNSUPPORTED.format("add_bias_kv=True",
+                                                         "learned extra key/value"))
+        if add_zero_attn:
+            raise NotImplementedError(UNSUPPORTED.format("add_zero_attn=True",
+                                                         "zero key/value"))
+        factory = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.kdim = embed_dim if kdim is None else _positive_int(kdim, "kdim")
+        self.vdim = embed_dim if vdim is None else _positive_int(vdim, "vdim")
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = Parameter(torch.empty((3 * embed_dim, embed_dim), **factory))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = Parameter(torch.empty((embed_dim, embed_dim), **factory))
+            self.k_proj_weight = Parameter(torch.empty((embed_dim, self.kdim), **factory))
+            self.v_proj_weight = Parameter(torch.empty((embed_dim, self.vdim), **factory))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = Parameter(torch.empty(3 * embed_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias,
+                                                        **factory)
+        self.bias_k = self.bias_v = None
+        self.add_zero_attn = False
+        self._reset_parameters()
+        self.register_forward_pre_hook(_use_our_forward)
+
+    def _reset_parameters(self) -> None:
+        """torch's initialisation: xavier_uniform_ projections, zero biases."""
+        if self._qkv_same_embed_dim:
+            xavier_uniform_(self.in_proj_weight)
+        else:
+            xavier_uniform_(self.q_proj_weight)
+            xavier_uniform_(self.k_proj_weight)
+            xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            constant_(self.in_proj_bias, 0.0)
+            constant_(self.out_proj.bias, 0.0)
+
+    def __setstate__(self, state):
+        state.setdefault("_qkv_same_embed_dim", True)
+        super().__setstate__(state)
+
+    @classmethod
+    def from_torch(cls, module) -> "MultiheadAttention":
+        """A copy of a torch.nn.MultiheadAttention: the same configuration,
+        dtype, device, training mode and parameter values (its own memory).
+        add_bias_kv / add_zero_attn modules are a NotImplementedError."""
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, not "
+                            f"{type(module).__name__}")
+        if module.bias_k is not None or module.bias_v is not None:
+            raise NotImplementedError(UNSUPPORTED.format("add_bias_kv=True",
+                                                         "learned extra key/value"))
+        if module.add_zero_attn:
+            raise NotImplementedError(UNSUPPORTED.format("add_zero_attn=True",
+                                                         "zero key/value"))
+        ref = module.out_proj.weight
+        new = cls(module.embed_dim, module.num_heads, module.dropout,
+                  bias=module.in_proj_bias is not None, kdim=module.kdim, vdim=module.vdim,
+                  batch_first=module.batch_first, device=ref.device, dtype=ref.dtype)
+        new.load_state_dict(module.state_dict())
+        return new.train(module.training)
+
+    # ------------------------------------------------------------ the call
+    def _core(self, dtype):
+        """The C module doing the work in `dtype` (its parameters unused: ours
+        are passed to every call), made once per dtype."""
+        name = _DTYPES.get(dtype)
+        if name is None:
+            raise TypeError(f"mha_ext computes in float32 or float64; the parameters "
+                            f"are {dtype}")
+        cores = self.__dict__.setdefault("_cores", {})
+        if name not in cores:
+            cores[name] = _Core(self.embed_dim, self.num_heads, bias=self._has_bias(),
+                                kdim=self.kdim, vdim=self.vdim, dtype=name)
+        return cores[name]
+
+    def _has_bias(self):
+        return self.in_proj_bias is not None or self.out_proj.bias is not None
+
+    def _params(self):
+        """[W_q.weight, W_q.bias, ... W_o.bias] as views of our parameters
+        (the C block's order), so that gradients reach the parameters."""
+        E = self.embed_dim
+        if self._qkv_same_embed_dim:
+            w = self.in_proj_weight
+            ws = (w[:E], w[E:2 * E], w[2 * E:])
+        else:
+            ws = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+        ws = ws + (self.out_proj.weight,)
+        if not self._has_bias():
+            return list(ws)
+        ref = self.out_proj.weight
+        b = self.in_proj_bias
+        if b is None:
+            b = torch.zeros(3 * E, dtype=ref.dtype, device=ref.device)
+        bo = self.out_proj.bias
+        if bo is None:
+            bo = torch.zeros(E, dtype=ref.dtype, device=ref.device)
+        bs = (b[:E], b[E:2 * E], b[2 * E:], bo)
+        return [t for pair in zip(ws, bs) for t in pair]
+
+    def _torch_fast_path(self, query, key, value, attn_mask, key_padding_mask):
+        """Whether torch.nn.MultiheadAttention would take its fused path for
+        this call (its conditions, in its order); that path gives NaN for a
+        query that sees no key even with need_weights=False."""
+        if ((attn_mask is not None and torch.is_floating_point(attn_mask))
+                or (key_padding_mask is not None and torch.is_floating_point(key_padding_mask))):
+            return False
+        if not torch.backends.mha.get_fastpath_enabled() or query.dim() != 3:
+            return False
+        if query is not key or key is not value:
+            return False
+        if self.in_proj_bias is None or self.in_proj_weight is None:
+            return False
+        if query.dtype != self.in_proj_weight.dtype or query.dtype != self.in_proj_bias.dtype:
+            return False
+        if self.training or self.num_heads % 2 or not self.batch_first:
+            return False
+        if torch.is_autocast_enabled():
+            return False
+        args = (query, self.in_proj_weight, self.in_proj_bias, self.out_proj.weight,
+                self.out_proj.bias)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
+            return False
+        return True
+
+    def _in_fused_layer(self, query):
+        """Whether an nn.TransformerEncoderLayer calling us (found on the call
+        stack) would have run torch's fused layer kernel but for our hook;
+        that kernel gives NaN for a query that sees no key."""
+        frame = sys._getframe(1)
+        for _ in range(8):
+            frame = frame.f_back
+            if frame is None:
+                return False
+            if frame.f_code is _SA_BLOCK:
+                layer = frame.f_locals.get("self")
+                return isinstance(layer, nn.TransformerEncoderLayer) \
+                    and layer.self_attn is self and _layer_would_fuse(layer, query)
+        return False
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
+                attn_mask=None, average_attn_weights=True, is_causal=False):
+        """torch.nn.MultiheadAttention.forward, computed by mha_ext.
+
+        query (L, B, E), key (S, B, kdim), value (S, B, vdim); (B, L, E) etc.
+        with batch_first=True; unbatched (L, E), (S, kdim), (S, vdim).
+        key_padding_mask (B, S) (unbatched (S,)): bool True = ignore that key,
+        or float added.  attn_mask (L, S) or (B*H, L, S): bool True = blocked,
+        or float added.  is_causal is torch's hint that attn_mask is the
+        causal mask: it needs attn_mask (RuntimeError otherwise, as torch),
+        and, as torch does, without key_padding_mask and with
+        need_weights=False the causal pattern is applied instead of the mask.
+
+        Returns (output shaped like query with width E, weights): weights are
+        (B, L, S) averaged over heads (average_attn_weights=True, the
+        default) or (B, H, L, S), None with need_weights=False.
+
+        A query row that sees no key is NaN (output and weights) where torch
+        takes its weights path (need_weights=True) or a fused path (this
+        module's: eval, no grad, batch-first self-attention, bool or no
+        masks; or, called from an nn.TransformerEncoderLayer, the layer's
+        fused kernel, whose conditions are checked on the calling layer);
+        on torch's SDPA path (need_weights=False otherwise) the row's output
+        is out_proj.bias, as torch gives.
+        """
+        if query.is_nested:
+            return self._forward_nested(query, key, value, key_padding_mask, need_weights,
+                                        attn_mask, average_attn_weights, is_causal)
+        fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask) \
+            or (not need_weights and self._in_fused_layer(query))
+        causal = False
+        if is_causal:
+            if attn_mask is None:
+                raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may "
+                                   "use the Transformer module method "
+                                   "`generate_square_subsequent_mask` to create this mask.")
+            if key_padding_mask is None and not need_weights and not fast:
+                attn_mask, causal = None, True  # torch applies the pattern, not the mask
+        params = self._params()
+        dtype = params[0].dtype
+        core = self._core(dtype)
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
+        for p in params:
+            if p.device.type != "cpu":
+                raise ValueError(f"parameters must be on the CPU, got device {p.device}")
+        batched = query.dim() == 3
+        q, k, v = (x.to(dtype) for x in (query, key, value))
+        if batched and not self.batch_first:  # (S, B, E) -> (B, S, E)
+            q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+        opts = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=causal,
+                    need_weights=bool(need_weights),
+                    average_weights=bool(average_attn_weights),
+                    masked_rows="nan" if need_weights or fast else "zero",
+                    dropout=float(self.dropout) if self.training else 0.0)
+        out, weights = AttentionFunction.apply(core, opts, q, k, v, *params)
+        if batched and not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, (weights if need_weights else None)
+
+    def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                        average_attn_weights, is_causal):
+        # nn.TransformerEncoder's sparsity path: self-attention on a nested
+        # (B, ragged L, E) batch without masks; padded, attended with the
+        # padding ignored, and nested again
+        if not (query is key and key is value) or key_padding_mask is not None \
+                or attn_mask is not None or not self.batch_first:
+            raise ValueError("mha_ext.torch.MultiheadAttention takes a nested tensor only "
+                             "for batch-first self-attention without masks (as "
+                             "nn.TransformerEncoder passes it)")
+        lengths = [t.shape[0] for t in query.unbind()]
+        padded = query.to_padded_tensor(0.0)
+        S = padded.shape[1]
+        pad = torch.arange(S)[None, :] >= torch.tensor(lengths)[:, None]
+        out, _ = self.forward(padded, padded, padded, key_padding_mask=pad,
+                              need_weights=False)
+        return torch.nested.nested_tensor([o[:n] for o, n in zip(out, lengths)]), None

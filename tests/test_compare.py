@@ -1,0 +1,119 @@
+"""mha_ext.compare (issue 12, point 5): the per-layer table of a small
+nn.TransformerEncoder (and of single attention modules), its text and HTML
+forms, and that the model is left as it was.
+
+Legend: B batch, S sequence length, E = d_model, H = n_heads.
+"""
+import numpy as np
+import pytest
+
+from _support import require_torch
+
+torch = require_torch()
+from torch import nn  # noqa: E402
+
+import mha_ext  # noqa: E402
+from mha_ext.torch import MultiheadAttention  # noqa: E402
+
+E, H, B, S = 16, 4, 2, 6
+
+
+def encoder(batch_first=True, layers=2):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=batch_first)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval()
+
+
+def x(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+def test_table_of_a_transformer_encoder():
+    model = encoder()
+    before = [(n, id(m)) for n, m in model.named_modules()]
+    table = mha_ext.compare(model, x(B, S, E))
+    assert [r.layer for r in table] == ["layers.0.self_attn", "layers.1.self_attn",
+                                        "(model output)"]
+    for r in table:
+        assert r.nan_agree
+        assert 0 < r.torch_error < 1e-5 and 0 < r.mha_ext_error < 1e-5
+        assert r.closer in ("torch", "mha_ext", "tie")
+    assert [(n, id(m)) for n, m in model.named_modules()] == before
+    text = str(table)
+    assert repr(table) == text
+    assert "layers.1.self_attn" in text and "max |mha_ext - truth|" in text
+    htm = table._repr_html_()
+    assert htm.startswith("<table>") and htm.count("<tr>") == 4
+
+
+def test_masks_and_seq_first_reach_the_model():
+    model = encoder(batch_first=False)
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1, -2:] = True
+    table = mha_ext.compare(model, x(S, B, E), src_key_padding_mask=kpm,
+                            mask=nn.Transformer.generate_square_subsequent_mask(S) < 0)
+    assert len(table) == 3 and all(r.nan_agree and r.mha_ext_error < 1e-5 for r in table)
+
+
+def test_a_wrong_mha_ext_is_seen(monkeypatch):
+    # the table measures our side: an error of 1e-3 in our forward shows
+    orig = MultiheadAttention.forward
+
+    def off(self, *a, **k):
+        out, w = orig(self, *a, **k)
+        return out + 1e-3, w
+
+    monkeypatch.setattr(MultiheadAttention, "forward", off)
+    table = mha_ext.compare(encoder(layers=1), x(B, S, E))
+    assert table[0].mha_ext_error > 5e-4 and table[0].closer == "torch"
+
+
+def test_nan_disagreement_is_reported(monkeypatch):
+    orig = MultiheadAttention.forward
+
+    def nan(self, *a, **k):
+        out, w = orig(self, *a, **k)
+        out = out.clone()
+        out[0, 0, 0] = float("nan")
+        return out, w
+
+    monkeypatch.setattr(MultiheadAttention, "forward", nan)
+    table = mha_ext.compare(encoder(layers=1), x(B, S, E))
+    assert not table[0].nan_agree and "NO" in str(table)
+
+
+def test_one_multihead_attention_module():
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    q, k = x(B, S, E), x(B, S + 1, E)
+    table = mha_ext.compare(m, q, k, k)
+    assert len(table) == 1 and table[0].layer == "MultiheadAttention"
+    assert table[0].mha_ext_error < 1e-5
+
+
+def test_refuses_what_it_cannot_compare():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        mha_ext.compare(np.zeros(3), 1)
+    with pytest.raises(TypeError, match="no torch.nn.MultiheadAttention"):
+        mha_ext.compare(nn.Linear(3, 3), x(2, 3))
+
+
+def test_dropout_in_training_mode_warns():
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 32, dropout=0.1,
+                                                             batch_first=True), 1,
+                                  enable_nested_tensor=False)
+    with pytest.warns(UserWarning, match="model.eval()"):
+        mha_ext.compare(model, x(B, S, E))
+
+
+def test_import_mha_ext_does_not_import_torch():
+    # compare is reached through mha_ext.compare, importing torch on first use only
+    import os
+    import subprocess
+    import sys
+
+    from _support import PKG_ROOT
+    code = ("import sys; import mha_ext; assert 'torch' not in sys.modules; "
+            "f = mha_ext.compare; assert 'torch' in sys.modules and callable(f)")
+    env = dict(os.environ, PYTHONPATH=PKG_ROOT)  # keeps CI's preloads (ASan)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)

@@ -1,0 +1,289 @@
+"""mha_ext.torch.MultiheadAttention as a drop-in for torch.nn.MultiheadAttention
+(issue 12, point 1): its surface against torch's, and inside
+nn.TransformerEncoderLayer / DecoderLayer / Encoder / Transformer, where the
+model's output and every gradient must equal the stock model's (float32
+2e-5, float64 1e-10) in eval and training, both batch_first, both
+norm_first, with every mask those modules take.
+
+Run with `-s` to see the table of worst errors per configuration.
+
+Legend: B batch, L target length, S source length, E = embed_dim, H = num_heads.
+"""
+import copy
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+
+from _support import require_torch
+
+torch = require_torch()
+from torch import nn  # noqa: E402
+
+import mha_ext.torch as mt  # noqa: E402
+from mha_ext.torch import MultiheadAttention  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
+WORST = {}   # (module kind, dtype name) -> worst error against the stock model
+E, H, FF = 16, 4, 32
+B, L, S = 3, 5, 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def worst_error_table():
+    yield
+    if WORST:
+        print("\nworst |mha_ext - torch| per module (outputs and every gradient):")
+        for (kind, dt), err in sorted(WORST.items()):
+            print(f"  {kind:<40} {dt:<8} {err:.3g}")
+
+
+def _err(a, b, what):
+    assert a.shape == b.shape, what
+    assert torch.equal(torch.isnan(a), torch.isnan(b)), f"{what}: NaN in different places"
+    ok = ~torch.isnan(a)
+    return float((a[ok] - b[ok]).abs().max()) if ok.any() else 0.0
+
+
+def compare_models(stock, ours, args, kwargs, dtype, kind, grad=True):
+    """Output and (with grad) the inputs' and every parameter's gradient of
+    ours equal stock's; returns the worst error, recorded under `kind`."""
+    stock.zero_grad(set_to_none=True)
+    ours.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's mismatched-mask-types deprecation
+        if not grad:
+            with torch.no_grad():
+                errs = [_err(stock(*args, **kwargs), ours(*args, **kwargs), "output")]
+        else:
+            xa = [a.clone().requires_grad_() for a in args]
+            xb = [a.clone().requires_grad_() for a in args]
+            ya, yb = stock(*xa, **kwargs), ours(*xb, **kwargs)
+            errs = [_err(ya, yb, "output")]
+            w = torch.randn(ya.shape, dtype=ya.dtype, generator=torch.Generator().manual_seed(5))
+            (ya * w).sum().backward()
+            (yb * w).sum().backward()
+            errs += [_err(a.grad, b.grad, "input grad") for a, b in zip(xa, xb)]
+            pa = dict(stock.named_parameters())
+            pb = dict(ours.named_parameters())
+            assert pa.keys() == pb.keys()
+            for n in pa:
+                errs.append(_err(pa[n].grad, pb[n].grad, n))
+    err = max(errs)
+    key = (kind, str(dtype).replace("torch.", ""))
+    WORST[key] = max(err, WORST.get(key, 0.0))
+    assert err <= TOL[dtype], f"{kind}: {err:.3g} > {TOL[dtype]}"
+    return err
+
+
+def swap_copy(model):
+    """A deep copy of model with every nn.MultiheadAttention replaced by
+    ours through from_torch (the same parameter names and values)."""
+    ours = copy.deepcopy(model)
+    for name, m in list(ours.named_modules()):
+        if isinstance(m, nn.MultiheadAttention):
+            parent = ours.get_submodule(name.rpartition(".")[0])
+            setattr(parent, name.rpartition(".")[2], MultiheadAttention.from_torch(m))
+    return ours
+
+
+def randomise_biases(model, seed=3):
+    # torch initialises the attention biases to zero, which would hide bias bugs
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.copy_(torch.rand(p.shape, generator=g, dtype=p.dtype) - 0.5)
+    return model
+
+
+def seq(n, dtype, batch_first, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (B, n, E) if batch_first else (n, B, E)
+    return torch.randn(shape, generator=g, dtype=dtype)
+
+
+def padding(n, kind, dtype):
+    # (B, n): batch 1 pads its last two positions, batch 2 its last one
+    m = torch.zeros(B, n, dtype=torch.bool)
+    m[1, -2:] = True
+    m[2, -1] = True
+    if kind == "float":
+        return torch.zeros(B, n, dtype=dtype).masked_fill(m, float("-inf"))
+    return m
+
+
+def causal(n, kind, dtype):
+    m = nn.Transformer.generate_square_subsequent_mask(n, dtype=dtype)
+    return m == float("-inf") if kind == "bool" else m
+
+
+CONFIGS = [(bf, nf) for bf in (False, True) for nf in (False, True)]
+DTYPES = (torch.float32, torch.float64)
+
+
+def _build(kind, bf, nf, dtype, seed=0):
+    torch.manual_seed(seed)
+    kw = dict(dropout=0.0, batch_first=bf, norm_first=nf, dtype=dtype)
+    if kind == "TransformerEncoderLayer":
+        return nn.TransformerEncoderLayer(E, H, FF, **kw)
+    if kind == "TransformerDecoderLayer":
+        return nn.TransformerDecoderLayer(E, H, FF, **kw)
+    if kind == "TransformerEncoder":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # enable_nested_tensor with norm_first
+            return nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, FF, **kw), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # enable_nested_tensor with norm_first
+        return nn.Transformer(E, H, 1, 1, FF, **kw)
+
+
+def _encoder_masks(dtype):
+    yield "none", {}
+    for kind in ("bool", "float"):
+        yield f"{kind} padding", {"src_key_padding_mask": padding(S, kind, dtype)}
+        yield f"{kind} causal", {"mask": causal(S, kind, dtype), "is_causal": True}
+        yield f"{kind} causal, no hint", {"mask": causal(S, kind, dtype)}
+        yield f"{kind} causal + padding", {"mask": causal(S, kind, dtype),
+                                           "src_key_padding_mask": padding(S, kind, dtype)}
+
+
+def _decoder_masks(dtype):
+    yield "none", {}
+    for kind in ("bool", "float"):
+        yield f"{kind} all", {"tgt_mask": causal(L, kind, dtype), "tgt_is_causal": True,
+                              "tgt_key_padding_mask": padding(L, kind, dtype),
+                              "memory_key_padding_mask": padding(S, kind, dtype),
+                              "memory_mask": causal(S, kind, dtype)[:L]}
+        yield f"{kind} causal", {"tgt_mask": causal(L, kind, dtype), "tgt_is_causal": True}
+
+
+def cases(kind, dtype):
+    """(label, args, kwargs) for one module kind: every mask it takes."""
+    if kind in ("TransformerEncoderLayer", "TransformerEncoder"):
+        for label, kw in _encoder_masks(dtype):
+            if kind == "TransformerEncoderLayer":
+                kw = {("src_mask" if k == "mask" else k): v for k, v in kw.items()}
+            yield label, kw
+    else:
+        for label, kw in _decoder_masks(dtype):
+            if kind == "Transformer":
+                kw = dict(kw)
+                if "memory_mask" in kw:
+                    kw["src_key_padding_mask"] = kw["memory_key_padding_mask"]
+                    kw["src_mask"] = causal(S, label.split()[0], dtype)
+            yield label, kw
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("bf,nf", CONFIGS, ids=lambda v: str(v))
+@pytest.mark.parametrize("kind", ["TransformerEncoderLayer", "TransformerDecoderLayer",
+                                  "TransformerEncoder", "Transformer"])
+def test_transformer_modules(kind, bf, nf, train, dtype):
+    stock = randomise_biases(_build(kind, bf, nf, dtype)).train(train)
+    ours = swap_copy(stock)
+    assert any(isinstance(m, MultiheadAttention) for m in ours.modules())
+    assert not any(type(m) is nn.MultiheadAttention for m in ours.modules())
+    src = seq(S, dtype, bf, 1)
+    tgt = seq(L, dtype, bf, 2)
+    label = f"{kind} bf={int(bf)} nf={int(nf)} {'train' if train else 'eval'}"
+    for case, kw in cases(kind, dtype):
+        args = (src,) if "Encoder" in kind else (tgt, src) if "Decoder" in kind else (src, tgt)
+        compare_models(stock, ours, args, kw, dtype, label)
+        if not train:  # eval without grad: torch's fused paths on the stock side
+            compare_models(stock, ours, args, kw, dtype, label, grad=False)
+
+
+def test_fused_layer_path_runs_our_forward():
+    # the stock layer in eval without grad calls torch's fused kernel; ours
+    # must call our forward (counted) and still agree
+    stock = randomise_biases(_build("TransformerEncoderLayer", True, False,
+                                    torch.float32)).eval()
+    ours = swap_copy(stock)
+    calls = []
+    orig = MultiheadAttention.forward
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        return orig(self, *a, **k)
+
+    MultiheadAttention.forward = counting
+    try:
+        compare_models(stock, ours, (seq(S, torch.float32, True, 1),), {}, torch.float32,
+                       "fused-path layer", grad=False)
+    finally:
+        MultiheadAttention.forward = orig
+    assert calls, "the layer's fused path bypassed mha_ext"
+
+
+def test_nested_tensor_path_of_the_encoder():
+    # nn.TransformerEncoder in eval without grad with a left-aligned padding
+    # mask turns the batch into a nested tensor; ours takes it
+    stock = randomise_biases(_build("TransformerEncoder", True, False, torch.float64)).eval()
+    assert stock.use_nested_tensor
+    ours = swap_copy(stock)
+    kpm = padding(S, "bool", torch.float64)
+    compare_models(stock, ours, (seq(S, torch.float64, True, 1),),
+                   {"src_key_padding_mask": kpm}, torch.float64, "nested TransformerEncoder",
+                   grad=False)
+
+
+def test_swapped_shares_parameters_and_restores():
+    stock = randomise_biases(_build("Transformer", False, False, torch.float64)).train()
+    before = [id(m) for m in stock.modules()]
+    ref = copy.deepcopy(stock)
+    src, tgt = seq(S, torch.float64, False, 1), seq(L, torch.float64, False, 2)
+    with mt.swapped(stock) as model:
+        n = sum(isinstance(m, MultiheadAttention) for m in model.modules())
+        assert n == 3  # encoder self, decoder self, decoder cross
+        out = model(src, tgt)
+        out.sum().backward()
+    assert [id(m) for m in stock.modules()] == before
+    ref_out = ref(src, tgt)
+    ref_out.sum().backward()
+    assert _err(out.detach(), ref_out.detach(), "output") <= 1e-10
+    # the gradients landed in the model's own parameters
+    for (n, p), q in zip(stock.named_parameters(), ref.parameters()):
+        assert _err(p.grad, q.grad, n) <= 1e-10
+
+
+def test_swapped_restores_after_an_error():
+    stock = _build("TransformerEncoderLayer", True, False, torch.float32)
+    old = stock.self_attn
+    with pytest.raises(ZeroDivisionError):
+        with mt.swapped(stock):
+            assert isinstance(stock.self_attn, MultiheadAttention)
+            1 / 0
+    assert stock.self_attn is old
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("bf,nf", CONFIGS, ids=lambda v: str(v))
+@pytest.mark.parametrize("kind", ["TransformerEncoderLayer", "TransformerDecoderLayer",
+                                  "TransformerEncoder", "Transformer"])
+def test_rows_that_see_no_key_match_the_stock_model(kind, bf, nf, train, grad):
+    # batch 1 fully padded: torch's paths differ (NaN from the weights and
+    # fused paths, out_proj.bias from SDPA); NaN must sit where torch has them
+    dtype = torch.float64
+    stock = randomise_biases(_build(kind, bf, nf, dtype)).train(train)
+    ours = swap_copy(stock)
+    src, tgt = seq(S, dtype, bf, 1), seq(L, dtype, bf, 2)
+    pad_s = torch.zeros(B, S, dtype=torch.bool)
+    pad_s[1] = True
+    pad_t = torch.zeros(B, L, dtype=torch.bool)
+    pad_t[1] = True
+    if kind in ("TransformerEncoderLayer", "TransformerEncoder"):
+        args, kw = (src,), {"src_key_padding_mask": pad_s}
+    elif kind == "TransformerDecoderLayer":
+        args, kw = (tgt, src), {"tgt_key_padding_mask": pad_t,
+                                "memory_key_padding_mask": pad_s}
+    else:
+        args, kw = (src, tgt), {"src_key_padding_mask": pad_s,
+                                "memory_key_padding_mask": pad_s}
+    with torch.set_grad_enabled(grad), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = stock(*args, **kw), ours(*args, **kw)
+    assert _err(a.detach(), b.detach(), f"{kind} fully padded") <= TOL[dtype]

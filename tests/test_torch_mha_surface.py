@@ -1,0 +1,258 @@
+"""mha_ext.torch.MultiheadAttention's surface against torch.nn.MultiheadAttention:
+constructor, attributes, parameters and their initialisation, state_dict
+keys both ways, forward's defaults, layouts, masks, the is_causal hint, the
+rows that see no key on each of torch's paths, errors, copies.
+
+Legend: B batch, L query length, S key length, E = embed_dim, H = num_heads.
+"""
+import copy
+import inspect
+import pickle
+import warnings
+
+import pytest
+
+from _support import require_torch
+
+torch = require_torch()
+from torch import nn  # noqa: E402
+
+import mha_ext.torch as mt  # noqa: E402
+from mha_ext.torch import MultiheadAttention  # noqa: E402
+
+E, H, B, L, S = 8, 2, 3, 4, 5
+TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+
+
+def pair(dtype=torch.float64, seed=0, **kw):
+    """(stock, ours) with the same random parameters and non-zero biases."""
+    torch.manual_seed(seed)
+    t = nn.MultiheadAttention(E, H, dtype=dtype, **kw)
+    with torch.no_grad():
+        for n, p in t.named_parameters():
+            if "bias" in n:
+                p.uniform_(-0.5, 0.5)
+    return t, MultiheadAttention.from_torch(t)
+
+
+def close(a, b, dtype):
+    if a is None or b is None:
+        assert a is None and b is None
+        return
+    a, b = a.detach(), b.detach()
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(torch.isnan(a), torch.isnan(b)), "NaN in different places"
+    ok = ~torch.isnan(a)
+    if ok.any():
+        assert float((a[ok] - b[ok]).abs().max()) <= TOL[dtype]
+
+
+def call_both(t, m, *args, dtype=torch.float64, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = t(*args, **kw)
+        b = m(*args, **kw)
+    close(a[0], b[0], dtype)
+    close(a[1], b[1], dtype)
+    return a, b
+
+
+def x(*shape, dtype=torch.float64, seed=1):
+    return torch.randn(*shape, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- construction
+
+def test_constructor_signature_is_torchs():
+    ours = inspect.signature(MultiheadAttention.__init__)
+    theirs = inspect.signature(nn.MultiheadAttention.__init__)
+    assert [(p.name, p.default) for p in ours.parameters.values()] == \
+        [(p.name, p.default) for p in theirs.parameters.values()]
+    ours = inspect.signature(MultiheadAttention.forward)
+    theirs = inspect.signature(nn.MultiheadAttention.forward)
+    assert [(p.name, p.default, p.kind) for p in ours.parameters.values()] == \
+        [(p.name, p.default, p.kind) for p in theirs.parameters.values()]
+
+
+@pytest.mark.parametrize("kw", [{}, dict(kdim=3, vdim=5), dict(bias=False),
+                                dict(batch_first=True, dropout=0.25)])
+def test_attributes_parameters_and_keys_match(kw):
+    torch.manual_seed(0)
+    t = nn.MultiheadAttention(E, H, **kw)
+    torch.manual_seed(0)
+    m = MultiheadAttention(E, H, **kw)
+    for a in ("embed_dim", "kdim", "vdim", "num_heads", "head_dim", "dropout", "batch_first",
+              "_qkv_same_embed_dim", "add_zero_attn", "bias_k", "bias_v", "training"):
+        assert getattr(m, a) == getattr(t, a), a
+    for a in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+              "in_proj_bias"):
+        assert (getattr(m, a) is None) == (getattr(t, a) is None), a
+    assert isinstance(m.out_proj, nn.modules.linear.NonDynamicallyQuantizableLinear)
+    assert list(m.state_dict()) == list(t.state_dict())
+    # the same initialisation: xavier_uniform_ in the same order, zero biases
+    for (n, a), b in zip(t.state_dict().items(), m.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("kw", [{}, dict(kdim=3, vdim=5, bias=False)])
+def test_state_dict_both_ways(kw):
+    t, _ = pair(**kw)
+    m = MultiheadAttention(E, H, dtype=torch.float64, **kw)
+    m.load_state_dict(t.state_dict())
+    t2 = nn.MultiheadAttention(E, H, dtype=torch.float64, **kw)
+    t2.load_state_dict(m.state_dict())
+    q = x(L, B, E)
+    k, v = x(S, B, t.kdim, seed=2), x(S, B, t.vdim, seed=3)
+    call_both(t, m, q, k, v)
+    call_both(t2, m, q, k, v)
+
+
+@pytest.mark.parametrize("kw,word", [(dict(add_bias_kv=True), "add_bias_kv"),
+                                     (dict(add_zero_attn=True), "add_zero_attn")])
+def test_unsupported_options_refused(kw, word):
+    with pytest.raises(NotImplementedError, match=f"{word}=True is not supported yet"):
+        MultiheadAttention(E, H, **kw)
+    with pytest.raises(NotImplementedError, match=word):
+        MultiheadAttention.from_torch(nn.MultiheadAttention(E, H, **kw))
+
+
+@pytest.mark.parametrize("args,exc,word", [((8, 3), ValueError, "divisible"),
+                                           ((0, 2), ValueError, "embed_dim"),
+                                           ((8, -1), ValueError, "num_heads"),
+                                           ((8.0, 2), TypeError, "embed_dim")])
+def test_bad_constructor_arguments(args, exc, word):
+    with pytest.raises(exc, match=word):
+        MultiheadAttention(*args)
+
+
+def test_copies_and_pickle():
+    t, m = pair()
+    q = x(L, B, E)
+    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        call_both(t, c, q, q, q)
+
+
+# ---------------------------------------------------------------- forward
+
+@DTYPES
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("need_weights,average", [(True, True), (True, False), (False, True)])
+def test_forward_layouts_and_weights(dtype, batch_first, need_weights, average):
+    t, m = pair(dtype, batch_first=batch_first)
+    shape = (B, L, E) if batch_first else (L, B, E)
+    kshape = (B, S, E) if batch_first else (S, B, E)
+    q, k, v = x(*shape, dtype=dtype), x(*kshape, dtype=dtype, seed=2), \
+        x(*kshape, dtype=dtype, seed=3)
+    (out, w), _ = call_both(t, m, q, k, v, need_weights=need_weights,
+                            average_attn_weights=average, dtype=dtype)
+    assert out.shape == shape
+
+
+@DTYPES
+def test_unbatched(dtype):
+    t, m = pair(dtype)
+    q, k = x(L, E, dtype=dtype), x(S, E, dtype=dtype, seed=2)
+    am = torch.rand(H, L, S, generator=torch.Generator().manual_seed(4)) < 0.3
+    kpm = torch.tensor([False, True, False, False, True])
+    call_both(t, m, q, k, k, key_padding_mask=kpm, attn_mask=am, dtype=dtype,
+              average_attn_weights=False)
+
+
+@DTYPES
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masks(dtype, kind):
+    t, m = pair(dtype)
+    g = torch.Generator().manual_seed(5)
+    q, k = x(L, B, E, dtype=dtype), x(S, B, E, dtype=dtype, seed=2)
+    am3 = torch.rand(B * H, L, S, generator=g) < 0.3
+    am3[..., 0] = False
+    kpm = torch.rand(B, S, generator=g) < 0.3
+    kpm[:, 1] = False
+    if kind == "float":
+        am3 = torch.zeros(am3.shape, dtype=dtype).masked_fill(am3, float("-inf")) \
+            + torch.rand(am3.shape, generator=g, dtype=dtype)
+        kpm = torch.zeros(kpm.shape, dtype=dtype).masked_fill(kpm, float("-inf"))
+    for kw in (dict(attn_mask=am3), dict(key_padding_mask=kpm), dict(attn_mask=am3[0]),
+               dict(attn_mask=am3, key_padding_mask=kpm)):
+        for nw in (True, False):
+            call_both(t, m, q, k, k, need_weights=nw, dtype=dtype, **kw)
+
+
+def test_is_causal_is_torchs_hint():
+    t, m = pair()
+    q = x(L, B, E)
+    with pytest.raises(RuntimeError, match="Need attn_mask"):
+        m(q, q, q, is_causal=True)
+    # a hint: with need_weights=False and no padding mask torch applies the
+    # causal pattern whatever attn_mask holds; otherwise it uses the mask
+    wrong = torch.zeros(L, L, dtype=torch.bool)
+    for nw in (False, True):
+        (a, _), (b, _) = call_both(t, m, q, q.clone(), q.clone(), attn_mask=wrong,
+                                   is_causal=True, need_weights=nw)
+    causal = nn.Transformer.generate_square_subsequent_mask(L, dtype=torch.float64)
+    ref, _ = m(q, q.clone(), q.clone(), attn_mask=causal)
+    hinted, _ = m(q, q.clone(), q.clone(), attn_mask=wrong, is_causal=True, need_weights=False)
+    close(ref, hinted, torch.float64)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("self_attention", [True, False])
+def test_rows_that_see_no_key_follow_torchs_path(training, need_weights, grad,
+                                                 self_attention):
+    # torch: NaN on the weights path and on the fused path (eval, no grad,
+    # batch-first self-attention), out_proj.bias on the SDPA path
+    t, m = pair(batch_first=True)
+    t.train(training)
+    m.train(training)
+    q = x(B, S, E)
+    k = q if self_attention else q.clone()
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1] = True
+    with torch.set_grad_enabled(grad):
+        (a, _), (b, _) = call_both(t, m, q, k, k, key_padding_mask=kpm,
+                                   need_weights=need_weights)
+    fused = not training and not grad and self_attention
+    assert torch.isnan(b[1]).all() == (need_weights or fused)
+
+
+def test_gradients_reach_every_parameter():
+    t, m = pair(kdim=3, vdim=5)
+    q, k, v = x(B, L, E).transpose(0, 1), x(S, B, 3, seed=2), x(S, B, 5, seed=3)
+    for mod in (t, m):
+        out, w = mod(q, k, v)
+        (out.square().sum() + w.sum()).backward()
+    for (n, a), b in zip(t.named_parameters(), m.parameters()):
+        close(a.grad, b.grad, torch.float64)
+
+
+def test_double_backward_raises():
+    _, m = pair()
+    q = x(L, B, E).requires_grad_()
+    out, _ = m(q, q, q, need_weights=False)
+    g, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        g.sum().backward()
+    # and through the older adapter too
+    a = mt.MultiHeadAttention(E, H, dtype=torch.float64, seed=0)
+    out, _ = a(q.detach().transpose(0, 1).requires_grad_())
+    p = next(a.parameters())
+    g, = torch.autograd.grad(out.square().sum(), p, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(g.sum(), p)
+
+
+@pytest.mark.parametrize("bad,exc,word", [("cuda", ValueError, "CPU"),
+                                          (torch.float16, TypeError, "float32 or float64")])
+def test_refuses_what_it_cannot_compute(bad, exc, word):
+    m = MultiheadAttention(E, H)
+    q = x(L, B, E, dtype=torch.float32)
+    if bad == "cuda":
+        q = q.to("meta")
+        word = "CPU"
+    else:
+        m = m.to(bad)
+    with pytest.raises(exc, match=word):
+        m(q, q, q)
