@@ -13,12 +13,13 @@ key_padding_mask, is_causal).  The numbers come from a C core (src/) that
 releases the GIL and runs on its own worker threads.
 """
 from ._core import get_num_threads, set_num_threads
+from ._sdpa_api import scaled_dot_product_attention
 from .module import Linear, MultiHeadAttention
 from .plot import plot_heads
 from .trace import Step, Trace, trace
 
 __all__ = ["MultiHeadAttention", "Linear", "Trace", "Step", "trace", "plot_heads",
-           "set_num_threads", "get_num_threads"]
+           "scaled_dot_product_attention", "set_num_threads", "get_num_threads"]
 __version__ = "0.1.0"
 
 
