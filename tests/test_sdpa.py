@@ -235,3 +235,11 @@ def test_errors(torch):
         f(t, t, t, attn_mask=torch.zeros(3, 3, requires_grad=True))
     with pytest.raises(TypeError, match="float32 or float64"):
         f(t.half(), t.half(), t.half())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shapes", [((2, 3, 5, 8), (2, 3, 0, 8), (2, 3, 0, 4)),   # S = 0
+                                    ((2, 3, 0, 8), (2, 3, 7, 8), (2, 3, 7, 4)),   # L = 0
+                                    ((0, 3, 5, 8), (0, 3, 7, 8), (0, 3, 7, 4))])  # B = 0
+def test_empty_shapes(torch, dtype, shapes):
+    _compare(torch, dtype, *shapes)
