@@ -211,3 +211,22 @@ def test_errors():
         m.trace(x, is_causal="lower_right")
     with pytest.raises(NotImplementedError, match="add_bias_kv"):
         MultiHeadAttention(E, H, add_bias_kv=True).trace(x)
+
+
+def test_torch_module_takes_scale_and_lower_right(torch):
+    # mha_ext.torch.MultiHeadAttention passes both to the core, forward and backward
+    import mha_ext.torch as mt
+    t = mt.MultiHeadAttention(E, H, dtype=torch.float64, seed=3)
+    m = MultiHeadAttention(E, H, dtype="float64", seed=3)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(B, 3, E, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, 8, E, generator=g, dtype=torch.float64, requires_grad=True)
+    out, w = t(q, k, k, is_causal="lower_right", scale=0.25)
+    ref, ref_w = m(q.detach().numpy(), k.detach().numpy(), is_causal="lower_right", scale=0.25)
+    np.testing.assert_allclose(out.detach().numpy(), ref, atol=1e-12)
+    np.testing.assert_allclose(w.detach().numpy(), ref_w, atol=1e-12)
+    G = torch.randn(B, 3, E, generator=g, dtype=torch.float64)
+    (gq,) = torch.autograd.grad(out, (q,), G)
+    ctx = m.forward_train(q.detach().numpy(), k.detach().numpy(), is_causal="lower_right",
+                          scale=0.25)
+    np.testing.assert_allclose(gq.numpy(), m.backward(ctx, G.numpy())["query"], atol=1e-12)
