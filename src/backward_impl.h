@@ -150,6 +150,22 @@ static void SUF(colsum)(const T *x, int64_t R, int64_t C, int64_t ld, T *out)
 
 /* ------------------------------------------------------------ attention */
 
+/* With P kept by the forward: 1 when row (b, h, i), whose P is p_r, has
+ * every key blocked (then the forward applied no dropout to it).  Only a
+ * NaN row can be one (with zero_masked_rows a blocked row is 0, where
+ * dropout changes nothing): its scores are recomputed into s (Sk) from q_i
+ * (Dk) and K transposed (Dk, Sk), and masked as the forward masked them. */
+static int SUF(saved_row_blocked)(const SUF(bwd) *f, const T *p_r, const T *q_i, const T *kt,
+                                  T *s, int64_t b, int64_t h, int64_t i)
+{
+    int64_t j, d;
+    if (p_r[0] == p_r[0]) return 0;
+    for (j = 0; j < f->Sk; j++) s[j] = 0;
+    for (d = 0; d < f->Dk; d++)
+        for (j = 0; j < f->Sk; j++) s[j] += q_i[d] * kt[d * f->Sk + j];
+    return SUF(row_max)(f->kern, &f->rr, f->scale, s, b, h, i, 0, f->Sk) == -(T)INFINITY;
+}
+
 /* One (b, key/value head h'): for each query head h of its group, the
  * forward of the attention recomputed block by block of queries, each step
  * followed by its backward (the module: h' = h, groups of one). */
@@ -177,6 +193,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
      * copies them out into the (B, S, E) rows: a product's output tiles
      * then stay in cache instead of missing on E-strided lines */
     T *dqs = d + QB * Sk, *dks = dqs + QB * Dk, *dvs = dks + Sk * Dk;
+    uint8_t blocked[QB] = {0}; /* the block's rows with every key blocked */
 
     for (g = 0; g < G; g++) {
         const int64_t h = hkv * G + g, bh = b * f->H + h;
@@ -203,12 +220,22 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                 SUF(mha_gemm)(f->kern, !hm, nq, Sk, Dk, q_bh + i0 * ldq, ldq, k_bh, hm ? Sk : E,
                               NULL, p, Sk, 0, gs);
             for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: the same P */
-                SUF(softmax_row)(f->kern, &f->rr, f->scale, p + r * Sk, b, h, i0 + r, Sk, Sk);
-            /* forward: A = dropout(P), keep replayed from the call's stream */
+                blocked[r] = SUF(softmax_row)(f->kern, &f->rr, f->scale, p + r * Sk, b, h,
+                                              i0 + r, Sk, Sk) < 0;
+            for (r = 0; r < nq && f->p_saved && f->dropout_on; r++)
+                blocked[r] = SUF(saved_row_blocked)(f, pb + r * Sk, q_bh + (i0 + r) * ldq, k_bh,
+                                                    d + r * Sk, b, h, i0 + r);
+            /* forward: A = dropout(P), keep replayed from the call's stream; a
+             * row with every key blocked has no dropout (as in the forward) */
             if (f->dropout_on) {
                 for (r = 0; r < nq; r++) {
                     const uint64_t idx = ((uint64_t)bh * (uint64_t)Sq + (uint64_t)(i0 + r)) *
                                          (uint64_t)Sk;
+                    if (blocked[r]) {
+                        memset(keep + r * Sk, 1, (size_t)Sk);
+                        memcpy(d + r * Sk, pb + r * Sk, (size_t)Sk * sizeof(T));
+                        continue;
+                    }
                     for (j = 0; j < Sk; j++) {
                         keep[r * Sk + j] =
                             (uint8_t)mha_dropout_keep(f->drop_key, idx + (uint64_t)j, f->dropout);
@@ -233,7 +260,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
             for (r = 0; r < nq; r++) {
                 T *d_r = d + r * Sk;
                 /* backward of A = dropout(P): dP = dA · keep / (1 - p) */
-                if (f->dropout_on)
+                if (f->dropout_on && !blocked[r])
                     for (j = 0; j < Sk; j++)
                         d_r[j] = keep[r * Sk + j] ? d_r[j] * f->drop_scale : (T)0;
                 /* backward of P = softmax(S): dS_j = P_j (dP_j - Σ_k P_k dP_k),

@@ -343,6 +343,12 @@ int main(void)
                     module_case(dt, 1, 300, 130, 16, 2, 16, 16, o);
                 }
             }
+            {   /* rows with no visible key (NaN) and heavy dropout, recomputed
+                 * and with P kept: no dropout replayed on them */
+                opts o = {0, 0, MHA_CAUSAL_LOWER_RIGHT, 0, 0, 0, 0, 1, 0.9};
+                module_case(dt, 1, 4, 2, 3, 1, 3, 3, o);
+                module_case(dt, 2, 6, 3, 4, 2, 4, 4, o);
+            }
             {
                 opts o = {1, 1, MHA_CAUSAL_LOWER_RIGHT, 0, 0, 0, 0, 0, 0};
                 module_case(dt, 2, 0, 4, 6, 3, 5, 9, o); /* Sq = 0 */
