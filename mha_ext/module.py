@@ -22,6 +22,7 @@ Dk = E / H.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Mapping
 from typing import Literal
 
@@ -124,16 +125,18 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     """
 
     def __new__(cls, *args, **kwargs):
-        _habits.constructor_keywords(kwargs)  # torch's names -> a TypeError naming ours
+        # torch's names -> a TypeError naming ours; the signature help() and
+        # inspect show is __init__'s (set below the class)
+        _habits.constructor_keywords(kwargs)
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, *,
                  bias: bool = True, kdim: int | None = None, vdim: int | None = None,
                  dtype: DTypeLike = "float32", seed: int | None = None,
                  add_bias_kv: bool = False, add_zero_attn: bool = False) -> None:
-        # The C base class (__new__) checked the arguments and built the
-        # parameters; this signature is here for help() and editors.
-        pass
+        """A new module: arguments as in the class docstring (the C base
+        class's __new__ checks them and builds the parameters; this signature
+        is here for help() and editors)."""
 
     # ------------------------------------------------------------ layouts
     @property
@@ -406,8 +409,14 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
     def trace(self, query: ArrayLike, key: ArrayLike | None = None,
               value: ArrayLike | None = None, mask: ArrayLike | None = None, **kwargs):
-        """The computation step by step (see mha_ext.trace.Trace): each step's
+        """The computation step by step (see mha_ext.Trace): each step's
         name, formula, shape and array.  print() it for the shape flow.
         Batch-first, block-polarity modules only (ValueError otherwise)."""
         _habits.plain_layout_only(self, "trace")
         return _trace.trace(self, query, key, value, mask, **kwargs)
+
+
+# help(), inspect.signature() and editors show the constructor's arguments,
+# not __new__'s (*args, **kwargs)
+MultiHeadAttention.__new__.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+    MultiHeadAttention.__init__)
