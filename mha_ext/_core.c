@@ -361,7 +361,8 @@ static PyType_Slot mha_slots[] = {
     {Py_tp_methods, mha_methods},
     {Py_tp_getset, mha_getset},
     {Py_tp_doc, "MultiHeadAttention(d_model, n_heads, dropout=0.0, *, bias=True, kdim=None, "
-                "vdim=None, dtype='float32', seed=None)\n--\n\n"
+                "vdim=None, dtype='float32', seed=None, add_bias_kv=False, "
+                "add_zero_attn=False)\n--\n\n"
                 "The C part of mha_ext.MultiHeadAttention: parameter memory and the calls."},
     {0, NULL}
 };
