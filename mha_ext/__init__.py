@@ -95,6 +95,7 @@ except ModuleNotFoundError as _exc:
                                                           "__path__")})
 else:
     from ._core import get_num_threads, set_num_threads
+    from ._sdpa_api import scaled_dot_product_attention
     from .module import Linear, MultiHeadAttention
     from . import heads
     from .explorer import Explorer, explore
@@ -102,8 +103,8 @@ else:
     from .trace import Step, Trace, trace
 
     __all__ = ["MultiHeadAttention", "Linear", "Trace", "Step", "trace", "plot_heads",
-               "explore", "Explorer", "heads", "set_num_threads", "get_num_threads",
-               "__version__"]
+               "explore", "Explorer", "heads", "scaled_dot_product_attention",
+               "set_num_threads", "get_num_threads", "__version__"]
 
 def __getattr__(name):
     # mha_ext.compare needs torch: imported on first use only

@@ -321,6 +321,13 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     Unbatched inputs (query (Sq, E)) are traced with the batch dimension
     dropped from every step.
     """
+    # the steps below are the plain computation: refuse what they do not show
+    if getattr(module, "add_bias_kv", False) or getattr(module, "add_zero_attn", False):
+        raise NotImplementedError("trace() does not show add_bias_kv's or add_zero_attn's "
+                                  "extra keys yet: trace a module without them")
+    if kwargs.get("scale") is not None or isinstance(kwargs.get("is_causal"), str):
+        raise NotImplementedError("trace() shows the default scale and top-left causality "
+                                  "only (no scale=, no is_causal='lower_right')")
     dtype = np.dtype(module.dtype)
     need_weights = flag(kwargs.get("need_weights", True), "need_weights")
     average = flag(kwargs.get("average_weights", False), "average_weights")
