@@ -1,0 +1,174 @@
+"""mha_ext.hf: mha_ext's SDPA twin as a Hugging Face ``transformers``
+attention implementation.
+
+    import mha_ext.hf
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    mha_ext.hf.register()                    # once per process: adds "mha_ext"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="mha_ext")
+    model.set_attn_implementation("mha_ext") # or switch a model you already have
+
+Every model whose attention layer calls
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)``
+(in transformers 5.23: BERT, GPT-2, BART, T5, Llama and most decoders)
+then computes its attention with ``mha_ext.scaled_dot_product_attention``,
+forward and backward in C.  No model needed patching: T5's relative position
+bias and BART's cross-attention arrive through the same interface.
+
+What ``attention_forward`` does is what transformers' own "sdpa" function
+does, with mha_ext's twin in place of ``torch.nn.functional.
+scaled_dot_product_attention``:
+
+- query (B, H, L, D), key and value (B, Hkv, S, D) -> output (B, L, H, D),
+  contiguous, and ``None`` for the attention weights (like "sdpa").
+- ``attention_mask``: None, or a 4-D mask broadcastable to (B, H, L, S),
+  bool (True = attend, SDPA's polarity) or float (added to the scores).  The
+  masks are built by transformers' ``sdpa_mask`` (``register`` sets it for
+  the name), so padding, causal and sliding-window patterns arrive inside the
+  mask and need nothing here.
+- ``is_causal`` (top-left) only where "sdpa" uses it: more than one query,
+  no mask, and the layer causal (the argument, else ``module.is_causal``).
+- ``scaling`` -> ``scale`` (T5 passes 1.0); ``dropout`` -> ``dropout_p``
+  (the models pass 0.0 in eval mode).
+- GQA: fewer key/value heads than query heads -> ``enable_gqa=True``.
+- T5's ``position_bias`` (1 or B, H, L, S) is folded into a float mask, as
+  "sdpa" does: bias where the mask attends, the dtype's lowest value where it
+  blocks (the causal pattern too when there is no mask).
+
+Refused with a clear error instead of computed wrongly: ``softcap``,
+attention sinks (``s_aux``), a ``head_mask`` (gone from transformers 5),
+a paged cache (continuous batching).  ``output_attentions=True`` gives
+``None`` weights, as with "sdpa".
+
+This module is imported only on request; it needs torch and transformers.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+import mha_ext
+
+__all__ = ["NAME", "attention_forward", "register"]
+
+NAME = "mha_ext"
+
+
+def _twin():
+    """The SDPA function every call goes through: mha_ext's twin of
+    torch.nn.functional.scaled_dot_product_attention.  The one place that
+    names it (tests replace this function to count or spy on calls)."""
+    fn = getattr(mha_ext, "scaled_dot_product_attention", None)
+    if fn is None:
+        raise ImportError(
+            "mha_ext.hf needs mha_ext.scaled_dot_product_attention (the SDPA "
+            "twin of issue 12, point 3), which this build of mha_ext does not "
+            "have")
+    return fn
+
+
+def _refuse_unsupported(kwargs):
+    if kwargs.get("softcap") is not None:
+        raise ValueError(
+            "attn_implementation='mha_ext' does not support softcap (logit "
+            "soft-capping); use 'eager' for this model")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(
+            "attn_implementation='mha_ext' does not support attention sinks "
+            "(s_aux); use 'eager' for this model")
+    if kwargs.get("head_mask") is not None:
+        raise ValueError(
+            "attn_implementation='mha_ext' does not take a head_mask (removed "
+            "in transformers 5); multiply the heads' outputs yourself or use "
+            "'eager'")
+    cache = kwargs.get("cache")
+    if cache is not None and type(cache).__name__ == "PagedAttentionCache":
+        raise NotImplementedError(
+            "attn_implementation='mha_ext' does not support a paged cache "
+            "(continuous batching); use 'sdpa' for it")
+
+
+def _fold_position_bias(position_bias, attention_mask, is_causal, L, S):
+    """T5's additive relative-position bias and the mask as one float mask.
+
+    position_bias is (1 or B, H, L, S); attention_mask None, bool (True =
+    attend) or float (additive).  Blocked places get the dtype's lowest value,
+    as "sdpa" gives them, so a row with every key blocked computes the same
+    numbers there too."""
+    lowest = torch.finfo(position_bias.dtype).min
+    if attention_mask is None:
+        if not is_causal:
+            return position_bias
+        i = torch.arange(L, device=position_bias.device)[:, None]
+        j = torch.arange(S, device=position_bias.device)[None, :]
+        return torch.where((j <= i).view(1, 1, L, S), position_bias, lowest)
+    if attention_mask.dtype == torch.bool:
+        return torch.where(attention_mask, position_bias, lowest)
+    return position_bias + attention_mask
+
+
+def attention_forward(module, query, key, value, attention_mask,
+                      dropout=0.0, scaling=None, is_causal=None,
+                      position_bias=None, **kwargs):
+    """transformers' attention-function contract, computed by mha_ext.
+
+    module: the calling attention layer (read: ``is_causal``).
+    query (B, H, L, D); key (B, Hkv, S, D); value (B, Hkv, S, Dv), H a
+    multiple of Hkv; attention_mask None or 4-D, bool (True = attend) or
+    float (added).  Returns (output (B, L, H, Dv) contiguous, None).
+    """
+    _refuse_unsupported(kwargs)
+    if kwargs.get("output_attentions", False):
+        warnings.warn(
+            "attn_implementation='mha_ext' returns no attention weights "
+            "(output_attentions=True gives None, as with 'sdpa'); use "
+            "'eager' to get them", stacklevel=2)
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            "attention_forward expects query, key and value of 4 dimensions "
+            f"(B, H, L, D); got query {tuple(query.shape)}, key "
+            f"{tuple(key.shape)}, value {tuple(value.shape)}")
+    L, S = query.shape[2], key.shape[2]
+    enable_gqa = key.shape[1] != query.shape[1]
+
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    # "sdpa"'s rule: the flag only for a causal layer's prefill without a
+    # mask; one query (a decoding step) sees every cached key.
+    is_causal = bool(L > 1 and attention_mask is None and is_causal)
+
+    if position_bias is not None:
+        attention_mask = _fold_position_bias(position_bias, attention_mask,
+                                             is_causal, L, S)
+        is_causal = False
+
+    out = _twin()(query, key, value, attn_mask=attention_mask,
+                  dropout_p=dropout, is_causal=is_causal, scale=scaling,
+                  enable_gqa=enable_gqa)
+    # (B, H, L, Dv) -> (B, L, H, Dv): the layout every model reshapes to
+    # (B, L, H * Dv) before its output projection.
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name=NAME):
+    """Make ``attn_implementation=name`` ("mha_ext" by default) compute
+    attention with mha_ext, in every model of this process.
+
+    Registers ``attention_forward`` in transformers' ``AttentionInterface``
+    and transformers' own ``sdpa_mask`` as the mask builder for the name in
+    ``AttentionMaskInterface`` (without it transformers would pass no mask at
+    all to an unknown name).  Idempotent; returns the name.  Raises
+    ImportError when this mha_ext has no SDPA twin.
+    """
+    if not isinstance(name, str) or not name or name in ("eager", "sdpa"):
+        raise ValueError(
+            "register(name): name must be a new attention implementation "
+            f"name (a non-empty str other than 'eager' and 'sdpa'), got {name!r}")
+    _twin()
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
