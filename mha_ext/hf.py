@@ -45,6 +45,7 @@ This module is imported only on request; it needs torch and transformers.
 from __future__ import annotations
 
 import warnings
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -55,7 +56,7 @@ __all__ = ["NAME", "attention_forward", "register"]
 NAME = "mha_ext"
 
 
-def _twin():
+def _twin() -> Callable[..., torch.Tensor]:
     """The SDPA function every call goes through: mha_ext's twin of
     torch.nn.functional.scaled_dot_product_attention.  The one place that
     names it (tests replace this function to count or spy on calls)."""
@@ -68,7 +69,7 @@ def _twin():
     return fn
 
 
-def _refuse_unsupported(kwargs):
+def _refuse_unsupported(kwargs: Dict[str, Any]) -> None:
     if kwargs.get("softcap") is not None:
         raise ValueError(
             "attn_implementation='mha_ext' does not support softcap (logit "
@@ -89,7 +90,9 @@ def _refuse_unsupported(kwargs):
             "(continuous batching); use 'sdpa' for it")
 
 
-def _fold_position_bias(position_bias, attention_mask, is_causal, L, S):
+def _fold_position_bias(position_bias: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor],
+                        is_causal: bool, L: int, S: int) -> torch.Tensor:
     """T5's additive relative-position bias and the mask as one float mask.
 
     position_bias is (1 or B, H, L, S); attention_mask None, bool (True =
@@ -108,9 +111,13 @@ def _fold_position_bias(position_bias, attention_mask, is_causal, L, S):
     return position_bias + attention_mask
 
 
-def attention_forward(module, query, key, value, attention_mask,
-                      dropout=0.0, scaling=None, is_causal=None,
-                      position_bias=None, **kwargs):
+def attention_forward(module: torch.nn.Module, query: torch.Tensor,
+                      key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor],
+                      dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None,
+                      position_bias: Optional[torch.Tensor] = None,
+                      **kwargs: Any) -> Tuple[torch.Tensor, None]:
     """transformers' attention-function contract, computed by mha_ext.
 
     module: the calling attention layer (read: ``is_causal``).
@@ -151,7 +158,7 @@ def attention_forward(module, query, key, value, attention_mask,
     return out.transpose(1, 2).contiguous(), None
 
 
-def register(name=NAME):
+def register(name: str = NAME) -> str:
     """Make ``attn_implementation=name`` ("mha_ext" by default) compute
     attention with mha_ext, in every model of this process.
 
