@@ -1,4 +1,4 @@
-"""Build the one extension, mha_ext._core, from src/*.c and mha_ext/_core.c.
+"""Build the one extension, mha_ext._core, from src/*.c and mha_ext/*.c.
 
 The flags stay portable: no tuning for the build machine and no fast-math
 flags (those would break the -inf masks and NaN rows); the instruction set
@@ -20,7 +20,7 @@ extra = shlex.split(os.environ.get("MHA_EXT_CFLAGS", ""))
 extra_compile_args += extra
 extra_link_args += extra
 
-sources = sorted(glob.glob("src/*.c")) + ["mha_ext/_core.c"]
+sources = sorted(glob.glob("src/*.c")) + sorted(glob.glob("mha_ext/*.c"))
 
 setup(
     ext_modules=[
@@ -31,7 +31,7 @@ setup(
             define_macros=[("_GNU_SOURCE", None)],
             extra_compile_args=extra_compile_args,
             extra_link_args=extra_link_args,
-            depends=sorted(glob.glob("src/*.h")),
+            depends=sorted(glob.glob("src/*.h")) + sorted(glob.glob("mha_ext/*.h")),
         )
     ],
 )

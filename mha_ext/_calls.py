@@ -1,5 +1,6 @@
 """Call arguments and output shaping, and the only place that calls the C
-type's private methods ``_forward``, ``_forward_with`` and ``_backward``.
+type's private methods ``_forward``, ``_forward_train`` and ``_backward``
+(keyword arguments, one result shape each; their protocol: _core_calls.c).
 
 A call's life in Python: :func:`prepare` checks the arguments and brings
 them to the C side's form (a :class:`Call`: 3-D inputs, key/value defaults
@@ -117,27 +118,32 @@ def keep_level(mha, call, save_projections):
 
 
 # ---------------------------------------------------------------- the C calls
-# Each function below holds one private C method's protocol (src: _core.c).
+# Each function below holds one private C method's protocol (_core_calls.c).
 
 def c_forward(mha, call, reference=False):
     """The module's call: (output (B, Sq, E), weights (B, H, Sq, Sk) or None);
     reference=True runs the core's plain reference forward (the tests' oracle)."""
-    return mha._forward(call.query, call.key, call.value, call.masks, call.is_causal,
-                        call.need_weights, call.zero_rows, bool(reference))
+    return mha._forward(call.query, call.key, call.value, masks=call.masks,
+                        is_causal=call.is_causal, need_weights=call.need_weights,
+                        zero_rows=call.zero_rows, reference=bool(reference))
 
 
 def c_forward_train(mha, call, block, dropout, counter, keep):
     """The training forward with parameters `block` (None: the module's,
     copied under its lock): (output, weights, saved, (block, query, key,
-    value) copies) with the shapes of c_forward's results."""
-    return mha._forward_with(block, call.query, call.key, call.value, list(call.masks),
-                             call.is_causal, call.need_weights, call.zero_rows,
-                             dropout, counter, keep, True)
+    value) copies) with the shapes of c_forward's results; saved is None
+    with keep 0, else (Q, K, V, ctx, P or None) (P with keep 2)."""
+    return mha._forward_train(call.query, call.key, call.value, params=block,
+                              masks=list(call.masks), is_causal=call.is_causal,
+                              need_weights=call.need_weights, zero_rows=call.zero_rows,
+                              dropout=dropout, counter=counter, save=keep >= 1,
+                              save_p=keep == 2)
 
 
 def c_backward(mha, block, query, key, value, masks, is_causal, zero_rows, dropout,
                counter, grad_output, grad_weights, saved):
     """The backward of one c_forward_train call: (parameter gradient block,
     d query, d key, d value), the inputs' gradients 3-D."""
-    return mha._backward(block, query, key, value, list(masks), is_causal, zero_rows,
-                         dropout, counter, grad_output, grad_weights, saved)
+    return mha._backward(query, key, value, grad_output, params=block, masks=list(masks),
+                         is_causal=is_causal, zero_rows=zero_rows, dropout=dropout,
+                         counter=counter, grad_weights=grad_weights, saved=saved)

@@ -1,10 +1,26 @@
-"""Type stubs of the C extension mha_ext._core (see _core.c)."""
-from typing import Any, Literal, Optional, Sequence, Tuple
+"""Type stubs of the C extension mha_ext._core (_core.c, _core_calls.c).
+
+The underscored methods are the private protocol between the Python layer
+and the C binding: keyword arguments, each result of one fixed shape.
+"""
+from typing import Any, Literal, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-def set_num_threads(n: int, /) -> None:
+_Self = TypeVar("_Self", bound="MultiHeadAttention")
+
+# a mask: (kind, array), kind 0 blocking (nonzero = blocked) or 1 additive,
+# broadcastable to (B, H, Sq, Sk)
+_Mask = Tuple[Literal[0, 1], npt.ArrayLike]
+_Flag = bool | int | np.bool_
+# (Q, K, V, ctx, P | None): Q (B, H, Sq, Dk), K (B, H, Dk, Sk), V (B, H, Sk, Dk),
+# ctx (B, Sq, E), P (B, H, Sq, Sk)
+_Saved = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]
+# (params | None, query, key, value): the forward's copies of its inputs
+_Copies = Tuple[Optional[np.ndarray], np.ndarray, np.ndarray, np.ndarray]
+
+def set_num_threads(n: int | np.integer[Any], /) -> None:
     """Use n threads (1 to 256) for the library's own parallel work."""
 
 def get_num_threads() -> int:
@@ -15,11 +31,14 @@ def _get_isa() -> str: ...
 def _isa_available(name: str, /) -> bool: ...
 
 class MultiHeadAttention:
-    """The C part of mha_ext.MultiHeadAttention: parameter memory and the forward pass."""
+    """The C part of mha_ext.MultiHeadAttention: parameter memory and the calls."""
 
-    def __new__(cls, d_model: int, n_heads: int, dropout: float = ..., *, bias: bool = ...,
-                kdim: Optional[int] = ..., vdim: Optional[int] = ...,
-                dtype: npt.DTypeLike = ..., seed: Optional[int] = ...) -> "MultiHeadAttention": ...
+    def __new__(cls: type[_Self], d_model: int | np.integer[Any],
+                n_heads: int | np.integer[Any], dropout: float = ..., *, bias: bool = ...,
+                kdim: int | np.integer[Any] | None = ...,
+                vdim: int | np.integer[Any] | None = ...,
+                dtype: npt.DTypeLike = ...,
+                seed: int | np.integer[Any] | None = ...) -> _Self: ...
     @property
     def d_model(self) -> int: ...
     @property
@@ -41,15 +60,26 @@ class MultiHeadAttention:
     dropout: float
     training: bool
     _counter: int
-    def _forward(self, query: Any, key: Any, value: Any,
-                 masks: Sequence[Tuple[Literal[0, 1], Any]], is_causal: bool,
-                 need_weights: bool, zero_rows: bool, reference: bool,
-                 /) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
+    def _forward(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
+                 masks: Sequence[_Mask] = ..., is_causal: _Flag = ...,
+                 need_weights: _Flag = ..., zero_rows: _Flag = ...,
+                 reference: _Flag = ...) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
+    def _forward_train(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
+                       params: Optional[npt.ArrayLike] = ..., masks: Sequence[_Mask] = ...,
+                       is_causal: _Flag = ..., need_weights: _Flag = ...,
+                       zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
+                       save: _Flag = ..., save_p: _Flag = ...,
+                       ) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[_Saved], _Copies]: ...
+    def _backward(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike,
+                  grad_output: npt.ArrayLike, *, params: Optional[npt.ArrayLike] = ...,
+                  masks: Sequence[_Mask] = ..., is_causal: _Flag = ...,
+                  zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
+                  grad_weights: Optional[npt.ArrayLike] = ...,
+                  saved: Optional[_Saved] = ...,
+                  ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
     def _block(self) -> np.ndarray: ...
     def _layout(self) -> Tuple[Tuple[int, int], ...]: ...
-    def _load(self, block: Any, /) -> None: ...
-    def _write_lock(self) -> None: ...
-    def _write_unlock(self) -> None: ...
+    def _load(self, block: npt.ArrayLike, /) -> None: ...
+    def _write_lock(self) -> int: ...
+    def _write_unlock(self, token: Optional[int] = ..., /) -> None: ...
     def _take_counter(self) -> int: ...
-    def _forward_with(self, *args: Any) -> Tuple[Any, ...]: ...
-    def _backward(self, *args: Any) -> Tuple[Any, ...]: ...

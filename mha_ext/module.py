@@ -8,7 +8,7 @@ work lives in one home each:
   _params    parameter keys, the block layout, state dicts <-> blocks
   _masks     mask, attn_mask, key_padding_mask -> the C side's (kind, array)
   _calls     call arguments, output shaping, the only caller of _forward,
-             _forward_with and _backward
+             _forward_train and _backward
   _interop   from_torch
   _habits    torch habits: torch keyword names, batch_first, mask_polarity
   autograd   forward_train / backward / ForwardContext
@@ -252,12 +252,18 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         into the parameter views made inside the block are atomic for calls
         from other threads: those wait, and then see all the new values (the
         writing thread itself may call the module inside the block).  Writes
-        outside such a block are not synchronised with concurrent calls."""
-        self._write_lock()
+        outside such a block are not synchronised with concurrent calls.
+
+        The lock belongs to the thread that entered the block (blocks nest).
+        Leaving the block releases it whichever thread leaves it (a block
+        entered in one thread and left in another, or a generator of this
+        block finalised by the garbage collector): it is never left held
+        by a thread that has gone."""
+        token = self._write_lock()
         try:
             yield self
         finally:
-            self._write_unlock()
+            self._write_unlock(token)
 
     # ------------------------------------------------------------ modes
     def train(self, mode: bool = True) -> "MultiHeadAttention":

@@ -411,7 +411,8 @@ def test_saved_projections_match_recomputing(need_weights, heads, keeps_p, maske
     kept = ours.forward_train(q, k, v, **opts)
     fresh = ours.forward_train(q, k, v, save_projections=False, **opts)
     assert kept._saved is not None and fresh._saved is None
-    assert len(kept._saved) == (5 if keeps_p else 4)
+    # (Q, K, V, ctx, P | None): P kept only when no larger than the four
+    assert len(kept._saved) == 5 and (kept._saved[4] is not None) == keeps_p
     Q, K, V, C = kept._saved[:4]  # per head: (B, H, Sq, Dk), (B, H, Dk, Sk), (B, H, Sk, Dk)
     assert Q.shape == (3, heads, 70, 64 // heads) and K.shape == (3, heads, 64 // heads, 90)
     assert V.shape == (3, heads, 90, 64 // heads) and C.shape == (3, 70, 64)

@@ -5,7 +5,7 @@ portable one for a whole process, `_core._set_isa` switches inside one).
 Sizes are chosen to be multiples of no tile: 1, 7, 15, 17, 33, 63, 65, 127,
 129 in every dimension (batch, query and key length, d_model, head width,
 kdim, vdim), with and without masks, causal, fully blocked rows and dropout.
-`_forward(q, k, v, masks, is_causal, need_weights, zero_rows, reference)`
+`_forward(q, k, v, *, masks, is_causal, need_weights, zero_rows, reference)`
 runs the fast core, or the reference with reference=True.
 """
 import numpy as np
@@ -46,10 +46,12 @@ def assert_same(m, q, k, v, masks=(), causal=False, zero_rows=False, counter=Non
     for need_weights in (True, False):
         if counter is not None:
             m._counter = counter
-        out_ref, w_ref = m._forward(q, k, v, list(masks), causal, need_weights, zero_rows, True)
+        kw = dict(masks=list(masks), is_causal=causal, need_weights=need_weights,
+                  zero_rows=zero_rows)
+        out_ref, w_ref = m._forward(q, k, v, reference=True, **kw)
         if counter is not None:
             m._counter = counter
-        out, w = m._forward(q, k, v, list(masks), causal, need_weights, zero_rows, False)
+        out, w = m._forward(q, k, v, reference=False, **kw)
         np.testing.assert_array_equal(np.isnan(out), np.isnan(out_ref))
         np.testing.assert_allclose(out, out_ref, rtol=0, atol=tol, equal_nan=True)
         if need_weights:
@@ -121,7 +123,7 @@ def test_huge_negative_additive_masks(isa, dtype):
         add[3, 0] = 0
         assert_same(m, q, k, v, [(1, add)])
         assert_same(m, q, k, v, [(1, add)], causal=True)
-        _, w = m._forward(q, k, v, [(1, add)], False, True, False, False)
+        _, w = m._forward(q, k, v, masks=[(1, add)])
         hidden = np.broadcast_to(add == value, w.shape).copy()
         hidden[:, :, 2, :] = False
         assert np.all(w[hidden] == 0)
@@ -171,8 +173,8 @@ def test_threads_do_not_change_results(isa, dtype):
         got = []
         for n in (1, 2, 3):
             mha_ext.set_num_threads(n)
-            got.append(m._forward(q, k, v, [], False, True, False, False))
-            got.append(m._forward(q, k, v, [], True, False, False, False))
+            got.append(m._forward(q, k, v))
+            got.append(m._forward(q, k, v, is_causal=True, need_weights=False))
     finally:
         mha_ext.set_num_threads(before)
     for i in range(2, len(got)):

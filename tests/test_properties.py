@@ -176,8 +176,8 @@ def test_fast_path_equals_reference_core(dtype):
     kv = rng.standard_normal((3, 41, 24)).astype(dtype)
     masks = [(0, np.triu(np.ones((37, 41), np.uint8), 1))]
     for need in (True, False):
-        fast = m._forward(x, kv, kv, masks, False, need, False, False)
-        ref = m._forward(x, kv, kv, masks, False, need, False, True)
+        fast = m._forward(x, kv, kv, masks=masks, need_weights=need)
+        ref = m._forward(x, kv, kv, masks=masks, need_weights=need, reference=True)
         assert_close(fast[0], ref[0], dtype)
         if need:
             assert_close(fast[1], ref[1], dtype)

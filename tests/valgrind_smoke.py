@@ -17,7 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-OURS = re.compile(r"_core\.cpython|_core\.so|\bmha_\w+|src/\w+\.[ch]|mha_ext/_core\.c")
+# the binding is mha_ext/_core*.c (_core.c, _core_args.c, _core_calls.c, _core_lock.c)
+OURS = re.compile(r"_core\.cpython|_core\.so|\bmha_\w+|src/\w+\.[ch]|\b_core\w*\.[ch]\b")
 
 
 def workload():
@@ -66,6 +67,18 @@ def workload():
             pass
         with m.editing():
             m.W_q.weight[...] *= 0.5
+            m(x)  # the writer calls the module inside its block
+        # training calls (saved projections, recomputation, explicit params)
+        for save in (True, False):
+            ctx = m.forward_train(x, attn_mask=np.triu(np.ones((6, 6), bool), 1),
+                                  save_projections=save, dropout=0.3)
+            m.backward(ctx, np.ones_like(ctx.output), np.ones_like(ctx.weights))
+        m.backward(m.forward_train(x, params=sd), np.ones((2, 6, 24)))
+        for bad in (dict(grad_output=np.ones((2, 5, 24))), dict(grad_weights=np.ones(3))):
+            try:
+                m.backward(ctx, **{"grad_output": np.ones((2, 6, 24)), **bad})
+            except (TypeError, ValueError):
+                pass
         m.eval()
 
         def work():

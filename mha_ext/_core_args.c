@@ -1,0 +1,584 @@
+/* _core_args.c: Python arguments to C values, and call_parse: a call's
+ * arguments checked and converted before anything large is allocated.
+ * Every error names the argument and what was expected. */
+#include "_core.h"
+
+#include <string.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------ scalars */
+
+/* An integer (a Python int or anything with __index__, such as NumPy's
+ * integers; not a bool, a float or an array) as a new reference. */
+static PyObject *as_index(PyObject *obj, const char *name, const char *want)
+{
+    PyObject *i;
+    if (PyBool_Check(obj) || PyArray_IsScalar(obj, Bool) || PyArray_Check(obj) ||
+        !PyIndex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be %s, not %.100s", name, want,
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    i = PyNumber_Index(obj);
+    if (!i) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be %s, not %.100s", name, want,
+                     Py_TYPE(obj)->tp_name);
+    }
+    return i;
+}
+
+int positive_int(PyObject *obj, const char *name, int64_t *out)
+{
+    PyObject *i = as_index(obj, name, "an int");
+    long long v = 0;
+    int overflow = 0, rc = -1;
+    if (!i) return -1;
+    v = PyLong_AsLongLongAndOverflow(i, &overflow);
+    if (v == -1 && PyErr_Occurred()) goto fail;
+    if (overflow > 0) {
+        PyErr_Format(PyExc_ValueError, "%s is too large: %R", name, i);
+        goto fail;
+    }
+    if (overflow < 0 || v <= 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be positive, got %R", name, i);
+        goto fail;
+    }
+    *out = (int64_t)v;
+    rc = 0;
+fail:
+    Py_DECREF(i);
+    return rc;
+}
+
+/* An int in [0, 2**64) (seed, counter, token). */
+int parse_u64(PyObject *obj, const char *name, uint64_t *out)
+{
+    PyObject *i = as_index(obj, name, "an int in [0, 2**64)");
+    unsigned long long v;
+    long long sv;
+    int rc = -1, overflow = 0;
+    if (!i) return -1;
+    sv = PyLong_AsLongLongAndOverflow(i, &overflow);
+    if (sv == -1 && PyErr_Occurred()) goto fail;
+    if (overflow < 0 || (overflow == 0 && sv < 0)) {
+        PyErr_Format(PyExc_ValueError, "%s must be in [0, 2**64), got %R", name, i);
+        goto fail;
+    }
+    v = PyLong_AsUnsignedLongLong(i);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s must be in [0, 2**64), got %R", name, i);
+        }
+        goto fail;
+    }
+    *out = (uint64_t)v;
+    rc = 0;
+fail:
+    Py_DECREF(i);
+    return rc;
+}
+
+/* A flag: one truth value (a bool, NumPy bool, number, 0-d array, None),
+ * taken as Python's `if` takes it.  Arrays with dimensions, sequences and
+ * strings are ambiguous: a TypeError naming the argument (NumPy's own
+ * message does not say which).  The rule of _convert.flag in Python. */
+int parse_flag(PyObject *obj, const char *name, int *out)
+{
+    int v, ambiguous = PyArray_Check(obj)
+                           ? PyArray_NDIM((PyArrayObject *)obj) != 0
+                           : PySequence_Check(obj) || PyUnicode_Check(obj) ||
+                                 PyBytes_Check(obj) || PyAnySet_Check(obj) || PyDict_Check(obj);
+    if (ambiguous) goto type;
+    if ((v = PyObject_IsTrue(obj)) < 0) {
+        PyErr_Clear();
+        goto type;
+    }
+    *out = v;
+    return 0;
+type:
+    PyErr_Format(PyExc_TypeError, "%s must be True or False, not %.100s", name,
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+int parse_dropout(PyObject *obj, const char *name, double *out)
+{
+    double p;
+    if (PyBool_Check(obj) || PyComplex_Check(obj) ||
+        (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) != 0))
+        goto type;
+    p = PyFloat_AsDouble(obj);
+    if (p == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto type;
+    }
+    if (!(p >= 0.0 && p <= 1.0)) {
+        PyErr_Format(PyExc_ValueError, "%s must be in [0, 1], got %R", name, obj);
+        return -1;
+    }
+    *out = p;
+    return 0;
+type:
+    PyErr_Format(PyExc_TypeError, "%s must be a real number in [0, 1], not %.100s", name,
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+int parse_dtype(PyObject *obj, mha_dtype *out)
+{
+    PyArray_Descr *descr = NULL;
+    int t;
+    if (obj == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "dtype must be \"float32\" or \"float64\", not None");
+        return -1;
+    }
+    if (!PyArray_DescrConverter(obj, &descr)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "dtype must be \"float32\" or \"float64\", not %R", obj);
+        return -1;
+    }
+    t = descr->type_num;
+    Py_DECREF(descr);
+    if (t == NPY_FLOAT32) *out = MHA_FLOAT32;
+    else if (t == NPY_FLOAT64) *out = MHA_FLOAT64;
+    else {
+        PyErr_Format(PyExc_ValueError, "dtype must be \"float32\" or \"float64\", got %R", obj);
+        return -1;
+    }
+    return 0;
+}
+
+/* The bytes of memory of this machine (INT64_MAX when unknown). */
+int64_t physical_bytes(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+    int64_t r;
+    if (pages <= 0 || size <= 0 || __builtin_mul_overflow((int64_t)pages, (int64_t)size, &r))
+        return INT64_MAX;
+    return r;
+}
+
+/* n scalars of `size` bytes, added to *total; nonzero on overflow. */
+int add_bytes(int64_t *total, int64_t n, size_t size)
+{
+    int64_t b;
+    return n < 0 || __builtin_mul_overflow(n, (int64_t)size, &b) ||
+           __builtin_add_overflow(*total, b, total);
+}
+
+void set_status_error(mha_status st, const char *what)
+{
+    if (st == MHA_ERR_NOMEM || st == MHA_ERR_OVERFLOW)
+        PyErr_Format(PyExc_MemoryError, "%s: %s (the shapes are too large to allocate)",
+                     what, mha_status_str(st));
+    else
+        PyErr_Format(PyExc_ValueError, "%s: %s", what, mha_status_str(st));
+}
+
+/* ------------------------------------------------------------ arrays */
+
+static PyObject *shape_str(PyArrayObject *arr)
+{
+    PyObject *s = PyObject_GetAttrString((PyObject *)arr, "shape");
+    PyObject *r;
+    if (!s) return NULL;
+    r = PyObject_Str(s);
+    Py_DECREF(s);
+    return r;
+}
+
+/* `obj` as an array of real numbers (bool, int or float; no copy for an
+ * ndarray): checked before anything is converted or allocated. */
+static PyArrayObject *real_array(PyObject *obj, const char *name)
+{
+    PyArrayObject *arr;
+    if (obj == NULL || obj == Py_None) {
+        PyErr_Format(PyExc_TypeError, "%s must be an array, not None", name);
+        return NULL;
+    }
+    if (!(arr = (PyArrayObject *)PyArray_FROM_O(obj))) return NULL;
+    switch (PyArray_DESCR(arr)->kind) {
+    case 'b': case 'i': case 'u': case 'f':
+        return arr;
+    default:
+        PyErr_Format(PyExc_TypeError,
+                     "%s must hold real numbers (bool, int or float), got dtype %R",
+                     name, (PyObject *)PyArray_DESCR(arr));
+        Py_DECREF(arr);
+        return NULL;
+    }
+}
+
+/* *arr replaced by a C-contiguous, aligned, native array of the module's
+ * dtype (itself when it already is one). */
+static int to_module_dtype(MHAObject *self, PyArrayObject **arr)
+{
+    PyArrayObject *conv = (PyArrayObject *)PyArray_FROM_OTF(
+        (PyObject *)*arr, typenum_of(self), NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!conv) return -1;
+    Py_SETREF(*arr, conv);
+    return 0;
+}
+
+/* real_array, then to_module_dtype. */
+static PyArrayObject *input_array(MHAObject *self, PyObject *obj, const char *name)
+{
+    PyArrayObject *arr = real_array(obj, name);
+    if (arr && to_module_dtype(self, &arr) < 0) Py_CLEAR(arr);
+    return arr;
+}
+
+/* arr has exactly the shape want[0 .. nd); else a ValueError naming it. */
+static int check_shape(PyArrayObject *arr, const char *name, int nd, const int64_t *want,
+                       const char *what)
+{
+    PyObject *s;
+    int d, ok = PyArray_NDIM(arr) == nd;
+    for (d = 0; ok && d < nd; d++) ok = (int64_t)PyArray_DIM(arr, d) == want[d];
+    if (ok) return 0;
+    if (!(s = shape_str(arr))) return -1;
+    if (nd == 4)
+        PyErr_Format(PyExc_ValueError, "%s must have %s (%lld, %lld, %lld, %lld), got %U",
+                     name, what, (long long)want[0], (long long)want[1], (long long)want[2],
+                     (long long)want[3], s);
+    else if (nd == 3)
+        PyErr_Format(PyExc_ValueError, "%s must have %s (%lld, %lld, %lld), got %U", name,
+                     what, (long long)want[0], (long long)want[1], (long long)want[2], s);
+    else
+        PyErr_Format(PyExc_ValueError, "%s must have %s (%lld,), got %U", name, what,
+                     (long long)want[0], s);
+    Py_DECREF(s);
+    return -1;
+}
+
+/* query (B, Sq, E), key (B, Sk, kdim), value (B, Sk, vdim). */
+static int check_inputs(MHAObject *self, struct call *c)
+{
+    static const char *names[3] = {"query", "key", "value"};
+    static const char *wants[3] = {"(batch, seq, d_model)", "(batch, seq, kdim)",
+                                   "(batch, seq, vdim)"};
+    PyArrayObject *in[3] = {c->query, c->key, c->value};
+    const int64_t E = self->cfg.d_model;
+    npy_intp *qs, *ks, *vs;
+    const char *bad = NULL;
+    char want[200];
+    PyArrayObject *got = NULL;
+    int i;
+    for (i = 0; i < 3; i++) {
+        if (PyArray_NDIM(in[i]) != 3) {
+            PyObject *s = shape_str(in[i]);
+            if (s) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s must be 3-D %s (or 2-D unbatched), got shape %U",
+                             names[i], wants[i], s);
+                Py_DECREF(s);
+            }
+            return -1;
+        }
+    }
+    qs = PyArray_DIMS(c->query);
+    ks = PyArray_DIMS(c->key);
+    vs = PyArray_DIMS(c->value);
+    if (qs[2] != E) {
+        bad = "query"; got = c->query;
+        snprintf(want, sizeof want, "(batch, seq, %lld) with d_model = %lld last",
+                 (long long)E, (long long)E);
+    } else if (ks[0] != qs[0] || ks[2] != self->cfg.kdim) {
+        bad = "key"; got = c->key;
+        snprintf(want, sizeof want, "(%lld, Sk, %lld): query's batch and kdim = %lld",
+                 (long long)qs[0], (long long)self->cfg.kdim, (long long)self->cfg.kdim);
+    } else if (vs[0] != qs[0] || vs[1] != ks[1] || vs[2] != self->cfg.vdim) {
+        bad = "value"; got = c->value;
+        snprintf(want, sizeof want,
+                 "(%lld, %lld, %lld): query's batch, key's length and vdim = %lld",
+                 (long long)qs[0], (long long)ks[1], (long long)self->cfg.vdim,
+                 (long long)self->cfg.vdim);
+    }
+    if (bad) {
+        PyObject *s = shape_str(got), *qsh = shape_str(c->query), *ksh = shape_str(c->key);
+        if (s && qsh && ksh)
+            PyErr_Format(PyExc_ValueError, "%s must have shape %s, got %U (query %U, key %U)",
+                         bad, want, s, qsh, ksh);
+        Py_XDECREF(s);
+        Py_XDECREF(qsh);
+        Py_XDECREF(ksh);
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------ masks */
+
+/* Convert mask `obj` of `kind` and broadcast it (NumPy's rules) onto
+ * (B, H, Sq, Sk), filling m.  The array holding the data is kept in *keep. */
+static int convert_mask(MHAObject *self, PyObject *obj, int kind, const int64_t dim[4],
+                        mha_mask *m, PyArrayObject **keep)
+{
+    static const char *names[4] = {"batch", "heads", "query length", "key length"};
+    int tn = kind == MHA_MASK_ADD ? typenum_of(self) : NPY_UINT8;
+    PyArrayObject *arr = (PyArrayObject *)PyArray_FROM_OTF(
+        obj, tn, NPY_ARRAY_ALIGNED | NPY_ARRAY_FORCECAST);
+    int nd, d;
+    if (!arr) return -1;
+    nd = PyArray_NDIM(arr);
+    if (nd > 4) {
+        PyErr_Format(PyExc_ValueError, "a mask must have at most 4 dimensions "
+                     "(batch, heads, query, key), got %d", nd);
+        Py_DECREF(arr);
+        return -1;
+    }
+    m->kind = (mha_mask_kind)kind;
+    m->data = PyArray_DATA(arr);
+    for (d = 0; d < 4; d++) {
+        int ad = d - (4 - nd); /* the mask's own axis, right-aligned */
+        npy_intp n;
+        if (ad < 0) {
+            m->stride[d] = 0;
+            continue;
+        }
+        n = PyArray_DIM(arr, ad);
+        if (n == 1) {
+            m->stride[d] = 0;
+        } else if ((int64_t)n == dim[d]) {
+            m->stride[d] = (int64_t)(PyArray_STRIDE(arr, ad) / (npy_intp)PyArray_ITEMSIZE(arr));
+        } else {
+            PyObject *s = shape_str(arr);
+            if (s) {
+                PyErr_Format(PyExc_ValueError,
+                             "a mask of shape %U does not broadcast to (B, H, Sq, Sk) = "
+                             "(%lld, %lld, %lld, %lld): its %s axis is %lld",
+                             s, (long long)dim[0], (long long)dim[1], (long long)dim[2],
+                             (long long)dim[3], names[d], (long long)n);
+                Py_DECREF(s);
+            }
+            Py_DECREF(arr);
+            return -1;
+        }
+    }
+    *keep = arr;
+    return 0;
+}
+
+/* `seq`, a sequence of (kind, array) pairs (kind 0 blocking, 1 additive),
+ * into c->masks; c->mask_arr holds their arrays. */
+static int convert_masks(MHAObject *self, PyObject *seq, const int64_t dim[4], struct call *c)
+{
+    PyObject *fast = PySequence_Fast(seq, "masks must be a sequence of (kind, array) pairs");
+    Py_ssize_t i;
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) > MHA_MAX_MASKS) {
+        PyErr_Format(PyExc_ValueError, "masks: at most %d masks", MHA_MAX_MASKS);
+        goto fail;
+    }
+    for (i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        long kind;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_SetString(PyExc_TypeError, "masks: each mask must be a (kind, array) pair");
+            goto fail;
+        }
+        kind = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
+        if (kind == -1 && PyErr_Occurred()) goto fail;
+        if (kind != MHA_MASK_BLOCK && kind != MHA_MASK_ADD) {
+            PyErr_SetString(PyExc_ValueError, "masks: kind must be 0 (blocking) or 1 (additive)");
+            goto fail;
+        }
+        if (convert_mask(self, PyTuple_GET_ITEM(item, 1), (int)kind, dim,
+                         &c->masks[c->ba.fwd.n_masks], &c->mask_arr[c->ba.fwd.n_masks]) < 0)
+            goto fail;
+        c->ba.fwd.n_masks++;
+    }
+    Py_DECREF(fast);
+    return 0;
+fail:
+    Py_DECREF(fast);
+    return -1;
+}
+
+/* ------------------------------------------------------------ the call */
+
+/* Everything the call will allocate (inputs in the module's dtype, outputs,
+ * the core's workspace: Q and the context (B, Sq, E), K and V (B, Sk, E),
+ * what the training calls keep or return); more than the machine's memory
+ * could never succeed: a MemoryError before anything large is allocated. */
+static int check_memory(MHAObject *self, struct call *c)
+{
+    const mha_forward_args *a = &c->ba.fwd;
+    const int64_t E = self->cfg.d_model, H = self->cfg.n_heads;
+    size_t es = mha_dtype_size(self->cfg.dtype);
+    /* B*Sq, B*Sk and B*H*Sq are below products mha_check_sizes checked */
+    int64_t need = 0, n_q, n_k, n_v, n_kv, n_w;
+    int weights = c->op == CALL_BACKWARD ? c->grad_weights != NULL || c->saved[4] != NULL
+                                         : c->need_weights;
+    int over = __builtin_mul_overflow(a->B * a->Sq, E, &n_q) ||
+               __builtin_mul_overflow(a->B * a->Sk, self->cfg.kdim, &n_k) ||
+               __builtin_mul_overflow(a->B * a->Sk, self->cfg.vdim, &n_v) ||
+               __builtin_mul_overflow(a->B * a->Sk, E, &n_kv) ||
+               __builtin_mul_overflow(a->B * H * a->Sq, a->Sk, &n_w) ||
+               add_bytes(&need, n_q, es) || add_bytes(&need, n_k, es) ||
+               add_bytes(&need, n_v, es) || add_bytes(&need, n_q, 3 * es) ||
+               add_bytes(&need, n_kv, 2 * es) || (weights && add_bytes(&need, n_w, es));
+    if (!over && c->op == CALL_FORWARD_TRAIN)
+        over = (c->save && (add_bytes(&need, n_q, 2 * es) || add_bytes(&need, n_kv, 2 * es))) ||
+               (c->save && c->save_p && add_bytes(&need, n_w, es)) ||
+               add_bytes(&need, n_q, es) || add_bytes(&need, n_k, es) ||
+               add_bytes(&need, n_v, es) || (!c->params && add_bytes(&need, self->total, es));
+    if (!over && c->op == CALL_BACKWARD) /* the four gradients */
+        over = add_bytes(&need, self->total, es) || add_bytes(&need, n_q, es) ||
+               add_bytes(&need, n_k, es) || add_bytes(&need, n_v, es);
+    if (over || need > physical_bytes()) {
+        PyErr_Format(PyExc_MemoryError,
+                     "%s: query, key and value of batch %lld, lengths %lld and %lld need %s%lld "
+                     "bytes%s, more than this machine's %lld bytes of memory", c->name,
+                     (long long)a->B, (long long)a->Sq, (long long)a->Sk, over ? "over " : "",
+                     (long long)(over ? INT64_MAX : need),
+                     weights ? " with the (B, H, Sq, Sk) weights" : "",
+                     (long long)physical_bytes());
+        return -1;
+    }
+    return 0;
+}
+
+/* saved = (Q, K, V, ctx, P | None) of _forward_train(save=True). */
+static int parse_saved(MHAObject *self, PyObject *obj, struct call *c)
+{
+    static const char *names[5] = {"saved Q", "saved K", "saved V", "saved ctx", "saved P"};
+    const int64_t H = self->cfg.n_heads, Dk = self->cfg.d_model / H, E = self->cfg.d_model;
+    const int64_t B = c->ba.fwd.B, Sq = c->ba.fwd.Sq, Sk = c->ba.fwd.Sk;
+    const int64_t want[5][4] = {{B, H, Sq, Dk}, {B, H, Dk, Sk}, {B, H, Sk, Dk},
+                                {B, Sq, E, 0}, {B, H, Sq, Sk}};
+    Py_ssize_t n;
+    int i;
+    if (!PyTuple_Check(obj) || ((n = PyTuple_GET_SIZE(obj)) != 4 && n != 5)) {
+        PyErr_SetString(PyExc_TypeError, "saved must be None or the (Q, K, V, ctx, P | None) "
+                        "tuple of _forward_train(..., save=True)");
+        return -1;
+    }
+    for (i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(obj, i);
+        if (i == 4 && item == Py_None) break;
+        if (!(c->saved[i] = input_array(self, item, names[i]))) return -1;
+        if (check_shape(c->saved[i], names[i], i == 3 ? 3 : 4, want[i], "shape") < 0) return -1;
+    }
+    c->sv.q = PyArray_DATA(c->saved[0]);
+    c->sv.k = PyArray_DATA(c->saved[1]);
+    c->sv.v = PyArray_DATA(c->saved[2]);
+    c->sv.ctx = PyArray_DATA(c->saved[3]);
+    c->sv.p = c->saved[4] ? PyArray_DATA(c->saved[4]) : NULL;
+    c->have_saved = 1;
+    return 0;
+}
+
+#define FLAG(field, obj, name) ((obj) && parse_flag((obj), (name), &(field)) < 0)
+
+int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *c)
+{
+    static const char *names[3] = {"_forward", "_forward_train", "_backward"};
+    mha_forward_args *a = &c->ba.fwd;
+    int is_causal = 0, zero_rows = 0;
+    double p = 0.0;
+    uint64_t counter = 0;
+    mha_status st;
+
+    memset(c, 0, sizeof *c);
+    c->self = self;
+    c->op = op;
+    c->name = names[op];
+    c->need_weights = op != CALL_BACKWARD;
+    c->save = op == CALL_FORWARD_TRAIN;
+    if (FLAG(is_causal, o->is_causal, "is_causal") ||
+        FLAG(c->need_weights, o->need_weights, "need_weights") ||
+        FLAG(zero_rows, o->zero_rows, "zero_rows") ||
+        FLAG(c->reference, o->reference, "reference") || FLAG(c->save, o->save, "save") ||
+        FLAG(c->save_p, o->save_p, "save_p"))
+        return -1;
+    if (o->dropout && parse_dropout(o->dropout, "dropout", &p) < 0) return -1;
+    if (o->counter && parse_u64(o->counter, "counter", &counter) < 0) return -1;
+
+    if (o->params && o->params != Py_None) {
+        const int64_t want[1] = {self->total};
+        if (!(c->params = input_array(self, o->params, "params"))) goto fail;
+        if (check_shape(c->params, "params", 1, want, "the parameter block's shape") < 0)
+            goto fail;
+    }
+    /* query, key and value unconverted until the sizes are checked */
+    if (!(c->query = real_array(o->query, "query"))) goto fail;
+    if (!(c->key = real_array(o->key, "key"))) goto fail;
+    if (!(c->value = real_array(o->value, "value"))) goto fail;
+    if (check_inputs(self, c) < 0) goto fail;
+    a->B = PyArray_DIM(c->query, 0);
+    a->Sq = PyArray_DIM(c->query, 1);
+    a->Sk = PyArray_DIM(c->key, 1);
+    /* sizes first: a shape too large is a MemoryError before any allocation */
+    st = mha_check_sizes(&self->cfg, a->B, a->Sq, a->Sk);
+    if (st != MHA_OK) {
+        PyErr_Format(PyExc_MemoryError,
+                     "query, key and value of batch %lld, lengths %lld and %lld are too large "
+                     "to allocate (%s)", (long long)a->B, (long long)a->Sq, (long long)a->Sk,
+                     mha_status_str(st));
+        goto fail;
+    }
+    if (op == CALL_BACKWARD) {
+        const int64_t od[3] = {a->B, a->Sq, self->cfg.d_model};
+        const int64_t wd[4] = {a->B, self->cfg.n_heads, a->Sq, a->Sk};
+        if (!(c->grad_output = input_array(self, o->grad_output, "grad_output")) ||
+            check_shape(c->grad_output, "grad_output", 3, od, "the output's shape") < 0)
+            goto fail;
+        if (o->grad_weights && o->grad_weights != Py_None &&
+            (!(c->grad_weights = input_array(self, o->grad_weights, "grad_weights")) ||
+             check_shape(c->grad_weights, "grad_weights", 4, wd, "the weights' shape") < 0))
+            goto fail;
+        if (o->saved && o->saved != Py_None && parse_saved(self, o->saved, c) < 0) goto fail;
+    }
+    if (check_memory(self, c) < 0) goto fail;
+    if (to_module_dtype(self, &c->query) < 0) goto fail;
+    if (o->key == o->query) /* self-attention: convert once */
+        Py_SETREF(c->key, (PyArrayObject *)Py_NewRef(c->query));
+    else if (to_module_dtype(self, &c->key) < 0)
+        goto fail;
+    if (o->value == o->key)
+        Py_SETREF(c->value, (PyArrayObject *)Py_NewRef(c->key));
+    else if (to_module_dtype(self, &c->value) < 0)
+        goto fail;
+    {
+        const int64_t dim[4] = {a->B, self->cfg.n_heads, a->Sq, a->Sk};
+        if (o->masks && convert_masks(self, o->masks, dim, c) < 0) goto fail;
+    }
+    a->query = PyArray_DATA(c->query);
+    a->key = PyArray_DATA(c->key);
+    a->value = PyArray_DATA(c->value);
+    a->masks = c->masks;
+    a->is_causal = is_causal;
+    a->zero_masked_rows = zero_rows;
+    a->seed = self->seed;
+    if (op == CALL_FORWARD) {
+        /* the module's own dropout: one stream per call (under the GIL) */
+        if (self->training && self->dropout > 0.0) {
+            a->dropout = self->dropout;
+            a->counter = self->counter++;
+        }
+    } else {
+        a->dropout = p;
+        a->counter = counter;
+    }
+    mha_params_from_block(&self->cfg, c->params ? PyArray_DATA(c->params) : self->block, &c->p);
+    return 0;
+fail:
+    call_clear(c);
+    return -1;
+}
+
+void call_clear(struct call *c)
+{
+    int i;
+    Py_CLEAR(c->params);
+    Py_CLEAR(c->query);
+    Py_CLEAR(c->key);
+    Py_CLEAR(c->value);
+    Py_CLEAR(c->grad_output);
+    Py_CLEAR(c->grad_weights);
+    for (i = 0; i < 5; i++) Py_CLEAR(c->saved[i]);
+    for (i = 0; i < MHA_MAX_MASKS; i++) Py_CLEAR(c->mask_arr[i]);
+}
