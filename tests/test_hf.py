@@ -56,6 +56,10 @@ DTYPES = [torch.float32, torch.float64]
 WORST = {}        # (model, dtype name, what) -> worst |mha_ext - sdpa|
 B, L = 3, 7
 VOCAB = 99
+# weights 10x the default init's spread (0.02), so attention is far from
+# uniform and a wrong scale, mask or key shows in the outputs (T5 keeps its
+# default: it does not scale its scores, they are far from uniform already)
+INIT = 0.2
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -104,14 +108,14 @@ def _bert():
     cfg = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0)
+        attention_probs_dropout_prob=0.0, initializer_range=INIT)
     return transformers.BertModel(cfg), 2
 
 
 def _gpt2():
     cfg = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=INIT, bos_token_id=0,
         eos_token_id=1, pad_token_id=2)
     return transformers.GPT2LMHeadModel(cfg), 2
 
@@ -121,7 +125,7 @@ def _bart():
         vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
         decoder_ffn_dim=37, max_position_embeddings=64, dropout=0.0,
-        attention_dropout=0.0, activation_dropout=0.0, bos_token_id=0, pad_token_id=1,
+        attention_dropout=0.0, activation_dropout=0.0, init_std=INIT, bos_token_id=0, pad_token_id=1,
         eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
     return transformers.BartForConditionalGeneration(cfg), 6
 
@@ -138,7 +142,7 @@ def _llama():
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2)
+        initializer_range=INIT, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     return transformers.LlamaForCausalLM(cfg), 2
 
 
@@ -146,7 +150,8 @@ def _mistral():
     cfg = transformers.MistralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        sliding_window=3, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+        sliding_window=3, initializer_range=INIT, bos_token_id=0, eos_token_id=1,
+        pad_token_id=2)
     return transformers.MistralForCausalLM(cfg), 2
 
 
@@ -248,13 +253,16 @@ def test_gradients_match_sdpa(kind, dtype):
                                  dtype=dtype)
         (logits * weight).sum().backward()
         params = dict(m.named_parameters())
-        return {n: params[n].grad.clone() for n in names}
+        return {"logits": logits.detach(), **{n: params[n].grad.clone() for n in names}}
 
     ours, ref = run_both(model, grads)
     if kind == "t5":
         # the relative-position bias reaches the attention only as a mask
         bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
         assert ref[bias].abs().max() > 0
+    # T5 under grad mode: its bias needs a gradient, the path of
+    # _attend_with_mask_grad, whose forward is checked here too
+    _close(kind, dtype, "logits (grad mode)", ours["logits"], ref["logits"])
     for n in names:
         _close(kind, dtype, "grad " + n, ours[n], ref[n], row="every parameter's gradient")
 
@@ -354,6 +362,35 @@ def test_attention_forward_matches_sdpa_attention_forward(case):
     assert w is None
     assert ours.shape == (2, Lq, 4, 8) and ours.is_contiguous()
     _close("fn", q.dtype, case, ours, ref)
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("mask", ["none", "bool", "float -inf"])
+def test_gradient_into_a_float_mask_matches_sdpa(mask, gqa):
+    """A position bias that needs a gradient (T5 training): every gradient,
+    the bias's included, as "sdpa" gives them, with -inf in a float mask
+    and fewer key/value heads too."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = _qkv(gen, Hkv=2 if gqa else 4)
+    bias = torch.randn(1, 4, 5, 6, generator=gen, dtype=q.dtype)
+    m = None
+    if mask == "bool":
+        m = torch.rand(2, 1, 5, 6, generator=gen) > 0.3
+        m[..., 0] = True
+    elif mask == "float -inf":
+        m = torch.randn(2, 1, 5, 6, generator=gen, dtype=q.dtype)
+        m[0, 0, 1, 2:] = -float("inf")
+    grad_out = torch.randn(2, 5, 4, 8, generator=gen, dtype=q.dtype)
+    layer = _Layer(False, groups=2 if gqa else 1)
+    got = []
+    for fn in (hf.attention_forward, sdpa_attention_forward):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out, _ = fn(layer, *leaves[:3], m, position_bias=leaves[3])
+        out.backward(grad_out)
+        got.append([out.detach()] + [t.grad for t in leaves])
+    for what, ours, ref in zip(["out", "dq", "dk", "dv", "dbias"], *got):
+        _close("fn", q.dtype, f"mask grad ({mask}, {'gqa' if gqa else 'mha'}) {what}",
+               ours, ref, row="float mask with gradient")
 
 
 @pytest.mark.parametrize("kwarg, value, exc, words", [
