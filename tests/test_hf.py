@@ -291,6 +291,29 @@ def test_every_attention_layer_goes_through_the_twin(kind, monkeypatch):
     assert all(calls) == (kind in ("llama", "mistral"))
 
 
+def test_training_mode_passes_the_models_dropout(monkeypatch):
+    """Attention dropout reaches the twin in training mode only (its stream
+    is mha_ext's own, so the numbers cannot be compared with torch's)."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, attention_probs_dropout_prob=0.25,
+        attn_implementation=hf.NAME)
+    model = transformers.BertModel(cfg)
+    twin = hf._twin()
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["dropout_p"])
+        return twin(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "_twin", lambda: spy)
+    x = inputs("bert")
+    model.train()(**x)
+    model.eval()(**x)
+    assert seen == [0.25, 0.25, 0.0, 0.0]
+
+
 def test_from_config_with_the_registered_name():
     """The README's spelling: attn_implementation="mha_ext" at construction."""
     torch.manual_seed(0)
