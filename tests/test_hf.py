@@ -203,11 +203,17 @@ def run_both(model, fn):
 
 # ------------------------------------------------------------------- tests
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("kind", sorted(MODELS))
-def test_outputs_match_sdpa(kind, dtype):
+def test_outputs_match_sdpa(kind, dtype, padded):
+    """Every position compared, padded ones included (a left-padded
+    decoder's pad rows see no key: zero rows, as torch's SDPA gives).
+    Unpadded, transformers passes no mask and the layers use is_causal."""
     model, _ = build(kind, dtype)
     x = inputs(kind)
+    if not padded:
+        x.pop("attention_mask")
     with torch.no_grad():
         ours, ref = run_both(model, lambda m: outputs(kind, m(**x)))
     for what in ref:
