@@ -212,17 +212,22 @@ def register(name: str = NAME) -> str:
     Registers ``attention_forward`` in transformers' ``AttentionInterface``
     and transformers' own ``sdpa_mask`` as the mask builder for the name in
     ``AttentionMaskInterface`` (without it transformers would pass no mask at
-    all to an unknown name).  Idempotent; returns the name.  Raises
-    ImportError when this mha_ext has no SDPA twin.
+    all to an unknown name).  Idempotent; returns the name.  A name taken by
+    another implementation ('sdpa', 'flash_attention_2', ...) is a
+    ValueError; ImportError when this mha_ext has no SDPA twin.
     """
-    if not isinstance(name, str) or not name or name in ("eager", "sdpa"):
-        raise ValueError(
-            "register(name): name must be a new attention implementation "
-            f"name (a non-empty str other than 'eager' and 'sdpa'), got {name!r}")
-    _twin()
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    taken = AttentionInterface()
+    if (not isinstance(name, str) or not name or name == "eager"
+            or (name in taken and taken[name] is not attention_forward)):
+        raise ValueError(
+            "register(name): name must be a non-empty str that names no "
+            "other attention implementation (not 'eager', "
+            f"{', '.join(repr(k) for k in taken if taken[k] is not attention_forward)}), "
+            f"got {name!r}")
+    _twin()
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name

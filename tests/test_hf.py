@@ -446,7 +446,7 @@ def test_three_dimensional_input_refused():
         hf.attention_forward(_Layer(False), q[0], k[0], v[0], None)
 
 
-@pytest.mark.parametrize("name", ["", "sdpa", "eager", 3])
+@pytest.mark.parametrize("name", ["", "sdpa", "eager", "flash_attention_2", 3])
 def test_register_refuses_taken_or_bad_names(name):
     with pytest.raises(ValueError, match="register\\(name\\)"):
         hf.register(name)
