@@ -4,13 +4,44 @@ The flags stay portable: no tuning for the build machine and no fast-math
 flags (those would break the -inf masks and NaN rows); the instruction set
 is chosen at run time (src/isa.c).
 MHA_EXT_CFLAGS adds flags (for example sanitizers in CI).
+
+A C compiler is required (gcc or clang; CC selects another): build_ext
+first compiles an empty C file and, if that fails, stops with a message
+saying so instead of the compiler's own error.
 """
 import glob
 import os
 import shlex
+import tempfile
 
 import numpy
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+NO_COMPILER = """\
+mha_ext is a C extension: building it needs a working C compiler (gcc or
+clang; the CC environment variable picks another), and {cc!r} could not
+compile an empty C file ({error}).
+On Debian/Ubuntu: apt-get install gcc python3-dev; on Fedora: dnf install gcc
+python3-devel; on macOS: xcode-select --install.  Then run the install again."""
+
+
+class build_ext_checked(build_ext):
+    """build_ext that says so when there is no usable C compiler."""
+
+    def build_extensions(self):
+        cc = (getattr(self.compiler, "compiler_so", None) or ["cc"])[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            probe = os.path.join(tmp, "mha_ext_probe.c")
+            with open(probe, "w") as f:
+                f.write("int mha_ext_probe(void) { return 0; }\n")
+            try:
+                self.compiler.compile([probe], output_dir=tmp)
+            except Exception as exc:  # CompileError, ExecError, OSError...
+                message = NO_COMPILER.format(cc=cc, error=str(exc).strip() or
+                                             type(exc).__name__)
+                raise SystemExit("error: " + message) from None
+        super().build_extensions()
 
 extra_compile_args = ["-O3", "-std=c11", "-fno-strict-aliasing", "-Wall", "-Wextra",
                       "-Wno-unused-parameter", "-Wno-missing-field-initializers",
@@ -23,6 +54,7 @@ extra_link_args += extra
 sources = sorted(glob.glob("src/*.c")) + sorted(glob.glob("mha_ext/*.c"))
 
 setup(
+    cmdclass={"build_ext": build_ext_checked},
     ext_modules=[
         Extension(
             "mha_ext._core",

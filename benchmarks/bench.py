@@ -45,7 +45,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench_backward.py, for the fwd+bwd rows
-sys.path.insert(0, os.path.dirname(HERE))  # the mha_ext built in place next to benchmarks/
+# the mha_ext built in place next to benchmarks/; without a build there,
+# mha_ext/__init__.py hands over to the installed mha_ext of the same version
+sys.path.insert(0, os.path.dirname(HERE))
 
 # name: (B, S, E, H, dtype, is_causal, need_weights)
 CASES = {

@@ -35,7 +35,9 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # the mha_ext built in place next to benchmarks/
+# the mha_ext built in place next to benchmarks/; without a build there,
+# mha_ext/__init__.py hands over to the installed mha_ext of the same version
+sys.path.insert(0, os.path.dirname(HERE))
 
 SHAPES = {
     "small": dict(B=2, S=10, E=512, H=8),

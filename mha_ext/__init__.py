@@ -7,20 +7,104 @@
     >>> out.shape, weights.shape
     ((2, 10, 512), (2, 8, 10, 10))
 
-The contract is PyTorch's: torch.nn.Linear weight layout, the seed notebook's
-masks (1 = blocked) and torch.nn.MultiheadAttention's (attn_mask,
-key_padding_mask, is_causal).  The numbers come from a C core (src/) that
-releases the GIL and runs on its own worker threads.
-"""
-from ._core import get_num_threads, set_num_threads
-from .module import Linear, MultiHeadAttention
-from .plot import plot_heads
-from .trace import Step, Trace, trace
+The contract is PyTorch's: torch.nn.Linear weight layout, the seed module's
+0/1 ``mask`` (1 = blocked; see docs/API.md) and torch.nn.MultiheadAttention's
+(attn_mask, key_padding_mask, is_causal).  The numbers come from a C core
+(src/) that releases the GIL and runs on its own worker threads.
 
-__all__ = ["MultiHeadAttention", "Linear", "Trace", "Step", "trace", "plot_heads",
-           "set_num_threads", "get_num_threads"]
+Imported from a source checkout that has no built extension (for instance
+``python -m mha_ext`` at the repository root after ``pip install .``: the
+current directory comes first on sys.path, so the source folder shadows the
+installed package), this package hands over to the installed mha_ext of the
+same version; see _installed_package().
+"""
+# The one source of the version: setuptools reads this literal
+# (pyproject.toml: [tool.setuptools.dynamic]), so the installed metadata
+# always agrees with it (tests/test_packaging.py checks both).
 __version__ = "0.1.0"
 
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import types
+
+
+def _installed_package(source_dir: str) -> types.ModuleType:
+    """The installed mha_ext that a source checkout without a built
+    extension stands in front of, or an ImportError that says what to do.
+
+    Looks on sys.path past the entry holding this source folder for another
+    mha_ext package that has its _core extension, and checks that its
+    distribution's version is this one: an installed package of another
+    version would pair this tree's docs with other code.
+    Returns the imported installed package."""
+    here = os.path.realpath(source_dir)
+    others = [p for p in sys.path
+              if os.path.realpath(os.path.join(p or os.curdir, "mha_ext")) != here]
+    spec = importlib.machinery.PathFinder.find_spec("mha_ext", others)
+    found: "tuple[importlib.machinery.ModuleSpec, str] | None" = None
+    if spec is not None and spec.submodule_search_locations:
+        pkg_dir = list(spec.submodule_search_locations)[0]
+        if importlib.machinery.PathFinder.find_spec(
+                "_core", [pkg_dir]) is not None:
+            found = (spec, pkg_dir)
+    build_hint = ("install it (`pip install .`, needs a C compiler) or build it "
+                  "in place (`python setup.py build_ext --inplace`)")
+    if found is None:
+        raise ImportError(
+            "mha_ext's C extension (mha_ext._core) is not built in %s and no "
+            "installed mha_ext was found on sys.path: %s" % (source_dir, build_hint),
+            name="mha_ext._core")
+    spec, pkg_dir = found
+    site = os.path.dirname(pkg_dir)
+    dists = list(importlib.metadata.distributions(name="mha_ext", path=[site]))
+    installed = dists[0].version if dists else None
+    if installed != __version__:
+        raise ImportError(
+            "mha_ext's C extension is not built in the source tree %s, and the "
+            "mha_ext installed in %s is version %s, not this tree's %s: %s"
+            % (source_dir, site, installed or "(unknown)", __version__, build_hint),
+            name="mha_ext._core")
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mha_ext"] = module      # what `import mha_ext` returns
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules["mha_ext"] = sys.modules.get(__name__, module)
+        raise
+    return module
+
+
+try:
+    # not `from . import _core`: that turns a missing module into a plain
+    # ImportError ("cannot import name"), this keeps ModuleNotFoundError.name
+    _core = importlib.import_module(__name__ + "._core")
+except ModuleNotFoundError as _exc:
+    if _exc.name != __name__ + "._core":
+        raise
+    # The source tree without a built extension: become the installed package
+    # (its Python files and its extension, which belong together).  The
+    # import system returns sys.modules["mha_ext"], which is now that
+    # package; nothing below runs for this stand-in module.
+    _installed = _installed_package(os.path.dirname(os.path.abspath(__file__)))
+    globals().update({k: v for k, v in vars(_installed).items()
+                      if not k.startswith("__") or k in ("__all__", "__file__",
+                                                          "__path__")})
+else:
+    from ._core import get_num_threads, set_num_threads
+    from ._sdpa_api import scaled_dot_product_attention
+    from .module import Linear, MultiHeadAttention
+    from . import heads
+    from .explorer import Explorer, explore
+    from .plot import plot_heads
+    from .trace import Step, Trace, trace
+
+    __all__ = ["MultiHeadAttention", "Linear", "Trace", "Step", "trace", "plot_heads",
+               "explore", "Explorer", "heads", "scaled_dot_product_attention",
+               "set_num_threads", "get_num_threads", "__version__"]
 
 def __getattr__(name):
     # mha_ext.compare needs torch: imported on first use only

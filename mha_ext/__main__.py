@@ -23,6 +23,12 @@ import mha_ext
 from mha_ext.plot import plot_heads
 from mha_ext.trace import trace as _trace
 
+# the torch the parity tests are checked against, and PyTorch's index of
+# CPU-only wheels (on PyPI that pin is the CUDA build, ~3 GB with its
+# nvidia packages)
+TORCH_VERSION = "2.13.0"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
 
 def _positive(text):
     try:
@@ -34,13 +40,24 @@ def _positive(text):
     return n
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: ...)" only for options that take a value and have a
+    default: an option whose default is None says in its own help what
+    happens then, and a flag's default is to be off."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser():
     p = argparse.ArgumentParser(
         prog="python -m mha_ext",
         description="mha_ext demo: trace one multi-head attention call, count "
                     "its parameters and compare it with PyTorch (when torch "
                     "is installed).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_Help)
     p.add_argument("-b", "--batch", type=_positive, default=2,
                    help="batch size B")
     p.add_argument("-s", "--seq", "--seq-len", dest="seq", type=_positive,
@@ -58,12 +75,14 @@ def _parser():
     p.add_argument("--repeat", type=_positive, default=20,
                    help="timed runs per library (the median is reported)")
     p.add_argument("--threads", type=_positive, default=None,
-                   help="threads for both libraries (default: mha_ext's)")
+                   help="threads for both libraries (default: mha_ext's own "
+                        "count: MHA_EXT_NUM_THREADS if set, else the CPUs this "
+                        "process may use)")
     p.add_argument("--no-torch", action="store_true",
                    help="skip the comparison with torch")
     p.add_argument("--plot", metavar="FILE", default=None,
                    help="save the attention heatmaps of batch 0 to FILE "
-                        "(needs matplotlib)")
+                        "(needs matplotlib; default: no plot)")
     return p
 
 
@@ -100,8 +119,9 @@ def _compare_with_torch(m, x, args, out, weights):
     try:
         import torch
     except ImportError:
-        print("torch is not installed: comparison with torch skipped "
-              "(pip install torch to see it).")
+        print("torch is not installed: comparison with torch skipped.  To "
+              "see it, install the version the tests use, CPU-only: pip "
+              "install torch==%s --index-url %s" % (TORCH_VERSION, TORCH_CPU_INDEX))
         return
     tdtype = torch.float64 if args.dtype == "float64" else torch.float32
     E, H = args.d_model, args.heads

@@ -22,6 +22,9 @@ import numpy as np
 from ._convert import as_array, contiguous, flag
 from ._masks import masks as _masks
 
+# is_causal: the one spelling of the lower-right alignment in every API
+LOWER_RIGHT = "lower_right"
+
 __all__ = ["Call", "prepare", "shape_output", "grads_for_c", "keep_level", "c_forward",
            "c_forward_train", "c_backward"]
 
@@ -33,15 +36,46 @@ class Call(NamedTuple):
     value: np.ndarray        # (B, Sk, vdim); the key (or query) array itself when defaulted
     masks: list              # [(kind, array)], kind 0 blocking, 1 additive (see _masks)
     batched: bool            # False: the caller's inputs were 2-D
-    is_causal: bool
+    is_causal: bool | str    # False, True (top-left) or "lower_right"
     need_weights: bool
     average_weights: bool
     zero_rows: bool          # masked_rows == "zero"
+    scale: float | None      # None: 1 / sqrt(Dk)
+
+
+def causal(is_causal):
+    """is_causal checked: False, True (top-left: query i sees keys j <= i) or
+    "lower_right" (query i sees keys j <= i + Sk - Sq, torch's
+    causal_lower_right: the decoding alignment)."""
+    if isinstance(is_causal, str):
+        if is_causal != LOWER_RIGHT:
+            raise TypeError(f"is_causal must be True or False (top-left), or {LOWER_RIGHT!r}, "
+                            f"got {is_causal!r}")
+        return LOWER_RIGHT
+    try:
+        return flag(is_causal, "is_causal")
+    except TypeError as e:
+        raise TypeError(f"{e}, or {LOWER_RIGHT!r}") from None
+
+
+def score_scale(scale):
+    """scale checked: None (1 / sqrt(head width)) or one real number (0 too,
+    as torch allows any float)."""
+    if scale is None:
+        return None
+    bad = (isinstance(scale, (bool, np.bool_, str, bytes, complex, np.complexfloating))
+           or getattr(scale, "ndim", 0) != 0)
+    if not bad:
+        try:
+            return float(scale)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"scale must be None or a real number, not {type(scale).__name__}")
 
 
 def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
             key_padding_mask=None, is_causal=False, need_weights=True,
-            average_weights=False, masked_rows="nan", dtype=None) -> Call:
+            average_weights=False, masked_rows="nan", dtype=None, scale=None) -> Call:
     """A call's arguments checked and brought to the C side's form.  key
     defaults to query, value to key.  With dtype None the inputs are arrays
     as given (no copy for an ndarray; the C side converts); with a dtype they
@@ -77,9 +111,9 @@ def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
     if not isinstance(masked_rows, str) or masked_rows not in ("nan", "zero"):
         raise ValueError(f"masked_rows must be 'nan' or 'zero', got {masked_rows!r}")
     ms = _masks(mask, attn_mask, key_padding_mask, batched, B, mha.n_heads, Sq, Sk)
-    return Call(q3, k3, v3, ms, batched, flag(is_causal, "is_causal"),
+    return Call(q3, k3, v3, ms, batched, causal(is_causal),
                 flag(need_weights, "need_weights"), flag(average_weights, "average_weights"),
-                masked_rows == "zero")
+                masked_rows == "zero", score_scale(scale))
 
 
 def shape_output(call, out, weights):
@@ -95,7 +129,8 @@ def shape_output(call, out, weights):
 
 def grads_for_c(grad_output, grad_weights, batched, average_weights, n_heads):
     """The inverse of shape_output for the backward's incoming gradients:
-    dL/d output as (B, Sq, E) and dL/d weights as (B, H, Sq, Sk) (or None)."""
+    dL/d output as (B, Sq, E) and dL/d weights as (B, H, Sq, Sk') (or None;
+    Sk' counts add_bias_kv's and add_zero_attn's extra keys)."""
     go, gw = grad_output, grad_weights
     if gw is not None:
         if not batched:
@@ -113,7 +148,8 @@ def keep_level(mha, call, save_projections):
     no more memory than those four."""
     if not flag(save_projections, "save_projections"):
         return 0
-    Sq, Sk, E = call.query.shape[1], call.key.shape[1], mha.d_model
+    Sq, E = call.query.shape[1], mha.d_model
+    Sk = call.key.shape[1] + int(mha.add_bias_kv) + int(mha.add_zero_attn)
     return 2 if mha.n_heads * Sq * Sk <= 2 * E * (Sq + Sk) else 1
 
 
@@ -121,11 +157,13 @@ def keep_level(mha, call, save_projections):
 # Each function below holds one private C method's protocol (_core_calls.c).
 
 def c_forward(mha, call, reference=False):
-    """The module's call: (output (B, Sq, E), weights (B, H, Sq, Sk) or None);
+    """The module's call: (output (B, Sq, E), weights (B, H, Sq, Sk') or None,
+    Sk' = Sk plus the extra keys of add_bias_kv and add_zero_attn);
     reference=True runs the core's plain reference forward (the tests' oracle)."""
     return mha._forward(call.query, call.key, call.value, masks=call.masks,
                         is_causal=call.is_causal, need_weights=call.need_weights,
-                        zero_rows=call.zero_rows, reference=bool(reference))
+                        zero_rows=call.zero_rows, reference=bool(reference),
+                        scale=call.scale)
 
 
 def c_forward_train(mha, call, block, dropout, counter, keep):
@@ -137,13 +175,14 @@ def c_forward_train(mha, call, block, dropout, counter, keep):
                               masks=list(call.masks), is_causal=call.is_causal,
                               need_weights=call.need_weights, zero_rows=call.zero_rows,
                               dropout=dropout, counter=counter, save=keep >= 1,
-                              save_p=keep == 2)
+                              save_p=keep == 2, scale=call.scale)
 
 
 def c_backward(mha, block, query, key, value, masks, is_causal, zero_rows, dropout,
-               counter, grad_output, grad_weights, saved):
+               counter, grad_output, grad_weights, saved, scale=None):
     """The backward of one c_forward_train call: (parameter gradient block,
     d query, d key, d value), the inputs' gradients 3-D."""
     return mha._backward(query, key, value, grad_output, params=block, masks=list(masks),
                          is_causal=is_causal, zero_rows=zero_rows, dropout=dropout,
-                         counter=counter, grad_weights=grad_weights, saved=saved)
+                         counter=counter, grad_weights=grad_weights, saved=saved,
+                         scale=scale)

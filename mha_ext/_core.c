@@ -69,9 +69,10 @@ static PyArrayObject *new_block(const MHAObject *self)
 static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"d_model", "n_heads", "dropout", "bias", "kdim", "vdim",
-                             "dtype", "seed", NULL};
+                             "dtype", "seed", "add_bias_kv", "add_zero_attn", NULL};
     PyObject *o_e = NULL, *o_h = NULL, *o_p = NULL, *o_bias = Py_True, *o_kdim = Py_None,
-             *o_vdim = Py_None, *o_dtype = NULL, *o_seed = Py_None;
+             *o_vdim = Py_None, *o_dtype = NULL, *o_seed = Py_None, *o_bkv = NULL,
+             *o_zero = NULL;
     MHAObject *self = NULL;
     mha_config cfg;
     double p = 0.0;
@@ -79,9 +80,9 @@ static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     mha_status st;
     int b;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$OOOOO:MultiHeadAttention", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$OOOOOOO:MultiHeadAttention", kwlist,
                                      &o_e, &o_h, &o_p, &o_bias, &o_kdim, &o_vdim,
-                                     &o_dtype, &o_seed))
+                                     &o_dtype, &o_seed, &o_bkv, &o_zero))
         return NULL;
     memset(&cfg, 0, sizeof cfg);
     if (positive_int(o_e, "d_model", &cfg.d_model) < 0) return NULL;
@@ -99,6 +100,8 @@ static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (o_p && parse_dropout(o_p, "dropout", &p) < 0) return NULL;
     if ((b = PyObject_IsTrue(o_bias)) < 0) return NULL;
     cfg.bias = b;
+    if (o_bkv && parse_flag(o_bkv, "add_bias_kv", &cfg.add_bias_kv) < 0) return NULL;
+    if (o_zero && parse_flag(o_zero, "add_zero_attn", &cfg.add_zero_attn) < 0) return NULL;
     cfg.dtype = MHA_FLOAT32;
     if (o_dtype && parse_dtype(o_dtype, &cfg.dtype) < 0) return NULL;
     if (o_seed == Py_None) seed = random_seed();
@@ -243,6 +246,8 @@ static PyObject *get_d_k(MHAObject *s, void *c) { (void)c; return PyLong_FromLon
 static PyObject *get_kdim(MHAObject *s, void *c) { (void)c; return PyLong_FromLongLong(s->cfg.kdim); }
 static PyObject *get_vdim(MHAObject *s, void *c) { (void)c; return PyLong_FromLongLong(s->cfg.vdim); }
 static PyObject *get_bias(MHAObject *s, void *c) { (void)c; return PyBool_FromLong(s->cfg.bias); }
+static PyObject *get_add_bias_kv(MHAObject *s, void *c) { (void)c; return PyBool_FromLong(s->cfg.add_bias_kv); }
+static PyObject *get_add_zero_attn(MHAObject *s, void *c) { (void)c; return PyBool_FromLong(s->cfg.add_zero_attn); }
 static PyObject *get_seed(MHAObject *s, void *c) { (void)c; return PyLong_FromUnsignedLongLong(s->seed); }
 static PyObject *get_num_parameters(MHAObject *s, void *c) { (void)c; return PyLong_FromLongLong(s->total); }
 static PyObject *get_dtype(MHAObject *s, void *c)
@@ -297,6 +302,10 @@ static PyGetSetDef mha_getset[] = {
     {"kdim", (getter)get_kdim, NULL, "The width of key inputs.", NULL},
     {"vdim", (getter)get_vdim, NULL, "The width of value inputs.", NULL},
     {"bias", (getter)get_bias, NULL, "Whether the projections have biases.", NULL},
+    {"add_bias_kv", (getter)get_add_bias_kv, NULL,
+     "Whether bias_k and bias_v are appended to the keys and values (torch's add_bias_kv).", NULL},
+    {"add_zero_attn", (getter)get_add_zero_attn, NULL,
+     "Whether a zero key and value are appended (torch's add_zero_attn).", NULL},
     {"seed", (getter)get_seed, NULL, "The seed of the initialisation and the dropout stream.", NULL},
     {"num_parameters", (getter)get_num_parameters, NULL,
      "The number of scalars in all weights and biases (4*E*E + 4*E by default).", NULL},
@@ -352,7 +361,8 @@ static PyType_Slot mha_slots[] = {
     {Py_tp_methods, mha_methods},
     {Py_tp_getset, mha_getset},
     {Py_tp_doc, "MultiHeadAttention(d_model, n_heads, dropout=0.0, *, bias=True, kdim=None, "
-                "vdim=None, dtype='float32', seed=None)\n--\n\n"
+                "vdim=None, dtype='float32', seed=None, add_bias_kv=False, "
+                "add_zero_attn=False)\n--\n\n"
                 "The C part of mha_ext.MultiHeadAttention: parameter memory and the calls."},
     {0, NULL}
 };
@@ -437,6 +447,16 @@ static PyMethodDef module_methods[] = {
     {"get_num_threads", get_num_threads, METH_NOARGS,
      "get_num_threads()\n--\n\n"
      "The number of threads the library uses (default: the CPUs this process may use)."},
+    {"_sdpa", (PyCFunction)(void (*)(void))sdpa_py, METH_VARARGS | METH_KEYWORDS,
+     "_sdpa(q, k, v, *, masks=(), is_causal=False, scale=None, dropout=0.0, seed=0, "
+     "counter=0, need_weights=False, zero_rows=False, reference=False)\n--\n\n"
+     "Attention on projected heads (see _core_sdpa.c): (out, weights | None)."},
+    {"_sdpa_backward", (PyCFunction)(void (*)(void))sdpa_backward_py,
+     METH_VARARGS | METH_KEYWORDS,
+     "_sdpa_backward(q, k, v, grad_output, *, masks=(), is_causal=False, scale=None, "
+     "dropout=0.0, seed=0, counter=0, zero_rows=False, grad_weights=None, "
+     "reference=False)\n--\n\n"
+     "The gradients of one _sdpa call: (grad_q, grad_k, grad_v)."},
     {NULL}
 };
 

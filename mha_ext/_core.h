@@ -4,10 +4,13 @@
  *                  parameter memory, attributes, the write lock's methods
  *   _core_lock.c   the parameter lock (readers, one re-entrant writer),
  *                  interruptible waits, fork safety, the signal poll
- *   _core_args.c   argument conversion (ints, flags, dtype, dropout, seed,
- *                  arrays, masks) and call_parse / call_clear
+ *   _core_args.c   argument conversion (ints, flags, is_causal, scale, dtype,
+ *                  dropout, seed, arrays) and call_parse / call_clear
+ *   _core_masks.c  masks: (kind, array) pairs broadcast onto (B, H, Sq, Sk)
  *   _core_calls.c  call_run and the three calls: _forward, _forward_train,
  *                  _backward
+ *   _core_sdpa.c   the module functions _sdpa and _sdpa_backward (attention
+ *                  on projected heads: mha_sdpa_forward / mha_sdpa_backward)
  *
  * One call's life: call_parse (arguments -> arrays of the module's dtype,
  * every check before anything large is allocated), the entry point
@@ -116,6 +119,16 @@ int parse_flag(PyObject *obj, const char *name, int *out);
 int parse_dropout(PyObject *obj, const char *name, double *out);
 int parse_dtype(PyObject *obj, mha_dtype *out);
 int parse_u64(PyObject *obj, const char *name, uint64_t *out);
+/* is_causal: False / True (MHA_CAUSAL_TOP_LEFT) or "lower_right"
+ * (MHA_CAUSAL_LOWER_RIGHT) into *out */
+int parse_causal(PyObject *obj, int *out);
+/* scale: None (*has = 0: 1/sqrt(head width)) or a real number */
+int parse_scale(PyObject *obj, int *has, double *out);
+/* a sequence of (kind, array) pairs (kind 0 blocking, 1 additive of
+ * `typenum`) broadcast onto dim (B, H, Sq, Sk): masks[0 .. *n) and the
+ * arrays holding their data, arrs[0 .. *n) (new references) */
+int convert_masks(PyObject *seq, int typenum, const int64_t dim[4], mha_mask *masks,
+                  PyArrayObject **arrs, int *n);
 int64_t physical_bytes(void);
 int add_bytes(int64_t *total, int64_t n, size_t size);
 void set_status_error(mha_status st, const char *what);
@@ -126,7 +139,7 @@ typedef enum { CALL_FORWARD, CALL_FORWARD_TRAIN, CALL_BACKWARD } call_op;
 /* The Python objects of one call, by keyword (NULL: not given). */
 typedef struct {
     PyObject *query, *key, *value, *params, *masks;
-    PyObject *is_causal, *need_weights, *zero_rows, *reference;
+    PyObject *is_causal, *need_weights, *zero_rows, *reference, *scale;
     PyObject *dropout, *counter, *save, *save_p;
     PyObject *grad_output, *grad_weights, *saved;
 } call_objects;
@@ -158,5 +171,7 @@ void call_clear(struct call *c);
 PyObject *mha_forward_py(MHAObject *self, PyObject *args, PyObject *kwds);
 PyObject *mha_forward_train_py(MHAObject *self, PyObject *args, PyObject *kwds);
 PyObject *mha_backward_py(MHAObject *self, PyObject *args, PyObject *kwds);
+PyObject *sdpa_py(PyObject *m, PyObject *args, PyObject *kwds);
+PyObject *sdpa_backward_py(PyObject *m, PyObject *args, PyObject *kwds);
 
 #endif /* MHA_EXT_CORE_H */

@@ -1,4 +1,5 @@
-"""Type stubs of the C extension mha_ext._core (_core.c, _core_calls.c).
+"""Type stubs of the C extension mha_ext._core (_core.c, _core_calls.c,
+_core_sdpa.c).
 
 The underscored methods are the private protocol between the Python layer
 and the C binding: keyword arguments, each result of one fixed shape.
@@ -14,8 +15,11 @@ _Self = TypeVar("_Self", bound="MultiHeadAttention")
 # broadcastable to (B, H, Sq, Sk)
 _Mask = Tuple[Literal[0, 1], npt.ArrayLike]
 _Flag = bool | int | np.bool_
-# (Q, K, V, ctx, P | None): Q (B, H, Sq, Dk), K (B, H, Dk, Sk), V (B, H, Sk, Dk),
-# ctx (B, Sq, E), P (B, H, Sq, Sk)
+# is_causal: False, True (top-left) or "lower_right"
+_Causal = _Flag | Literal["lower_right"]
+# (Q, K, V, ctx, P | None): Q (B, H, Sq, Dk), K (B, H, Dk, Sk'), V (B, H, Sk', Dk),
+# ctx (B, Sq, E), P (B, H, Sq, Sk'); Sk' = Sk + the extra keys of add_bias_kv
+# and add_zero_attn
 _Saved = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]
 # (params | None, query, key, value): the forward's copies of its inputs
 _Copies = Tuple[Optional[np.ndarray], np.ndarray, np.ndarray, np.ndarray]
@@ -29,6 +33,18 @@ def get_num_threads() -> int:
 def _set_isa(name: Literal["portable", "avx2", "avx512"], /) -> None: ...
 def _get_isa() -> str: ...
 def _isa_available(name: str, /) -> bool: ...
+# attention on projected heads: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)
+def _sdpa(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *,
+          masks: Sequence[_Mask] = ..., is_causal: _Causal = ..., scale: Optional[float] = ...,
+          dropout: float = ..., seed: int = ..., counter: int = ..., need_weights: _Flag = ...,
+          zero_rows: _Flag = ..., reference: _Flag = ...,
+          ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
+def _sdpa_backward(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike,
+                   grad_output: npt.ArrayLike, *, masks: Sequence[_Mask] = ...,
+                   is_causal: _Causal = ..., scale: Optional[float] = ..., dropout: float = ...,
+                   seed: int = ..., counter: int = ..., zero_rows: _Flag = ...,
+                   grad_weights: Optional[npt.ArrayLike] = ..., reference: _Flag = ...,
+                   ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
 class MultiHeadAttention:
     """The C part of mha_ext.MultiHeadAttention: parameter memory and the calls."""
@@ -38,7 +54,8 @@ class MultiHeadAttention:
                 kdim: int | np.integer[Any] | None = ...,
                 vdim: int | np.integer[Any] | None = ...,
                 dtype: npt.DTypeLike = ...,
-                seed: int | np.integer[Any] | None = ...) -> _Self: ...
+                seed: int | np.integer[Any] | None = ...,
+                add_bias_kv: _Flag = ..., add_zero_attn: _Flag = ...) -> _Self: ...
     @property
     def d_model(self) -> int: ...
     @property
@@ -52,6 +69,10 @@ class MultiHeadAttention:
     @property
     def bias(self) -> bool: ...
     @property
+    def add_bias_kv(self) -> bool: ...
+    @property
+    def add_zero_attn(self) -> bool: ...
+    @property
     def seed(self) -> int: ...
     @property
     def num_parameters(self) -> int: ...
@@ -61,21 +82,22 @@ class MultiHeadAttention:
     training: bool
     _counter: int
     def _forward(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
-                 masks: Sequence[_Mask] = ..., is_causal: _Flag = ...,
+                 masks: Sequence[_Mask] = ..., is_causal: _Causal = ...,
                  need_weights: _Flag = ..., zero_rows: _Flag = ...,
-                 reference: _Flag = ...) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
+                 reference: _Flag = ..., scale: Optional[float] = ...,
+                 ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
     def _forward_train(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
                        params: Optional[npt.ArrayLike] = ..., masks: Sequence[_Mask] = ...,
-                       is_causal: _Flag = ..., need_weights: _Flag = ...,
+                       is_causal: _Causal = ..., need_weights: _Flag = ...,
                        zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
-                       save: _Flag = ..., save_p: _Flag = ...,
+                       save: _Flag = ..., save_p: _Flag = ..., scale: Optional[float] = ...,
                        ) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[_Saved], _Copies]: ...
     def _backward(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike,
                   grad_output: npt.ArrayLike, *, params: Optional[npt.ArrayLike] = ...,
-                  masks: Sequence[_Mask] = ..., is_causal: _Flag = ...,
+                  masks: Sequence[_Mask] = ..., is_causal: _Causal = ...,
                   zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
                   grad_weights: Optional[npt.ArrayLike] = ...,
-                  saved: Optional[_Saved] = ...,
+                  saved: Optional[_Saved] = ..., scale: Optional[float] = ...,
                   ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
     def _block(self) -> np.ndarray: ...
     def _layout(self) -> Tuple[Tuple[int, int], ...]: ...

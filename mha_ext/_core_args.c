@@ -103,6 +103,51 @@ type:
     return -1;
 }
 
+int parse_causal(PyObject *obj, int *out)
+{
+    int v;
+    if (PyUnicode_Check(obj)) {
+        if (PyUnicode_CompareWithASCIIString(obj, "lower_right") == 0) {
+            *out = MHA_CAUSAL_LOWER_RIGHT;
+            return 0;
+        }
+        PyErr_Format(PyExc_TypeError, "is_causal must be True or False (top-left: query i "
+                     "sees keys j <= i), or \"lower_right\" (query i sees keys j <= i + Sk - "
+                     "Sq), got %R", obj);
+        return -1;
+    }
+    if (parse_flag(obj, "is_causal", &v) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "is_causal must be True or False, or \"lower_right\", "
+                     "not %.100s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *out = v ? MHA_CAUSAL_TOP_LEFT : 0;
+    return 0;
+}
+
+int parse_scale(PyObject *obj, int *has, double *out)
+{
+    double s;
+    *has = 0;
+    if (obj == Py_None) return 0;
+    if (PyBool_Check(obj) || PyComplex_Check(obj) || PyUnicode_Check(obj) ||
+        (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) != 0))
+        goto type;
+    s = PyFloat_AsDouble(obj);
+    if (s == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto type;
+    }
+    *has = 1;
+    *out = s;
+    return 0;
+type:
+    PyErr_Format(PyExc_TypeError, "scale must be None or a real number, not %.100s",
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
 int parse_dropout(PyObject *obj, const char *name, double *out)
 {
     double p;
@@ -309,94 +354,6 @@ static int check_inputs(MHAObject *self, struct call *c)
     return 0;
 }
 
-/* ------------------------------------------------------------ masks */
-
-/* Convert mask `obj` of `kind` and broadcast it (NumPy's rules) onto
- * (B, H, Sq, Sk), filling m.  The array holding the data is kept in *keep. */
-static int convert_mask(MHAObject *self, PyObject *obj, int kind, const int64_t dim[4],
-                        mha_mask *m, PyArrayObject **keep)
-{
-    static const char *names[4] = {"batch", "heads", "query length", "key length"};
-    int tn = kind == MHA_MASK_ADD ? typenum_of(self) : NPY_UINT8;
-    PyArrayObject *arr = (PyArrayObject *)PyArray_FROM_OTF(
-        obj, tn, NPY_ARRAY_ALIGNED | NPY_ARRAY_FORCECAST);
-    int nd, d;
-    if (!arr) return -1;
-    nd = PyArray_NDIM(arr);
-    if (nd > 4) {
-        PyErr_Format(PyExc_ValueError, "a mask must have at most 4 dimensions "
-                     "(batch, heads, query, key), got %d", nd);
-        Py_DECREF(arr);
-        return -1;
-    }
-    m->kind = (mha_mask_kind)kind;
-    m->data = PyArray_DATA(arr);
-    for (d = 0; d < 4; d++) {
-        int ad = d - (4 - nd); /* the mask's own axis, right-aligned */
-        npy_intp n;
-        if (ad < 0) {
-            m->stride[d] = 0;
-            continue;
-        }
-        n = PyArray_DIM(arr, ad);
-        if (n == 1) {
-            m->stride[d] = 0;
-        } else if ((int64_t)n == dim[d]) {
-            m->stride[d] = (int64_t)(PyArray_STRIDE(arr, ad) / (npy_intp)PyArray_ITEMSIZE(arr));
-        } else {
-            PyObject *s = shape_str(arr);
-            if (s) {
-                PyErr_Format(PyExc_ValueError,
-                             "a mask of shape %U does not broadcast to (B, H, Sq, Sk) = "
-                             "(%lld, %lld, %lld, %lld): its %s axis is %lld",
-                             s, (long long)dim[0], (long long)dim[1], (long long)dim[2],
-                             (long long)dim[3], names[d], (long long)n);
-                Py_DECREF(s);
-            }
-            Py_DECREF(arr);
-            return -1;
-        }
-    }
-    *keep = arr;
-    return 0;
-}
-
-/* `seq`, a sequence of (kind, array) pairs (kind 0 blocking, 1 additive),
- * into c->masks; c->mask_arr holds their arrays. */
-static int convert_masks(MHAObject *self, PyObject *seq, const int64_t dim[4], struct call *c)
-{
-    PyObject *fast = PySequence_Fast(seq, "masks must be a sequence of (kind, array) pairs");
-    Py_ssize_t i;
-    if (!fast) return -1;
-    if (PySequence_Fast_GET_SIZE(fast) > MHA_MAX_MASKS) {
-        PyErr_Format(PyExc_ValueError, "masks: at most %d masks", MHA_MAX_MASKS);
-        goto fail;
-    }
-    for (i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
-        long kind;
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
-            PyErr_SetString(PyExc_TypeError, "masks: each mask must be a (kind, array) pair");
-            goto fail;
-        }
-        kind = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
-        if (kind == -1 && PyErr_Occurred()) goto fail;
-        if (kind != MHA_MASK_BLOCK && kind != MHA_MASK_ADD) {
-            PyErr_SetString(PyExc_ValueError, "masks: kind must be 0 (blocking) or 1 (additive)");
-            goto fail;
-        }
-        if (convert_mask(self, PyTuple_GET_ITEM(item, 1), (int)kind, dim,
-                         &c->masks[c->ba.fwd.n_masks], &c->mask_arr[c->ba.fwd.n_masks]) < 0)
-            goto fail;
-        c->ba.fwd.n_masks++;
-    }
-    Py_DECREF(fast);
-    return 0;
-fail:
-    Py_DECREF(fast);
-    return -1;
-}
-
 /* ------------------------------------------------------------ the call */
 
 /* Everything the call will allocate (inputs in the module's dtype, outputs,
@@ -407,6 +364,7 @@ static int check_memory(MHAObject *self, struct call *c)
 {
     const mha_forward_args *a = &c->ba.fwd;
     const int64_t E = self->cfg.d_model, H = self->cfg.n_heads;
+    const int64_t Skx = a->Sk + mha_extra_keys(&self->cfg); /* with the extra keys */
     size_t es = mha_dtype_size(self->cfg.dtype);
     /* B*Sq, B*Sk and B*H*Sq are below products mha_check_sizes checked */
     int64_t need = 0, n_q, n_k, n_v, n_kv, n_w;
@@ -415,8 +373,8 @@ static int check_memory(MHAObject *self, struct call *c)
     int over = __builtin_mul_overflow(a->B * a->Sq, E, &n_q) ||
                __builtin_mul_overflow(a->B * a->Sk, self->cfg.kdim, &n_k) ||
                __builtin_mul_overflow(a->B * a->Sk, self->cfg.vdim, &n_v) ||
-               __builtin_mul_overflow(a->B * a->Sk, E, &n_kv) ||
-               __builtin_mul_overflow(a->B * H * a->Sq, a->Sk, &n_w) ||
+               __builtin_mul_overflow(a->B * Skx, E, &n_kv) ||
+               __builtin_mul_overflow(a->B * H * a->Sq, Skx, &n_w) ||
                add_bytes(&need, n_q, es) || add_bytes(&need, n_k, es) ||
                add_bytes(&need, n_v, es) || add_bytes(&need, n_q, 3 * es) ||
                add_bytes(&need, n_kv, 2 * es) || (weights && add_bytes(&need, n_w, es));
@@ -446,7 +404,8 @@ static int parse_saved(MHAObject *self, PyObject *obj, struct call *c)
 {
     static const char *names[5] = {"saved Q", "saved K", "saved V", "saved ctx", "saved P"};
     const int64_t H = self->cfg.n_heads, Dk = self->cfg.d_model / H, E = self->cfg.d_model;
-    const int64_t B = c->ba.fwd.B, Sq = c->ba.fwd.Sq, Sk = c->ba.fwd.Sk;
+    const int64_t B = c->ba.fwd.B, Sq = c->ba.fwd.Sq;
+    const int64_t Sk = c->ba.fwd.Sk + mha_extra_keys(&self->cfg); /* K, V with their extra rows */
     const int64_t want[5][4] = {{B, H, Sq, Dk}, {B, H, Dk, Sk}, {B, H, Sk, Dk},
                                 {B, Sq, E, 0}, {B, H, Sq, Sk}};
     Py_ssize_t n;
@@ -477,7 +436,8 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
 {
     static const char *names[3] = {"_forward", "_forward_train", "_backward"};
     mha_forward_args *a = &c->ba.fwd;
-    int is_causal = 0, zero_rows = 0;
+    int is_causal = 0, zero_rows = 0, has_scale = 0;
+    double scale = 0.0;
     double p = 0.0;
     uint64_t counter = 0;
     mha_status st;
@@ -488,7 +448,8 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
     c->name = names[op];
     c->need_weights = op != CALL_BACKWARD;
     c->save = op == CALL_FORWARD_TRAIN;
-    if (FLAG(is_causal, o->is_causal, "is_causal") ||
+    if ((o->is_causal && parse_causal(o->is_causal, &is_causal) < 0) ||
+        (o->scale && parse_scale(o->scale, &has_scale, &scale) < 0) ||
         FLAG(c->need_weights, o->need_weights, "need_weights") ||
         FLAG(zero_rows, o->zero_rows, "zero_rows") ||
         FLAG(c->reference, o->reference, "reference") || FLAG(c->save, o->save, "save") ||
@@ -522,7 +483,8 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
     }
     if (op == CALL_BACKWARD) {
         const int64_t od[3] = {a->B, a->Sq, self->cfg.d_model};
-        const int64_t wd[4] = {a->B, self->cfg.n_heads, a->Sq, a->Sk};
+        const int64_t wd[4] = {a->B, self->cfg.n_heads, a->Sq,
+                               a->Sk + mha_extra_keys(&self->cfg)};
         if (!(c->grad_output = input_array(self, o->grad_output, "grad_output")) ||
             check_shape(c->grad_output, "grad_output", 3, od, "the output's shape") < 0)
             goto fail;
@@ -544,13 +506,17 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
         goto fail;
     {
         const int64_t dim[4] = {a->B, self->cfg.n_heads, a->Sq, a->Sk};
-        if (o->masks && convert_masks(self, o->masks, dim, c) < 0) goto fail;
+        if (o->masks && convert_masks(o->masks, typenum_of(self), dim, c->masks, c->mask_arr,
+                                      &a->n_masks) < 0)
+            goto fail;
     }
     a->query = PyArray_DATA(c->query);
     a->key = PyArray_DATA(c->key);
     a->value = PyArray_DATA(c->value);
     a->masks = c->masks;
     a->is_causal = is_causal;
+    a->has_scale = has_scale;
+    a->scale = scale;
     a->zero_masked_rows = zero_rows;
     a->seed = self->seed;
     if (op == CALL_FORWARD) {

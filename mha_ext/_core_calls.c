@@ -2,14 +2,14 @@
  * (keyword arguments; each result has one fixed shape):
  *
  *   _forward(query, key, value, *, masks=(), is_causal=False,
- *            need_weights=True, zero_rows=False, reference=False)
+ *            need_weights=True, zero_rows=False, reference=False, scale=None)
  *       -> (output, weights | None)
  *       The call behind MultiHeadAttention.__call__; dropout is the
  *       module's own (training and dropout > 0, one stream per call).
  *       reference: the plain reference core instead of the fast one.
  *   _forward_train(query, key, value, *, params=None, masks=(),
  *                  is_causal=False, need_weights=True, zero_rows=False,
- *                  dropout=0.0, counter=0, save=True, save_p=False)
+ *                  dropout=0.0, counter=0, save=True, save_p=False, scale=None)
  *       -> (output, weights | None, saved | None, copies)
  *       saved = (Q, K, V, ctx, P | None) for _backward (P with save_p),
  *       None without save; copies = (params | None, query, key, value),
@@ -17,14 +17,17 @@
  *       the module's parameters (made under its lock).
  *   _backward(query, key, value, grad_output, *, params=None, masks=(),
  *             is_causal=False, zero_rows=False, dropout=0.0, counter=0,
- *             grad_weights=None, saved=None)
+ *             grad_weights=None, saved=None, scale=None)
  *       -> (grad_params, grad_query, grad_key, grad_value)
  *       The gradients of the _forward_train call with the same arguments
  *       (saved: its saved tuple, or None to recompute).
  *
  * query (B, Sq, E), key (B, Sk, kdim), value (B, Sk, vdim); masks a
  * sequence of (kind, array) pairs, kind 0 blocking (nonzero = blocked) or
- * 1 additive, each broadcastable to (B, H, Sq, Sk); params None (the
+ * 1 additive, each broadcastable to (B, H, Sq, Sk); is_causal False, True
+ * (top-left) or "lower_right"; scale None (1/sqrt(Dk)) or a real number.
+ * With add_bias_kv / add_zero_attn the weights (and grad_weights, saved K,
+ * V and P) have Sk' = Sk + extra keys (mha_extra_keys); params None (the
  * module's own parameters, read under its lock) or a 1-D block of
  * num_parameters scalars laid out as _layout() says, as is grad_params;
  * dropout p in [0, 1] with the stream `counter` of the module's seed. */
@@ -94,20 +97,21 @@ static PyObject *obj_or_none(PyArrayObject *a)
 PyObject *mha_forward_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "masks", "is_causal", "need_weights",
-                             "zero_rows", "reference", NULL};
+                             "zero_rows", "reference", "scale", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *out = NULL, *w = NULL;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOO:_forward", kwlist, &o.query,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOO:_forward", kwlist, &o.query,
                                      &o.key, &o.value, &o.masks, &o.is_causal, &o.need_weights,
-                                     &o.zero_rows, &o.reference))
+                                     &o.zero_rows, &o.reference, &o.scale))
         return NULL;
     if (call_parse(self, CALL_FORWARD, &o, &c) < 0) return NULL;
     {
-        const int64_t B = c.ba.fwd.B, Sq = c.ba.fwd.Sq, Sk = c.ba.fwd.Sk;
-        const int64_t od[3] = {B, Sq, self->cfg.d_model}, wd[4] = {B, self->cfg.n_heads, Sq, Sk};
+        const int64_t B = c.ba.fwd.B, Sq = c.ba.fwd.Sq;
+        const int64_t Skx = c.ba.fwd.Sk + mha_extra_keys(&self->cfg);
+        const int64_t od[3] = {B, Sq, self->cfg.d_model}, wd[4] = {B, self->cfg.n_heads, Sq, Skx};
         if (!(out = new_array(&c, 3, od, 0))) goto fail;
         if (c.need_weights && !(w = new_array(&c, 4, wd, 0))) goto fail;
     }
@@ -126,21 +130,22 @@ PyObject *mha_forward_train_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "params", "masks", "is_causal",
                              "need_weights", "zero_rows", "dropout", "counter", "save",
-                             "save_p", NULL};
+                             "save_p", "scale", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *out = NULL, *w = NULL, *kept[5] = {NULL}, *copies[4] = {NULL};
     PyObject *saved = NULL, *copied = NULL, *result = NULL;
     int i;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOO:_forward_train", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOO:_forward_train", kwlist,
                                      &o.query, &o.key, &o.value, &o.params, &o.masks,
                                      &o.is_causal, &o.need_weights, &o.zero_rows, &o.dropout,
-                                     &o.counter, &o.save, &o.save_p))
+                                     &o.counter, &o.save, &o.save_p, &o.scale))
         return NULL;
     if (call_parse(self, CALL_FORWARD_TRAIN, &o, &c) < 0) return NULL;
     {
-        const int64_t B = c.ba.fwd.B, Sq = c.ba.fwd.Sq, Sk = c.ba.fwd.Sk;
+        const int64_t B = c.ba.fwd.B, Sq = c.ba.fwd.Sq;
+        const int64_t Sk = c.ba.fwd.Sk + mha_extra_keys(&self->cfg); /* with the extra keys */
         const int64_t E = self->cfg.d_model, H = self->cfg.n_heads, Dk = E / H;
         const int64_t od[3] = {B, Sq, E}, wd[4] = {B, H, Sq, Sk};
         /* mha_forward_save's layouts: Q, K (transposed), V per head, ctx, P */
@@ -198,16 +203,16 @@ PyObject *mha_backward_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "grad_output", "params", "masks",
                              "is_causal", "zero_rows", "dropout", "counter", "grad_weights",
-                             "saved", NULL};
+                             "saved", "scale", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *gp = NULL, *gq = NULL, *gk = NULL, *gv = NULL;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOO:_backward", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOO:_backward", kwlist,
                                      &o.query, &o.key, &o.value, &o.grad_output, &o.params,
                                      &o.masks, &o.is_causal, &o.zero_rows, &o.dropout,
-                                     &o.counter, &o.grad_weights, &o.saved))
+                                     &o.counter, &o.grad_weights, &o.saved, &o.scale))
         return NULL;
     if (call_parse(self, CALL_BACKWARD, &o, &c) < 0) return NULL;
     {

@@ -89,20 +89,20 @@ def _dropout(module):
 
 
 def _from_torch_mha(cls, module, dtype, seed):
-    # torch.nn.MultiheadAttention: packed in_proj_weight, or q/k/v_proj_weight
-    if getattr(module, "bias_k", None) is not None or getattr(module, "bias_v", None) is not None:
-        raise ValueError("from_torch: torch.nn.MultiheadAttention with add_bias_kv=True "
-                         "is not supported (mha_ext has no learned extra key/value)")
-    if getattr(module, "add_zero_attn", False):
-        raise ValueError("from_torch: torch.nn.MultiheadAttention with add_zero_attn=True "
-                         "is not supported (mha_ext adds no zero key/value)")
+    # torch.nn.MultiheadAttention: packed in_proj_weight, or q/k/v_proj_weight;
+    # bias_k and bias_v (1, 1, E) with add_bias_kv
+    bias_k, bias_v = getattr(module, "bias_k", None), getattr(module, "bias_v", None)
+    if (bias_k is None) != (bias_v is None):
+        raise ValueError("from_torch: the module has one of bias_k and bias_v but not the "
+                         "other (torch's add_bias_kv sets both)")
     E, H = int(module.embed_dim), int(module.num_heads)
     kdim, vdim = int(module.kdim), int(module.vdim)
     w_out = module.out_proj.weight
     in_bias, out_bias = module.in_proj_bias, module.out_proj.bias
     bias = in_bias is not None or out_bias is not None
     m = cls(E, H, _dropout(module), bias=bias, kdim=kdim, vdim=vdim,
-            dtype=_dtype(w_out, dtype), seed=seed)
+            dtype=_dtype(w_out, dtype), seed=seed, add_bias_kv=bias_k is not None,
+            add_zero_attn=bool(getattr(module, "add_zero_attn", False)))
     if module.in_proj_weight is not None:
         w = to_numpy(module.in_proj_weight, "in_proj_weight")
         ws = (w[:E], w[E:2 * E], w[2 * E:])
@@ -116,6 +116,9 @@ def _from_torch_mha(cls, module, dtype, seed):
         state.update({"W_q.bias": b[:E], "W_k.bias": b[E:2 * E], "W_v.bias": b[2 * E:],
                       "W_o.bias": np.zeros(E) if out_bias is None
                       else to_numpy(out_bias, "out_proj.bias")})
+    if bias_k is not None:
+        state["bias_k"] = to_numpy(bias_k, "bias_k").reshape(-1)
+        state["bias_v"] = to_numpy(bias_v, "bias_v").reshape(-1)
     m.load_state_dict(state)
     m.train(bool(module.training))
     # torch's layout of the inputs: a seq-first module's copy takes (S, B, E) too

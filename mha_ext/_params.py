@@ -1,14 +1,16 @@
 """Parameter keys and the block layout, the one home for them.
 
 The C type keeps all parameters in one flat block (src/mha.h,
-mha_param_layout): W_q.weight, W_q.bias, W_k.weight, ... W_o.bias, tensor i
-at ``mha._layout()[i] = (offset, size)`` (size 0 for the biases of a module
-built with bias=False).  This module names those tensors (the seed module's
+mha_param_layout): W_q.weight, W_q.bias, W_k.weight, ... W_o.bias, bias_k,
+bias_v, tensor i at ``mha._layout()[i] = (offset, size)`` (size 0 for the
+biases of a module built with bias=False, and for bias_k and bias_v unless
+add_bias_kv=True).  This module names those tensors (the seed module's
 keys, torch.nn.MultiheadAttention's packed and separate keys and which block
 tensors each one stacks) and converts between state dicts and blocks.
 
-Legend: E = d_model; tensor i is a weight (E, fan_in) for even i, a bias (E,)
-for odd i.
+Legend: E = d_model; tensor i < 8 is a weight (E, fan_in) for even i, a bias
+(E,) for odd i; tensors 8 and 9 (bias_k, bias_v) are (E,) (torch keeps them
+as (1, 1, E): either shape loads).
 """
 from __future__ import annotations
 
@@ -19,14 +21,18 @@ import numpy as np
 
 from ._convert import as_real, flag
 
-__all__ = ["LINEARS", "SEED_KEYS", "TORCH_PACKED", "TORCH_SEPARATE", "TORCH_KEYS",
-           "TORCH_PARTS", "TORCH_UNSUPPORTED", "IncompatibleKeys", "seed_keys", "shape",
+__all__ = ["LINEARS", "SEED_KEYS", "BIAS_KV", "BLOCK_KEYS", "TORCH_PACKED", "TORCH_SEPARATE",
+           "TORCH_KEYS", "TORCH_PARTS", "TORCH_UNSUPPORTED", "IncompatibleKeys", "seed_keys", "shape",
            "tensor", "state_dict", "load_block", "params_block", "grads"]
 
 # the four projections, in the order of the C block
 LINEARS = ("W_q", "W_k", "W_v", "W_o")
-# parameter names in the order of the C block (src/mha.h, mha_param_layout)
+# the seed module's parameter names: the four projections, in block order
 SEED_KEYS = tuple(f"{n}.{part}" for n in LINEARS for part in ("weight", "bias"))
+# the extra key/value of add_bias_kv, as torch names them
+BIAS_KV = ("bias_k", "bias_v")
+# every tensor of the C block, in its order (src/mha.h, mha_param_layout)
+BLOCK_KEYS = SEED_KEYS + BIAS_KV
 
 # torch.nn.MultiheadAttention's keys: packed (kdim == vdim == d_model) or separate
 TORCH_PACKED = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
@@ -36,21 +42,25 @@ TORCH_KEYS = frozenset(TORCH_PACKED + TORCH_SEPARATE)
 # torch key -> the block tensors it stacks along its first axis
 TORCH_PARTS = {"in_proj_weight": (0, 2, 4), "in_proj_bias": (1, 3, 5),
                "q_proj_weight": (0,), "k_proj_weight": (2,), "v_proj_weight": (4,),
-               "out_proj.weight": (6,), "out_proj.bias": (7,)}
-# torch keys of options mha_ext does not have -> the option
+               "out_proj.weight": (6,), "out_proj.bias": (7,), "bias_k": (8,), "bias_v": (9,)}
+# torch keys of options a module may lack -> the option (bias_k, bias_v need
+# a module built with it)
 TORCH_UNSUPPORTED = {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
 
 def seed_keys(mha):
-    """The seed keys this module has (no bias keys with bias=False)."""
-    return tuple(k for k in SEED_KEYS if mha.bias or not k.endswith(".bias"))
+    """The seed keys this module has (no bias keys with bias=False; bias_k
+    and bias_v only with add_bias_kv=True)."""
+    layout = mha._layout()
+    return tuple(k for i, k in enumerate(BLOCK_KEYS) if layout[i][1] != 0)
 
 
 def shape(mha, i):
-    """The shape of block tensor i: (E, fan_in) for a weight, (E,) for a bias."""
-    if i % 2 == 1:
+    """The shape of block tensor i: (E, fan_in) for a weight, (E,) for a bias,
+    bias_k or bias_v."""
+    if i % 2 == 1 or i >= 8:
         return (mha.d_model,)
     return (mha.d_model, (mha.d_model, mha.kdim, mha.vdim, mha.d_model)[i // 2])
 
@@ -67,7 +77,7 @@ def tensor(mha, i, block=None):
 
 def state_dict(mha):
     """A dict of NumPy copies under the seed keys."""
-    return {k: tensor(mha, SEED_KEYS.index(k)).copy() for k in seed_keys(mha)}
+    return {k: tensor(mha, BLOCK_KEYS.index(k)).copy() for k in seed_keys(mha)}
 
 
 def _torch_layout(mha, state):
@@ -88,6 +98,8 @@ def _torch_layout(mha, state):
         keys = TORCH_SEPARATE
     if not mha.bias:
         keys = [k for k in keys if not k.endswith("_bias") and not k.endswith(".bias")]
+    if mha.add_bias_kv:
+        keys = list(keys) + list(BIAS_KV)
     return tuple(keys)
 
 
@@ -100,14 +112,17 @@ def load_block(mha, state, strict=True):
                         f"not {type(state).__name__}")
     strict = flag(strict, "strict")
     for k, option in TORCH_UNSUPPORTED.items():
-        if k in state:
-            raise ValueError(f"state_dict has {k!r}: torch.nn.MultiheadAttention with "
-                             f"{option} is not supported by mha_ext")
+        if k in state and not mha.add_bias_kv:
+            raise ValueError(f"state_dict has {k!r} (torch.nn.MultiheadAttention with "
+                             f"{option}), but this module was built without add_bias_kv: "
+                             f"build it with {option}")
     ours = seed_keys(mha)
-    if any(k in TORCH_KEYS for k in state) and not any(k in ours for k in state):
+    # bias_k and bias_v are in both layouts: the other keys tell which it is
+    if (any(k in TORCH_KEYS for k in state)
+            and not any(k in ours and k not in BIAS_KV for k in state)):
         keys, parts = _torch_layout(mha, state), TORCH_PARTS
     else:
-        keys, parts = ours, {k: (SEED_KEYS.index(k),) for k in ours}
+        keys, parts = ours, {k: (BLOCK_KEYS.index(k),) for k in ours}
     missing = [k for k in keys if k not in state]
     unexpected = [k for k in state if k not in keys]
     if strict and missing:
@@ -125,6 +140,8 @@ def load_block(mha, state, strict=True):
         # a key holds one tensor, or several stacked along the first axis
         shapes = [shape(mha, i) for i in parts[k]]
         want = (sum(sh[0] for sh in shapes),) + shapes[0][1:]
+        if k in BIAS_KV and value.shape == (1, 1, mha.d_model):  # torch's shape
+            value = value.reshape(-1)
         if value.shape != want:
             raise ValueError(f"state_dict[{k!r}] must have shape {want}, got {value.shape}")
         row = 0
@@ -145,7 +162,7 @@ def params_block(mha, params):
     block = np.array(mha._block(), copy=True)
     layout = mha._layout()
     if isinstance(params, Mapping):
-        for i, k in enumerate(SEED_KEYS):
+        for i, k in enumerate(BLOCK_KEYS):
             offset, size = layout[i]
             if size == 0:
                 continue
@@ -153,6 +170,8 @@ def params_block(mha, params):
                 raise KeyError(f"params is missing {k!r}")
             value = as_real(params[k], f"params[{k!r}]")
             want = shape(mha, i)
+            if k in BIAS_KV and value.shape == (1, 1, mha.d_model):  # torch's shape
+                value = value.reshape(-1)
             if value.shape != want:
                 raise ValueError(f"params[{k!r}] must have shape {want}, got {value.shape}")
             block[offset:offset + size] = value.reshape(-1)
@@ -168,4 +187,4 @@ def params_block(mha, params):
 def grads(mha, block):
     """A gradient block as a dict under the seed keys (views of `block`)."""
     layout = mha._layout()
-    return {k: tensor(mha, i, block) for i, k in enumerate(SEED_KEYS) if layout[i][1] != 0}
+    return {k: tensor(mha, i, block) for i, k in enumerate(BLOCK_KEYS) if layout[i][1] != 0}

@@ -16,7 +16,7 @@ import torch
 
 from . import autograd as _ag
 from ._convert import to_numpy
-from ._params import SEED_KEYS
+from ._params import BLOCK_KEYS
 
 __all__ = ["AttentionFunction", "DOUBLE_BACKWARD"]
 
@@ -45,7 +45,8 @@ class AttentionFunction(torch.autograd.Function):
     core a mha_ext.MultiHeadAttention of the computation's dtype (its own
     parameters unused), opts the keywords of its forward_train; params are
     W_q.weight, W_q.bias, ... W_o.bias (biases omitted when the module has
-    none), in the order of the C parameter block.  weights is an empty
+    none), then bias_k, bias_v when the core has add_bias_kv, in the order
+    of the C parameter block.  weights is an empty
     tensor with need_weights=False."""
 
     @staticmethod
@@ -92,7 +93,7 @@ def _gradients(ctx, grad_out, grad_weights):
     need = ctx.needs_input_grad
     inputs = [torch.from_numpy(grads[k]) if need[2 + i] else None
               for i, k in enumerate(("query", "key", "value"))]
-    keys = [k for k in SEED_KEYS if k in grads]
+    keys = [k for k in BLOCK_KEYS if k in grads]  # block order: bias_k, bias_v last
     params = [torch.from_numpy(np.ascontiguousarray(grads[k])) if need[5 + i] else None
               for i, k in enumerate(keys)]
     return inputs + params

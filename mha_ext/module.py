@@ -22,6 +22,7 @@ Dk = E / H.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Mapping
 from typing import Literal
 
@@ -95,7 +96,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     """Multi-head attention, called like the PyTorch module it mirrors.
 
     MultiHeadAttention(d_model, n_heads, dropout=0.0, *, bias=True,
-                       kdim=None, vdim=None, dtype="float32", seed=None)
+                       kdim=None, vdim=None, dtype="float32", seed=None,
+                       add_bias_kv=False, add_zero_attn=False)
 
     d_model, n_heads : positive ints, d_model divisible by n_heads.
     dropout : probability in [0, 1] of dropping an attention weight in
@@ -105,9 +107,16 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     dtype : "float32" or "float64" (or the NumPy equivalents).
     seed : int or None; fixes the initialisation, U(-1/sqrt(fan_in),
         1/sqrt(fan_in)) like torch.nn.Linear, and the dropout stream.
+    add_bias_kv : torch.nn.MultiheadAttention's: learned vectors bias_k and
+        bias_v (E,) (initialised N(0, 1/E) as torch does) are appended to
+        the projected keys and values as one more key per batch.
+    add_zero_attn : torch's: then a zero key and value are appended.
+        The extra keys are never blocked by a mask or by is_causal, and the
+        weights cover them: (B, H, Sq, Sk + extra), as torch returns them.
 
     Parameters: W_q, W_k, W_v, W_o, each with .weight (out, in) and .bias,
-    live NumPy views of the module's memory.
+    live NumPy views of the module's memory (and bias_k, bias_v with
+    add_bias_kv).
 
     MultiHeadAttention.from_torch(module) copies a torch.nn.MultiheadAttention
     (or a module with W_q/W_k/W_v/W_o linear children); load_state_dict also
@@ -116,15 +125,18 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     """
 
     def __new__(cls, *args, **kwargs):
-        _habits.constructor_keywords(kwargs)  # torch's names -> a TypeError naming ours
+        # torch's names -> a TypeError naming ours; the signature help() and
+        # inspect show is __init__'s (set below the class)
+        _habits.constructor_keywords(kwargs)
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, *,
                  bias: bool = True, kdim: int | None = None, vdim: int | None = None,
-                 dtype: DTypeLike = "float32", seed: int | None = None) -> None:
-        # The C base class (__new__) checked the arguments and built the
-        # parameters; this signature is here for help() and editors.
-        pass
+                 dtype: DTypeLike = "float32", seed: int | None = None,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False) -> None:
+        """A new module: arguments as in the class docstring (the C base
+        class's __new__ checks them and builds the parameters; this signature
+        is here for help() and editors)."""
 
     # ------------------------------------------------------------ layouts
     @property
@@ -173,9 +185,33 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         """The output projection: weight (E, E), bias (E,)."""
         return self._linear(6)
 
+    @property
+    def bias_k(self) -> np.ndarray | None:
+        """add_bias_kv's extra key (E,), live memory of the module (write into
+        it in place); None without add_bias_kv."""
+        return _params.tensor(self, 8)
+
+    @bias_k.setter
+    def bias_k(self, value):
+        if self.bias_k is None:
+            raise AttributeError("this module was built without add_bias_kv: it has no bias_k")
+        _assign(self.bias_k, value, "bias_k")
+
+    @property
+    def bias_v(self) -> np.ndarray | None:
+        """add_bias_kv's extra value (E,), live memory; None without add_bias_kv."""
+        return _params.tensor(self, 9)
+
+    @bias_v.setter
+    def bias_v(self, value):
+        if self.bias_v is None:
+            raise AttributeError("this module was built without add_bias_kv: it has no bias_v")
+        _assign(self.bias_v, value, "bias_v")
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """A dict of NumPy copies under the seed module's keys: 'W_q.weight',
-        'W_q.bias', ... 'W_o.bias' (no bias keys when bias=False)."""
+        'W_q.bias', ... 'W_o.bias' (no bias keys when bias=False), and
+        'bias_k', 'bias_v' (E,) with add_bias_kv."""
         return _params.state_dict(self)
 
     def load_state_dict(self, state_dict: Mapping[str, ArrayLike],
@@ -189,6 +225,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         stacked (or 'q_proj_weight', 'k_proj_weight', 'v_proj_weight' when
         kdim or vdim differ from d_model), 'in_proj_bias' (3E,),
         'out_proj.weight' and 'out_proj.bias'; no bias keys with bias=False.
+        With add_bias_kv both layouts have 'bias_k' and 'bias_v', (E,) or
+        torch's (1, 1, E).
 
         A missing key is a KeyError and a wrong shape a ValueError, each naming
         the key; with strict=True an unexpected key is a KeyError too.  On any
@@ -221,8 +259,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         head_dim, ...; the length of per-head lists) or n_heads=.
         mask_polarity="keep" makes ``mask`` read 1 = attend, as modules that
         ``masked_fill(mask == 0, -inf)`` do; it is never guessed.
-        add_bias_kv and add_zero_attn are not supported (ValueError), nor a
-        module on the meta device (ValueError: it has no data to copy).  The
+        add_bias_kv (bias_k, bias_v) and add_zero_attn are copied too.  A
+        module on the meta device is a ValueError (it has no data to copy).  The
         copy owns its memory: later changes to either module do not reach
         the other.
         """
@@ -233,7 +271,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         # the C type's __new__ needs d_model and n_heads: rebuild through it,
         # then restore parameters, dropout, mode and the dropout stream
         kwargs = dict(bias=self.bias, kdim=self.kdim, vdim=self.vdim,
-                      dtype=self.dtype.name, seed=self.seed)
+                      dtype=self.dtype.name, seed=self.seed, add_bias_kv=self.add_bias_kv,
+                      add_zero_attn=self.add_zero_attn)
         state = {"params": self.state_dict(), "dropout": self.dropout,
                  "training": self.training, "counter": self._counter,
                  "dict": dict(self.__dict__)}
@@ -288,15 +327,20 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             s += f", vdim={self.vdim}"
         if self.dtype != np.float32:
             s += f", dtype='{self.dtype.name}'"
+        if self.add_bias_kv:
+            s += ", add_bias_kv=True"
+        if self.add_zero_attn:
+            s += ", add_zero_attn=True"
         return s + ")"
 
     # ------------------------------------------------------------ the call
     def forward(self, query: ArrayLike, key: ArrayLike | None = None,
                 value: ArrayLike | None = None, mask: ArrayLike | None = None, *,
                 attn_mask: ArrayLike | None = None, key_padding_mask: ArrayLike | None = None,
-                is_causal: bool = False, need_weights: bool = True,
+                is_causal: bool | Literal["lower_right"] = False, need_weights: bool = True,
                 average_weights: bool = False,
-                masked_rows: Literal["nan", "zero"] = "nan", **unknown,
+                masked_rows: Literal["nan", "zero"] = "nan", scale: float | None = None,
+                **unknown,
                 ) -> tuple[np.ndarray, np.ndarray | None]:
         """Attention of query over key and value; returns (output, weights).
 
@@ -306,7 +350,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
         output is (B, Sq, E); weights (B, H, Sq, Sk) after dropout, the mean
         over heads (B, Sq, Sk) with average_weights=True, or None with
-        need_weights=False (then no (Sq, Sk) buffer per head is made).
+        need_weights=False (then no (Sq, Sk) buffer per head is made).  With
+        add_bias_kv / add_zero_attn the weights have Sk + 1 (or + 2) keys.
 
         Masks (all that are given apply together; blocked scores become -inf):
           mask: the seed notebook's, 0/1 values (1 = blocked), broadcastable to
@@ -316,7 +361,11 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             to the scores, -inf allowed).
           key_padding_mask: torch's, (B, Sk) (unbatched: (Sk,)); bool (True =
             ignore that key) or float (added).
-          is_causal: query i does not see key j > i.
+          is_causal: True: query i does not see key j > i (top-left);
+            "lower_right": query i does not see key j > i + Sk - Sq (torch's
+            causal_lower_right: the last query sees every key, as when
+            decoding).  Never blocks add_bias_kv's or add_zero_attn's keys.
+        scale: None (1/sqrt(Dk)) or the factor of the scores (any real, 0 too).
         masked_rows: "nan" (default) gives NaN weights and output for a query
           that sees no key, like the seed module; "zero" gives zero weights and
           an output row equal to W_o.bias, like torch's SDPA.
@@ -330,7 +379,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         query, key, value, mask, seq_first = _habits.adapt_call(
             self, query, key, value, mask, unknown, "forward")
         call = _calls.prepare(self, query, key, value, mask, attn_mask, key_padding_mask,
-                              is_causal, need_weights, average_weights, masked_rows)
+                              is_causal, need_weights, average_weights, masked_rows,
+                              scale=scale)
         out, weights = _calls.c_forward(self, call)
         out, weights = _calls.shape_output(call, out, weights)
         return (_habits.seq_first_output(out) if seq_first else out), weights
@@ -359,8 +409,14 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
     def trace(self, query: ArrayLike, key: ArrayLike | None = None,
               value: ArrayLike | None = None, mask: ArrayLike | None = None, **kwargs):
-        """The computation step by step (see mha_ext.trace.Trace): each step's
+        """The computation step by step (see mha_ext.Trace): each step's
         name, formula, shape and array.  print() it for the shape flow.
         Batch-first, block-polarity modules only (ValueError otherwise)."""
         _habits.plain_layout_only(self, "trace")
         return _trace.trace(self, query, key, value, mask, **kwargs)
+
+
+# help(), inspect.signature() and editors show the constructor's arguments,
+# not __new__'s (*args, **kwargs)
+MultiHeadAttention.__new__.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+    MultiHeadAttention.__init__)

@@ -52,9 +52,29 @@ def _labels(tokens, n, what):
     return labels
 
 
+def _blocked(weights, blocked, shape):
+    # True where a mask blocked the cell: given, or a Trace's -inf scores
+    if blocked is None and hasattr(weights, "steps") and "masked scores" in weights:
+        m = np.isneginf(np.asarray(weights["masked scores"].array))
+        return m if m.shape == shape else None      # not for averaged weights
+    if blocked is None:
+        return None
+    b = as_array(blocked, "blocked") != 0
+    try:
+        return np.broadcast_to(b, shape)
+    except ValueError:
+        raise ValueError("blocked must broadcast to the weights' shape %s, got %s"
+                         % (shape, b.shape)) from None
+
+
+def _ticks(n):
+    # at most about 24 labels per axis: every k-th one for long sequences
+    return range(0, n, max(1, math.ceil(n / 24)))
+
+
 def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
                key_tokens=None, cmap="viridis", ncols=None, figsize=None,
-               title=None, vmin=None, vmax=None):
+               title=None, vmin=None, vmax=None, scale="shared", blocked=None):
     """Draw one heatmap per head and return the matplotlib ``Figure``.
 
     weights       attention weights (B, H, Sq, Sk), as returned by a call, or
@@ -70,12 +90,23 @@ def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
     figsize       (width, height) in inches (default: from the grid).
     title         the figure's title (default: "attention weights, batch b").
     vmin, vmax    the shared colour scale (default: 0 to the largest weight).
+    scale         "shared" (default): every panel uses the same colour scale,
+                  shown by one colour bar; "row": each row is divided by its
+                  largest weight, so rows with many keys (late queries of a
+                  causal mask) are as readable as row 0 (vmin/vmax then
+                  apply to that ratio, 0 to 1 by default).
+    blocked       True where a mask blocked the cell, broadcastable to the
+                  weights; taken from a Trace's masks when a Trace is given.
+                  Blocked cells are drawn hatched, not as weight 0.
 
-    Every panel uses the same colour scale, shown by one colour bar.  Rows
-    that are NaN (a query with every key blocked) are drawn in grey.  Save
-    the figure with ``fig.savefig("heads.png")``.
+    Rows that are NaN (a query with every key blocked) are drawn in grey.
+    Long sequences get every k-th label (about 24 per axis).  Save the
+    figure with ``fig.savefig("heads.png")``.
     """
+    if scale not in ("shared", "row"):
+        raise ValueError('scale must be "shared" or "row", got %r' % (scale,))
     w = _weights_array(weights)
+    blk = _blocked(weights, blocked, w.shape)
     if w.ndim == 4:
         nb = w.shape[0]
         if not isinstance(batch, (int, np.integer)) or isinstance(batch, bool):
@@ -84,6 +115,7 @@ def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
             raise IndexError("batch %d is out of range for %d batch elements"
                              % (batch, nb))
         w = w[batch]
+        blk = None if blk is None else blk[batch]
         label_b = "batch %d" % (batch % nb)
     elif w.ndim == 3:
         label_b = None
@@ -108,6 +140,13 @@ def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
         cell = 2.6 if max(Sq, Sk) <= 16 else 3.2
         figsize = (cell * ncols + 1.2, cell * nrows + 0.8)
 
+    if blk is not None:
+        w = np.where(blk, np.nan, w)                # not drawn as weight 0
+    if scale == "row":
+        with np.errstate(invalid="ignore", divide="ignore"):
+            top = np.nanmax(np.where(np.isfinite(w), w, np.nan), axis=-1,
+                            keepdims=True) if w.size else w
+            w = np.where(top > 0, w / np.where(top > 0, top, 1), w)
     finite = w[np.isfinite(w)]
     if vmin is None:
         vmin = min(0.0, float(finite.min())) if finite.size else 0.0
@@ -133,29 +172,44 @@ def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
             continue
         image = ax.imshow(np.ma.masked_invalid(w[h]), cmap=cm, vmin=vmin,
                           vmax=vmax, aspect="auto", interpolation="nearest")
+        if blk is not None and blk[h].any():
+            _hatch(ax, blk[h])
         shown.append(ax)
         ax.set_title("head %d" % h, fontsize=10)
         left = h % ncols == 0
         bottom = h + ncols >= H           # no panel below this one
         if xlab is not None:
-            ax.set_xticks(range(Sk))
-            ax.set_xticklabels(xlab if bottom else [], rotation=90,
-                               fontsize=8)
+            xt = _ticks(Sk)
+            ax.set_xticks(xt)
+            ax.set_xticklabels([xlab[k] for k in xt] if bottom else [],
+                               rotation=90, fontsize=8)
         elif not bottom:
             ax.set_xticklabels([])
         if ylab is not None:
-            ax.set_yticks(range(Sq))
-            ax.set_yticklabels(ylab if left else [], fontsize=8)
+            yt = _ticks(Sq)
+            ax.set_yticks(yt)
+            ax.set_yticklabels([ylab[k] for k in yt] if left else [], fontsize=8)
         elif not left:
             ax.set_yticklabels([])
         if bottom:
             ax.set_xlabel("key")
         if left:
             ax.set_ylabel("query")
-    fig.colorbar(image, ax=shown, label="attention weight",
-                 shrink=0.9)
+    fig.colorbar(image, ax=shown, shrink=0.9,
+                 label="attention weight" if scale == "shared"
+                 else "weight / largest in its row")
     if title is None:
         title = "attention weights" + (", " + label_b if label_b else "")
     if title:
         fig.suptitle(title)
     return fig
+
+
+def _hatch(ax, blocked):
+    # blocked (Sq, Sk) bool: grey hatched squares over those cells
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Rectangle
+    ys, xs = np.nonzero(blocked)
+    squares = [Rectangle((x - 0.5, y - 0.5), 1, 1) for y, x in zip(ys, xs)]
+    ax.add_collection(PatchCollection(squares, facecolor="0.93", edgecolor="0.6",
+                                      hatch="////", linewidth=0))

@@ -61,8 +61,9 @@ class MultiHeadAttention(nn.Module):
 
     forward(query, key=None, value=None, mask=None, *, attn_mask=None,
             key_padding_mask=None, is_causal=False, need_weights=True,
-            average_weights=False, masked_rows="nan") -> (output, weights)
-    as mha_ext.MultiHeadAttention's call, on (B, S, E) or (S, E) CPU tensors;
+            average_weights=False, masked_rows="nan", scale=None) -> (output, weights)
+    as mha_ext.MultiHeadAttention's call (is_causal True or "lower_right",
+    scale None or a number), on (B, S, E) or (S, E) CPU tensors;
     weights is None with need_weights=False.  Gradients flow to query, key,
     value and every parameter.
     """
@@ -139,7 +140,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query, key=None, value=None, mask=None, *, attn_mask=None,
                 key_padding_mask=None, is_causal=False, need_weights=True,
-                average_weights=False, masked_rows="nan", **unknown):
+                average_weights=False, masked_rows="nan", scale=None, **unknown):
         if unknown:  # torch's names (average_attn_weights, ...) named with ours
             _habits.call_keywords(unknown, "forward")
         params = self._params()
@@ -164,6 +165,6 @@ class MultiHeadAttention(nn.Module):
         opts = dict(mask=mask, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                     is_causal=is_causal, need_weights=need_weights,
                     average_weights=average_weights, masked_rows=masked_rows,
-                    dropout=core.dropout if self.training else 0.0)
+                    dropout=core.dropout if self.training else 0.0, scale=scale)
         out, weights = _AttentionFunction.apply(core, opts, *tensors, *params)
         return out, (weights if need_weights else None)

@@ -29,6 +29,7 @@ This module is plain Python and NumPy; it imports nothing optional.
 
 from collections import namedtuple
 import html
+import os
 
 import numpy as np
 
@@ -82,7 +83,10 @@ class Trace:
       added, and ``"numpy_output"``, the NumPy steps' own output (it agrees
       with ``trace.output`` to float rounding).
     - ``print(trace)`` shows the shape flow as a table; in Jupyter the trace
-      renders as an HTML table.
+      renders as an HTML table with its own CSS and a values preview per
+      step (``to_html()``); ``save_html(path)`` writes it as a page.
+    - ``mha_ext.explore(trace)`` opens the scores and weights in the
+      interactive explorer (mha_ext.explorer).
     """
 
     def __init__(self, steps, output, weights, sizes, info, unbatched=False):
@@ -179,21 +183,80 @@ class Trace:
         return self.__str__()
 
     def _repr_html_(self):
+        return self.to_html()
+
+    def to_html(self, values=True, full_page=False):
+        """The trace as an HTML table with its own CSS (left-aligned, one
+        shape notation: the dims column is symbolic, the shape column
+        numeric), each step's formula, and with ``values`` a collapsed
+        preview of a small slice of each step's array.  ``full_page`` gives
+        a standalone page (``save_html`` writes it)."""
         title, sizes = self._header()
         e = html.escape
-        parts = ['<table class="mha-trace">',
-                 "<caption>%s<br><small>%s</small></caption>"
-                 % (e(title), e(sizes)),
-                 "<thead><tr><th>step</th><th>formula</th><th>dims</th>"
-                 "<th>shape</th></tr></thead>", "<tbody>"]
-        for r in self._rows():
-            parts.append("<tr><td>%s</td><td><code>%s</code></td>"
-                         "<td><code>%s</code></td><td><code>%s</code></td></tr>"
-                         % tuple(e(c) for c in r))
+        cell = 'style="text-align:left;vertical-align:top"'
+        parts = ['<table class="mha-trace" %s>' % _TABLE_STYLE,
+                 "<caption %s><style>%s</style><b>%s</b><br><small>%s</small></caption>"
+                 % (cell, _CSS, e(title), e(sizes)),
+                 "<thead><tr>" + "".join("<th %s>%s</th>" % (cell, h) for h in
+                                         ("step", "formula", "dims", "shape"))
+                 + "</tr></thead>", "<tbody>"]
+        for s in self.steps:
+            preview = _preview(s.array) if values else ""
+            parts.append(
+                "<tr><td %s>%s</td><td %s><code>%s</code></td><td %s><code>%s</code></td>"
+                "<td %s><code>%s</code>%s</td></tr>"
+                % (cell, e(s.name), cell, e(s.formula), cell, e(_fmt_dims(s.dims)),
+                   cell, e(_fmt_shape(s.shape)), preview))
         parts.append("</tbody></table>")
-        parts.append("<p><small>shape flow: <code>%s</code></small></p>"
-                     % e(self.shape_flow()))
-        return "\n".join(parts)
+        parts.append('<p class="mha-trace-flow" style="text-align:left;font-family:system-ui,sans-serif"><small>shape flow: '
+                     "<code>%s</code></small></p>" % e(self.shape_flow()))
+        body = "\n".join(parts)
+        if not full_page:
+            return body
+        return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+                '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+                'style-src \'unsafe-inline\'">'
+                "<title>%s</title></head><body>\n%s\n</body></html>" % (e(title), body))
+
+    def save_html(self, path, values=True):
+        """Write the trace as a standalone HTML page; returns path."""
+        path = os.fspath(path)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_html(values=values, full_page=True))
+        return path
+
+
+# The table's look, scoped to .mha-trace: readable outside Jupyter (a plain
+# browser) and the same inside it (JupyterLab right-aligns table cells).
+_TABLE_STYLE = ('style="border-collapse:collapse;text-align:left;'
+                'font-family:system-ui,sans-serif;font-size:13px"')
+_CSS = (".mha-trace{border-collapse:collapse;margin:4px 0}"
+        ".mha-trace caption{text-align:left;padding:0 0 6px 0}"
+        ".mha-trace th,.mha-trace td{text-align:left!important;vertical-align:top;"
+        "padding:3px 12px 3px 0;border-bottom:1px solid #e2e2e2}"
+        ".mha-trace th{border-bottom:2px solid #999}"
+        ".mha-trace code{font-family:ui-monospace,Menlo,Consolas,monospace;"
+        "white-space:nowrap;background:none}"
+        ".mha-trace details{margin:2px 0 0 0}"
+        ".mha-trace summary{cursor:pointer;color:#555;font-size:12px}"
+        ".mha-trace pre{margin:2px 0;font-size:11px;line-height:1.25;text-align:left}")
+
+
+def _preview(a, rows=4, cols=6):
+    """A collapsed <details> with a small slice of a: index 0 on every
+    leading axis, at most rows x cols of the last two."""
+    a = np.asarray(a)
+    if a.ndim == 0 or a.size == 0:
+        return ""
+    lead = (0,) * max(a.ndim - 2, 0)
+    if a.ndim == 1:
+        part, where = a[:cols], "[:%d]" % cols
+    else:
+        part = a[lead + (slice(0, rows), slice(0, cols))]
+        where = "[" + ", ".join(["0"] * len(lead) + [":%d" % rows, ":%d" % cols]) + "]"
+    text = np.array2string(part, precision=3, suppress_small=True, max_line_width=200)
+    return ("<details><summary>values %s</summary><pre>%s</pre></details>"
+            % (html.escape(where), html.escape(text)))
 
 
 # ---------------------------------------------------------------------------
@@ -258,6 +321,13 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     Unbatched inputs (query (Sq, E)) are traced with the batch dimension
     dropped from every step.
     """
+    # the steps below are the plain computation: refuse what they do not show
+    if getattr(module, "add_bias_kv", False) or getattr(module, "add_zero_attn", False):
+        raise NotImplementedError("trace() does not show add_bias_kv's or add_zero_attn's "
+                                  "extra keys yet: trace a module without them")
+    if kwargs.get("scale") is not None or isinstance(kwargs.get("is_causal"), str):
+        raise NotImplementedError("trace() shows the default scale and top-left causality "
+                                  "only (no scale=, no is_causal='lower_right')")
     dtype = np.dtype(module.dtype)
     need_weights = flag(kwargs.get("need_weights", True), "need_weights")
     average = flag(kwargs.get("average_weights", False), "average_weights")

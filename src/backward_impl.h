@@ -8,8 +8,9 @@
  *   Q = query·W_qᵀ + b_q            d query = dQ·W_q   dW_q = dQᵀ·query   db_q = Σ_rows dQ
  *   K = key·W_kᵀ + b_k              d key   = dK·W_k   dW_k = dKᵀ·key     db_k = Σ_rows dK
  *   V = value·W_vᵀ + b_v            d value = dV·W_v   dW_v = dVᵀ·value   db_v = Σ_rows dV
+ *   K, V += extra rows (bias_k / bias_v, zeros)   db_k' = Σ_b dK[b, Sk], db_v' = Σ_b dV[b, Sk]
  *   per (b, h):
- *     S = Q_bh·K_bhᵀ / sqrt(Dk)     dQ_bh = dS·K_bh / sqrt(Dk)   dK_bh = dSᵀ·Q_bh / sqrt(Dk)
+ *     S = Q_bh·K_bhᵀ · scale        dQ_bh = dS·K_bh · scale   dK_bh = dSᵀ·Q_bh · scale
  *     S = masked(S)                 (masks are constants: dS passes where S was finite)
  *     P = softmax(S)                dS_j = P_j (dP_j - Σ_k P_k dP_k)
  *     A = dropout(P)                dP = dA · keep / (1 - p)   (keep replayed, not stored)
@@ -46,24 +47,31 @@ typedef struct {
 
 typedef struct {
     const mha_backward_args *a;
-    const mha_forward_args *fa;
-    int64_t B, Sq, Sk, E, H, Dk;
+    const T *grad_weights; /* NULL, or dL/d weights (B, H, Sq, Sk) */
+    mha_rows rr;          /* the forward's masks, causality, blocked rows */
+    int64_t B, Sq, Sk, E, H, Hkv, Dk, Dv; /* Sk: every key, the extra ones too */
+    int64_t Skg;          /* the given keys (Sk without the extra ones) */
     T *q, *k, *v;         /* recomputed: Q (B, Sq, E), K and V (B, Sk, E); kept
-                             (saved): Q (B, H, Sq, Dk), K (B, H, Dk, Sk), V (B, H, Sk, Dk) */
-    T *ctx, *dctx;        /* (B, Sq, E) */
+                             (saved): Q (B, H, Sq, Dk), K (B, Hkv, Dk, Sk),
+                             V (B, Hkv, Sk, Dv) */
+    T *ctx, *dctx;        /* (B, Sq, E) (ctx: only when not saved) */
+    int64_t dc_sb, dc_sh, dc_ld; /* dctx's row i of head (b, h): b*dc_sb + h*dc_sh + i*dc_ld */
     int saved;            /* q, k, v, ctx are mha_forward_save's: never written */
     const T *p_saved;     /* NULL, or mha_forward_save's P (B, H, Sq, Sk) */
-    T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E) */
-    T *bsum;              /* (3, B, E): Σ over each batch's rows of dQ, dK, dV */
+    T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E), or as the dc_ strides say: */
+    int64_t dq_sb, dq_sh, dq_ld, dk_sb, dk_sh, dk_ld, dv_sb, dv_sh, dv_ld; /* (b, h or h') */
+    T *bsum;              /* NULL, or (3, B, E): Σ over each batch's rows of dQ, dK, dV
+                             (the given keys' rows) */
     T *scratch;           /* per slot: P, D (QB, Sk), then dQ_bh's block (QB, Dk),
-                             dK_bh and dV_bh (Sk, Dk) */
+                             dK_bh (Sk, Dk) and dV_bh (Sk, Dv) */
     T *pack;              /* per slot: MHA_GEMM_SCRATCH scalars for mha_gemm's packing */
     const KT *kern;       /* the kernels of the ISA in use */
     int64_t scratch_len;  /* scalars per slot */
     uint8_t *keep;        /* per slot: the replayed dropout mask (QB, Sk) */
     int64_t keep_len;     /* bytes per slot */
-    T scale;              /* 1 / sqrt(Dk) */
+    T scale;              /* the score scale */
     T drop_scale;         /* 1 / (1 - p) */
+    double dropout;       /* p */
     uint64_t drop_key;
     int dropout_on;
     mha_products prods;   /* a pass's products (internal.h's task list) */
@@ -142,110 +150,189 @@ static void SUF(colsum)(const T *x, int64_t R, int64_t C, int64_t ld, T *out)
 
 /* ------------------------------------------------------------ attention */
 
-/* One (b, h): the forward of the attention recomputed block by block of
- * queries, each step followed by its backward. */
-static void SUF(attend_backward_task)(void *vf, int64_t bh, int slot)
+/* With P kept by the forward: 1 when row (b, h, i), whose P is p_r, has
+ * every key blocked (then the forward applied no dropout to it).  Only a
+ * NaN row can be one (with zero_masked_rows a blocked row is 0, where
+ * dropout changes nothing): its scores are recomputed into s (Sk) from q_i
+ * (Dk) and K transposed (Dk, Sk), and masked as the forward masked them. */
+static int SUF(saved_row_blocked)(const SUF(bwd) *f, const T *p_r, const T *q_i, const T *kt,
+                                  T *s, int64_t b, int64_t h, int64_t i)
+{
+    int64_t j, d;
+    if (p_r[0] == p_r[0]) return 0;
+    for (j = 0; j < f->Sk; j++) s[j] = 0;
+    for (d = 0; d < f->Dk; d++)
+        for (j = 0; j < f->Sk; j++) s[j] += q_i[d] * kt[d * f->Sk + j];
+    return SUF(row_max)(f->kern, &f->rr, f->scale, s, b, h, i, 0, f->Sk) == -(T)INFINITY;
+}
+
+/* One (b, key/value head h'): for each query head h of its group, the
+ * forward of the attention recomputed block by block of queries, each step
+ * followed by its backward (the module: h' = h, groups of one). */
+static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
 {
     const SUF(bwd) *f = (const SUF(bwd) *)vf;
-    const mha_forward_args *fa = f->fa;
-    const int64_t b = bh / f->H, h = bh % f->H;
-    const int64_t E = f->E, Sq = f->Sq, Sk = f->Sk, Dk = f->Dk;
-    int64_t i0, r, j;
+    const int64_t G = f->H / f->Hkv, b = task / f->Hkv, hkv = task % f->Hkv;
+    const int64_t E = f->E, Sq = f->Sq, Sk = f->Sk, Dk = f->Dk, Dv = f->Dv;
+    int64_t i0, r, j, g;
     /* Q_bh and V_bh: per head (kept by the forward) or columns of (B, S, E)
      * (recomputed); K_bh: transposed per head (Dk, Sk) or columns of K */
     const int hm = f->saved;
-    const int64_t ldq = hm ? Dk : E; /* of Q_bh and V_bh */
-    const T *q_bh = hm ? f->q + bh * Sq * Dk : f->q + b * Sq * E + h * Dk; /* (Sq, Dk) */
-    const T *k_bh = hm ? f->k + bh * Dk * Sk : f->k + b * Sk * E + h * Dk; /* see above */
-    const T *v_bh = hm ? f->v + bh * Sk * Dk : f->v + b * Sk * E + h * Dk; /* (Sk, Dk) */
-    const T *dc_bh = f->dctx + b * Sq * E + h * Dk; /* (Sq, Dk), ld E */
-    T *c_bh = f->ctx + b * Sq * E + h * Dk;         /* (Sq, Dk), ld E */
-    T *dq_bh = f->dq + b * Sq * E + h * Dk;         /* (Sq, Dk), ld E */
-    T *dk_bh = f->dk + b * Sk * E + h * Dk;         /* (Sk, Dk), ld E */
-    T *dv_bh = f->dv + b * Sk * E + h * Dk;         /* (Sk, Dk), ld E */
-    const T *gw_bh = f->a->grad_weights ? (const T *)f->a->grad_weights + bh * Sq * Sk : NULL;
+    const int64_t ldq = hm ? Dk : E, ldv = hm ? Dv : E; /* of Q_bh and V_bh */
+    const int64_t bkv = b * f->Hkv + hkv;
+    const T *k_bh = hm ? f->k + bkv * Dk * Sk : f->k + b * Sk * E + hkv * Dk; /* see above */
+    const T *v_bh = hm ? f->v + bkv * Sk * Dv : f->v + b * Sk * E + hkv * Dk; /* (Sk, Dv) */
+    T *dk_bh = f->dk ? f->dk + b * f->dk_sb + hkv * f->dk_sh : NULL; /* (Sk, Dk), ld dk_ld */
+    T *dv_bh = f->dv ? f->dv + b * f->dv_sb + hkv * f->dv_sh : NULL; /* (Sk, Dv), ld dv_ld */
     T *p = f->scratch + (int64_t)slot * f->scratch_len; /* (QB, Sk) P, when recomputed */
     T *d = p + QB * Sk;                                 /* (QB, Sk) A, then dA, dP, dS */
-    /* then (QB, Dk) dQ_bh's block, (Sk, Dk) dK_bh and dV_bh: see below */
+    /* then (QB, Dk) dQ_bh's block, (Sk, Dk) dK_bh, (Sk, Dv) dV_bh: see below */
     uint8_t *keep = f->keep + (int64_t)slot * f->keep_len; /* (QB, Sk) */
     T *gs = f->pack + (int64_t)slot * MHA_GEMM_SCRATCH;  /* mha_gemm's packing */
     /* the products write dQ_bh, dK_bh, dV_bh here, contiguous, and the task
      * copies them out into the (B, S, E) rows: a product's output tiles
      * then stay in cache instead of missing on E-strided lines */
     T *dqs = d + QB * Sk, *dks = dqs + QB * Dk, *dvs = dks + Sk * Dk;
+    uint8_t blocked[QB] = {0}; /* the block's rows with every key blocked */
 
-    if (Sk == 0) { /* no key at all: the context is an empty sum, nothing to differentiate */
-        for (r = 0; r < Sq; r++)
-            for (j = 0; j < Dk; j++) {
-                if (!f->saved) c_bh[r * E + j] = 0;
-                dq_bh[r * E + j] = 0;
+    for (g = 0; g < G; g++) {
+        const int64_t h = hkv * G + g, bh = b * f->H + h;
+        const T *q_bh = hm ? f->q + bh * Sq * Dk : f->q + b * Sq * E + h * Dk; /* (Sq, Dk) */
+        const T *dc_bh = f->dctx + b * f->dc_sb + h * f->dc_sh; /* (Sq, Dv), ld dc_ld */
+        T *c_bh = f->saved ? NULL : f->ctx + b * Sq * E + h * Dk; /* (Sq, Dk), ld E */
+        T *dq_bh = f->dq ? f->dq + b * f->dq_sb + h * f->dq_sh : NULL; /* (Sq, Dk), ld dq_ld */
+        const T *gw_bh = f->grad_weights ? f->grad_weights + bh * Sq * Sk : NULL;
+        if (Sk == 0) { /* no key: the context is an empty sum, nothing to differentiate */
+            for (r = 0; r < Sq; r++) {
+                for (j = 0; j < Dk && !f->saved; j++) c_bh[r * E + j] = 0;
+                for (j = 0; j < Dk && dq_bh; j++) dq_bh[r * f->dq_ld + j] = 0;
             }
-        SUF(colsum)(dq_bh, Sq, Dk, E, f->bsum + b * E + h * Dk);
-        SUF(colsum)(dk_bh, 0, Dk, E, f->bsum + (f->B + b) * E + h * Dk); /* empty sums: 0 */
-        SUF(colsum)(dv_bh, 0, Dk, E, f->bsum + (2 * f->B + b) * E + h * Dk);
-        return;
-    }
-    for (i0 = 0; i0 < Sq; i0 += QB) {
-        const int64_t nq = Sq - i0 < QB ? Sq - i0 : QB;
-        const int first = i0 == 0;
-        /* P of this block: the forward's, or recomputed into p */
-        const T *pb = f->p_saved ? f->p_saved + (bh * Sq + i0) * Sk : p;
-        const T *a_blk = pb; /* A: P itself without dropout */
+        }
+        for (i0 = 0; Sk > 0 && i0 < Sq; i0 += QB) {
+            const int64_t nq = Sq - i0 < QB ? Sq - i0 : QB;
+            const int first = i0 == 0 && g == 0;
+            /* P of this block: the forward's, or recomputed into p */
+            const T *pb = f->p_saved ? f->p_saved + (bh * Sq + i0) * Sk : p;
+            const T *a_blk = pb; /* A: P itself without dropout */
 
-        /* forward: S = Q_bh·K_bhᵀ / sqrt(Dk); S = masked(S); P = softmax(S) */
-        if (!f->p_saved)
-            SUF(mha_gemm)(f->kern, !hm, nq, Sk, Dk, q_bh + i0 * ldq, ldq, k_bh, hm ? Sk : E, NULL,
-                          p, Sk, 0, gs);
-        for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: the same P */
-            SUF(softmax_row)(f->kern, fa, f->scale, p + r * Sk, b, h, i0 + r, Sk, Sk);
-        /* forward: A = dropout(P), keep replayed from the call's stream */
-        if (f->dropout_on) {
-            for (r = 0; r < nq; r++) {
-                const uint64_t idx = ((uint64_t)bh * (uint64_t)Sq + (uint64_t)(i0 + r)) *
-                                     (uint64_t)Sk;
-                for (j = 0; j < Sk; j++) {
-                    keep[r * Sk + j] =
-                        (uint8_t)mha_dropout_keep(f->drop_key, idx + (uint64_t)j, fa->dropout);
-                    d[r * Sk + j] = keep[r * Sk + j] ? pb[r * Sk + j] * f->drop_scale : (T)0;
+            /* forward: S = Q_bh·K_bhᵀ · scale; S = masked(S); P = softmax(S) */
+            if (!f->p_saved)
+                SUF(mha_gemm)(f->kern, !hm, nq, Sk, Dk, q_bh + i0 * ldq, ldq, k_bh, hm ? Sk : E,
+                              NULL, p, Sk, 0, gs);
+            for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: the same P */
+                blocked[r] = SUF(softmax_row)(f->kern, &f->rr, f->scale, p + r * Sk, b, h,
+                                              i0 + r, Sk, Sk) < 0;
+            for (r = 0; r < nq && f->p_saved && f->dropout_on; r++)
+                blocked[r] = SUF(saved_row_blocked)(f, pb + r * Sk, q_bh + (i0 + r) * ldq, k_bh,
+                                                    d + r * Sk, b, h, i0 + r);
+            /* forward: A = dropout(P), keep replayed from the call's stream; a
+             * row with every key blocked has no dropout (as in the forward) */
+            if (f->dropout_on) {
+                for (r = 0; r < nq; r++) {
+                    const uint64_t idx = ((uint64_t)bh * (uint64_t)Sq + (uint64_t)(i0 + r)) *
+                                         (uint64_t)Sk;
+                    if (blocked[r]) {
+                        memset(keep + r * Sk, 1, (size_t)Sk);
+                        memcpy(d + r * Sk, pb + r * Sk, (size_t)Sk * sizeof(T));
+                        continue;
+                    }
+                    for (j = 0; j < Sk; j++) {
+                        keep[r * Sk + j] =
+                            (uint8_t)mha_dropout_keep(f->drop_key, idx + (uint64_t)j, f->dropout);
+                        d[r * Sk + j] = keep[r * Sk + j] ? pb[r * Sk + j] * f->drop_scale : (T)0;
+                    }
                 }
+                a_blk = d;
             }
-            a_blk = d;
+            /* forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx), unless kept */
+            if (!f->saved)
+                SUF(mha_gemm)(f->kern, 0, nq, Dv, Sk, a_blk, Sk, v_bh, ldv, NULL, c_bh + i0 * E, E,
+                              0, gs);
+            /* backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh */
+            SUF(mha_gemm_tn)(f->kern, Sk, Dv, nq, a_blk, Sk, dc_bh + i0 * f->dc_ld, f->dc_ld, dvs,
+                             Dv, !first, gs);
+            /* ... and dA = dctx_bh·V_bhᵀ, plus the gradient of the returned weights */
+            SUF(mha_gemm)(f->kern, 1, nq, Sk, Dv, dc_bh + i0 * f->dc_ld, f->dc_ld, v_bh, ldv, NULL,
+                          d, Sk, 0, gs);
+            if (gw_bh)
+                for (r = 0; r < nq; r++)
+                    for (j = 0; j < Sk; j++) d[r * Sk + j] += gw_bh[(i0 + r) * Sk + j];
+            for (r = 0; r < nq; r++) {
+                T *d_r = d + r * Sk;
+                /* backward of A = dropout(P): dP = dA · keep / (1 - p) */
+                if (f->dropout_on && !blocked[r])
+                    for (j = 0; j < Sk; j++)
+                        d_r[j] = keep[r * Sk + j] ? d_r[j] * f->drop_scale : (T)0;
+                /* backward of P = softmax(S): dS_j = P_j (dP_j - Σ_k P_k dP_k),
+                 * and of S = ... · scale: the scale folded in */
+                f->kern->softmax_grad(pb + r * Sk, d_r, Sk, f->scale);
+            }
+            /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh */
+            if (dq_bh) {
+                SUF(mha_gemm)(f->kern, hm, nq, Dk, Sk, d, Sk, k_bh, hm ? Sk : E, NULL, dqs, Dk, 0,
+                              gs);
+                for (r = 0; r < nq; r++)
+                    memcpy(dq_bh + (i0 + r) * f->dq_ld, dqs + r * Dk, (size_t)Dk * sizeof(T));
+            }
+            SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, d, Sk, q_bh + i0 * ldq, ldq, dks, Dk, !first,
+                             gs);
         }
-        /* forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx), unless kept */
-        if (!f->saved)
-            SUF(mha_gemm)(f->kern, 0, nq, Dk, Sk, a_blk, Sk, v_bh, ldq, NULL, c_bh + i0 * E, E, 0,
-                          gs);
-        /* backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh */
-        SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, a_blk, Sk, dc_bh + i0 * E, E, dvs, Dk, !first, gs);
-        /* ... and dA = dctx_bh·V_bhᵀ, plus the gradient of the returned weights */
-        SUF(mha_gemm)(f->kern, 1, nq, Sk, Dk, dc_bh + i0 * E, E, v_bh, ldq, NULL, d, Sk, 0, gs);
-        if (gw_bh)
-            for (r = 0; r < nq; r++)
-                for (j = 0; j < Sk; j++) d[r * Sk + j] += gw_bh[(i0 + r) * Sk + j];
-        for (r = 0; r < nq; r++) {
-            T *d_r = d + r * Sk;
-            /* backward of A = dropout(P): dP = dA · keep / (1 - p) */
-            if (f->dropout_on)
-                for (j = 0; j < Sk; j++)
-                    d_r[j] = keep[r * Sk + j] ? d_r[j] * f->drop_scale : (T)0;
-            /* backward of P = softmax(S): dS_j = P_j (dP_j - Σ_k P_k dP_k),
-             * and of S = .../sqrt(Dk): the scale folded in */
-            f->kern->softmax_grad(pb + r * Sk, d_r, Sk, f->scale);
-        }
-        /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh */
-        SUF(mha_gemm)(f->kern, hm, nq, Dk, Sk, d, Sk, k_bh, hm ? Sk : E, NULL, dqs, Dk, 0, gs);
-        SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, d, Sk, q_bh + i0 * ldq, ldq, dks, Dk, !first, gs);
-        for (r = 0; r < nq; r++) memcpy(dq_bh + (i0 + r) * E, dqs + r * Dk, (size_t)Dk * sizeof(T));
+        /* this head's share of the bias gradient of Q (db = Σ_rows dY),
+         * summed while dQ_bh is still in cache; phase 4 adds the batches */
+        if (f->bsum) SUF(colsum)(dq_bh, Sq, Dk, f->dq_ld, f->bsum + b * E + h * Dk);
+    }
+    if (Sk == 0 || Sq == 0) { /* nothing reached K and V */
+        for (r = 0; r < Sk * Dk; r++) dks[r] = 0;
+        for (r = 0; r < Sk * Dv; r++) dvs[r] = 0;
     }
     for (r = 0; r < Sk; r++) {
-        memcpy(dk_bh + r * E, dks + r * Dk, (size_t)Dk * sizeof(T));
-        memcpy(dv_bh + r * E, dvs + r * Dk, (size_t)Dk * sizeof(T));
+        if (dk_bh) memcpy(dk_bh + r * f->dk_ld, dks + r * Dk, (size_t)Dk * sizeof(T));
+        if (dv_bh) memcpy(dv_bh + r * f->dv_ld, dvs + r * Dv, (size_t)Dv * sizeof(T));
     }
-    /* this head's share of the bias gradients (db = Σ_rows dY), summed while
-     * dQ_bh, dK_bh, dV_bh are still in cache; phase 4 adds the batches */
-    SUF(colsum)(dq_bh, Sq, Dk, E, f->bsum + b * E + h * Dk);
-    SUF(colsum)(dks, Sk, Dk, Dk, f->bsum + (f->B + b) * E + h * Dk);
-    SUF(colsum)(dvs, Sk, Dk, Dk, f->bsum + (2 * f->B + b) * E + h * Dk);
+    /* ... and of K and V, over the given keys' rows */
+    if (f->bsum) {
+        SUF(colsum)(dks, f->Skg, Dk, Dk, f->bsum + (f->B + b) * E + hkv * Dk);
+        SUF(colsum)(dvs, f->Skg, Dv, Dv, f->bsum + (2 * f->B + b) * E + hkv * Dk);
+    }
+}
+
+/* Append the extra rows (add_bias_kv's bias_k, add_zero_attn's zeros) to
+ * the Sk rows of each batch of x (B*Sk, E), into y (B, Sk', E). */
+static void SUF(append_extra)(const mha_config *cfg, const T *x, const T *bias, T *y, int64_t B,
+                              int64_t Sk, int64_t Skx, int64_t E)
+{
+    int64_t b, j;
+    for (b = B - 1; b >= 0; b--) { /* from the end: x may be y */
+        T *y_b = y + b * Skx * E;
+        j = Sk;
+        memmove(y_b, x + b * Sk * E, (size_t)(Sk * E) * sizeof(T));
+        if (cfg->add_bias_kv) memcpy(y_b + (j++) * E, bias, (size_t)E * sizeof(T));
+        if (cfg->add_zero_attn) memset(y_b + j * E, 0, (size_t)E * sizeof(T));
+    }
+}
+
+/* Drop the extra rows of each batch of dy (B, Sk', E) in place, leaving
+ * (B*Sk, E); the gradient of bias (E) (add_bias_kv) is Σ_b dy[b, Sk]. */
+static void SUF(drop_extra)(const mha_config *cfg, T *dy, T *dbias, int64_t B, int64_t Sk,
+                            int64_t Skx, int64_t E)
+{
+    int64_t b, c;
+    if (dbias) {
+        for (c = 0; c < E; c++) dbias[c] = 0;
+        if (cfg->add_bias_kv)
+            for (b = 0; b < B; b++)
+                for (c = 0; c < E; c++) dbias[c] += dy[(b * Skx + Sk) * E + c];
+    }
+    for (b = 1; b < B; b++)
+        memmove(dy + b * Sk * E, dy + b * Skx * E, (size_t)(Sk * E) * sizeof(T));
+}
+
+/* scalars per slot of the attention task's scratch: P, D (QB, Sk), dQ_bh's
+ * block (QB, Dk), dK_bh (Sk, Dk) and dV_bh (Sk, Dv); nonzero on overflow */
+static int SUF(bwd_scratch_len)(SUF(bwd) *f)
+{
+    return mha_mul(2 * QB + f->Dk + f->Dv, f->Sk, &f->scratch_len) ||
+           mha_add(f->scratch_len, QB * f->Dk, &f->scratch_len);
 }
 
 /* ------------------------------------------------------------ the pass */
@@ -258,7 +345,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     mha_forward_args chk;
     SUF(bwd) f;
     int64_t offset[MHA_NPARAM], size[MHA_NPARAM], total;
-    int64_t n_q, n_kv, n_work, t, Rq, Rk, Ek, Ev;
+    int64_t n_q, n_kv, n_work, t, Rq, Rk, Ek, Ev, Skx;
     size_t bytes;
     int slots;
     T *work = NULL, *g = NULL;
@@ -289,24 +376,28 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
 
     memset(&f, 0, sizeof f);
     f.a = a;
-    f.fa = &a->fwd;
-    f.B = a->fwd.B; f.Sq = a->fwd.Sq; f.Sk = a->fwd.Sk;
-    f.E = cfg->d_model; f.H = cfg->n_heads; f.Dk = f.E / f.H;
-    f.scale = (T)(1.0 / sqrt((double)f.Dk));
+    f.grad_weights = (const T *)a->grad_weights;
+    f.rr = mha_rows_make(a->fwd.masks, a->fwd.n_masks, a->fwd.is_causal, a->fwd.Sq, a->fwd.Sk,
+                         a->fwd.zero_masked_rows);
+    f.B = a->fwd.B; f.Sq = a->fwd.Sq; f.Skg = a->fwd.Sk;
+    Skx = f.Sk = a->fwd.Sk + sz.extra; /* every key: the given ones, then the extra ones */
+    f.E = cfg->d_model; f.H = f.Hkv = cfg->n_heads; f.Dk = f.Dv = f.E / f.H;
+    f.scale = (T)mha_score_scale(a->fwd.has_scale, a->fwd.scale, f.Dk);
     f.kern = SUF(mha_kern_get)();
+    f.dropout = a->fwd.dropout;
     f.dropout_on = a->fwd.dropout > 0.0;
     f.drop_scale = a->fwd.dropout < 1.0 ? (T)(1.0 / (1.0 - a->fwd.dropout)) : (T)0;
     f.drop_key = mha_stream_key(a->fwd.seed, a->fwd.counter);
     Rq = f.B * f.Sq; /* rows of query-side matrices; n_out = Rq * E fits */
-    Rk = f.B * f.Sk; /* rows of key-side matrices;   n_key = Rk * Ek fits */
+    Rk = f.B * f.Skg; /* rows of key-side matrices;  n_key = Rk * Ek fits */
     n_q = sz.n_out;
-    if (mha_mul(Rk, f.E, &n_kv)) return MHA_ERR_OVERFLOW;
+    if (mha_mul(f.B * Skx, f.E, &n_kv)) return MHA_ERR_OVERFLOW; /* K, V with the extra rows */
 
     slots = mha_get_num_threads();
     {
         double flops = 2.0 * (double)Rq * (double)f.E * (double)f.E * 6.0 +
                        2.0 * (double)Rk * (double)f.E * (double)(Ek + Ev) * 3.0 +
-                       10.0 * (double)Rq * (double)f.Sk * (double)f.E;
+                       10.0 * (double)Rq * (double)Skx * (double)f.E;
         if (flops < 4e5) slots = 1;
     }
 
@@ -314,8 +405,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
      * without sv also q, ctx (B, Sq, E), k and v (B, Sk, E); then per slot
      * P, D (QB, Sk), dQ_bh's block (QB, Dk), dK_bh and dV_bh (Sk, Dk), and
      * mha_gemm's packing */
-    if (mha_mul(2 * QB + 2 * f.Dk, f.Sk, &f.scratch_len) ||
-        mha_add(f.scratch_len, QB * f.Dk, &f.scratch_len) ||
+    if (SUF(bwd_scratch_len)(&f) ||
         mha_mul(n_q, sv ? 2 : 4, &n_work) || mha_mul(n_kv, sv ? 2 : 4, &t) ||
         mha_add(n_work, t, &n_work) || mha_mul(f.B * f.E, 3, &t) || mha_add(n_work, t, &n_work) ||
         mha_mul(f.scratch_len, slots, &t) || mha_add(n_work, t, &n_work) ||
@@ -340,6 +430,11 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     f.dv = f.dk + n_kv;
     f.bsum = f.dv + n_kv;
     f.scratch = f.bsum + 3 * f.B * f.E;
+    /* the module's layouts: dctx, dq (B, Sq, E), dk, dv (B, Sk', E), heads as columns */
+    f.dc_sb = f.dq_sb = f.Sq * f.E;
+    f.dk_sb = f.dv_sb = Skx * f.E;
+    f.dc_sh = f.dq_sh = f.dk_sh = f.dv_sh = f.Dk;
+    f.dc_ld = f.dq_ld = f.dk_ld = f.dv_ld = f.E;
     if (sv) { /* read only */
         f.saved = 1;
         f.p_saved = (const T *)sv->p;
@@ -360,21 +455,31 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
 
     /* 1. the forward's projections, and dctx = d out·W_o
      *    (backward of out = ctx·W_oᵀ + b_o, for ctx) */
-    if (!f.saved) {
+    if (!f.saved) { /* with extra keys, K and V first into dK and dV's space */
         SUF(prod_add)(&f, MHA_NT, (const T *)a->fwd.query, f.E, (const T *)p->wq, f.E,
                       (const T *)p->bq, f.q, f.E, Rq, f.E, f.E);
         SUF(prod_add)(&f, MHA_NT, (const T *)a->fwd.key, Ek, (const T *)p->wk, Ek,
-                      (const T *)p->bk, f.k, f.E, Rk, f.E, Ek);
+                      (const T *)p->bk, sz.extra ? f.dk : f.k, f.E, Rk, f.E, Ek);
         SUF(prod_add)(&f, MHA_NT, (const T *)a->fwd.value, Ev, (const T *)p->wv, Ev,
-                      (const T *)p->bv, f.v, f.E, Rk, f.E, Ev);
+                      (const T *)p->bv, sz.extra ? f.dv : f.v, f.E, Rk, f.E, Ev);
     }
     SUF(prod_add)(&f, MHA_NN, (const T *)a->grad_out, f.E, (const T *)p->wo, f.E,
                   NULL, f.dctx, f.E, Rq, f.E, f.E);
     if (mha_parallel_for(f.prods.tiles, slots, SUF(prod_task), &f, &ps)) goto stopped;
+    if (!f.saved && sz.extra) { /* K, V += their extra rows */
+        SUF(append_extra)(cfg, f.dk, (const T *)p->bias_k, f.k, f.B, f.Skg, Skx, f.E);
+        SUF(append_extra)(cfg, f.dv, (const T *)p->bias_v, f.v, f.B, f.Skg, Skx, f.E);
+    }
     MHA_TICK("backward 1 proj");
 
     /* 2. attention, per (b, h) */
     if (mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f, &ps)) goto stopped;
+    if (sz.extra) { /* backward of K, V += extra rows: bias_k's, bias_v's gradients */
+        SUF(drop_extra)(cfg, f.dk, g && cfg->add_bias_kv ? g + offset[MHA_BIAS_K] : NULL, f.B,
+                        f.Skg, Skx, f.E);
+        SUF(drop_extra)(cfg, f.dv, g && cfg->add_bias_kv ? g + offset[MHA_BIAS_V] : NULL, f.B,
+                        f.Skg, Skx, f.E);
+    }
     MHA_TICK("backward 2 attn");
 
     /* 4. the weight gradients (dW = dYᵀ·X, as (Rows, E)ᵀ·(Rows, In)) and the

@@ -1,12 +1,16 @@
 /* forward_impl.h: the threaded forward pass, written once for T = float and
  * T = double (included twice by forward.c with T, SUF, KT and EXP defined, after
- * softmax_impl.h: the softmax row it shares with the backward).
+ * softmax_impl.h: the softmax row it shares with the backward, and
+ * attend_impl.h: the attention tasks it shares with mha_sdpa_forward).
  *
  *   Q = query·W_qᵀ + b_q        kept per head: qh (B, H, Sq, Dk)
- *   K = key·W_kᵀ + b_k          kept per head, transposed: kt (B, H, Dk, Sk)
- *   V = value·W_vᵀ + b_v        kept per head: vh (B, H, Sk, Dk)
+ *   K = key·W_kᵀ + b_k          kept per head, transposed: kt (B, H, Dk, Sk')
+ *   V = value·W_vᵀ + b_v        kept per head: vh (B, H, Sk', Dk)
+ *     (Sk' = Sk + extra: add_bias_kv's row bias_k / bias_v, then
+ *      add_zero_attn's zero row, appended per batch after the projections)
  *   per (b, h, block of queries), head h being columns h*Dk .. h*Dk+Dk-1:
- *     S = Q_bh·K_bhᵀ / sqrt(Dk), masked (-inf), softmax, dropout
+ *     S = Q_bh·K_bhᵀ · scale (1/sqrt(Dk) by default), masked (-inf),
+ *     softmax, dropout
  *     ctx_bh = S·V_bh           ctx is (B, Sq, E): the heads concatenated
  *   out = ctx·W_oᵀ + b_o        out is (B, Sq, E)
  *
@@ -25,8 +29,6 @@
  * Per-thread scratch (GEMM packing and the online state) is allocated once
  * per call. */
 
-#define QB 48        /* queries per attention task: a multiple of every kernel's MR (6, 6, 4) */
-#define KB 256       /* keys per block of the online softmax */
 #define RM 1024      /* rows per projection task: packed W reused over them (and
                         narrower column tiles, 64 wide, before more row tiles) */
 #define SMALL_M 24   /* below this many rows, projections use the dot kernel */
@@ -36,40 +38,30 @@
 typedef struct {
     T *x_copy, *w_copy, *b_copy; /* NULL, or where to copy x, w, b (mha_copies) */
     T *yh;              /* NULL, or y per head: (B, H, S, Dk) */
-    T *yt;              /* NULL, or y per head, transposed: (B, H, Dk, S) */
-    int64_t S, Dk;      /* ... their rows per batch and head width */
+    T *yt;              /* NULL, or y per head, transposed: (B, H, Dk, Sl) */
+    int64_t S, Sl, Dk;  /* ... their rows per batch, rows per head in the
+                           layout (S plus the extra keys) and head width */
 } SUF(proj_extra);
 
 typedef struct {
-    const mha_forward_args *a;
     const KT *kern;
-    int64_t B, Sq, Sk, E, H, Dk;
-    T *qh, *vh;          /* Q (B, H, Sq, Dk) and V (B, H, Sk, Dk) per head */
-    T *kt;               /* K per head, transposed: (B, H, Dk, Sk) */
-    T *ctx;              /* (B, Sq, E) */
-    T *p_save;           /* NULL, or mha_saved's P (B, H, Sq, Sk) */
     T *scratch;          /* per slot: GEMM packing, then a projection tile or
                             the attention's state */
     int64_t scratch_len; /* scalars per slot */
-    T scale;             /* 1 / sqrt(Dk) */
-    T drop_scale;        /* 1 / (1 - p) */
-    uint64_t drop_key;
-    int dropout_on;
-    int skip_causal;     /* causal and V finite: skip keys past the diagonal */
     int small;           /* the projections use the dot kernel */
-    int64_t n_qblk;
     mha_products prods;  /* the pass's projections (internal.h's task list) */
     SUF(proj_extra) extra[3]; /* ... and what each does besides */
 } SUF(fwd);
 
 /* The tile y (m, n) at rows i0.., columns n0.. of a projection (N = H*Dk
  * columns, S rows per batch), leading dimension ldy, scattered per head:
- *   yh[((b*H + h)*S + s)*Dk + d]  (one run of the tile's row per head), and
- *   yt[((b*H + h)*Dk + d)*S + s]  (16 rows of one batch at a time, so that
+ *   yh[((b*H + h)*Sl + s)*Dk + d]  (one run of the tile's row per head), and
+ *   yt[((b*H + h)*Dk + d)*Sl + s]  (16 rows of one batch at a time, so that
  *                                   each store run is long)
  * for row i0+r = b*S + s and column n0+c = h*Dk + d. */
 static void SUF(tile_to_heads)(const T *y, int64_t ldy, int64_t N, int64_t i0, int64_t m,
-                               int64_t n0, int64_t n, int64_t S, int64_t Dk, T *yh, T *yt)
+                               int64_t n0, int64_t n, int64_t S, int64_t Sl, int64_t Dk, T *yh,
+                               T *yt)
 {
     const int64_t H = N / Dk;
     int64_t r0, r1, r, c, c1;
@@ -80,7 +72,7 @@ static void SUF(tile_to_heads)(const T *y, int64_t ldy, int64_t N, int64_t i0, i
         if (r1 > r0 + 16) r1 = r0 + 16;
         if (yt)
             for (c = n0; c < n0 + n; c++) {
-                T *dst = yt + ((b * H + c / Dk) * Dk + c % Dk) * S + s0;
+                T *dst = yt + ((b * H + c / Dk) * Dk + c % Dk) * Sl + s0;
                 for (r = r0; r < r1; r++) dst[r - r0] = y[(r - i0) * ldy + c - n0];
             }
         if (yh)
@@ -88,7 +80,7 @@ static void SUF(tile_to_heads)(const T *y, int64_t ldy, int64_t N, int64_t i0, i
                 for (c = n0; c < n0 + n; c = c1) { /* the row's run inside one head */
                     c1 = (c / Dk + 1) * Dk;
                     if (c1 > n0 + n) c1 = n0 + n;
-                    memcpy(yh + ((b * H + c / Dk) * S + s0 + r - r0) * Dk + c % Dk,
+                    memcpy(yh + ((b * H + c / Dk) * Sl + s0 + r - r0) * Dk + c % Dk,
                            y + (r - i0) * ldy + c - n0, (size_t)(c1 - c) * sizeof(T));
                 }
     }
@@ -120,7 +112,7 @@ static void SUF(linear_task)(void *ctx, int64_t t, int slot)
     }
     SUF(mha_tile_gemm)(f->kern, jb, &tl, y, ldy, f->small, gs);
     if (ex->yh || ex->yt)
-        SUF(tile_to_heads)(y, ldy, jb->N, i0, m, n0, n, ex->S, ex->Dk, ex->yh, ex->yt);
+        SUF(tile_to_heads)(y, ldy, jb->N, i0, m, n0, n, ex->S, ex->Sl, ex->Dk, ex->yh, ex->yt);
 }
 
 /* A projection y (M, N) = x (M, K)·w (N, K)ᵀ + b into the pass's list, in
@@ -159,131 +151,14 @@ static void SUF(proj_copies)(SUF(fwd) *f, int j, const mha_copies *cp, const int
     }
 }
 
-static void SUF(fill_rows)(T *x, int64_t rows, int64_t cols, int64_t ld, T value)
-{
-    int64_t r, c;
-    for (r = 0; r < rows; r++)
-        for (c = 0; c < cols; c++) x[r * ld + c] = value;
-}
-
-/* A = dropout(P) over w[0..n), the row's elements idx, idx+1, ... of the
- * call's stream */
-static void SUF(dropout_row)(const SUF(fwd) *f, T *w, int64_t n, uint64_t idx)
-{
-    int64_t j;
-    for (j = 0; j < n; j++)
-        w[j] = mha_dropout_keep(f->drop_key, idx + (uint64_t)j, f->a->dropout)
-                   ? w[j] * f->drop_scale : (T)0;
-}
-
-/* Attention with the weights written: task = (b, h, block of queries).
- * P (the softmax) is formed in the weights array itself, or in mha_saved's
- * P when that is kept; A = dropout(P), what multiplies V, is then the
- * weights array, P itself (no dropout, no weights asked for) or a scratch
- * block of the slot (dropout, no weights). */
-static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
-{
-    SUF(fwd) *f = (SUF(fwd) *)ctx;
-    const mha_forward_args *a = f->a;
-    int64_t bh = t / f->n_qblk, b = bh / f->H, h = bh % f->H;
-    int64_t i0 = (t % f->n_qblk) * QB, nq = f->Sq - i0 < QB ? f->Sq - i0 : QB;
-    int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, kend = Sk;
-    const T *q_bh = f->qh + (bh * f->Sq + i0) * Dk;       /* (nq, Dk) */
-    const T *kt_bh = f->kt + bh * Dk * Sk;                /* (Dk, Sk) */
-    const T *v_bh = f->vh + bh * Sk * Dk;                 /* (Sk, Dk) */
-    T *c_bh = f->ctx + (b * f->Sq + i0) * E + h * Dk;     /* (nq, Dk), ld E */
-    T *gs = f->scratch + (int64_t)slot * f->scratch_len;
-    T *p_bh = (f->p_save ? f->p_save : (T *)a->weights) + (bh * f->Sq + i0) * Sk; /* (nq, Sk) */
-    T *a_bh = p_bh;                                                               /* (nq, Sk) */
-    if (f->p_save && a->weights)
-        a_bh = (T *)a->weights + (bh * f->Sq + i0) * Sk;
-    else if (f->p_save && f->dropout_on)
-        a_bh = gs + MHA_GEMM_SCRATCH;
-    if (Sk == 0) { /* no key at all: the context is an empty sum */
-        SUF(fill_rows)(c_bh, nq, Dk, E, (T)0);
-        return;
-    }
-    if (f->skip_causal && i0 + nq < Sk) kend = i0 + nq; /* later keys: blocked for all */
-    SUF(mha_gemm)(f->kern, 0, nq, kend, Dk, q_bh, Dk, kt_bh, Sk, NULL, p_bh, Sk, 0, gs);
-    for (r = 0; r < nq; r++) {
-        T *w = p_bh + r * Sk;
-        const int64_t i = i0 + r;
-        /* P = softmax(masked S / sqrt(Dk)); ne < 0: every key blocked */
-        const int64_t ne = SUF(softmax_row)(f->kern, a, f->scale, w, b, h, i, kend, Sk);
-        if (a_bh != p_bh) memcpy(a_bh + r * Sk, w, (size_t)Sk * sizeof(T));
-        if (f->dropout_on && ne >= 0) /* a blocked row: no dropout either */
-            SUF(dropout_row)(f, a_bh + r * Sk, ne,
-                             ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)i) * (uint64_t)Sk);
-    }
-    SUF(mha_gemm)(f->kern, 0, nq, Dk, kend, a_bh, Sk, v_bh, Dk, NULL, c_bh, E, 0, gs);
-}
-
-/* Attention without weights: an online softmax over blocks of KB keys. */
-static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
-{
-    SUF(fwd) *f = (SUF(fwd) *)ctx;
-    const mha_forward_args *a = f->a;
-    int64_t bh = t / f->n_qblk, b = bh / f->H, h = bh % f->H;
-    int64_t i0 = (t % f->n_qblk) * QB, nq = f->Sq - i0 < QB ? f->Sq - i0 : QB;
-    int64_t E = f->E, Sk = f->Sk, Dk = f->Dk, r, j0, d, kend = Sk;
-    const T *q_bh = f->qh + (bh * f->Sq + i0) * Dk; /* (nq, Dk) */
-    const T *kt_bh = f->kt + bh * Dk * Sk;          /* (Dk, Sk) */
-    const T *v_bh = f->vh + bh * Sk * Dk;           /* (Sk, Dk) */
-    T *c_bh = f->ctx + (b * f->Sq + i0) * E + h * Dk;
-    T *gs = f->scratch + (int64_t)slot * f->scratch_len; /* GEMM packing */
-    T *s = gs + MHA_GEMM_SCRATCH;                        /* (QB, KB) */
-    T *mx = s + QB * KB;                                 /* (QB) running max */
-    T *l = mx + QB;                                      /* (QB) running sum */
-    T *acc = l + QB;                                     /* (QB, Dk) */
-    for (r = 0; r < nq; r++) {
-        mx[r] = -(T)INFINITY;
-        l[r] = 0;
-    }
-    SUF(fill_rows)(acc, nq, Dk, Dk, (T)0);
-    if (f->skip_causal && i0 + nq < Sk) kend = i0 + nq;
-    for (j0 = 0; j0 < kend; j0 += KB) {
-        int64_t nk = kend - j0 < KB ? kend - j0 : KB;
-        SUF(mha_gemm)(f->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, Sk, NULL, s, KB, 0, gs);
-        for (r = 0; r < nq; r++) {
-            T *srow = s + r * KB, alpha;
-            const int64_t i = i0 + r;
-            const int64_t ne = SUF(softmax_online_step)(f->kern, a, f->scale, srow, b, h, i, j0,
-                                                        nk, &mx[r], &l[r], &alpha);
-            if (ne < 0) continue; /* nothing visible in this block */
-            if (f->dropout_on)
-                SUF(dropout_row)(f, srow, ne, ((uint64_t)bh * (uint64_t)f->Sq + (uint64_t)i) *
-                                                  (uint64_t)Sk + (uint64_t)j0);
-            if (alpha != (T)1) f->kern->scale(acc + r * Dk, Dk, alpha);
-        }
-        SUF(mha_gemm)(f->kern, 0, nq, Dk, nk, s, KB, v_bh + j0 * Dk, Dk, NULL, acc, Dk, 1, gs);
-    }
-    for (r = 0; r < nq; r++) {
-        T *c = c_bh + r * E;
-        if (mx[r] == -(T)INFINITY) { /* every key blocked; Sk == 0: an empty sum */
-            for (d = 0; d < Dk; d++) c[d] = Sk == 0 ? (T)0 : SUF(blocked_row_value)(a);
-        } else {
-            T inv = (T)1 / l[r];
-            for (d = 0; d < Dk; d++) c[d] = acc[r * Dk + d] * inv;
-        }
-    }
-}
-
-/* 1 when every element of x[0..n) is finite */
-static int SUF(all_finite)(const T *x, int64_t n)
-{
-    int64_t i;
-    T z = 0;
-    for (i = 0; i < n; i++) z += x[i] * 0; /* NaN as soon as one is NaN or inf */
-    return z == 0;
-}
-
 /* Copy what mha_copies asks for of the inputs and parameters at once (when
  * no projection task runs to copy them on its way). */
 static void SUF(save_copies)(const mha_params *p, const mha_forward_args *a,
                              const mha_copies *cp, const mha_sizes *sz, const int64_t *offset,
                              const int64_t *size)
 {
-    const void *src[MHA_NPARAM] = {p->wq, p->bq, p->wk, p->bk, p->wv, p->bv, p->wo, p->bo};
+    const void *src[MHA_NPARAM] = {p->wq, p->bq, p->wk, p->bk, p->wv,
+                                   p->bv, p->wo, p->bo, p->bias_k, p->bias_v};
     int i;
     if (cp->query) memcpy(cp->query, a->query, (size_t)sz->n_query * sizeof(T));
     if (cp->key) memcpy(cp->key, a->key, (size_t)sz->n_key * sizeof(T));
@@ -291,6 +166,30 @@ static void SUF(save_copies)(const mha_params *p, const mha_forward_args *a,
     if (cp->params)
         for (i = 0; i < MHA_NPARAM; i++)
             if (size[i] > 0) memcpy((T *)cp->params + offset[i], src[i], (size_t)size[i] * sizeof(T));
+}
+
+/* K and V's extra rows (add_bias_kv's bias_k / bias_v, then add_zero_attn's
+ * zeros) after the Sk projected ones of every (b, h): kt (B, H, Dk, Sk'),
+ * vh (B, H, Sk', Dk) */
+static void SUF(extra_rows)(const mha_config *cfg, const mha_params *p, T *kt, T *vh, int64_t B,
+                            int64_t H, int64_t Sk, int64_t Skx, int64_t Dk)
+{
+    int64_t bh, d;
+    for (bh = 0; bh < B * H; bh++) {
+        const int64_t h = bh % H;
+        for (d = 0; d < Dk; d++) {
+            int64_t j = Sk;
+            if (cfg->add_bias_kv) {
+                kt[(bh * Dk + d) * Skx + j] = ((const T *)p->bias_k)[h * Dk + d];
+                vh[(bh * Skx + j) * Dk + d] = ((const T *)p->bias_v)[h * Dk + d];
+                j++;
+            }
+            if (cfg->add_zero_attn) {
+                kt[(bh * Dk + d) * Skx + j] = 0;
+                vh[(bh * Skx + j) * Dk + d] = 0;
+            }
+        }
+    }
 }
 
 /* sv: NULL, or the caller's buffers of mha_forward_save (Q, K, V and ctx;
@@ -302,7 +201,8 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
 {
     mha_sizes sz;
     SUF(fwd) f;
-    int64_t n_work = 0, n_scratch = 0, t, offset[MHA_NPARAM], size[MHA_NPARAM], total;
+    SUF(att) at;
+    int64_t n_work = 0, n_scratch = 0, t, offset[MHA_NPARAM], size[MHA_NPARAM], total, Skx;
     size_t bytes;
     int slots;
     const int keep = sv && sv->q; /* Q, K, V and ctx go to the caller's buffers */
@@ -319,66 +219,74 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     }
 
     memset(&f, 0, sizeof f);
-    f.a = a;
-    f.kern = SUF(mha_kern_get)();
-    f.B = a->B; f.Sq = a->Sq; f.Sk = a->Sk;
-    f.E = cfg->d_model; f.H = cfg->n_heads; f.Dk = f.E / f.H;
-    f.scale = (T)(1.0 / sqrt((double)f.Dk));
-    f.dropout_on = a->dropout > 0.0;
-    f.drop_scale = a->dropout < 1.0 ? (T)(1.0 / (1.0 - a->dropout)) : (T)0;
-    f.drop_key = mha_stream_key(a->seed, a->counter);
-    f.n_qblk = (f.Sq + QB - 1) / QB;
+    memset(&at, 0, sizeof at);
+    f.kern = at.kern = SUF(mha_kern_get)();
+    at.B = a->B; at.Sq = a->Sq;
+    Skx = at.Sk = a->Sk + sz.extra; /* every key: the given ones, then the extra ones */
+    at.H = at.Hkv = cfg->n_heads;
+    at.Dk = at.Dv = cfg->d_model / cfg->n_heads;
+    at.rr = mha_rows_make(a->masks, a->n_masks, a->is_causal, a->Sq, a->Sk, a->zero_masked_rows);
+    at.scale = (T)mha_score_scale(a->has_scale, a->scale, at.Dk);
+    at.dropout = a->dropout;
+    at.dropout_on = a->dropout > 0.0;
+    at.drop_scale = a->dropout < 1.0 ? (T)(1.0 / (1.0 - a->dropout)) : (T)0;
+    at.drop_key = mha_stream_key(a->seed, a->counter);
+    at.weights = (T *)a->weights;
+    const int64_t B = a->B, Sq = a->Sq, Sk = a->Sk, E = cfg->d_model, Dk = at.Dk;
     /* the kernel choice depends on the problem alone, never on threads */
-    f.small = f.B * f.Sq < SMALL_M && f.B * f.Sk < SMALL_M;
+    f.small = B * Sq < SMALL_M && B * Sk < SMALL_M;
 
     /* small problems stay on the calling thread */
     slots = mha_get_num_threads();
     {
-        double flops = 2.0 * (double)f.B * (double)f.Sq * (double)f.E * (double)f.E * 2.0 +
-                       2.0 * (double)f.B * (double)f.Sk * (double)f.E *
+        double flops = 2.0 * (double)B * (double)Sq * (double)E * (double)E * 2.0 +
+                       2.0 * (double)B * (double)Sk * (double)E *
                            (double)(cfg->kdim + cfg->vdim) +
-                       4.0 * (double)f.B * (double)f.Sq * (double)f.Sk * (double)f.E;
+                       4.0 * (double)B * (double)Sq * (double)Skx * (double)E;
         if (flops < 2e6) slots = 1;
     }
 
     /* P kept: the attention forms it whole (the weights task) */
-    f.p_save = keep && sv->p ? (T *)sv->p : NULL;
+    at.p_save = keep && sv->p ? (T *)sv->p : NULL;
 
     /* per slot: the GEMM's packing, then what one pass needs after it: a
      * projection tile (at most RM rows and MHA_GEMM_NC columns), or the
-     * online softmax's state (Dk <= E: checked), or A = dropout(P) (QB, Sk)
-     * when P is kept without weights */
+     * attention's state (attend_impl.h) */
     {
-        int64_t rows = f.B * (f.Sq > f.Sk ? f.Sq : f.Sk), tile, state = 0;
+        int64_t rows = B * (Sq > Sk ? Sq : Sk), tile, state;
         if (rows > RM) rows = RM;
-        tile = rows * (f.E < MHA_GEMM_NC ? f.E : MHA_GEMM_NC);
-        if (!a->weights && !f.p_save) state = QB * KB + 2 * QB + QB * f.Dk;
-        if (f.p_save && !a->weights && f.dropout_on && mha_mul(QB, f.Sk, &state))
-            return MHA_ERR_OVERFLOW;
+        tile = rows * (E < MHA_GEMM_NC ? E : MHA_GEMM_NC);
+        if (SUF(att_state)(&at, &state)) return MHA_ERR_OVERFLOW;
         f.scratch_len = MHA_GEMM_SCRATCH + (tile > state ? tile : state);
     }
-    /* workspace: qh and ctx (B, Sq, E) scalars, kt and vh (B, Sk, E), unless
-     * the caller keeps them; then the slots' scratch */
-    if (mha_mul(f.B * f.Sk, f.E, &t) || mha_mul(t, keep ? 0 : 2, &t) ||
+    /* workspace: qh and ctx (B, Sq, E) scalars, kt and vh (B, Sk', E),
+     * unless the caller keeps them; then the slots' scratch */
+    if (mha_mul(B * Skx, E, &t) || mha_mul(t, keep ? 0 : 2, &t) ||
         mha_add(t, keep ? 0 : 2 * sz.n_out, &n_work) ||
         mha_mul(f.scratch_len, slots, &n_scratch) || mha_add(n_work, n_scratch, &n_work))
         return MHA_ERR_OVERFLOW;
     if (mha_bytes(n_work, sizeof(T), &bytes)) return MHA_ERR_OVERFLOW;
     work = (T *)mha_work_alloc(bytes);
     if (!work) return MHA_ERR_NOMEM;
+    T *qh, *kt, *vh, *ctx;
     if (keep) {
-        f.qh = (T *)sv->q;
-        f.kt = (T *)sv->k;
-        f.vh = (T *)sv->v;
-        f.ctx = (T *)sv->ctx;
+        qh = (T *)sv->q;
+        kt = (T *)sv->k;
+        vh = (T *)sv->v;
+        ctx = (T *)sv->ctx;
         f.scratch = work;
     } else {
-        f.qh = work;
-        f.ctx = f.qh + sz.n_out;
-        f.kt = f.ctx + sz.n_out;
-        f.vh = f.kt + f.B * f.Sk * f.E;
-        f.scratch = f.vh + f.B * f.Sk * f.E;
+        qh = work;
+        ctx = qh + sz.n_out;
+        kt = ctx + sz.n_out;
+        vh = kt + B * Skx * E;
+        f.scratch = vh + B * Skx * E;
     }
+    at.qh = qh; at.kt = kt; at.vh = vh;
+    at.ctx = ctx;
+    at.cs_b = Sq * E; at.cs_h = Dk; at.ldc = E;
+    at.scratch = f.scratch;
+    at.scratch_len = f.scratch_len;
 
     mha_poll_start(&ps, a->poll, a->poll_ctx);
     MHA_TICK_START;
@@ -386,38 +294,40 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
      * each tile scattered per head (K transposed, so that Q·Kᵀ reads it in
      * place), and the copies mha_saved asks for made on the way */
     jq = SUF(add_proj)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq, NULL,
-                       f.B * f.Sq, f.E, f.E, slots);
+                       B * Sq, E, E, slots);
     jk = SUF(add_proj)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk, NULL,
-                       f.B * f.Sk, f.E, cfg->kdim, slots);
+                       B * Sk, E, cfg->kdim, slots);
     jv = SUF(add_proj)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, NULL,
-                       f.B * f.Sk, f.E, cfg->vdim, slots);
+                       B * Sk, E, cfg->vdim, slots);
     SUF(proj_copies)(&f, 0, cp, offset, MHA_WQ, cp ? cp->query : NULL);
     SUF(proj_copies)(&f, 1, cp, offset, MHA_WK, cp ? cp->key : NULL);
     SUF(proj_copies)(&f, 2, cp, offset, MHA_WV, cp ? cp->value : NULL);
-    jq->yh = f.qh;
-    jk->yt = f.kt;
-    jv->yh = f.vh;
-    jq->S = f.Sq;
-    jk->S = jv->S = f.Sk;
-    jq->Dk = jk->Dk = jv->Dk = f.Dk;
+    if (cp && cp->params && cfg->add_bias_kv) {
+        memcpy((T *)cp->params + offset[MHA_BIAS_K], p->bias_k, (size_t)E * sizeof(T));
+        memcpy((T *)cp->params + offset[MHA_BIAS_V], p->bias_v, (size_t)E * sizeof(T));
+    }
+    jq->yh = qh;
+    jk->yt = kt;
+    jv->yh = vh;
+    jq->S = jq->Sl = Sq;
+    jk->S = jv->S = Sk;
+    jk->Sl = jv->Sl = Skx;
+    jq->Dk = jk->Dk = jv->Dk = Dk;
     if (mha_parallel_for(f.prods.tiles, slots, SUF(linear_task), &f, &ps)) goto stopped;
+    if (sz.extra) SUF(extra_rows)(cfg, p, kt, vh, B, cfg->n_heads, Sk, Skx, Dk);
     MHA_TICK("forward qkv proj");
 
-    /* a NaN or inf in V must reach every row (0·NaN), so no causal skipping */
-    f.skip_causal = a->is_causal && SUF(all_finite)(f.vh, f.B * f.Sk * f.E);
+    /* a NaN or inf in V must reach every row (0·NaN), so no causal
+     * skipping; nor past the extra keys, which causality never blocks */
+    at.skip_causal = a->is_causal && sz.extra == 0 && SUF(all_finite)(vh, B * Skx * E);
 
     /* attention, per (b, h, block of queries) */
-    if (mha_parallel_for(f.B * f.H * f.n_qblk, slots,
-                         a->weights || f.p_save ? SUF(attend_weights_task)
-                                                : SUF(attend_online_task),
-                         &f, &ps))
-        goto stopped;
+    if (SUF(attend)(&at, slots, &ps)) goto stopped;
     MHA_TICK("forward attention");
 
     /* the output projection */
     memset(&f.prods, 0, sizeof f.prods);
-    SUF(add_proj)(&f, f.ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out, f.B * f.Sq, f.E,
-                  f.E, slots);
+    SUF(add_proj)(&f, ctx, (const T *)p->wo, (const T *)p->bo, (T *)a->out, B * Sq, E, E, slots);
     SUF(proj_copies)(&f, 0, cp, offset, MHA_WO, NULL);
     if (mha_parallel_for(f.prods.tiles, slots, SUF(linear_task), &f, &ps)) goto stopped;
     MHA_TICK("forward out proj");
@@ -429,7 +339,5 @@ stopped: /* the poll asked to stop: the outputs are unspecified */
     return MHA_ERR_INTERRUPTED;
 }
 
-#undef QB
-#undef KB
 #undef RM
 #undef SMALL_M

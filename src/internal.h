@@ -221,14 +221,49 @@ void mha_tile_gemm_f32(const mha_kern_f32 *kt, const mha_product *pr, const mha_
 void mha_tile_gemm_f64(const mha_kern_f64 *kt, const mha_product *pr, const mha_tile *tl,
                        double *c, int64_t ldc, int small, double *scratch);
 
+/* ---- the rules of a row of scores (softmax_impl.h), one home for every
+ * pass: row (b, h, i) of Sq rows against keys j in [0, Sk + extra) ---- */
+typedef struct {
+    const mha_mask *masks; /* n_masks masks over (B, H, Sq, nmk) */
+    int n_masks;
+    int causal;            /* nonzero: key j is blocked when i + coff < j < nmk */
+    int64_t coff;          /* 0 top-left; Sk - Sq lower-right */
+    int64_t nmk;           /* keys the masks and causality cover (Sk); keys
+                              from nmk on (the extra keys) are never blocked */
+    int zero_masked_rows;
+} mha_rows;
+static inline mha_rows mha_rows_make(const mha_mask *masks, int n_masks, int is_causal,
+                                     int64_t Sq, int64_t Sk, int zero_masked_rows)
+{
+    mha_rows rr;
+    rr.masks = masks;
+    rr.n_masks = n_masks;
+    rr.causal = is_causal != 0;
+    rr.coff = is_causal == MHA_CAUSAL_LOWER_RIGHT ? Sk - Sq : 0;
+    rr.nmk = Sk;
+    rr.zero_masked_rows = zero_masked_rows;
+    return rr;
+}
+/* the score scale of a call: the caller's, or 1 / sqrt(Dk) */
+static inline double mha_score_scale(int has_scale, double scale, int64_t Dk)
+{
+    return has_scale ? scale : 1.0 / __builtin_sqrt((double)Dk);
+}
+
 /* ---- argument checks shared by every entry point (mha.c) ----
  * On MHA_OK, sizes hold the element counts of query, key, value, out and
  * weights (the last even when a->weights is NULL). */
 typedef struct {
     int64_t n_query, n_key, n_value, n_out, n_weights;
+    int64_t extra; /* mha_extra_keys(cfg) */
 } mha_sizes;
 mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
                              const mha_forward_args *a, mha_sizes *sz);
+
+/* The checks of mha_sdpa_forward's arguments (mha.c); with out NULL
+ * allowed (the backward's), and on MHA_OK the element counts of q, k, v,
+ * out and weights in sz (n_query, n_key, n_value, n_out, n_weights). */
+mha_status mha_check_sdpa(const mha_sdpa_args *a, int need_out, mha_sizes *sz);
 
 /* ---- the instances per dtype: what the entry points of mha.c call ----
  * Each is the template named beside it, instantiated in its .c file. */
@@ -251,5 +286,15 @@ mha_status mha_backward_ref_f32(const mha_config *cfg, const mha_params *p,
                                 const mha_backward_args *a);
 mha_status mha_backward_ref_f64(const mha_config *cfg, const mha_params *p,
                                 const mha_backward_args *a);
+/* forward.c (sdpa_forward_impl.h), backward.c (sdpa_backward_impl.h),
+ * ref.c (ref_sdpa_impl.h) */
+mha_status mha_sdpa_forward_f32(const mha_sdpa_args *a);
+mha_status mha_sdpa_forward_f64(const mha_sdpa_args *a);
+mha_status mha_sdpa_backward_f32(const mha_sdpa_backward_args *a);
+mha_status mha_sdpa_backward_f64(const mha_sdpa_backward_args *a);
+mha_status mha_sdpa_forward_ref_f32(const mha_sdpa_args *a);
+mha_status mha_sdpa_forward_ref_f64(const mha_sdpa_args *a);
+mha_status mha_sdpa_backward_ref_f32(const mha_sdpa_backward_args *a);
+mha_status mha_sdpa_backward_ref_f64(const mha_sdpa_backward_args *a);
 
 #endif /* MHA_INTERNAL_H */

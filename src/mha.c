@@ -28,23 +28,47 @@ size_t mha_dtype_size(mha_dtype dtype)
     return 0;
 }
 
+/* mask strides over dims (B, H, Sq, Sk): every offset must fit in int64_t */
+static mha_status check_masks(const mha_mask *masks, int n_masks, const int64_t dim[4])
+{
+    int m, d;
+    int64_t span;
+    if (n_masks < 0 || n_masks > MHA_MAX_MASKS || (n_masks > 0 && !masks)) return MHA_ERR_ARG;
+    for (m = 0; m < n_masks; m++) {
+        const mha_mask *mk = &masks[m];
+        if (!mk->data || (mk->kind != MHA_MASK_BLOCK && mk->kind != MHA_MASK_ADD))
+            return MHA_ERR_ARG;
+        span = 0;
+        for (d = 0; d < 4; d++) {
+            int64_t s = mk->stride[d], reach;
+            if (s == INT64_MIN) return MHA_ERR_OVERFLOW;
+            if (dim[d] == 0) continue;
+            if (mha_mul(s < 0 ? -s : s, dim[d] - 1, &reach) || mha_add(span, reach, &span))
+                return MHA_ERR_OVERFLOW;
+        }
+    }
+    return MHA_OK;
+}
+
 static mha_status check_sizes(const mha_config *cfg, int64_t B, int64_t Sq, int64_t Sk,
                               mha_sizes *sz)
 {
-    int64_t t, E = cfg->d_model;
+    int64_t t, Skx, E = cfg->d_model;
     size_t bytes, es = mha_dtype_size(cfg->dtype);
     mha_status st = mha_config_check(cfg);
     if (st != MHA_OK) return st;
     if (B < 0 || Sq < 0 || Sk < 0) return MHA_ERR_ARG;
+    sz->extra = mha_extra_keys(cfg);
+    if (mha_add(Sk, sz->extra, &Skx)) return MHA_ERR_OVERFLOW; /* with the extra keys */
     if (mha_mul(B, Sq, &t) || mha_mul(t, E, &sz->n_query)) return MHA_ERR_OVERFLOW;
     sz->n_out = sz->n_query;
     if (mha_mul(B, Sk, &t) || mha_mul(t, cfg->kdim, &sz->n_key)) return MHA_ERR_OVERFLOW;
     if (mha_mul(B, Sk, &t) || mha_mul(t, cfg->vdim, &sz->n_value)) return MHA_ERR_OVERFLOW;
-    if (mha_mul(B, cfg->n_heads, &t) || mha_mul(t, Sq, &t) || mha_mul(t, Sk, &sz->n_weights))
+    if (mha_mul(B, cfg->n_heads, &t) || mha_mul(t, Sq, &t) || mha_mul(t, Skx, &sz->n_weights))
         return MHA_ERR_OVERFLOW;
     /* workspaces: Q and the context (B, Sq, E); K, V and K per head
-     * transposed (B, Sk, E) */
-    if (mha_mul(B, Sk, &t) || mha_mul(t, E, &t) || mha_mul(t, 3, &t) ||
+     * transposed (B, Sk', E) */
+    if (mha_mul(B, Skx, &t) || mha_mul(t, E, &t) || mha_mul(t, 3, &t) ||
         mha_add(t, sz->n_out, &t) || mha_add(t, sz->n_out, &t))
         return MHA_ERR_OVERFLOW;
     if (mha_bytes(sz->n_query, es, &bytes) || mha_bytes(sz->n_key, es, &bytes) ||
@@ -65,8 +89,7 @@ mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
                              const mha_forward_args *a, mha_sizes *sz)
 {
     mha_status st;
-    int64_t H, span;
-    int m, d;
+    int64_t H;
     if (!cfg || !p || !a || !sz) return MHA_ERR_ARG;
     st = check_sizes(cfg, a->B, a->Sq, a->Sk, sz);
     if (st != MHA_OK) return st;
@@ -74,28 +97,54 @@ mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
     if (a->n_masks < 0 || a->n_masks > MHA_MAX_MASKS || (a->n_masks > 0 && !a->masks))
         return MHA_ERR_ARG;
     if (!(a->dropout >= 0.0 && a->dropout <= 1.0)) return MHA_ERR_ARG; /* NaN too */
+    if (a->is_causal < 0 || a->is_causal > MHA_CAUSAL_LOWER_RIGHT) return MHA_ERR_ARG;
     if (!p->wq || !p->wk || !p->wv || !p->wo) return MHA_ERR_ARG;
     if (cfg->bias && (!p->bq || !p->bk || !p->bv || !p->bo)) return MHA_ERR_ARG;
+    if (cfg->add_bias_kv && (!p->bias_k || !p->bias_v)) return MHA_ERR_ARG;
     if (sz->n_query > 0 && (!a->query || !a->out)) return MHA_ERR_ARG;
     if (sz->n_key > 0 && !a->key) return MHA_ERR_ARG;
     if (sz->n_value > 0 && !a->value) return MHA_ERR_ARG;
 
     /* every mask offset b*s0 + h*s1 + i*s2 + j*s3 must fit in int64_t */
-    for (m = 0; m < a->n_masks; m++) {
-        const mha_mask *mk = &a->masks[m];
+    {
         const int64_t dim[4] = {a->B, H, a->Sq, a->Sk};
-        if (!mk->data || (mk->kind != MHA_MASK_BLOCK && mk->kind != MHA_MASK_ADD))
-            return MHA_ERR_ARG;
-        span = 0;
-        for (d = 0; d < 4; d++) {
-            int64_t s = mk->stride[d], reach;
-            if (s == INT64_MIN) return MHA_ERR_OVERFLOW;
-            if (dim[d] == 0) continue;
-            if (mha_mul(s < 0 ? -s : s, dim[d] - 1, &reach) || mha_add(span, reach, &span))
-                return MHA_ERR_OVERFLOW;
-        }
+        return check_masks(a->masks, a->n_masks, dim);
     }
-    return MHA_OK;
+}
+
+mha_status mha_check_sdpa(const mha_sdpa_args *a, int need_out, mha_sizes *sz)
+{
+    int64_t t, ws;
+    size_t bytes, es;
+    if (!a || !sz) return MHA_ERR_ARG;
+    es = mha_dtype_size(a->dtype);
+    if (es == 0) return MHA_ERR_ARG;
+    if (a->B < 0 || a->L < 0 || a->S < 0 || a->H <= 0 || a->Hkv <= 0 || a->D <= 0 ||
+        a->Dv <= 0 || a->H % a->Hkv != 0)
+        return MHA_ERR_ARG;
+    if (!(a->dropout >= 0.0 && a->dropout <= 1.0)) return MHA_ERR_ARG; /* NaN too */
+    if (a->is_causal < 0 || a->is_causal > MHA_CAUSAL_LOWER_RIGHT) return MHA_ERR_ARG;
+    sz->extra = 0;
+    if (mha_mul(a->B, a->H, &t) || mha_mul(t, a->L, &t) || mha_mul(t, a->D, &sz->n_query) ||
+        mha_mul(t, a->Dv, &sz->n_out) || mha_mul(t, a->S, &sz->n_weights) ||
+        mha_mul(a->B, a->Hkv, &t) || mha_mul(t, a->S, &t) || mha_mul(t, a->D, &sz->n_key) ||
+        mha_mul(t, a->Dv, &sz->n_value))
+        return MHA_ERR_OVERFLOW;
+    /* the backward's per-thread scratch: (2*48*2 + D + Dv) * S + 128 * D at most */
+    if (mha_add(a->D, a->Dv, &ws) || mha_add(ws, 512, &ws) || mha_mul(ws, a->S, &ws) ||
+        mha_mul(a->D, 512, &t) || mha_add(ws, t, &ws))
+        return MHA_ERR_OVERFLOW;
+    if (mha_bytes(sz->n_query, es, &bytes) || mha_bytes(sz->n_key, es, &bytes) ||
+        mha_bytes(sz->n_value, es, &bytes) || mha_bytes(sz->n_out, es, &bytes) ||
+        mha_bytes(sz->n_weights, es, &bytes) || mha_bytes(ws, es, &bytes))
+        return MHA_ERR_OVERFLOW;
+    if ((sz->n_query > 0 && !a->q) || (sz->n_key > 0 && !a->k) ||
+        (sz->n_value > 0 && !a->v) || (need_out && sz->n_out > 0 && !a->out))
+        return MHA_ERR_ARG;
+    {
+        const int64_t dim[4] = {a->B, a->H, a->L, a->S};
+        return check_masks(a->masks, a->n_masks, dim);
+    }
 }
 
 /* ---- the entry points: checks common to both dtypes, then the dtype's
@@ -156,6 +205,46 @@ mha_status mha_backward_ref(const mha_config *cfg, const mha_params *p,
     switch (cfg->dtype) {
     case MHA_FLOAT32: return mha_backward_ref_f32(cfg, p, a);
     case MHA_FLOAT64: return mha_backward_ref_f64(cfg, p, a);
+    }
+    return MHA_ERR_ARG;
+}
+
+mha_status mha_sdpa_forward(const mha_sdpa_args *a)
+{
+    if (!a) return MHA_ERR_ARG;
+    switch (a->dtype) {
+    case MHA_FLOAT32: return mha_sdpa_forward_f32(a);
+    case MHA_FLOAT64: return mha_sdpa_forward_f64(a);
+    }
+    return MHA_ERR_ARG;
+}
+
+mha_status mha_sdpa_forward_ref(const mha_sdpa_args *a)
+{
+    if (!a) return MHA_ERR_ARG;
+    switch (a->dtype) {
+    case MHA_FLOAT32: return mha_sdpa_forward_ref_f32(a);
+    case MHA_FLOAT64: return mha_sdpa_forward_ref_f64(a);
+    }
+    return MHA_ERR_ARG;
+}
+
+mha_status mha_sdpa_backward(const mha_sdpa_backward_args *a)
+{
+    if (!a) return MHA_ERR_ARG;
+    switch (a->fwd.dtype) {
+    case MHA_FLOAT32: return mha_sdpa_backward_f32(a);
+    case MHA_FLOAT64: return mha_sdpa_backward_f64(a);
+    }
+    return MHA_ERR_ARG;
+}
+
+mha_status mha_sdpa_backward_ref(const mha_sdpa_backward_args *a)
+{
+    if (!a) return MHA_ERR_ARG;
+    switch (a->fwd.dtype) {
+    case MHA_FLOAT32: return mha_sdpa_backward_ref_f32(a);
+    case MHA_FLOAT64: return mha_sdpa_backward_ref_f64(a);
     }
     return MHA_ERR_ARG;
 }

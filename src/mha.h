@@ -48,7 +48,19 @@ typedef struct {
     int64_t vdim;    /* Ev > 0: width of the value input */
     int bias;        /* nonzero: the four projections have biases */
     mha_dtype dtype;
+    int add_bias_kv;   /* nonzero: parameters bias_k, bias_v (E each) are
+                          appended to K and V as one more key/value row per
+                          batch (torch.nn.MultiheadAttention's add_bias_kv) */
+    int add_zero_attn; /* nonzero: then a zero key/value row is appended
+                          (torch's add_zero_attn) */
 } mha_config;
+
+/* The extra keys of a configuration: add_bias_kv's row, then
+ * add_zero_attn's (0, 1 or 2).  A call of Sk keys attends over
+ * Sk + mha_extra_keys(cfg) keys: the extra ones come after the given keys,
+ * no mask and no causality ever blocks them, and the weights are
+ * (B, H, Sq, Sk + extra) (as torch returns them). */
+int64_t mha_extra_keys(const mha_config *cfg);
 
 /* MHA_OK when every field is in range and the parameter count fits. */
 mha_status mha_config_check(const mha_config *cfg);
@@ -59,9 +71,12 @@ mha_status mha_config_check(const mha_config *cfg);
  *   W_k.weight (E, Ek)  W_k.bias (E)
  *   W_v.weight (E, Ev)  W_v.bias (E)
  *   W_o.weight (E, E)   W_o.bias (E)
- * Bias entries have size 0 when cfg->bias == 0. */
+ *   bias_k (E)          bias_v (E)
+ * Bias entries have size 0 when cfg->bias == 0; bias_k and bias_v have
+ * size 0 unless cfg->add_bias_kv. */
 enum {
     MHA_WQ = 0, MHA_BQ, MHA_WK, MHA_BK, MHA_WV, MHA_BV, MHA_WO, MHA_BO,
+    MHA_BIAS_K, MHA_BIAS_V,
     MHA_NPARAM
 };
 
@@ -71,7 +86,9 @@ mha_status mha_param_layout(const mha_config *cfg, int64_t offset[MHA_NPARAM],
                             int64_t size[MHA_NPARAM], int64_t *total);
 
 /* Fill a parameter block with U(-1/sqrt(fan_in), 1/sqrt(fan_in)) draws
- * (torch.nn.Linear's default distribution), deterministically from seed. */
+ * (torch.nn.Linear's default distribution), deterministically from seed;
+ * bias_k and bias_v with xavier_normal_'s N(0, 1/E) as torch does
+ * (the same numbers for the other tensors whether they exist or not). */
 mha_status mha_params_init(const mha_config *cfg, void *block, uint64_t seed);
 
 /* Pointers to the parameters (usually into one block from mha_param_layout).
@@ -81,6 +98,7 @@ typedef struct {
     const void *wk, *bk; /* (E, Ek), (E) */
     const void *wv, *bv; /* (E, Ev), (E) */
     const void *wo, *bo; /* (E, E), (E) */
+    const void *bias_k, *bias_v; /* (E), (E); NULL unless cfg->add_bias_kv */
 } mha_params;
 
 /* Point p at the tensors of a block laid out by mha_param_layout. */
@@ -104,16 +122,27 @@ typedef struct {
 #define MHA_MAX_MASKS 8
 
 /* A caller's "should this call stop?" question (for example: did the user
- * press Ctrl-C).  mha_forward, mha_forward_save, mha_backward and
- * mha_backward_saved (through fwd.poll) call it on the thread that made the
+ * press Ctrl-C).  mha_forward, mha_forward_save, mha_backward,
+ * mha_backward_saved (through fwd.poll), mha_sdpa_forward and
+ * mha_sdpa_backward call it on the thread that made the
  * call, between tasks, at most about every MHA_POLL_MS milliseconds and
  * never during the first MHA_POLL_MS (short calls never see it); nonzero
  * stops the call: no thread starts another task, everything the call
  * allocated is freed, and it returns MHA_ERR_INTERRUPTED (the pool serves
  * the next call as usual).  A poll that answers 0 changes no result.  The
- * reference paths (mha_forward_ref, mha_backward_ref) do not call it. */
+ * reference paths (mha_forward_ref, mha_backward_ref, mha_sdpa_*_ref) do
+ * not call it. */
 typedef int (*mha_poll_fn)(void *ctx);
 #define MHA_POLL_MS 50
+
+/* mha_forward_args.is_causal (and mha_sdpa_args.is_causal): 0, no causal
+ * mask, or one of these alignments of query i (of Sq) against key j (of Sk):
+ *   MHA_CAUSAL_TOP_LEFT      key j > i is blocked
+ *   MHA_CAUSAL_LOWER_RIGHT   key j > i + (Sk - Sq) is blocked: the last
+ *                            query sees every key (torch's
+ *                            causal_lower_right, the decoding alignment);
+ *                            with Sq > Sk the first Sq - Sk rows see none */
+enum { MHA_CAUSAL_TOP_LEFT = 1, MHA_CAUSAL_LOWER_RIGHT = 2 };
 
 typedef struct {
     int64_t B, Sq, Sk;    /* B >= 0, Sq >= 0, Sk >= 0 */
@@ -122,7 +151,8 @@ typedef struct {
     const void *value;    /* (B, Sk, Ev) contiguous */
     const mha_mask *masks;  /* n_masks masks, all applied together */
     int n_masks;            /* 0 .. MHA_MAX_MASKS */
-    int is_causal;        /* nonzero: key j > query i is blocked */
+    int is_causal;        /* 0, MHA_CAUSAL_TOP_LEFT or MHA_CAUSAL_LOWER_RIGHT
+                             (over the Sk given keys; never the extra ones) */
     int zero_masked_rows; /* a row with every key blocked:
                              0 -> its weights and output row are NaN,
                              1 -> zero weights, context 0 (output = bias).
@@ -132,10 +162,13 @@ typedef struct {
     uint64_t seed;        /* dropout stream: element (b, h, i, j) of call */
     uint64_t counter;     /*   (seed, counter) is kept iff u >= p */
     void *out;            /* (B, Sq, E) written */
-    void *weights;        /* (B, H, Sq, Sk) written, after dropout; or NULL:
-                             then no (Sq, Sk) buffer per head is allocated */
+    void *weights;        /* (B, H, Sq, Sk + extra) written, after dropout; or
+                             NULL: then no (Sq, Sk) buffer per head is
+                             allocated (extra: mha_extra_keys) */
     mha_poll_fn poll;     /* NULL, or asked between tasks whether to stop */
     void *poll_ctx;       /*   its argument */
+    int has_scale;        /* nonzero: the scores are scaled by `scale` (any */
+    double scale;         /*   value, 0 too); else by 1 / sqrt(Dk) */
 } mha_forward_args;
 
 /* The size checks of a call of shape (B, Sq, Sk), with nothing computed or
@@ -153,7 +186,8 @@ mha_status mha_forward_ref(const mha_config *cfg, const mha_params *p,
                            const mha_forward_args *a);
 
 /* The dropout stream: the uniform draw in [0, 1) for element index idx of
- * the stream (seed, counter); idx = ((b*H + h)*Sq + i)*Sk + j. */
+ * the stream (seed, counter); idx = ((b*H + h)*Sq + i)*Sk + j, Sk counting
+ * the extra keys. */
 double mha_dropout_uniform(uint64_t seed, uint64_t counter, uint64_t idx);
 
 /* Worker threads used by mha_forward and mha_backward.  The default, fixed
@@ -200,7 +234,7 @@ int mha_isa_available(const char *name);
 typedef struct {
     mha_forward_args fwd;     /* the forward call; fwd.out, fwd.weights unused */
     const void *grad_out;     /* (B, Sq, E): dL/d out */
-    const void *grad_weights; /* (B, H, Sq, Sk): dL/d weights (after dropout),
+    const void *grad_weights; /* (B, H, Sq, Sk + extra): dL/d weights (after dropout),
                                  or NULL when the weights did not reach L */
     void *grad_query;         /* (B, Sq, E)  written, or NULL: not computed */
     void *grad_key;           /* (B, Sk, Ek) written, or NULL */
@@ -231,11 +265,12 @@ mha_status mha_backward_ref(const mha_config *cfg, const mha_params *p,
  * mha_saved, in the layouts the attention reads (each head's block
  * contiguous):
  *   q    (B, H, Sq, Dk)  Q = query·W_qᵀ + b_q per head      \
- *   k    (B, H, Dk, Sk)  K = key·W_kᵀ + b_k per head,        | the four
+ *   k    (B, H, Dk, Sk') K = key·W_kᵀ + b_k per head,        | the four
  *                        transposed                          | together,
- *   v    (B, H, Sk, Dk)  V = value·W_vᵀ + b_v per head       | or none
+ *   v    (B, H, Sk', Dk) V = value·W_vᵀ + b_v per head       | or none
  *   ctx  (B, Sq, E)      the heads' A·V_bh concatenated, before W_o
- *   p    (B, H, Sq, Sk)  the softmax P, before dropout (only with the four)
+ *   p    (B, H, Sq, Sk') the softmax P, before dropout (only with the four)
+ *   (Sk' = Sk + mha_extra_keys(cfg): K and V with their extra rows)
  * mha_copies, for a caller that must keep the forward's inputs and
  * parameters against later writes (made by the projection tasks while
  * they read those inputs anyway: no second pass):
@@ -262,6 +297,53 @@ mha_status mha_forward_save(const mha_config *cfg, const mha_params *p,
                             const mha_copies *c);
 mha_status mha_backward_saved(const mha_config *cfg, const mha_params *p,
                               const mha_backward_args *a, const mha_saved *s);
+
+/* ---- attention on projected heads (torch's scaled_dot_product_attention)
+ * Legend: H query heads, Hkv key/value heads (H % Hkv == 0: query head h
+ * reads key/value head h / (H / Hkv), torch's enable_gqa), L queries,
+ * S keys, D the query/key head width, Dv the value head width.
+ *   out_bh = dropout(softmax(masked(scale · q_bh·k_bh'ᵀ)))·v_bh'  (h' = h / (H / Hkv))
+ * Masks, causal alignments, zero_masked_rows, the dropout stream (idx =
+ * ((b*H + h)*L + i)*S + j) and the poll are those of mha_forward_args,
+ * with Sq = L and Sk = S (no extra keys).  mha_sdpa_forward runs on the
+ * threads and kernels of mha_forward (the same softmax row);
+ * mha_sdpa_forward_ref is its plain oracle. */
+typedef struct {
+    mha_dtype dtype;
+    int64_t B, H, Hkv, L, S, D, Dv; /* >= 0; H, Hkv, D, Dv > 0 */
+    const void *q;          /* (B, H, L, D)    contiguous */
+    const void *k;          /* (B, Hkv, S, D)  contiguous */
+    const void *v;          /* (B, Hkv, S, Dv) contiguous */
+    const mha_mask *masks;  /* over (B, H, L, S) */
+    int n_masks;
+    int is_causal;          /* 0, MHA_CAUSAL_TOP_LEFT, MHA_CAUSAL_LOWER_RIGHT */
+    int has_scale;          /* nonzero: `scale`; else 1 / sqrt(D) */
+    double scale;
+    int zero_masked_rows;
+    double dropout;
+    uint64_t seed, counter;
+    void *out;              /* (B, H, L, Dv) written */
+    void *weights;          /* (B, H, L, S) written (after dropout), or NULL */
+    mha_poll_fn poll;
+    void *poll_ctx;
+} mha_sdpa_args;
+
+/* The gradients of one mha_sdpa_forward call `fwd` (its out, weights
+ * unused), recomputed from its inputs; each output NULL when not wanted,
+ * overwritten (dk, dv summed over the query heads of each group). */
+typedef struct {
+    mha_sdpa_args fwd;
+    const void *grad_out;     /* (B, H, L, Dv) */
+    const void *grad_weights; /* (B, H, L, S), or NULL */
+    void *grad_q;             /* (B, H, L, D)    written, or NULL */
+    void *grad_k;             /* (B, Hkv, S, D)  written, or NULL */
+    void *grad_v;             /* (B, Hkv, S, Dv) written, or NULL */
+} mha_sdpa_backward_args;
+
+mha_status mha_sdpa_forward(const mha_sdpa_args *a);
+mha_status mha_sdpa_forward_ref(const mha_sdpa_args *a);
+mha_status mha_sdpa_backward(const mha_sdpa_backward_args *a);
+mha_status mha_sdpa_backward_ref(const mha_sdpa_backward_args *a);
 
 #ifdef __cplusplus
 }

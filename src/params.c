@@ -21,6 +21,7 @@ mha_status mha_param_layout(const mha_config *cfg, int64_t offset[MHA_NPARAM],
         if (mha_mul(E, in[i], &size[2 * i])) return MHA_ERR_OVERFLOW;
         size[2 * i + 1] = cfg->bias ? E : 0;
     }
+    size[MHA_BIAS_K] = size[MHA_BIAS_V] = cfg->add_bias_kv ? E : 0;
     for (i = 0; i < MHA_NPARAM; i++) {
         offset[i] = pos;
         if (mha_add(pos, size[i], &pos)) return MHA_ERR_OVERFLOW;
@@ -30,6 +31,11 @@ mha_status mha_param_layout(const mha_config *cfg, int64_t offset[MHA_NPARAM],
     if (mha_bytes(pos, mha_dtype_size(cfg->dtype), &bytes)) return MHA_ERR_OVERFLOW;
     *total = pos;
     return MHA_OK;
+}
+
+int64_t mha_extra_keys(const mha_config *cfg)
+{
+    return cfg ? (int64_t)(cfg->add_bias_kv != 0) + (int64_t)(cfg->add_zero_attn != 0) : 0;
 }
 
 mha_status mha_config_check(const mha_config *cfg)
@@ -46,7 +52,7 @@ mha_status mha_params_init(const mha_config *cfg, void *block, uint64_t seed)
     if (st != MHA_OK) return st;
     if (!block) return MHA_ERR_ARG;
     uint64_t key = mha_stream_key(seed, MHA_INIT_COUNTER);
-    for (t = 0; t < MHA_NPARAM; t++) {
+    for (t = 0; t < MHA_BIAS_K; t++) {
         /* fan_in: the in_features of the Linear this tensor belongs to */
         int64_t fan_in = t < MHA_WK ? cfg->d_model
                        : t < MHA_WV ? cfg->kdim
@@ -60,6 +66,18 @@ mha_status mha_params_init(const mha_config *cfg, void *block, uint64_t seed)
             else ((double *)block)[offset[t] + i] = v;
         }
     }
+    /* bias_k, bias_v (torch: xavier_normal_ of a (1, 1, E) tensor, std
+     * 1/sqrt(E)): Box-Muller over the stream's next draws */
+    for (t = MHA_BIAS_K; t <= MHA_BIAS_V; t++)
+        for (i = 0; i < size[t]; i++) {
+            uint64_t idx = 2 * (uint64_t)(offset[t] + i);
+            double u1 = 1.0 - mha_stream_uniform(key, idx); /* (0, 1] */
+            double u2 = mha_stream_uniform(key, idx + 1);
+            double v = sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2) /
+                       sqrt((double)cfg->d_model);
+            if (cfg->dtype == MHA_FLOAT32) ((float *)block)[offset[t] + i] = (float)v;
+            else ((double *)block)[offset[t] + i] = v;
+        }
     return MHA_OK;
 }
 
@@ -78,5 +96,6 @@ mha_status mha_params_from_block(const mha_config *cfg, const void *block, mha_p
     p->wk = t[MHA_WK]; p->bk = t[MHA_BK];
     p->wv = t[MHA_WV]; p->bv = t[MHA_BV];
     p->wo = t[MHA_WO]; p->bo = t[MHA_BO];
+    p->bias_k = t[MHA_BIAS_K]; p->bias_v = t[MHA_BIAS_V];
     return MHA_OK;
 }

@@ -42,7 +42,7 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
     mha_sizes sz;
     mha_forward_args chk;
     const mha_forward_args *a;
-    int64_t B, Sq, Sk, E, H, Dk, Ek, Ev, b, h, i, j, d, n_kv;
+    int64_t B, Sq, Sk, Skx, E, H, Dk, Ek, Ev, b, h, i, j, d, n_kv;
     int64_t offset[MHA_NPARAM], size[MHA_NPARAM], total;
     size_t bytes;
     T *q = NULL, *k = NULL, *v = NULL, *ctx = NULL, *dctx = NULL, *dq = NULL, *dk = NULL,
@@ -60,7 +60,8 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
     if (st != MHA_OK) return st;
     B = a->B; Sq = a->Sq; Sk = a->Sk;
     E = cfg->d_model; H = cfg->n_heads; Dk = E / H; Ek = cfg->kdim; Ev = cfg->vdim;
-    n_kv = B * Sk * E; /* checked by mha_check_forward */
+    Skx = Sk + sz.extra; /* the given keys, then the extra ones */
+    n_kv = B * Skx * E; /* checked by mha_check_forward */
     g = (T *)ba->grad_params;
 
     st = MHA_ERR_NOMEM;
@@ -72,10 +73,10 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
     if (!(k = (T *)mha_alloc(bytes)) || !(v = (T *)mha_alloc(bytes)) ||
         !(dk = (T *)mha_alloc(bytes)) || !(dv = (T *)mha_alloc(bytes)))
         goto done;
-    if (!(row = (T *)mha_alloc((size_t)Sk * sizeof(T))) ||
-        !(arow = (T *)mha_alloc((size_t)Sk * sizeof(T))) ||
-        !(drow = (T *)mha_alloc((size_t)Sk * sizeof(T))) ||
-        !(keep = (uint8_t *)mha_alloc((size_t)Sk)))
+    if (!(row = (T *)mha_alloc((size_t)Skx * sizeof(T))) ||
+        !(arow = (T *)mha_alloc((size_t)Skx * sizeof(T))) ||
+        !(drow = (T *)mha_alloc((size_t)Skx * sizeof(T))) ||
+        !(keep = (uint8_t *)mha_alloc((size_t)Skx)))
         goto done;
     memset(dq, 0, (size_t)sz.n_out * sizeof(T));
     memset(dk, 0, (size_t)n_kv * sizeof(T));
@@ -83,13 +84,19 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
 
     /* forward: Q = query·W_qᵀ + b_q, K = key·W_kᵀ + b_k, V = value·W_vᵀ + b_v */
     SUF(ref_linear)((const T *)a->query, (const T *)p->wq, (const T *)p->bq, q, B * Sq, E, E);
-    SUF(ref_linear)((const T *)a->key, (const T *)p->wk, (const T *)p->bk, k, B * Sk, E, Ek);
-    SUF(ref_linear)((const T *)a->value, (const T *)p->wv, (const T *)p->bv, v, B * Sk, E, Ev);
+    for (b = 0; b < B && Sk > 0; b++) { /* ... each batch's Sk rows, then K, V += extra rows */
+        SUF(ref_linear)((const T *)a->key + b * Sk * Ek, (const T *)p->wk, (const T *)p->bk,
+                        k + b * Skx * E, Sk, E, Ek);
+        SUF(ref_linear)((const T *)a->value + b * Sk * Ev, (const T *)p->wv, (const T *)p->bv,
+                        v + b * Skx * E, Sk, E, Ev);
+    }
+    SUF(ref_extra_rows)(cfg, (const T *)p->bias_k, k, B, Sk, Skx, E);
+    SUF(ref_extra_rows)(cfg, (const T *)p->bias_v, v, B, Sk, Skx, E);
     /* backward of out = ctx·W_oᵀ + b_o, for ctx: dctx = d out·W_o */
     SUF(ref_linear_backward)((const T *)ba->grad_out, NULL, (const T *)p->wo, dctx, NULL, NULL,
                              B * Sq, E, E);
 
-    const T scale = (T)(1.0 / sqrt((double)Dk));
+    const T scale = (T)mha_score_scale(a->has_scale, a->scale, Dk);
     const T drop_scale = a->dropout < 1.0 ? (T)(1.0 / (1.0 - a->dropout)) : (T)0;
     const T nan_or_zero = a->zero_masked_rows ? (T)0 : (T)NAN;
     for (b = 0; b < B; b++)
@@ -101,45 +108,46 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                 T *dq_i = dq + (b * Sq + i) * E + h * Dk;
                 T m = -(T)INFINITY, sum = 0, dot = 0;
                 int blocked_row, n;
-                /* forward: s_j = q_i·k_j / sqrt(Dk), plus the additive masks,
-                 * -inf where a blocking mask or causality blocks */
-                for (j = 0; j < Sk; j++) {
+                /* forward: s_j = q_i·k_j · scale, plus the additive masks,
+                 * -inf where a blocking mask or causality blocks (not the
+                 * extra keys) */
+                for (j = 0; j < Skx; j++) {
                     T s = 0;
-                    for (d = 0; d < Dk; d++) s += q_i[d] * k[(b * Sk + j) * E + h * Dk + d];
+                    for (d = 0; d < Dk; d++) s += q_i[d] * k[(b * Skx + j) * E + h * Dk + d];
                     s *= scale;
-                    for (n = 0; n < a->n_masks; n++) {
+                    for (n = 0; n < a->n_masks && j < Sk; n++) {
                         const mha_mask *mk = &a->masks[n];
                         int64_t off = b * mk->stride[0] + h * mk->stride[1] +
                                       i * mk->stride[2] + j * mk->stride[3];
                         if (mk->kind == MHA_MASK_ADD) s += ((const T *)mk->data)[off];
                     }
-                    for (n = 0; n < a->n_masks; n++) {
+                    for (n = 0; n < a->n_masks && j < Sk; n++) {
                         const mha_mask *mk = &a->masks[n];
                         int64_t off = b * mk->stride[0] + h * mk->stride[1] +
                                       i * mk->stride[2] + j * mk->stride[3];
                         if (mk->kind == MHA_MASK_BLOCK && ((const uint8_t *)mk->data)[off])
                             s = -(T)INFINITY;
                     }
-                    if (a->is_causal && j > i) s = -(T)INFINITY;
+                    if (SUF(ref_causal_blocks)(a, i, j)) s = -(T)INFINITY;
                     row[j] = s;
                 }
                 /* forward: p = softmax(s); a row with every key blocked is
                  * NaN, or 0 with zero_masked_rows (Sk == 0 is no such row) */
-                blocked_row = Sk > 0;
-                for (j = 0; j < Sk; j++) {
+                blocked_row = Skx > 0;
+                for (j = 0; j < Skx; j++) {
                     if (row[j] != -(T)INFINITY) blocked_row = 0;
                     if (row[j] != row[j] || m != m) m = (T)NAN;
                     else if (row[j] > m) m = row[j];
                 }
-                for (j = 0; j < Sk; j++) {
+                for (j = 0; j < Skx; j++) {
                     row[j] = blocked_row ? nan_or_zero : EXP(row[j] - m);
                     sum += row[j];
                 }
-                for (j = 0; j < Sk && !blocked_row; j++) row[j] /= sum;
+                for (j = 0; j < Skx && !blocked_row; j++) row[j] /= sum;
                 /* forward: a_j = p_j · keep_j / (1 - p_drop) (not in a blocked row) */
-                for (j = 0; j < Sk; j++) {
+                for (j = 0; j < Skx; j++) {
                     uint64_t idx = (((uint64_t)b * (uint64_t)H + (uint64_t)h) * (uint64_t)Sq +
-                                    (uint64_t)i) * (uint64_t)Sk + (uint64_t)j;
+                                    (uint64_t)i) * (uint64_t)Skx + (uint64_t)j;
                     keep[j] = a->dropout == 0.0 || blocked_row ||
                               mha_dropout_uniform(a->seed, a->counter, idx) >= a->dropout;
                     arow[j] = a->dropout == 0.0 || blocked_row ? row[j]
@@ -150,37 +158,37 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                     T c = 0;
                     if (blocked_row) c = nan_or_zero;
                     else
-                        for (j = 0; j < Sk; j++) c += arow[j] * v[(b * Sk + j) * E + h * Dk + d];
+                        for (j = 0; j < Skx; j++) c += arow[j] * v[(b * Skx + j) * E + h * Dk + d];
                     c_i[d] = c;
                 }
                 /* backward of ctx_i = Σ_j a_j v_j: dv_j += a_j dctx_i,
                  * da_j = dctx_i·v_j (plus d weights: the weights are a) */
-                for (j = 0; j < Sk; j++) {
+                for (j = 0; j < Skx; j++) {
                     T da = 0;
                     for (d = 0; d < Dk; d++) {
-                        dv[(b * Sk + j) * E + h * Dk + d] += arow[j] * dc_i[d];
-                        da += dc_i[d] * v[(b * Sk + j) * E + h * Dk + d];
+                        dv[(b * Skx + j) * E + h * Dk + d] += arow[j] * dc_i[d];
+                        da += dc_i[d] * v[(b * Skx + j) * E + h * Dk + d];
                     }
                     if (ba->grad_weights)
-                        da += ((const T *)ba->grad_weights)[((b * H + h) * Sq + i) * Sk + j];
+                        da += ((const T *)ba->grad_weights)[((b * H + h) * Sq + i) * Skx + j];
                     drow[j] = da;
                 }
                 if (blocked_row && a->zero_masked_rows) continue; /* p = 0: nothing flows */
                 /* backward of a_j = p_j · keep_j / (1 - p_drop): dp_j = da_j · keep_j / (1 - p_drop) */
                 if (a->dropout > 0.0 && !blocked_row)
-                    for (j = 0; j < Sk; j++) drow[j] = keep[j] ? drow[j] * drop_scale : (T)0;
+                    for (j = 0; j < Skx; j++) drow[j] = keep[j] ? drow[j] * drop_scale : (T)0;
                 /* backward of p = softmax(s): ds_j = p_j (dp_j - Σ_k p_k dp_k) */
-                for (j = 0; j < Sk; j++) dot += row[j] * drow[j];
-                for (j = 0; j < Sk; j++) drow[j] = row[j] * (drow[j] - dot);
+                for (j = 0; j < Skx; j++) dot += row[j] * drow[j];
+                for (j = 0; j < Skx; j++) drow[j] = row[j] * (drow[j] - dot);
                 /* the masks are constants: ds passes where s was finite (p_j = 0
                  * elsewhere, so ds_j = 0 there) */
-                /* backward of s_j = q_i·k_j / sqrt(Dk): dq_i += ds_j k_j / sqrt(Dk),
-                 * dk_j += ds_j q_i / sqrt(Dk) */
-                for (j = 0; j < Sk; j++) {
+                /* backward of s_j = q_i·k_j · scale: dq_i += ds_j k_j · scale,
+                 * dk_j += ds_j q_i · scale */
+                for (j = 0; j < Skx; j++) {
                     const T ds = drow[j] * scale;
                     for (d = 0; d < Dk; d++) {
-                        dq_i[d] += ds * k[(b * Sk + j) * E + h * Dk + d];
-                        dk[(b * Sk + j) * E + h * Dk + d] += ds * q_i[d];
+                        dq_i[d] += ds * k[(b * Skx + j) * E + h * Dk + d];
+                        dk[(b * Skx + j) * E + h * Dk + d] += ds * q_i[d];
                     }
                 }
             }
@@ -189,6 +197,22 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
     if (g)
         SUF(ref_linear_backward)((const T *)ba->grad_out, ctx, NULL, NULL, g + offset[MHA_WO],
                                  cfg->bias ? g + offset[MHA_BO] : NULL, B * Sq, E, E);
+    /* backward of K, V += extra rows: d bias_k = Σ_b dk[b, Sk] (likewise v);
+     * then the given rows alone, (B*Sk, E) */
+    if (g && cfg->add_bias_kv)
+        for (d = 0; d < E; d++) {
+            T sk = 0, sv = 0;
+            for (b = 0; b < B; b++) {
+                sk += dk[(b * Skx + Sk) * E + d];
+                sv += dv[(b * Skx + Sk) * E + d];
+            }
+            g[offset[MHA_BIAS_K] + d] = sk;
+            g[offset[MHA_BIAS_V] + d] = sv;
+        }
+    for (b = 1; b < B && Skx != Sk; b++) {
+        memmove(dk + b * Sk * E, dk + b * Skx * E, (size_t)(Sk * E) * sizeof(T));
+        memmove(dv + b * Sk * E, dv + b * Skx * E, (size_t)(Sk * E) * sizeof(T));
+    }
     /* backward of Q = query·W_qᵀ + b_q, K = key·W_kᵀ + b_k, V = value·W_vᵀ + b_v */
     SUF(ref_linear_backward)(dq, (const T *)a->query, (const T *)p->wq, (T *)ba->grad_query,
                              g ? g + offset[MHA_WQ] : NULL,

@@ -3,6 +3,31 @@
  * scores at a time: the oracle the fast path is tested against.
  * Legend as in mha.h. */
 
+/* Append K or V's extra rows to x (B, Sk + extra, E), whose first Sk rows
+ * per batch are set: add_bias_kv's bias row, then add_zero_attn's zeros. */
+static void SUF(ref_extra_rows)(const mha_config *cfg, const T *bias, T *x, int64_t B,
+                                int64_t Sk, int64_t Skx, int64_t E)
+{
+    int64_t b, c;
+    for (b = 0; b < B; b++) {
+        int64_t j = Sk;
+        if (cfg->add_bias_kv) {
+            for (c = 0; c < E; c++) x[(b * Skx + j) * E + c] = bias[c];
+            j++;
+        }
+        if (cfg->add_zero_attn)
+            for (c = 0; c < E; c++) x[(b * Skx + j) * E + c] = 0;
+    }
+}
+
+/* 1 when a mask or causality blocks key j of row (b, h, i): the masks and
+ * causality cover the Sk given keys, never the extra ones */
+static int SUF(ref_causal_blocks)(const mha_forward_args *a, int64_t i, int64_t j)
+{
+    const int64_t coff = a->is_causal == MHA_CAUSAL_LOWER_RIGHT ? a->Sk - a->Sq : 0;
+    return a->is_causal && j < a->Sk && j > i + coff;
+}
+
 /* y (M, N) = x (M, K) · w (N, K)ᵀ + b (N) */
 static void SUF(ref_linear)(const T *x, const T *w, const T *b, T *y,
                             int64_t M, int64_t N, int64_t K)
@@ -21,7 +46,7 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
 {
     mha_sizes sz;
     int64_t B = a ? a->B : 0, Sq = a ? a->Sq : 0, Sk = a ? a->Sk : 0;
-    int64_t E, H, Dk, b, h, i, j, d, n_kv;
+    int64_t E, H, Dk, b, h, i, j, d, n_kv, Skx;
     size_t bytes;
     T *q = NULL, *k = NULL, *v = NULL, *ctx = NULL, *row = NULL;
     mha_status st = mha_check_forward(cfg, p, a, &sz);
@@ -30,19 +55,26 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
     E = cfg->d_model;
     H = cfg->n_heads;
     Dk = E / H;
-    n_kv = B * Sk * E; /* checked by mha_check_forward */
+    Skx = Sk + sz.extra; /* the given keys, then the extra ones */
+    n_kv = B * Skx * E; /* checked by mha_check_forward */
     st = MHA_ERR_NOMEM;
     if (mha_bytes(sz.n_out, sizeof(T), &bytes)) return MHA_ERR_OVERFLOW;
     if (!(q = (T *)mha_alloc(bytes)) || !(ctx = (T *)mha_alloc(bytes))) goto done;
     if (mha_bytes(n_kv, sizeof(T), &bytes)) { st = MHA_ERR_OVERFLOW; goto done; }
     if (!(k = (T *)mha_alloc(bytes)) || !(v = (T *)mha_alloc(bytes))) goto done;
-    if (!(row = (T *)mha_alloc((size_t)Sk * sizeof(T)))) goto done;
+    if (!(row = (T *)mha_alloc((size_t)Skx * sizeof(T)))) goto done;
 
     SUF(ref_linear)((const T *)a->query, (const T *)p->wq, (const T *)p->bq, q, B * Sq, E, E);
-    SUF(ref_linear)((const T *)a->key, (const T *)p->wk, (const T *)p->bk, k, B * Sk, E, cfg->kdim);
-    SUF(ref_linear)((const T *)a->value, (const T *)p->wv, (const T *)p->bv, v, B * Sk, E, cfg->vdim);
+    for (b = 0; b < B && Sk > 0; b++) { /* each batch's Sk rows, then its extra ones */
+        SUF(ref_linear)((const T *)a->key + b * Sk * cfg->kdim, (const T *)p->wk,
+                        (const T *)p->bk, k + b * Skx * E, Sk, E, cfg->kdim);
+        SUF(ref_linear)((const T *)a->value + b * Sk * cfg->vdim, (const T *)p->wv,
+                        (const T *)p->bv, v + b * Skx * E, Sk, E, cfg->vdim);
+    }
+    SUF(ref_extra_rows)(cfg, (const T *)p->bias_k, k, B, Sk, Skx, E);
+    SUF(ref_extra_rows)(cfg, (const T *)p->bias_v, v, B, Sk, Skx, E);
 
-    const T scale = (T)(1.0 / sqrt((double)Dk));
+    const T scale = (T)mha_score_scale(a->has_scale, a->scale, Dk);
     const T drop_scale = a->dropout < 1.0 ? (T)(1.0 / (1.0 - a->dropout)) : (T)0;
     for (b = 0; b < B; b++)
         for (h = 0; h < H; h++)
@@ -50,35 +82,35 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
                 /* scores of query i against every key */
                 T m = -(T)INFINITY, sum = 0;
                 int blocked_row, n;
-                for (j = 0; j < Sk; j++) {
+                for (j = 0; j < Skx; j++) {
                     T s = 0;
                     for (d = 0; d < Dk; d++)
-                        s += q[(b * Sq + i) * E + h * Dk + d] * k[(b * Sk + j) * E + h * Dk + d];
+                        s += q[(b * Sq + i) * E + h * Dk + d] * k[(b * Skx + j) * E + h * Dk + d];
                     s *= scale;
-                    for (n = 0; n < a->n_masks; n++) {
+                    for (n = 0; n < a->n_masks && j < Sk; n++) {
                         const mha_mask *mk = &a->masks[n];
                         int64_t off = b * mk->stride[0] + h * mk->stride[1] +
                                       i * mk->stride[2] + j * mk->stride[3];
                         if (mk->kind == MHA_MASK_ADD) s += ((const T *)mk->data)[off];
                     }
-                    for (n = 0; n < a->n_masks; n++) {
+                    for (n = 0; n < a->n_masks && j < Sk; n++) {
                         const mha_mask *mk = &a->masks[n];
                         int64_t off = b * mk->stride[0] + h * mk->stride[1] +
                                       i * mk->stride[2] + j * mk->stride[3];
                         if (mk->kind == MHA_MASK_BLOCK && ((const uint8_t *)mk->data)[off])
                             s = -(T)INFINITY;
                     }
-                    if (a->is_causal && j > i) s = -(T)INFINITY;
+                    if (SUF(ref_causal_blocks)(a, i, j)) s = -(T)INFINITY;
                     row[j] = s;
                 }
-                /* softmax, with NaN rows where every key is blocked (Sk == 0
+                /* softmax, with NaN rows where every key is blocked (Skx == 0
                  * is no such row: its context is an empty sum, 0) */
-                blocked_row = Sk > 0;
-                for (j = 0; j < Sk; j++) {
+                blocked_row = Skx > 0;
+                for (j = 0; j < Skx; j++) {
                     if (row[j] != -(T)INFINITY) blocked_row = 0;
                     if (row[j] > m || row[j] != row[j]) m = (m != m) ? m : row[j];
                 }
-                for (j = 0; j < Sk; j++) {
+                for (j = 0; j < Skx; j++) {
                     if (blocked_row) {
                         row[j] = a->zero_masked_rows ? (T)0 : (T)NAN;
                         continue;
@@ -86,11 +118,11 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
                     row[j] = EXP(row[j] - m);
                     sum += row[j];
                 }
-                for (j = 0; j < Sk && !blocked_row; j++) {
+                for (j = 0; j < Skx && !blocked_row; j++) {
                     row[j] /= sum;
                     if (a->dropout > 0.0) {
                         uint64_t idx = (((uint64_t)b * (uint64_t)H + (uint64_t)h) * (uint64_t)Sq +
-                                        (uint64_t)i) * (uint64_t)Sk + (uint64_t)j;
+                                        (uint64_t)i) * (uint64_t)Skx + (uint64_t)j;
                         if (mha_dropout_uniform(a->seed, a->counter, idx) >= a->dropout)
                             row[j] *= drop_scale;
                         else
@@ -98,13 +130,13 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
                     }
                 }
                 if (a->weights)
-                    for (j = 0; j < Sk; j++)
-                        ((T *)a->weights)[((b * H + h) * Sq + i) * Sk + j] = row[j];
+                    for (j = 0; j < Skx; j++)
+                        ((T *)a->weights)[((b * H + h) * Sq + i) * Skx + j] = row[j];
                 for (d = 0; d < Dk; d++) {
                     T c = 0;
                     if (blocked_row) c = a->zero_masked_rows ? (T)0 : (T)NAN;
                     else
-                        for (j = 0; j < Sk; j++) c += row[j] * v[(b * Sk + j) * E + h * Dk + d];
+                        for (j = 0; j < Skx; j++) c += row[j] * v[(b * Skx + j) * E + h * Dk + d];
                     ctx[(b * Sq + i) * E + h * Dk + d] = c;
                 }
             }

@@ -12,7 +12,9 @@
  * A row is (b, h, i): the scores of query i of head h in batch b against
  * the keys.  The rules, each in one place:
  *   masks       additive masks first, then -inf where a blocking mask or
- *               causality (key j > query i) blocks        (row_masks)
+ *               causality (key j > query i + coff) blocks (row_masks); keys
+ *               from rr->nmk on (add_bias_kv's and add_zero_attn's) are
+ *               never blocked
  *   blocked     a row with no visible key is the blocked value: NaN, or 0
  *               with zero_masked_rows                      (row_max, blocked_row_value)
  *   NaN         a NaN score makes the whole row NaN       (row_max, softmax_row)
@@ -21,21 +23,22 @@
 
 /* The value of every weight, and of the context, of a row with every key
  * blocked (Sk == 0 is no such row: its context is an empty sum, 0). */
-static inline T SUF(blocked_row_value)(const mha_forward_args *a)
+static inline T SUF(blocked_row_value)(const mha_rows *rr)
 {
-    return a->zero_masked_rows ? (T)0 : (T)NAN;
+    return rr->zero_masked_rows ? (T)0 : (T)NAN;
 }
 
 /* s[0..n) are the scaled scores of row (b, h, i) for keys j0 .. j0+n-1:
  * add the additive masks, then set -inf where any blocking mask or the
  * causal rule blocks. */
-static inline void SUF(row_masks)(const mha_forward_args *a, T *s, int64_t b, int64_t h,
+static inline void SUF(row_masks)(const mha_rows *rr, T *s, int64_t b, int64_t h,
                                   int64_t i, int64_t j0, int64_t n)
 {
     int m;
     int64_t j;
-    for (m = 0; m < a->n_masks; m++) {
-        const mha_mask *mk = &a->masks[m];
+    if (j0 + n > rr->nmk) n = rr->nmk > j0 ? rr->nmk - j0 : 0; /* the extra keys: never blocked */
+    for (m = 0; m < rr->n_masks; m++) {
+        const mha_mask *mk = &rr->masks[m];
         int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
                        j0 * mk->stride[3];
         int64_t st = mk->stride[3];
@@ -46,8 +49,8 @@ static inline void SUF(row_masks)(const mha_forward_args *a, T *s, int64_t b, in
         else
             for (j = 0; j < n; j++) s[j] += d[j * st];
     }
-    for (m = 0; m < a->n_masks; m++) {
-        const mha_mask *mk = &a->masks[m];
+    for (m = 0; m < rr->n_masks; m++) {
+        const mha_mask *mk = &rr->masks[m];
         int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
                        j0 * mk->stride[3];
         int64_t st = mk->stride[3];
@@ -56,8 +59,8 @@ static inline void SUF(row_masks)(const mha_forward_args *a, T *s, int64_t b, in
         for (j = 0; j < n; j++)
             if (d[j * st]) s[j] = -(T)INFINITY;
     }
-    if (a->is_causal) {
-        j = i + 1 - j0; /* the first blocked key of this row, relative to j0 */
+    if (rr->causal) {
+        j = i + rr->coff + 1 - j0; /* the first blocked key of this row, relative to j0 */
         for (j = j < 0 ? 0 : j; j < n; j++) s[j] = -(T)INFINITY;
     }
 }
@@ -67,16 +70,16 @@ static inline void SUF(row_masks)(const mha_forward_args *a, T *s, int64_t b, in
  * when a score is NaN and no other key is visible (then the reference's
  * row is all NaN too; otherwise a NaN score turns the sum, hence the whole
  * row, into NaN). */
-static inline T SUF(row_max)(const KT *kern, const mha_forward_args *a, T scale, T *s,
+static inline T SUF(row_max)(const KT *kern, const mha_rows *rr, T scale, T *s,
                              int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n)
 {
     T m;
     int64_t j;
-    if (a->n_masks == 0 && !a->is_causal) {
+    if (rr->n_masks == 0 && !rr->causal) {
         m = kern->scale_max(s, n, scale);
     } else {
         kern->scale(s, n, scale);
-        SUF(row_masks)(a, s, b, h, i, j0, n);
+        SUF(row_masks)(rr, s, b, h, i, j0, n);
         m = kern->max(s, n);
     }
     if (m == -(T)INFINITY)
@@ -90,18 +93,19 @@ static inline T SUF(row_max)(const KT *kern, const mha_forward_args *a, T scale,
  * blocked by causality for this row, their s never read).  Returns the
  * number ne of leading entries that may be nonzero (those past it are
  * exact zeros), or -1 for a blocked row (every entry the blocked value). */
-static inline int64_t SUF(softmax_row)(const KT *kern, const mha_forward_args *a, T scale,
+static inline int64_t SUF(softmax_row)(const KT *kern, const mha_rows *rr, T scale,
                                        T *s, int64_t b, int64_t h, int64_t i, int64_t kend,
                                        int64_t n)
 {
     int64_t ne = kend, j;
-    T sum, m = SUF(row_max)(kern, a, scale, s, b, h, i, 0, kend);
+    T sum, m = SUF(row_max)(kern, rr, scale, s, b, h, i, 0, kend);
     if (m == -(T)INFINITY) { /* every key blocked */
-        const T value = SUF(blocked_row_value)(a);
+        const T value = SUF(blocked_row_value)(rr);
         for (j = 0; j < n; j++) s[j] = value;
         return -1;
     }
-    if (a->is_causal && i + 1 < ne) ne = i + 1; /* the rest are exact zeros */
+    if (rr->causal && rr->nmk >= kend && i + rr->coff + 1 < ne)
+        ne = i + rr->coff + 1; /* the rest are exact zeros (> 0: the row has a visible key) */
     sum = kern->exp_sum(s, ne, m);
     if (sum != sum) { /* a NaN score: the reference's whole row is NaN */
         for (j = 0; j < n; j++) s[j] = (T)NAN;
@@ -119,12 +123,12 @@ static inline int64_t SUF(softmax_row)(const KT *kern, const mha_forward_args *a
  * and *alpha is the factor by which the caller rescales what it has summed
  * so far.  Returns the number of leading entries that may be nonzero, or -1
  * when the block has no visible key (s all 0; *mx, *l unchanged, *alpha 1). */
-static inline int64_t SUF(softmax_online_step)(const KT *kern, const mha_forward_args *a,
+static inline int64_t SUF(softmax_online_step)(const KT *kern, const mha_rows *rr,
                                                T scale, T *s, int64_t b, int64_t h, int64_t i,
                                                int64_t j0, int64_t nk, T *mx, T *l, T *alpha)
 {
     int64_t ne = nk, j;
-    T sum, mnew, bm = SUF(row_max)(kern, a, scale, s, b, h, i, j0, nk);
+    T sum, mnew, bm = SUF(row_max)(kern, rr, scale, s, b, h, i, j0, nk);
     *alpha = 1;
     if (bm == -(T)INFINITY) { /* nothing visible in this block */
         for (j = 0; j < nk; j++) s[j] = 0;
@@ -132,7 +136,8 @@ static inline int64_t SUF(softmax_online_step)(const KT *kern, const mha_forward
     }
     mnew = (bm != bm || *mx != *mx) ? (T)NAN : bm > *mx ? bm : *mx;
     *alpha = EXP(*mx - mnew);
-    if (a->is_causal && i + 1 - j0 < ne) ne = i + 1 - j0;
+    if (rr->causal && rr->nmk >= j0 + nk && i + rr->coff + 1 - j0 < ne)
+        ne = i + rr->coff + 1 - j0; /* > 0: the block has a visible key */
     sum = kern->exp_sum(s, ne, mnew);
     for (j = ne; j < nk; j++) s[j] = 0;
     *l = *l * *alpha + sum;

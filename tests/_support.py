@@ -1,6 +1,8 @@
 """Helpers shared by the test files: optional dependencies, which skip a
 test on a developer machine but fail it in CI (the ``CI`` environment
-variable set, whatever its value), and where the imported mha_ext lives (for
+variable set, whatever its value) unless MHA_EXT_TEST_WITHOUT names them
+(a comma-separated list: CI's runs on the Pythons other than torch's set
+MHA_EXT_TEST_WITHOUT=torch,nbformat,nbclient,ipykernel), and where the imported mha_ext lives (for
 subprocesses and notebook kernels, installed or built in place)."""
 import importlib
 import os
@@ -14,15 +16,24 @@ import mha_ext
 PKG_ROOT = str(Path(mha_ext.__file__).resolve().parent.parent)
 
 
+def required(name):
+    """True when a missing `name` must fail the test rather than skip it:
+    CI is set and MHA_EXT_TEST_WITHOUT does not name it."""
+    without = os.environ.get("MHA_EXT_TEST_WITHOUT", "").replace(" ", "").split(",")
+    return "CI" in os.environ and name not in without
+
+
 def need(name):
     """Import and return an optional test dependency: a skip when it is
-    missing on a developer machine, a failure when CI is set."""
+    missing on a developer machine, a failure when CI is set (see
+    required())."""
     try:
         return importlib.import_module(name)
     except ImportError as exc:  # pragma: no cover - depends on the machine
-        if "CI" in os.environ:
+        if required(name):
             pytest.fail(f"{name} is required when CI is set, but: {exc}", pytrace=False)
-        pytest.skip(f"{name} is not installed ({exc})")
+        # module level too (a file that needs torch throughout skips whole)
+        pytest.skip(f"{name} is not installed ({exc})", allow_module_level=True)
 
 
 def has(name):

@@ -33,6 +33,20 @@ TOL = {
 
 
 # --------------------------------------------------------------------------
+# slow tests (a fresh venv and a build): in CI, or with MHA_EXT_SLOW_TESTS=1
+# --------------------------------------------------------------------------
+
+def pytest_collection_modifyitems(config, items):
+    import os
+    if "CI" in os.environ or os.environ.get("MHA_EXT_SLOW_TESTS"):
+        return
+    skip = pytest.mark.skip(reason="slow: runs in CI or with MHA_EXT_SLOW_TESTS=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+# --------------------------------------------------------------------------
 # torch: skip locally, fail in CI
 # --------------------------------------------------------------------------
 

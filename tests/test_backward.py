@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import mha_ext
+from _support import need
 
 # the folder holding the mha_ext the tests imported (installed or built in place)
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(mha_ext.__file__)))
@@ -28,13 +29,7 @@ KEYS = ("W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias",
 
 def need_torch():
     """torch, or a skip on a developer machine; a failure when CI is set."""
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        if "CI" in os.environ:
-            pytest.fail(f"torch is required when CI is set: {exc}", pytrace=False)
-        pytest.skip(f"torch is not installed ({exc})")
-    return torch
+    return need("torch")
 
 
 def rel_err(ours, ref, scale=0.0):

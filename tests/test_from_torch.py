@@ -195,12 +195,24 @@ def test_from_torch_requires_grad_parameters(torch):
     assert np.array_equal(m.W_k.weight, t.in_proj_weight[E:2 * E].detach().numpy())
 
 
-@pytest.mark.parametrize("kw,word", [(dict(add_bias_kv=True), "add_bias_kv"),
-                                     (dict(add_zero_attn=True), "add_zero_attn")])
-def test_from_torch_unsupported_options(torch, kw, word):
-    t = torch.nn.MultiheadAttention(E, H, **kw)
-    with pytest.raises(ValueError, match=word):
-        MultiHeadAttention.from_torch(t)
+@pytest.mark.parametrize("kw", [dict(add_bias_kv=True), dict(add_zero_attn=True),
+                                dict(add_bias_kv=True, add_zero_attn=True)])
+def test_from_torch_bias_kv_zero_attn(torch, kw):
+    # once refused (issue 12): now copied, bias_k / bias_v included, and the
+    # copy computes torch's numbers (tests/test_bias_kv.py checks them widely)
+    t = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64, **kw).eval()
+    m = MultiHeadAttention.from_torch(t)
+    assert m.add_bias_kv == kw.get("add_bias_kv", False)
+    assert m.add_zero_attn == kw.get("add_zero_attn", False)
+    if m.add_bias_kv:
+        assert np.array_equal(m.bias_k, t.bias_k.detach().numpy().reshape(-1))
+        assert np.array_equal(m.bias_v, t.bias_v.detach().numpy().reshape(-1))
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    out, w = t(x, x, x, average_attn_weights=False)
+    ours, ours_w = m(x.numpy())
+    assert ours_w.shape == w.shape
+    np.testing.assert_allclose(ours, out.detach().numpy(), atol=1e-12)
+    np.testing.assert_allclose(ours_w, w.detach().numpy(), atol=1e-12)
 
 
 def test_from_torch_half_precision_needs_dtype(torch):

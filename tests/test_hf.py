@@ -20,9 +20,6 @@ stay at a few ulps of the values (about 1e-6 in float32, 1e-15 in float64).
 Run with `-s` for the table of worst errors per model.
 Legend: B batch, L query length, S key length, H heads, D head width.
 """
-import os
-
-import numpy as np
 import pytest
 
 from _support import need, require_torch
@@ -31,20 +28,6 @@ torch = require_torch()
 transformers = need("transformers")
 
 import mha_ext  # noqa: E402
-
-# ---------------------------------------------------------------- stand-in
-# DEVELOPMENT ONLY, removed when the twin lands on main: with
-# MHA_EXT_HF_STAND_IN=1 and no twin in this build, torch's own SDPA stands in
-# for it so the integration can be exercised.  Without the variable the tests
-# skip, naming the missing twin.
-if getattr(mha_ext, "scaled_dot_product_attention", None) is None:
-    if os.environ.get("MHA_EXT_HF_STAND_IN") == "1":
-        mha_ext.scaled_dot_product_attention = (
-            torch.nn.functional.scaled_dot_product_attention)
-    else:
-        pytest.skip("mha_ext.scaled_dot_product_attention (the SDPA twin) is "
-                    "not in this build", allow_module_level=True)
-
 import mha_ext.hf as hf  # noqa: E402
 from transformers.integrations.sdpa_attention import (  # noqa: E402
     sdpa_attention_forward)

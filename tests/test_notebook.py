@@ -1,11 +1,12 @@
 """examples/tour.ipynb executes from top to bottom (nbclient), so it never rots."""
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
-from _support import PKG_ROOT, has, need
+from _support import PKG_ROOT, has, need, required
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "tour.ipynb"
 
@@ -26,12 +27,13 @@ def test_notebook_executes(tmp_path, monkeypatch):
     need("ipykernel")
     need("matplotlib")
     torch_here = has("torch")
-    if not torch_here and os.environ.get("CI"):
+    if not torch_here and required("torch"):
         pytest.fail("torch is required in CI: the notebook compares with it")
 
     # the kernel finds the package the tests import (source tree or installed)
+    # and examples/heads_model.py (beside the notebook, as when opened there)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [PKG_ROOT, os.environ.get("PYTHONPATH", "")]))
+        [PKG_ROOT, str(NOTEBOOK.parent), os.environ.get("PYTHONPATH", "")]))
     nb = nbformat.read(str(NOTEBOOK), as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=300, kernel_name="python3",
@@ -47,6 +49,12 @@ def test_notebook_executes(tmp_path, monkeypatch):
     assert "<table" in html and "masked scores" in html   # the trace's HTML
     assert "shape flow" in text                           # print(trace)
     assert images, "the head heatmaps were not displayed"
+    # the trained model: the explorer, the head table, and the heads it finds
+    assert 'class="mha-explorer"' in html and "mhaExplorer(root, data)" in html
+    assert "loss_delta" in text and "looks at" in text
+    for question in ("previous", "mirror", "first"):
+        assert re.search(question + r" +error with head 0\.\.3 off: .* -> needs head \d", text)
+    assert len(images) >= 2, "the head analysis plot was not displayed"
     if torch_here:
         assert "largest difference from torch" in text
     else:

@@ -155,3 +155,37 @@ def test_import_does_not_import_matplotlib(tmp_path):
                        text=True, env=env, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+def test_blocked_cells_hatched_row_scale_and_thinned_labels(mpl):
+    from matplotlib.collections import PatchCollection
+    m = mha_ext.MultiHeadAttention(16, 2, seed=3).eval()
+    S = 40
+    tr = m.trace(np.random.default_rng(3).standard_normal((1, S, 16)), is_causal=True)
+    tokens = ["t%d" % i for i in range(S)]
+    fig = plot_heads(tr, tokens=tokens, scale="row")
+    panels = heatmaps(fig)
+    blocked = np.triu(np.ones((S, S), dtype=bool), 1)
+    for h, ax in enumerate(panels):
+        arr = ax.images[0].get_array()
+        # blocked cells are not drawn as weight 0 but hatched on top
+        assert np.array_equal(np.ma.getmaskarray(arr), blocked)
+        hatched = [c for c in ax.collections if isinstance(c, PatchCollection)]
+        assert len(hatched) == 1 and hatched[0].get_hatch() == "////"
+        assert len(hatched[0].get_paths()) == blocked.sum()
+        # per-row scale: every row's largest weight is the top of the scale
+        np.testing.assert_allclose(arr.max(axis=1), 1.0, rtol=1e-6)
+        np.testing.assert_allclose(arr[5, :6], tr.weights[0, h, 5, :6] / tr.weights[0, h, 5].max(),
+                                   rtol=1e-5)
+    assert panels[-1].images[0].colorbar.ax.get_ylabel() == "weight / largest in its row"
+    ys = [t.get_text() for t in panels[0].get_yticklabels()]
+    assert 10 <= len(ys) <= 24 and ys[:2] == ["t0", "t2"]
+    # an explicit mask for plain weights; the default scale stays shared
+    w = np.asarray(tr.weights)
+    arr = heatmaps(plot_heads(w, blocked=blocked))[0].images[0].get_array()
+    assert np.array_equal(np.ma.getmaskarray(arr), blocked)
+    assert len(heatmaps(plot_heads(w))[0].collections) == 0
+    with pytest.raises(ValueError, match='scale must be "shared" or "row"'):
+        plot_heads(w, scale="rows")
+    with pytest.raises(ValueError, match="blocked must broadcast"):
+        plot_heads(w, blocked=np.ones(3))

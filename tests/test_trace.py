@@ -442,3 +442,32 @@ def test_torch_tensor_inputs():
     out, w = m(x.detach().numpy())
     np.testing.assert_array_equal(tr.output, out)
     np.testing.assert_array_equal(tr.weights, w)
+
+
+def test_html_is_styled_with_one_notation_and_values(tmp_path):
+    m = module().eval()
+    x = np.random.default_rng(17).standard_normal((2, 3, 32))
+    tr = m.trace(x, is_causal=True)
+    page = tr._repr_html_()
+    assert page == tr.to_html()
+    # its own CSS, scoped to the table, left-aligned (also inline, for
+    # front-ends that drop <style>)
+    assert "<style>" in page and ".mha-trace th,.mha-trace td{text-align:left" in page
+    assert page.count('style="text-align:left;vertical-align:top"') == 4 * (len(tr) + 1) + 1
+    # one shape notation: numbers in the shape column, symbols in dims
+    assert "batch=" not in page and "[2, 3, 32]" in page and "[B, Sq, E]" in page
+    # a values preview per step: index 0 on the leading axes, a small slice
+    p = _Tags()
+    p.feed(page)
+    p.close()
+    assert p.stack == [] and p.count["details"] == len(tr)
+    soft = tr["softmax"].array[0, 0, :4, :6]
+    assert "values [0, 0, :4, :6]" in page
+    assert html.escape(np.array2string(soft, precision=3, suppress_small=True,
+                                       max_line_width=200)) in page
+    assert "−∞ where j &gt; i (causal)" in page                  # the formula
+    assert "<details>" not in tr.to_html(values=False)
+    path = tr.save_html(tmp_path / "trace.html")
+    text = open(path, encoding="utf-8").read()
+    assert text.startswith("<!DOCTYPE html>") and "default-src 'none'" in text
+    assert page in text

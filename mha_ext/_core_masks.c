@@ -1,0 +1,101 @@
+/* _core_masks.c: masks from Python to the core's mha_mask: (kind, array)
+ * pairs converted and broadcast (NumPy's rules) onto (B, H, Sq, Sk), for
+ * the module's calls (_core_args.c) and _sdpa (_core_sdpa.c).  Every error
+ * names what was wrong. */
+#include "_core.h"
+
+static PyObject *mask_shape_str(PyArrayObject *arr)
+{
+    PyObject *s = PyObject_GetAttrString((PyObject *)arr, "shape");
+    PyObject *r;
+    if (!s) return NULL;
+    r = PyObject_Str(s);
+    Py_DECREF(s);
+    return r;
+}
+
+/* Convert mask `obj` of `kind` and broadcast it (NumPy's rules) onto
+ * (B, H, Sq, Sk), filling m.  The array holding the data is kept in *keep. */
+static int convert_mask(int typenum, PyObject *obj, int kind, const int64_t dim[4],
+                        mha_mask *m, PyArrayObject **keep)
+{
+    static const char *names[4] = {"batch", "heads", "query length", "key length"};
+    int tn = kind == MHA_MASK_ADD ? typenum : NPY_UINT8;
+    PyArrayObject *arr = (PyArrayObject *)PyArray_FROM_OTF(
+        obj, tn, NPY_ARRAY_ALIGNED | NPY_ARRAY_FORCECAST);
+    int nd, d;
+    if (!arr) return -1;
+    nd = PyArray_NDIM(arr);
+    if (nd > 4) {
+        PyErr_Format(PyExc_ValueError, "a mask must have at most 4 dimensions "
+                     "(batch, heads, query, key), got %d", nd);
+        Py_DECREF(arr);
+        return -1;
+    }
+    m->kind = (mha_mask_kind)kind;
+    m->data = PyArray_DATA(arr);
+    for (d = 0; d < 4; d++) {
+        int ad = d - (4 - nd); /* the mask's own axis, right-aligned */
+        npy_intp n;
+        if (ad < 0) {
+            m->stride[d] = 0;
+            continue;
+        }
+        n = PyArray_DIM(arr, ad);
+        if (n == 1) {
+            m->stride[d] = 0;
+        } else if ((int64_t)n == dim[d]) {
+            m->stride[d] = (int64_t)(PyArray_STRIDE(arr, ad) / (npy_intp)PyArray_ITEMSIZE(arr));
+        } else {
+            PyObject *s = mask_shape_str(arr);
+            if (s) {
+                PyErr_Format(PyExc_ValueError,
+                             "a mask of shape %U does not broadcast to (B, H, Sq, Sk) = "
+                             "(%lld, %lld, %lld, %lld): its %s axis is %lld",
+                             s, (long long)dim[0], (long long)dim[1], (long long)dim[2],
+                             (long long)dim[3], names[d], (long long)n);
+                Py_DECREF(s);
+            }
+            Py_DECREF(arr);
+            return -1;
+        }
+    }
+    *keep = arr;
+    return 0;
+}
+
+int convert_masks(PyObject *seq, int typenum, const int64_t dim[4], mha_mask *masks,
+                  PyArrayObject **arrs, int *n)
+{
+    PyObject *fast = PySequence_Fast(seq, "masks must be a sequence of (kind, array) pairs");
+    Py_ssize_t i;
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) > MHA_MAX_MASKS) {
+        PyErr_Format(PyExc_ValueError, "masks: at most %d masks", MHA_MAX_MASKS);
+        goto fail;
+    }
+    for (i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        long kind;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_SetString(PyExc_TypeError, "masks: each mask must be a (kind, array) pair");
+            goto fail;
+        }
+        kind = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
+        if (kind == -1 && PyErr_Occurred()) goto fail;
+        if (kind != MHA_MASK_BLOCK && kind != MHA_MASK_ADD) {
+            PyErr_SetString(PyExc_ValueError, "masks: kind must be 0 (blocking) or 1 (additive)");
+            goto fail;
+        }
+        if (convert_mask(typenum, PyTuple_GET_ITEM(item, 1), (int)kind, dim, &masks[*n],
+                         &arrs[*n]) < 0)
+            goto fail;
+        (*n)++;
+    }
+    Py_DECREF(fast);
+    return 0;
+fail:
+    Py_DECREF(fast);
+    return -1;
+}
+

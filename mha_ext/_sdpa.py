@@ -1,0 +1,132 @@
+"""The argument rules and the C calls of mha_ext.scaled_dot_product_attention
+(mha_ext._sdpa_api; its autograd on tensors: mha_ext._sdpa_torch): torch's
+scaled_dot_product_attention computed by the C core on already-projected
+heads (_core._sdpa / _core._sdpa_backward, src/sdpa_forward_impl.h).
+
+Shapes (torch's): query (..., Hq, L, E), key (..., H, S, E), value
+(..., H, S, Ev); leading dims broadcast as torch broadcasts them; the
+result is (..., Hq, L, Ev).  2-D inputs (L, E) work too.
+
+Legend: L query length, S key length, E query/key width, Ev value width,
+Hq query heads, H key/value heads.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from . import _core
+from ._calls import causal, score_scale
+from ._convert import as_real, flag
+
+__all__ = ["sdpa_arrays", "sdpa_forward", "sdpa_backward"]
+
+
+def _dtype(*arrays):
+    # float64 when any input is float64, else float32 (torch wants one dtype)
+    return np.float64 if any(a.dtype == np.float64 for a in arrays) else np.float32
+
+
+def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """The arguments checked and brought to the C side's form: (q (B, H, L, E),
+    k (B, Hkv, S, E), v (B, Hkv, S, Ev) contiguous of one dtype, masks
+    [(kind, array)] over (B, H, L, S), is_causal, scale, (lead, lead_kv),
+    dtype): lead and lead_kv are the broadcast leading shapes that q and
+    k, v were brought to before their reshape to (B, H) and (B, Hkv); the
+    output is (*lead, L, Ev)."""
+    q, k, v = (as_real(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., length, width), "
+                             f"got shape {x.shape}")
+    dtype = _dtype(q, k, v)
+    L, E = q.shape[-2:]
+    S, Ek = k.shape[-2:]
+    Sv, Ev = v.shape[-2:]
+    if Ek != E:
+        raise ValueError(f"key's last dimension must be query's ({E}), got key {k.shape}, "
+                         f"query {q.shape}")
+    if Sv != S:
+        raise ValueError(f"value must have key's length {S}, got value {v.shape}, key {k.shape}")
+    gqa = flag(enable_gqa, "enable_gqa")
+    lq, lk, lv = q.shape[:-2], k.shape[:-2], v.shape[:-2]
+    if lk != lv:
+        raise ValueError(f"key and value must have the same leading dimensions, got key "
+                         f"{k.shape}, value {v.shape}")
+    try:
+        if gqa and len(lq) >= 1 and len(lk) >= 1:
+            Hq, Hk = lq[-1], lk[-1]
+            if Hk == 0 or Hq % Hk != 0:
+                raise ValueError(f"enable_gqa=True: query's heads ({Hq}, dimension -3) must "
+                                 f"be a multiple of key's and value's ({Hk})")
+            batch = np.broadcast_shapes(lq[:-1], lk[:-1])
+            lead, lead_kv = batch + (Hq,), batch + (Hk,)
+        else:
+            lead = np.broadcast_shapes(lq, lk)
+            lead_kv = lead
+    except ValueError as e:
+        if "enable_gqa" in str(e):
+            raise
+        raise ValueError(f"the leading dimensions of query {q.shape}, key {k.shape} and "
+                         f"value {v.shape} do not broadcast"
+                         + ("" if gqa else " (different numbers of heads need "
+                            "enable_gqa=True)")) from None
+    H = lead[-1] if lead else 1
+    Hkv = lead_kv[-1] if lead_kv else 1
+    B = math.prod(lead[:-1]) if lead else 1
+    q4 = np.ascontiguousarray(np.broadcast_to(q, lead + (L, E)), dtype=dtype).reshape(B, H, L, E)
+    k4 = np.ascontiguousarray(np.broadcast_to(k, lead_kv + (S, E)),
+                              dtype=dtype).reshape(B, Hkv, S, E)
+    v4 = np.ascontiguousarray(np.broadcast_to(v, lead_kv + (S, Ev)),
+                              dtype=dtype).reshape(B, Hkv, S, Ev)
+    c = causal(is_causal)
+    masks = []
+    if attn_mask is not None:
+        if c is True:
+            raise ValueError("attn_mask and is_causal=True cannot be given together (torch's "
+                             "rule): put the causal mask into attn_mask, or use "
+                             "is_causal='lower_right' with it")
+        m = as_real(attn_mask, "attn_mask")
+        if m.dtype == np.bool_:
+            kind, m = 0, ~m  # SDPA's True = attend; the core's blocking mask: True = blocked
+        elif m.dtype.kind == "f":
+            kind, m = 1, m.astype(dtype, copy=False)
+        else:
+            raise TypeError(f"attn_mask must be bool (True = attend) or floating (added to "
+                            f"the scores), got dtype {m.dtype}")
+        try:
+            full = np.broadcast_shapes(m.shape, lead + (L, S))
+        except ValueError:
+            full = None
+        if full != lead + (L, S):
+            raise ValueError(f"attn_mask of shape {m.shape} does not broadcast to "
+                             f"{lead + (L, S)} (..., heads, L, S)")
+        if len(lead) > 2 or m.ndim > 4:
+            m = np.broadcast_to(m, lead + (L, S)).reshape(B, H, L, S)
+        masks.append((kind, m))
+    return q4, k4, v4, masks, c, score_scale(scale), (lead, lead_kv), dtype
+
+
+def _seed(seed):
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "little")
+    return int(seed)
+
+
+def sdpa_forward(q4, k4, v4, masks, is_causal, scale, p, seed, need_weights=False,
+                 reference=False):
+    """_core._sdpa: (out (B, H, L, Ev), weights (B, H, L, S) or None).
+    Rows with no visible key give 0, as torch's SDPA does."""
+    return _core._sdpa(q4, k4, v4, masks=masks, is_causal=is_causal, scale=scale,
+                       dropout=p, seed=seed, counter=0, need_weights=need_weights,
+                       zero_rows=True, reference=reference)
+
+
+def sdpa_backward(q4, k4, v4, grad_out, masks, is_causal, scale, p, seed, reference=False):
+    """_core._sdpa_backward: (dq, dk, dv) of the sdpa_forward call with the
+    same arguments."""
+    return _core._sdpa_backward(q4, k4, v4, grad_out, masks=masks, is_causal=is_causal,
+                                scale=scale, dropout=p, seed=seed, counter=0, zero_rows=True,
+                                reference=reference)

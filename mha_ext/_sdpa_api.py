@@ -1,0 +1,58 @@
+"""mha_ext.scaled_dot_product_attention, the public face: NumPy arrays go to
+the C core through mha_ext._sdpa, torch tensors through the autograd
+Function of mha_ext._sdpa_torch (imported only then: it needs torch).
+"""
+from __future__ import annotations
+
+from ._convert import is_tensor, probability
+from ._sdpa import _seed, sdpa_arrays, sdpa_forward
+
+__all__ = ["scaled_dot_product_attention"]
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *, seed=None):
+    """torch.nn.functional.scaled_dot_product_attention, computed by mha_ext's C core.
+
+        out = softmax(query @ keyᵀ · scale + mask) @ value
+
+    query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev): any
+    leading dimensions, broadcast as torch broadcasts them; returns
+    (..., Hq, L, Ev).  NumPy arrays (or anything NumPy reads) in -> a NumPy
+    array out, float64 when an input is float64, else float32; CPU torch
+    tensors in -> a tensor out, differentiable through mha_ext's C backward
+    (double backward raises a RuntimeError).
+
+    attn_mask: broadcastable to (..., Hq, L, S).
+        BOOL MASKS: True = ATTEND (take part in the attention), False =
+        blocked.  This is SDPA's polarity and the OPPOSITE of
+        nn.MultiheadAttention's attn_mask and of mha_ext.MultiHeadAttention's
+        masks, where True = blocked.
+        Float masks are added to the scores (-inf blocks).  No gradient flows
+        into attn_mask (a mask that requires grad is a ValueError).
+    dropout_p: probability of dropping a weight (applied whenever > 0, as
+        torch's functional does); the stream is mha_ext's own (seed=, a
+        keyword of ours; None: a fresh random seed), so the dropped entries
+        differ from torch's.
+    is_causal: True: query i sees keys j <= i (top-left, torch's); given with
+        attn_mask it is an error, as in torch.  "lower_right": query i sees
+        keys j <= i + S - L (torch's causal_lower_right), and may be combined
+        with attn_mask.
+    scale: None (1/sqrt(E)) or any real number.
+    enable_gqa: query head h reads key/value head h // (Hq // H) (Hq a
+        multiple of H), as torch's grouped-query attention does.
+
+    A query with no visible key gives a zero output row (and zero
+    gradients), as torch's SDPA does.
+    """
+    if any(is_tensor(x) for x in (query, key, value)):
+        from ._sdpa_torch import sdpa_torch  # needs torch: imported on first use only
+        return sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                          enable_gqa, seed)
+    p = probability(dropout_p, "dropout_p")
+    q4, k4, v4, masks, c, s, (lead, _), _ = sdpa_arrays(query, key, value, attn_mask,
+                                                        is_causal, scale, enable_gqa)
+    out, _ = sdpa_forward(q4, k4, v4, masks, c, s, p, _seed(seed) if p > 0 else 0)
+    return out.reshape(lead + out.shape[2:])
+
+

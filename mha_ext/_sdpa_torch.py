@@ -1,0 +1,100 @@
+"""mha_ext.scaled_dot_product_attention on torch tensors: a
+torch.autograd.Function whose forward is the C core's _sdpa and whose
+backward is its _sdpa_backward (mha_ext._sdpa holds the argument rules).
+
+Imported only when a tensor reaches scaled_dot_product_attention; needs
+torch.  Double backward raises a RuntimeError (the C backward is not itself
+differentiable), as for mha_ext.torch's modules.
+
+Legend as in mha_ext._sdpa: L query length, S key length, E width, Hq / H
+query / key-value heads.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import _sdpa
+from ._convert import probability, to_numpy
+from ._torch_fn import _NoDoubleBackward
+
+__all__ = ["sdpa_torch", "SDPAFunction"]
+
+_DTYPES = (torch.float32, torch.float64)
+
+
+class SDPAFunction(torch.autograd.Function):
+    """forward(plan, query, key, value) -> output; plan holds the arguments
+    in the C side's form except q, k, v (computed here from the tensors)."""
+
+    @staticmethod
+    def forward(ctx, plan, query, key, value):
+        q4, k4, v4, masks, c, s, (lead, lead_kv), dtype = _sdpa.sdpa_arrays(
+            to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value"),
+            plan["attn_mask"], plan["is_causal"], plan["scale"], plan["enable_gqa"])
+        out, _ = _sdpa.sdpa_forward(q4, k4, v4, masks, c, s, plan["p"], plan["seed"])
+        ctx.args = (q4, k4, v4, masks, c, s, plan["p"], plan["seed"])
+        ctx.leads = (lead, lead_kv, lead_kv)
+        ctx.shapes = (query.shape, key.shape, value.shape)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(query, key, value)
+        return torch.from_numpy(out.reshape(lead + out.shape[2:]))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q4, k4, v4, masks, c, s, p, seed = ctx.args
+        need = ctx.needs_input_grad
+        if grad_out is None:
+            return None, None, None, None
+        with torch.no_grad():
+            go = np.ascontiguousarray(to_numpy(grad_out, "grad_output"),
+                                      dtype=q4.dtype).reshape(q4.shape[:3] + v4.shape[3:])
+            dq, dk, dv = _sdpa.sdpa_backward(q4, k4, v4, go, masks, c, s, p, seed)
+            grads = [_unbroadcast(g, lead, shape) if need[1 + i] else None
+                     for i, (g, lead, shape) in enumerate(zip((dq, dk, dv), ctx.leads,
+                                                               ctx.shapes))]
+        if torch.is_grad_enabled():
+            # create_graph=True: make a later differentiation of these fail loudly
+            anchors = [t for t in ctx.saved_tensors if t.requires_grad]
+            have = [i for i, g in enumerate(grads) if g is not None]
+            if anchors and have:
+                guarded = _NoDoubleBackward.apply(len(have), *[grads[i] for i in have],
+                                                  *anchors)
+                for i, g in zip(have, guarded):
+                    grads[i] = g
+        return (None, *grads)
+
+
+def _unbroadcast(g, lead, shape):
+    """The gradient g (B, H, n, w) of an input of `shape` that the call
+    broadcast to the leading shape `lead` (then reshaped to (B, H)): summed
+    back over the broadcast axes, as a tensor of `shape`."""
+    g = g.reshape(tuple(lead) + g.shape[2:])
+    extra = g.ndim - len(shape)
+    if extra:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, (a, b) in enumerate(zip(g.shape, shape)) if b == 1 and a != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return torch.from_numpy(np.ascontiguousarray(g.reshape(shape)))
+
+
+def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
+    """scaled_dot_product_attention on tensors (see mha_ext._sdpa)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor like the others, not {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float32 or float64, got {t.dtype}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, "
+                        f"{key.dtype}, {value.dtype}")
+    if isinstance(attn_mask, torch.Tensor):
+        if attn_mask.requires_grad and torch.is_grad_enabled():
+            raise ValueError("attn_mask requires grad: mha_ext's backward gives no gradient "
+                             "for the mask (detach it, or use torch's own SDPA)")
+        attn_mask = to_numpy(attn_mask, "attn_mask")
+    p = probability(dropout_p, "dropout_p")
+    plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                p=p, seed=_sdpa._seed(seed) if p > 0 else 0)
+    return SDPAFunction.apply(plan, query, key, value)

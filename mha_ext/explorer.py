@@ -1,0 +1,238 @@
+"""An interactive attention explorer that works offline: plain HTML, CSS and
+JavaScript with the data embedded, nothing fetched at run time.
+
+Legend: B batch, H heads, Sq query length, Sk key length.
+
+    ex = mha_ext.explore(mha.trace(x, is_causal=True), tokens=words)
+    ex                        # in a notebook: the explorer (HTML + JS output)
+    ex.save("attention.html") # a standalone page for any browser
+
+From a :class:`~mha_ext.Trace` it can show the raw scores, the masked scores,
+the softmax and (in training with dropout) the weights after dropout, with the
+cells a mask blocked hatched; from a weights array (B, H, Sq, Sk) or
+(H, Sq, Sk) it shows the weights (pass ``blocked=`` to hatch blocked cells).
+The page lets you pick the batch item, one head or all heads, a query token
+(its row is outlined and its largest weights listed), the colour scale (per
+row, shared per head, shared by all heads) and the zoom; hovering a cell shows
+its query and key tokens and its value in every layer.  Long sequences get
+thinned labels and a scrolling view.
+
+Front-ends: any that runs the JavaScript of an HTML output (Jupyter Notebook
+and Lab for a trusted notebook, VS Code).  Where scripts are stripped (an
+untrusted notebook in JupyterLab) the output says so and points to ``save``.
+The JavaScript and CSS live in ``mha_ext/_html/`` and are inlined into each
+output; this module is plain Python and NumPy.
+"""
+import html
+import itertools
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ._convert import as_array
+
+__all__ = ["Explorer", "explore"]
+
+_HERE = Path(__file__).resolve().parent / "_html"
+_ids = itertools.count()
+
+# the largest number of values (B·H·Sq·Sk times the layers) an explorer embeds
+MAX_VALUES = 2_000_000
+
+# the standalone page may load nothing: inline scripts and styles, data: images
+_CSP = ("default-src 'none'; script-src 'unsafe-inline'; "
+        "style-src 'unsafe-inline'; img-src data:")
+
+
+def _asset(name):
+    try:
+        return (_HERE / name).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RuntimeError("mha_ext/_html/%s is missing from this installation: the "
+                           "package data was not installed (reinstall mha_ext)"
+                           % name) from exc
+
+
+def _labels(tokens, n, what):
+    if tokens is None:
+        return [str(i) for i in range(n)]
+    if isinstance(tokens, str):
+        raise TypeError("%s must be a sequence of labels, got a str (split it first: "
+                        "text.split())" % what)
+    labels = [str(t) for t in tokens]
+    if len(labels) != n:
+        raise ValueError("%s has %d labels but the weights have %d %s"
+                         % (what, len(labels), n,
+                            "queries" if what == "query_tokens" else "keys"))
+    return labels
+
+
+def _encode(a):
+    """A float array as a JSON list: 4 significant digits, null for NaN/±inf."""
+    flat = np.asarray(a, dtype=np.float64).ravel()
+    fin = np.isfinite(flat)
+    out = np.full(flat.shape, "null", dtype=object)
+    out[fin] = [("%.4g" % v) for v in flat[fin]]
+    return "[" + ",".join(out) + "]"
+
+
+def _batched(a, ndim_batched):
+    a = np.asarray(a)
+    return a[None] if a.ndim == ndim_batched - 1 else a
+
+
+class Explorer:
+    """The explorer of one trace or weights array; see :func:`explore`.
+
+    ``_repr_html_()`` is what a notebook shows, ``to_html(full_page=True)``
+    a standalone page, ``save(path)`` writes that page and returns the path.
+    ``layers`` lists the layer names, ``shape`` is (B, H, Sq, Sk)."""
+
+    def __init__(self, layers, blocked, q_tokens, k_tokens, title, layer, head):
+        self.layers = [name for name, _, _ in layers]
+        self._layers = layers
+        self._blocked = blocked
+        self.shape = tuple(int(n) for n in layers[0][1].shape)
+        self.q_tokens, self.k_tokens = q_tokens, k_tokens
+        self.title = title
+        self._first = layer
+        self._head = head
+
+    def _json(self):
+        B, H, Sq, Sk = self.shape
+        parts = ['{"B":%d,"H":%d,"Sq":%d,"Sk":%d' % (B, H, Sq, Sk),
+                 '"qTokens":' + json.dumps(self.q_tokens),
+                 '"kTokens":' + json.dumps(self.k_tokens),
+                 '"title":' + json.dumps(self.title),
+                 '"layer":' + json.dumps(self._first),
+                 '"allHeads":' + ("true" if self._head == "all" else "false"),
+                 '"head":%d' % (0 if self._head == "all" else self._head),
+                 '"blocked":' + ("null" if self._blocked is None else
+                                 "[" + ",".join("1" if b else "0"
+                                                for b in self._blocked.ravel()) + "]")]
+        layers = []
+        for name, arr, kind in self._layers:
+            layers.append('{"name":%s,"scores":%s,"probability":%s,"values":%s}'
+                          % (json.dumps(name), "true" if kind == "scores" else "false",
+                             "true" if kind == "probability" else "false", _encode(arr)))
+        parts.append('"layers":[' + ",".join(layers) + "]}")
+        text = ",".join(parts)
+        # inside <script>: no "</script>", no "<!--"
+        return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+    def _fragment(self):
+        uid = "mha-explorer-%d-%d" % (os.getpid(), next(_ids))
+        nojs = ("Interactive attention explorer: its JavaScript did not run here "
+                "(an untrusted notebook output?). Trust the notebook, or open the page "
+                "that <code>Explorer.save(\"attention.html\")</code> writes in a browser.")
+        return "\n".join([
+            '<div class="mha-explorer" id="%s">' % uid,
+            "<style>%s</style>" % _asset("explorer.css"),
+            '<p class="mha-nojs">%s</p>' % nojs,
+            '<script type="application/json" class="mha-data">%s</script>' % self._json(),
+            "<script>(function () {\n%s\n"
+            "var s = document.currentScript;\n"
+            "var root = (s && s.closest && s.closest('.mha-explorer')) || "
+            "document.getElementById(%s);\n"
+            "var data = JSON.parse(root.querySelector('script.mha-data').textContent);\n"
+            "mhaExplorer(root, data);\n})();</script>" % (_asset("explorer.js"), json.dumps(uid)),
+            "</div>"])
+
+    def _repr_html_(self):
+        return self._fragment()
+
+    def to_html(self, full_page=False):
+        """The explorer as HTML: a fragment for a notebook, or (full_page) a
+        standalone page whose Content-Security-Policy forbids every request."""
+        if not full_page:
+            return self._fragment()
+        return "\n".join([
+            "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+            '<meta http-equiv="Content-Security-Policy" content="%s">' % _CSP,
+            "<title>%s</title>" % html.escape(self.title or "attention explorer"),
+            "</head><body>", self._fragment(), "</body></html>"])
+
+    def save(self, path):
+        """Write the standalone page to path (str or path-like); returns path."""
+        path = os.fspath(path)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_html(full_page=True))
+        return path
+
+    def __repr__(self):
+        return "Explorer(shape=%s, layers=%s)" % (list(self.shape), self.layers)
+
+
+def explore(source, tokens=None, *, query_tokens=None, key_tokens=None, blocked=None,
+            title=None, layer=None, head="all", max_values=MAX_VALUES):
+    """An :class:`Explorer` of a trace or of attention weights.
+
+    source        a :class:`~mha_ext.Trace` (layers: raw scores, masked scores,
+                  softmax, and dropout when the trace has that step; blocked
+                  cells from its masks), or weights (B, H, Sq, Sk) / (H, Sq, Sk)
+                  as a NumPy array, torch tensor or nested lists.
+    tokens        labels of the sequence on both axes (self-attention);
+    query_tokens, key_tokens  labels of the rows / columns when they differ.
+    blocked       weights only: bool array broadcastable to the weights,
+                  True where a mask blocked the cell (drawn hatched).
+    title         a caption (default: from the source's shape).
+    layer         the layer shown first (default: "softmax" / "weights").
+    head          "all" (default: one small heatmap per head) or a head index.
+    max_values    refuse to embed more numbers than this (ValueError): pick a
+                  batch slice of the weights instead of a huge page.
+    """
+    if hasattr(source, "steps") and hasattr(source, "sizes"):
+        if blocked is not None:
+            raise ValueError("blocked is for weights arrays; a trace knows its masks")
+
+        def step(name):
+            return _batched(source[name].array, 4).astype(np.float64)
+        raw, masked, soft = step("raw scores"), step("masked scores"), step("softmax")
+        layers = [("raw scores", raw, "scores"), ("masked scores", masked, "scores"),
+                  ("softmax", soft, "probability")]
+        if "dropout" in source:
+            layers.append(("dropout", step("dropout"), "probability"))
+        mask = np.isneginf(masked)
+        first = layer or "softmax"
+    else:
+        w = as_array(source, "source")
+        if w.dtype.kind not in "biuf":
+            raise TypeError("weights must be real numbers, got dtype %s" % w.dtype)
+        if w.ndim not in (3, 4):
+            raise ValueError("weights must be (B, H, Sq, Sk) or (H, Sq, Sk), got shape %s"
+                             % (w.shape,))
+        w = _batched(w, 4).astype(np.float64)
+        layers = [("weights", w, "probability")]
+        mask = None
+        if blocked is not None:
+            try:
+                mask = np.broadcast_to(np.asarray(as_array(blocked, "blocked")) != 0, w.shape)
+            except ValueError:
+                raise ValueError("blocked must broadcast to the weights' shape %s, got %s"
+                                 % (w.shape, np.shape(blocked))) from None
+        first = layer or "weights"
+    B, H, Sq, Sk = layers[0][1].shape
+    if H == 0:
+        raise ValueError("there are no heads to explore (shape %s)" % (layers[0][1].shape,))
+    names = [n for n, _, _ in layers]
+    if first not in names:
+        raise ValueError("layer must be one of %s, got %r" % (names, first))
+    if head != "all":
+        if not isinstance(head, (int, np.integer)) or isinstance(head, bool):
+            raise TypeError('head must be "all" or an int, got %r' % (head,))
+        if not 0 <= head < H:
+            raise ValueError("head %d is out of range for %d heads" % (head, H))
+    n = B * H * Sq * Sk * (len(layers) + (mask is not None))
+    if n > max_values:
+        raise ValueError("the explorer would embed %d values (more than max_values=%d): "
+                         "explore fewer batch items, e.g. weights[:1]" % (n, max_values))
+    q_tokens = _labels(query_tokens if query_tokens is not None else tokens, Sq,
+                       "query_tokens" if query_tokens is not None else "tokens")
+    k_tokens = _labels(key_tokens if key_tokens is not None else tokens, Sk,
+                       "key_tokens" if key_tokens is not None else "tokens")
+    if title is None:
+        title = "attention, B=%d, H=%d, Sq=%d, Sk=%d" % (B, H, Sq, Sk)
+    return Explorer(layers, mask, q_tokens, k_tokens, str(title), first,
+                    head if head == "all" else int(head))

@@ -1,0 +1,277 @@
+"""What each attention head does: statistics of its weights, and what the
+loss loses when the head is switched off.
+
+Legend: B batch, H heads, Sq query length, Sk key length, Dk = E / H.
+
+    report = mha_ext.heads.analyze(weights)                   # (B, H, Sq, Sk)
+    report = mha_ext.heads.analyze(weights, module=mha, loss=lambda: f(mha))
+    print(report)          # a text table; in a notebook an HTML table
+    report.plot()          # a matplotlib Figure (the optional "plot" extra)
+
+Per head, averaged over the batch and over the query rows that have weights
+(a row with every key blocked is NaN and is left out):
+
+``entropy``    -Σ_j a_ij·ln a_ij in nats: 0 for a head that looks at one key,
+               ln Sk for one that spreads evenly.
+``distance``   mean attention distance Σ_j a_ij·|i - j| in positions.
+``previous``   weight on key i-1 (queries i >= 1).
+``same``       weight on key i (the query's own position).
+``first``      weight on key 0.
+``mirror``     weight on key Sk-1-i (the mirror position; reversing needs it).
+``loss_delta`` with ``module`` and ``loss``: loss with the head switched off
+               minus the loss as it is.  Switching a head off zeroes its
+               context C[:, h] before the output projection, which is done
+               exactly by zeroing the columns h·Dk:(h+1)·Dk of W_o.weight
+               for the duration of one ``loss()`` call; the module's
+               parameters are restored afterwards (also when ``loss``
+               raises).
+
+Positions are those of the query and key axes (self-attention: i and j index
+the same sequence).  This module is plain NumPy; ``plot`` imports matplotlib.
+"""
+import html
+
+import numpy as np
+
+from ._convert import as_array
+
+__all__ = ["HeadReport", "analyze", "head_stats", "ablate"]
+
+COLUMNS = ("entropy", "distance", "previous", "same", "first", "mirror")
+_ABOUT = {"entropy": "attention entropy (nats)",
+          "distance": "mean attention distance (positions)",
+          "previous": "weight on the previous token",
+          "same": "weight on the same token",
+          "first": "weight on the first token",
+          "mirror": "weight on the mirror position",
+          "loss_delta": "loss increase when the head is switched off"}
+
+
+def _weights(weights):
+    if hasattr(weights, "steps") and hasattr(weights, "weights"):   # a Trace
+        weights = weights.weights
+        if weights is None:
+            raise ValueError("this trace has no weights (need_weights=False)")
+    w = as_array(weights, "weights")
+    if w.dtype.kind not in "biuf":
+        raise TypeError("weights must be real numbers, got dtype %s" % w.dtype)
+    w = w.astype(np.float64)
+    if w.ndim == 3:
+        w = w[None]
+    if w.ndim != 4:
+        raise ValueError("weights must be (B, H, Sq, Sk) or (H, Sq, Sk), got "
+                         "shape %s" % (w.shape,))
+    if w.shape[1] == 0:
+        raise ValueError("weights have no heads (shape %s)" % (w.shape,))
+    return w
+
+
+def head_stats(weights):
+    """The statistics of the module docstring: a dict column -> (H,) array.
+
+    weights: (B, H, Sq, Sk) or (H, Sq, Sk), a NumPy array, torch tensor,
+    nested lists or a Trace.  A head with no valid row gets NaN."""
+    w = _weights(weights)
+    B, H, Sq, Sk = w.shape
+    valid = np.all(np.isfinite(w), axis=-1)                 # (B, H, Sq)
+    a = np.where(valid[..., None], w, 0.0)
+    i = np.arange(Sq)[:, None]
+    j = np.arange(Sk)[None, :]
+
+    def mean_rows(per_row, rows=None):
+        # per_row (B, H, Sq) -> (H,), over valid rows (and rows selected)
+        ok = valid if rows is None else valid & rows
+        n = ok.sum(axis=(0, 2))
+        s = np.where(ok, per_row, 0.0).sum(axis=(0, 2))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(n > 0, s / np.maximum(n, 1), np.nan)
+
+    def at(offset_of_row):
+        # weight on key k(i) for each query i; rows whose k(i) is outside Sk
+        # are left out
+        k = offset_of_row(np.arange(Sq))
+        inside = (k >= 0) & (k < Sk)
+        picked = a[..., np.arange(Sq), np.clip(k, 0, max(Sk - 1, 0))] \
+            if Sk else np.zeros(a.shape[:-1])
+        return mean_rows(picked, np.broadcast_to(inside, valid.shape))
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        plogp = np.where(a > 0, a * np.log(np.where(a > 0, a, 1.0)), 0.0)
+    return {
+        "entropy": mean_rows(-plogp.sum(-1)),
+        "distance": mean_rows((a * np.abs(i - j)).sum(-1)),
+        "previous": at(lambda q: q - 1),
+        "same": at(lambda q: q),
+        "first": at(lambda q: np.zeros_like(q)),
+        "mirror": at(lambda q: Sk - 1 - q),
+    }
+
+
+def ablate(module, loss):
+    """The loss with each head switched off: returns (base, per_head) where
+    base = loss() as the module is and per_head[h] = loss() with head h's
+    context zeroed (W_o.weight[:, h·Dk:(h+1)·Dk] = 0 during that call).
+
+    module: an ``mha_ext.MultiHeadAttention`` or ``mha_ext.torch``'s module
+    (anything with ``W_o.weight`` (E, E) and ``n_heads``).  loss: a callable
+    with no arguments returning a number, that uses the module."""
+    if not callable(loss):
+        raise TypeError("loss must be a callable with no arguments returning "
+                        "a number, got %r" % (loss,))
+    H = int(getattr(module, "n_heads", 0) or 0)
+    if H <= 0 or not hasattr(getattr(module, "W_o", None), "weight"):
+        raise TypeError("module must be an attention module with n_heads and "
+                        "W_o.weight, got %r" % (type(module).__name__,))
+    w_o = module.W_o.weight
+    E = int(w_o.shape[1])
+    Dk = E // H
+    base = float(loss())
+    per_head = np.empty(H)
+    for h in range(H):
+        cols = slice(h * Dk, (h + 1) * Dk)
+        with _editing(module):
+            saved = _copy(w_o[:, cols])
+            w_o[:, cols] = 0
+        try:
+            per_head[h] = float(loss())
+        finally:
+            with _editing(module):
+                w_o[:, cols] = saved
+    return base, per_head
+
+
+def _editing(module):
+    # mha_ext modules: atomic writes; torch parameters: outside autograd
+    if hasattr(module, "editing"):
+        return module.editing()
+    import torch
+    return torch.no_grad()
+
+
+def _copy(x):
+    return x.clone() if hasattr(x, "clone") else np.array(x, copy=True)
+
+
+class HeadReport:
+    """One row per head: ``report.columns`` names, ``report.values[c]`` an
+    (H,) array per column, ``report.rows()`` a list of dicts, ``str()`` a
+    text table, ``_repr_html_()`` an HTML table, ``plot()`` a Figure, and
+    ``report.top(column)`` the head with the largest value of a column."""
+
+    def __init__(self, values, base_loss=None, shape=None):
+        self.values = {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
+        self.columns = [c for c in COLUMNS + ("loss_delta",) if c in self.values]
+        self.base_loss = base_loss
+        self.shape = shape
+        self.n_heads = len(next(iter(self.values.values())))
+
+    def rows(self):
+        return [dict(head=h, **{c: float(self.values[c][h]) for c in self.columns})
+                for h in range(self.n_heads)]
+
+    def top(self, column):
+        """The head with the largest value in column (NaN ignored)."""
+        if column not in self.values:
+            raise KeyError("no column %r; the columns are: %s"
+                           % (column, ", ".join(self.columns)))
+        v = self.values[column]
+        if np.all(np.isnan(v)):
+            return None
+        return int(np.nanargmax(v))
+
+    def roles(self, threshold=0.5):
+        """A short description per head: the positions (previous, same,
+        first, mirror) that get more than threshold of its weight."""
+        out = []
+        for h in range(self.n_heads):
+            r = [c for c in ("previous", "same", "first", "mirror")
+                 if self.values[c][h] > threshold]
+            out.append(", ".join(r) if r else "spread")
+        return out
+
+    def _cells(self):
+        roles = self.roles()
+        rows = []
+        for h in range(self.n_heads):
+            rows.append(["%d" % h] + ["%.3f" % self.values[c][h] for c in self.columns]
+                        + [roles[h]])
+        return ["head"] + self.columns + ["looks at"], rows
+
+    def __str__(self):
+        head, rows = self._cells()
+        w = [max(len(r[c]) for r in rows + [head]) for c in range(len(head))]
+        line = lambda r: "  ".join(  # noqa: E731
+            r[c].rjust(w[c]) if 0 < c < len(r) - 1 else r[c].ljust(w[c])
+            for c in range(len(r))).rstrip()
+        out = ["attention heads" + ("" if self.shape is None else
+                                    " (weights %s)" % (list(self.shape),)),
+               line(head), "  ".join("-" * n for n in w)]
+        out += [line(r) for r in rows]
+        if self.base_loss is not None:
+            out.append("loss with every head on: %.4f" % self.base_loss)
+        return "\n".join(out)
+
+    __repr__ = __str__
+
+    def _repr_html_(self):
+        e = html.escape
+        head, rows = self._cells()
+        td = 'style="text-align:%s;padding:2px 8px;font-family:monospace"'
+        parts = ['<table class="mha-heads" style="border-collapse:collapse">',
+                 '<caption style="text-align:left">attention heads</caption>',
+                 "<thead><tr>"]
+        for c in head:
+            parts.append('<th %s title="%s">%s</th>'
+                         % (td % "left", e(_ABOUT.get(c, c)), e(c)))
+        parts.append("</tr></thead><tbody>")
+        for r in rows:
+            parts.append("<tr>" + "".join(
+                "<td %s>%s</td>" % (td % ("right" if 0 < k < len(r) - 1 else "left"),
+                                     e(c)) for k, c in enumerate(r)) + "</tr>")
+        parts.append("</tbody></table>")
+        if self.base_loss is not None:
+            parts.append("<p>loss with every head on: %.4f</p>" % self.base_loss)
+        return "\n".join(parts)
+
+    def plot(self, figsize=None):
+        """Bars per head for each column: a matplotlib Figure."""
+        from .plot import _matplotlib
+        _, Figure = _matplotlib()
+        n = len(self.columns)
+        ncols = min(n, 4)
+        nrows = -(-n // ncols)
+        fig = Figure(figsize=figsize or (3.0 * ncols, 2.4 * nrows), layout="constrained")
+        axes = fig.subplots(nrows, ncols, squeeze=False)
+        heads = np.arange(self.n_heads)
+        for k in range(nrows * ncols):
+            ax = axes[k // ncols][k % ncols]
+            if k >= n:
+                ax.set_visible(False)
+                continue
+            c = self.columns[k]
+            ax.bar(heads, np.nan_to_num(self.values[c]),
+                   color="C3" if c == "loss_delta" else "C0")
+            ax.set_title(_ABOUT[c], fontsize=9)
+            ax.set_xticks(heads)
+            ax.set_xlabel("head", fontsize=8)
+        fig.suptitle("what each head does")
+        return fig
+
+
+def analyze(weights, module=None, loss=None):
+    """A :class:`HeadReport` of the weights (B, H, Sq, Sk) or (H, Sq, Sk);
+    with ``module`` and ``loss`` (see :func:`ablate`) it adds the column
+    ``loss_delta``."""
+    w = _weights(weights)
+    values = head_stats(w)
+    base = None
+    if (module is None) != (loss is None):
+        raise ValueError("give both module and loss (to switch heads off), or neither")
+    if module is not None:
+        H = int(getattr(module, "n_heads", -1))
+        if H != w.shape[1]:
+            raise ValueError("the weights have %d heads but the module has %s"
+                             % (w.shape[1], H))
+        base, per_head = ablate(module, loss)
+        values["loss_delta"] = per_head - base
+    return HeadReport(values, base, w.shape)

@@ -1,0 +1,197 @@
+/* attend_impl.h: the forward's attention tasks, written once for T = float
+ * and T = double (included by forward.c after softmax_impl.h, before
+ * forward_impl.h and sdpa_impl.h, which both run them: the module's
+ * attention on its projected heads and mha_sdpa_forward's on the caller's).
+ *
+ *   per (b, h, block of QB queries), h' = h / (H / Hkv) its key/value head:
+ *     S = Q_bh·K_bh'ᵀ · scale, masked (-inf), softmax, dropout
+ *     ctx_bh = S·V_bh'
+ *
+ * With weights (or P kept), one pass per task computes S straight into the
+ * weights array, finishes the softmax there in place (written once) and
+ * multiplies by V: no second (Sq, Sk) buffer.  Without, an online softmax
+ * runs over blocks of KB keys in per-thread scratch of (QB, KB): no (Sq, Sk)
+ * buffer at all.  Causal: keys past the block's last visible key are never
+ * computed (skip_causal; not when V holds a NaN or inf, which must still
+ * reach every row as 0·NaN does in the reference, nor with extra keys). */
+
+#define QB 48        /* queries per attention task: a multiple of every kernel's MR (6, 6, 4) */
+#define KB 256       /* keys per block of the online softmax */
+
+typedef struct {
+    const KT *kern;
+    mha_rows rr;          /* masks, causality, blocked rows */
+    int64_t B, H, Hkv, Sq, Sk, Dk, Dv; /* Sk: every key, the extra ones too */
+    const T *qh;          /* Q per head: (B, H, Sq, Dk) */
+    const T *kt;          /* K per head, transposed: (B, Hkv, Dk, Sk) */
+    const T *vh;          /* V per head: (B, Hkv, Sk, Dv) */
+    T *ctx;               /* row i of head (b, h): ctx + b*cs_b + h*cs_h + i*ldc, Dv wide */
+    int64_t cs_b, cs_h, ldc;
+    T *weights;           /* NULL, or (B, H, Sq, Sk) */
+    T *p_save;            /* NULL, or mha_saved's P (B, H, Sq, Sk) */
+    T *scratch;           /* per slot: GEMM packing, then the task's state */
+    int64_t scratch_len;  /* scalars per slot */
+    T scale;              /* the score scale */
+    T drop_scale;         /* 1 / (1 - p) */
+    double dropout;       /* p */
+    uint64_t drop_key;
+    int dropout_on;
+    int skip_causal;      /* causal, V finite, no extra keys: skip blocked keys */
+    int64_t n_qblk;
+} SUF(att);
+
+/* scalars of per-slot state (after the packing) a task of `at` needs */
+static int SUF(att_state)(const SUF(att) *at, int64_t *state)
+{
+    *state = 0;
+    if (!at->weights && !at->p_save)
+        return mha_mul(QB, at->Dv, state) || mha_add(*state, QB * KB + 2 * QB, state);
+    if (at->p_save && !at->weights && at->dropout_on) return mha_mul(QB, at->Sk, state);
+    return 0;
+}
+
+/* the keys [0, kend) the block of queries i0 .. i0+nq-1 may see */
+static int64_t SUF(att_kend)(const SUF(att) *at, int64_t i0, int64_t nq)
+{
+    int64_t kend = at->Sk;
+    if (at->skip_causal && i0 + nq + at->rr.coff < kend) kend = i0 + nq + at->rr.coff;
+    return kend < 0 ? 0 : kend;
+}
+
+static void SUF(fill_rows)(T *x, int64_t rows, int64_t cols, int64_t ld, T value)
+{
+    int64_t r, c;
+    for (r = 0; r < rows; r++)
+        for (c = 0; c < cols; c++) x[r * ld + c] = value;
+}
+
+/* A = dropout(P) over w[0..n), the row's elements idx, idx+1, ... of the
+ * call's stream */
+static void SUF(dropout_row)(const SUF(att) *at, T *w, int64_t n, uint64_t idx)
+{
+    int64_t j;
+    for (j = 0; j < n; j++)
+        w[j] = mha_dropout_keep(at->drop_key, idx + (uint64_t)j, at->dropout)
+                   ? w[j] * at->drop_scale : (T)0;
+}
+
+/* Attention with the weights written: task = (b, h, block of queries).
+ * P (the softmax) is formed in the weights array itself, or in mha_saved's
+ * P when that is kept; A = dropout(P), what multiplies V, is then the
+ * weights array, P itself (no dropout, no weights asked for) or a scratch
+ * block of the slot (dropout, no weights). */
+static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
+{
+    const SUF(att) *at = (const SUF(att) *)ctx;
+    int64_t bh = t / at->n_qblk, b = bh / at->H, h = bh % at->H;
+    int64_t bkv = b * at->Hkv + h / (at->H / at->Hkv);
+    int64_t i0 = (t % at->n_qblk) * QB, nq = at->Sq - i0 < QB ? at->Sq - i0 : QB;
+    int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, kend;
+    const T *q_bh = at->qh + (bh * at->Sq + i0) * Dk;          /* (nq, Dk) */
+    const T *kt_bh = at->kt + bkv * Dk * Sk;                    /* (Dk, Sk) */
+    const T *v_bh = at->vh + bkv * Sk * Dv;                     /* (Sk, Dv) */
+    T *c_bh = at->ctx + b * at->cs_b + h * at->cs_h + i0 * at->ldc; /* (nq, Dv), ld ldc */
+    T *gs = at->scratch + (int64_t)slot * at->scratch_len;
+    T *p_bh = (at->p_save ? at->p_save : at->weights) + (bh * at->Sq + i0) * Sk; /* (nq, Sk) */
+    T *a_bh = p_bh;                                                             /* (nq, Sk) */
+    if (at->p_save && at->weights)
+        a_bh = at->weights + (bh * at->Sq + i0) * Sk;
+    else if (at->p_save && at->dropout_on)
+        a_bh = gs + MHA_GEMM_SCRATCH;
+    if (Sk == 0) { /* no key at all: the context is an empty sum */
+        SUF(fill_rows)(c_bh, nq, Dv, at->ldc, (T)0);
+        return;
+    }
+    kend = SUF(att_kend)(at, i0, nq); /* later keys: blocked for all */
+    if (kend == 0) { /* lower-right, Sq > Sk: every row of the block is blocked */
+        const T value = SUF(blocked_row_value)(&at->rr);
+        SUF(fill_rows)(p_bh, nq, Sk, Sk, value);
+        if (a_bh != p_bh) SUF(fill_rows)(a_bh, nq, Sk, Sk, value);
+        SUF(fill_rows)(c_bh, nq, Dv, at->ldc, value);
+        return;
+    }
+    SUF(mha_gemm)(at->kern, 0, nq, kend, Dk, q_bh, Dk, kt_bh, Sk, NULL, p_bh, Sk, 0, gs);
+    for (r = 0; r < nq; r++) {
+        T *w = p_bh + r * Sk;
+        const int64_t i = i0 + r;
+        /* P = softmax(masked S · scale); ne < 0: every key blocked */
+        const int64_t ne = SUF(softmax_row)(at->kern, &at->rr, at->scale, w, b, h, i, kend, Sk);
+        if (a_bh != p_bh) memcpy(a_bh + r * Sk, w, (size_t)Sk * sizeof(T));
+        if (at->dropout_on && ne >= 0) /* a blocked row: no dropout either */
+            SUF(dropout_row)(at, a_bh + r * Sk, ne,
+                             ((uint64_t)bh * (uint64_t)at->Sq + (uint64_t)i) * (uint64_t)Sk);
+    }
+    SUF(mha_gemm)(at->kern, 0, nq, Dv, kend, a_bh, Sk, v_bh, Dv, NULL, c_bh, at->ldc, 0, gs);
+}
+
+/* Attention without weights: an online softmax over blocks of KB keys. */
+static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
+{
+    const SUF(att) *at = (const SUF(att) *)ctx;
+    int64_t bh = t / at->n_qblk, b = bh / at->H, h = bh % at->H;
+    int64_t bkv = b * at->Hkv + h / (at->H / at->Hkv);
+    int64_t i0 = (t % at->n_qblk) * QB, nq = at->Sq - i0 < QB ? at->Sq - i0 : QB;
+    int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, j0, d, kend;
+    const T *q_bh = at->qh + (bh * at->Sq + i0) * Dk; /* (nq, Dk) */
+    const T *kt_bh = at->kt + bkv * Dk * Sk;          /* (Dk, Sk) */
+    const T *v_bh = at->vh + bkv * Sk * Dv;           /* (Sk, Dv) */
+    T *c_bh = at->ctx + b * at->cs_b + h * at->cs_h + i0 * at->ldc;
+    T *gs = at->scratch + (int64_t)slot * at->scratch_len; /* GEMM packing */
+    T *s = gs + MHA_GEMM_SCRATCH;                          /* (QB, KB) */
+    T *mx = s + QB * KB;                                   /* (QB) running max */
+    T *l = mx + QB;                                        /* (QB) running sum */
+    T *acc = l + QB;                                       /* (QB, Dv) */
+    for (r = 0; r < nq; r++) {
+        mx[r] = -(T)INFINITY;
+        l[r] = 0;
+    }
+    SUF(fill_rows)(acc, nq, Dv, Dv, (T)0);
+    kend = SUF(att_kend)(at, i0, nq);
+    for (j0 = 0; j0 < kend; j0 += KB) {
+        int64_t nk = kend - j0 < KB ? kend - j0 : KB;
+        SUF(mha_gemm)(at->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, Sk, NULL, s, KB, 0, gs);
+        for (r = 0; r < nq; r++) {
+            T *srow = s + r * KB, alpha;
+            const int64_t i = i0 + r;
+            const int64_t ne = SUF(softmax_online_step)(at->kern, &at->rr, at->scale, srow, b, h,
+                                                        i, j0, nk, &mx[r], &l[r], &alpha);
+            if (ne < 0) continue; /* nothing visible in this block */
+            if (at->dropout_on)
+                SUF(dropout_row)(at, srow, ne, ((uint64_t)bh * (uint64_t)at->Sq + (uint64_t)i) *
+                                                   (uint64_t)Sk + (uint64_t)j0);
+            if (alpha != (T)1) at->kern->scale(acc + r * Dv, Dv, alpha);
+        }
+        SUF(mha_gemm)(at->kern, 0, nq, Dv, nk, s, KB, v_bh + j0 * Dv, Dv, NULL, acc, Dv, 1, gs);
+    }
+    for (r = 0; r < nq; r++) {
+        T *c = c_bh + r * at->ldc;
+        if (mx[r] == -(T)INFINITY) { /* every key blocked; Sk == 0: an empty sum */
+            for (d = 0; d < Dv; d++) c[d] = Sk == 0 ? (T)0 : SUF(blocked_row_value)(&at->rr);
+        } else {
+            T inv = (T)1 / l[r];
+            for (d = 0; d < Dv; d++) c[d] = acc[r * Dv + d] * inv;
+        }
+    }
+}
+
+/* 1 when every element of x[0..n) is finite */
+static int SUF(all_finite)(const T *x, int64_t n)
+{
+    int64_t i;
+    T z = 0;
+    for (i = 0; i < n; i++) z += x[i] * 0; /* NaN as soon as one is NaN or inf */
+    return z == 0;
+}
+
+/* The attention pass: every (b, h, block of queries) on the pool. */
+static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
+{
+    at->n_qblk = (at->Sq + QB - 1) / QB;
+    return mha_parallel_for(at->B * at->H * at->n_qblk, slots,
+                            at->weights || at->p_save ? SUF(attend_weights_task)
+                                                      : SUF(attend_online_task),
+                            at, ps);
+}
+
+#undef QB
+#undef KB

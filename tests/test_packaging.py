@@ -1,0 +1,126 @@
+"""Packaging (issue 13, point 5): one version, the sdist holds everything
+the tests and docs need, the licence, and a clear error without a C
+compiler."""
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import mha_ext
+from _support import need, required
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE_TREE = (ROOT / "setup.py").exists()
+needs_source = pytest.mark.skipif(not SOURCE_TREE, reason="not run from a source tree")
+
+# read by the tests or named in the README: an sdist without them fails
+# its own tests (examples/tour.ipynb, tests/valgrind.supp, ...)
+MUST_SHIP = ["LICENSE", "README.md", "pyproject.toml", "setup.py", "docs/API.md",
+             "mha_ext/_core.pyi", "mha_ext/py.typed", "examples/tour.ipynb",
+             "examples/train_copy.py", "tests/valgrind.supp", "tests/fuzz/run.sh",
+             "tests/c/test_core.c", "tests/typing/user_script.py",
+             "benchmarks/fma_probe.c", "benchmarks/bench.py"]
+
+
+def _setuptools():
+    """setup.py run directly needs the setuptools of build-system.requires
+    (77: the SPDX licence); the test extras install it."""
+    need("setuptools")
+    import setuptools
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        if required("setuptools"):
+            pytest.fail(f"setuptools>=77 is required, got {setuptools.__version__}")
+        pytest.skip(f"setuptools>=77 is needed, got {setuptools.__version__}")
+
+
+def _installed_dist():
+    """The distribution whose files hold the imported mha_ext, or None (an
+    in-place build)."""
+    here = Path(mha_ext.__file__).resolve()
+    for dist in importlib.metadata.distributions(name="mha_ext"):
+        for f in dist.files or ():
+            if f.name == "__init__.py" and Path(dist.locate_file(f)).resolve() == here:
+                return dist
+    return None
+
+
+def test_version_is_the_installed_metadata():
+    assert re.fullmatch(r"\d+\.\d+\.\d+", mha_ext.__version__)
+    dist = _installed_dist()
+    if dist is None:
+        pytest.skip("mha_ext is built in place, not installed")
+    assert dist.version == mha_ext.__version__
+    assert dist.metadata["License-Expression"] == "MIT"
+    assert dist.metadata["Requires-Python"] == ">=3.10"
+
+
+@needs_source
+def test_version_has_one_source():
+    """pyproject.toml takes the version from mha_ext/__init__.py."""
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in text
+    assert 'version = {attr = "mha_ext.__version__"}' in text
+    assert not re.search(r'^version\s*=\s*"', text, re.M)
+
+
+@needs_source
+def test_sdist_holds_what_the_tests_read(tmp_path):
+    _setuptools()
+    repo = tmp_path / "repo"          # a copy: the sdist writes mha_ext.egg-info
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.so", "*.egg-info", "__pycache__"))
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)],
+                          cwd=str(repo), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sdist,) = tmp_path.glob("mha_ext-*.tar.gz")
+    assert sdist.name == f"mha_ext-{mha_ext.__version__}.tar.gz"
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    missing = [f for f in MUST_SHIP if f not in names]
+    assert not missing, missing
+    # and every tracked file but CI's own
+    if shutil.which("git") and (ROOT / ".git").exists():
+        tracked = subprocess.run(["git", "ls-files"], cwd=str(ROOT), capture_output=True,
+                                 text=True).stdout.split()
+        left_out = [f for f in tracked
+                    if not f.startswith(".ci/") and not f.endswith(".gitignore")
+                    and f not in names]
+        assert not left_out, left_out
+
+
+def test_license_file_is_mit():
+    if SOURCE_TREE:
+        text = (ROOT / "LICENSE").read_text()
+    else:
+        dist = _installed_dist()
+        if dist is None:
+            pytest.skip("neither a source tree nor an installed mha_ext")
+        lic = [f for f in dist.files if f.name == "LICENSE"]
+        assert lic, "the wheel does not ship LICENSE"
+        text = Path(dist.locate_file(lic[0])).read_text()
+    assert text.startswith("MIT License")
+    assert "Copyright (c) 2026 the mha_ext authors" in text
+
+
+@needs_source
+def test_build_without_a_compiler_says_so(tmp_path):
+    """No C compiler: the build stops with a message that says a C compiler
+    is needed, not with the compiler's own error."""
+    _setuptools()
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.so", "*.egg-info", "__pycache__"))
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"))
+    env.pop("MHA_EXT_CFLAGS", None)
+    proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"],
+                          cwd=str(repo), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "needs a working C compiler" in proc.stderr, proc.stderr[-3000:]
+    assert "no-such-cc" in proc.stderr
+    assert not list((repo / "mha_ext").glob("_core*.so"))

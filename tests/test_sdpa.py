@@ -1,0 +1,243 @@
+"""mha_ext.scaled_dot_product_attention against torch.nn.functional's
+(issue 12 point 3, issue 15 point 1's GQA): forward and every gradient in
+float32 (2e-5) and float64 (1e-10), on NumPy arrays and on tensors through
+the C backward; torch's semantics: any leading dimensions, broadcast
+shapes, bool masks True = attend, float masks added, is_causal, scale,
+enable_gqa, fully masked rows 0; our "lower_right" against torch's
+causal_lower_right; the private _sdpa / _sdpa_backward against the core's
+references; errors named.
+
+Legend: L query length, S key length, E query/key width, Ev value width.
+"""
+import numpy as np
+import pytest
+
+import mha_ext
+from mha_ext import _core
+from _support import require_torch
+
+TOL = {"float32": 2e-5, "float64": 1e-10}
+DTYPES = ["float32", "float64"]
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return require_torch()
+
+
+def _inputs(torch, dtype, qs, ks, vs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    return tuple(torch.randn(s, generator=g, dtype=dt).requires_grad_() for s in (qs, ks, vs))
+
+
+def _compare(torch, dtype, qs, ks, vs, **kw):
+    """ours vs torch: output on tensors and on arrays, and d query, d key,
+    d value through autograd"""
+    F = torch.nn.functional
+    q, k, v = _inputs(torch, dtype, qs, ks, vs)
+    want = F.scaled_dot_product_attention(q, k, v, **kw)
+    got = mha_ext.scaled_dot_product_attention(q, k, v, **kw)
+    assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+    tol = TOL[dtype]
+    np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), atol=tol, rtol=tol)
+    npkw = {a: (b.numpy() if isinstance(b, torch.Tensor) else b) for a, b in kw.items()}
+    arr = mha_ext.scaled_dot_product_attention(q.detach().numpy(), k.detach().numpy(),
+                                               v.detach().numpy(), **npkw)
+    assert isinstance(arr, np.ndarray) and arr.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(arr, want.detach().numpy(), atol=tol, rtol=tol)
+    g = torch.randn_like(want)
+    gw = torch.autograd.grad(want, (q, k, v), g)
+    gg = torch.autograd.grad(got, (q, k, v), g)
+    for name, a, b in zip(("query", "key", "value"), gg, gw):
+        assert a.shape == b.shape, name
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=tol, rtol=tol, err_msg=name)
+
+
+SHAPES = [  # query, key, value
+    ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8)),
+    ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 4)),        # Ev != E
+    ((5, 8), (7, 8), (7, 3)),                          # 2-D
+    ((4, 5, 8), (4, 7, 8), (4, 7, 8)),                 # 3-D
+    ((2, 2, 3, 5, 8), (2, 2, 3, 7, 8), (2, 2, 3, 7, 6)),  # 5-D
+    ((2, 3, 5, 8), (1, 3, 7, 8), (1, 3, 7, 8)),        # k, v broadcast over the batch
+    ((1, 2, 130, 16), (1, 2, 300, 16), (1, 2, 300, 16)),  # several blocks
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shapes", SHAPES)
+@pytest.mark.parametrize("case", ["plain", "causal", "scale", "scale0", "bool", "float"])
+def test_matches_torch(torch, dtype, shapes, case):
+    qs, ks, vs = shapes
+    L, S = qs[-2], ks[-2]
+    g = torch.Generator().manual_seed(3)
+    kw = {}
+    if case == "causal":
+        kw["is_causal"] = True
+    elif case == "scale":
+        kw["scale"] = 0.37
+    elif case == "scale0":
+        kw["scale"] = 0.0
+    elif case == "bool":  # True = attend; broadcast over the leading dimensions
+        m = torch.rand(L, S, generator=g) > 0.3
+        m[:, 0] = True
+        kw["attn_mask"] = m
+    elif case == "float":  # added; one per batch entry, broadcast over the heads
+        lead = qs[:-2]
+        shape = (lead[0],) + (1,) * (len(lead) - 1) + (L, S) if lead else (L, S)
+        kw["attn_mask"] = torch.randn(shape, generator=g, dtype=getattr(torch, dtype))
+    _compare(torch, dtype, qs, ks, vs, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 1), (3, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa(torch, dtype, hq, hkv, causal):
+    _compare(torch, dtype, (2, hq, 5, 8), (2, hkv, 9, 8), (2, hkv, 9, 4), enable_gqa=True,
+             is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L,S", [(3, 8), (8, 8), (8, 3), (1, 50)])
+def test_lower_right_is_torchs_causal_lower_right(torch, dtype, L, S):
+    from torch.nn.attention.bias import causal_lower_right
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about L > S (rows without keys)
+        bias = causal_lower_right(L, S)
+    F = torch.nn.functional
+    q, k, v = _inputs(torch, dtype, (2, 3, L, 8), (2, 3, S, 8), (2, 3, S, 5))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    got = mha_ext.scaled_dot_product_attention(q, k, v, is_causal="lower_right")
+    tol = TOL[dtype]
+    np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), atol=tol, rtol=tol)
+    g = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=tol, rtol=tol)
+    # with a mask too (our extension): the mask's blocks and the alignment's
+    m = torch.ones(L, S, dtype=torch.bool)
+    m[:, -1] = False
+    dense = torch.ones(L, S, dtype=torch.bool).tril(S - L) & m
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    got = mha_ext.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal="lower_right")
+    np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_rows_are_zero_as_in_torch(torch, dtype):
+    m = torch.ones(5, 7, dtype=torch.bool)
+    m[1] = False  # query 1 attends to nothing
+    _compare(torch, dtype, (2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8), attn_mask=m)
+    out = mha_ext.scaled_dot_product_attention(*(x.detach().numpy() for x in _inputs(
+        torch, dtype, (2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8))), attn_mask=m.numpy())
+    assert np.all(out[:, :, 1] == 0)
+
+
+def test_bool_polarity_is_attend(torch):
+    # SDPA's True = attend: the opposite of MultiHeadAttention's masks
+    q = np.ones((1, 1, 2, 4))
+    k = np.zeros((1, 1, 3, 4))
+    v = np.arange(12, dtype=np.float64).reshape(1, 1, 3, 4)
+    m = np.array([[True, False, False], [False, False, True]])
+    out = mha_ext.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    np.testing.assert_array_equal(out[0, 0], v[0, 0, [0, 2]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout(torch, dtype):
+    q, k, v = (x.detach().numpy() for x in _inputs(torch, dtype, (2, 2, 5, 4), (2, 2, 6, 4),
+                                                    (2, 2, 6, 3)))
+    f = mha_ext.scaled_dot_product_attention
+    a = f(q, k, v, dropout_p=0.5, seed=7)
+    np.testing.assert_array_equal(a, f(q, k, v, dropout_p=0.5, seed=7))  # one stream per seed
+    assert not np.array_equal(a, f(q, k, v, dropout_p=0.5, seed=8))
+    assert not np.array_equal(a, f(q, k, v))
+    np.testing.assert_array_equal(f(q, k, v, dropout_p=1.0), np.zeros_like(a))
+
+
+def test_dropout_gradient_replays_the_mask(torch):
+    # with a fixed seed the dropped entries are fixed: gradcheck holds
+    q, k, v = _inputs(torch, "float64", (1, 2, 4, 3), (1, 2, 5, 3), (1, 2, 5, 2))
+    torch.autograd.gradcheck(lambda a, b, c: mha_ext.scaled_dot_product_attention(
+        a, b, c, dropout_p=0.4, seed=11), (q, k, v))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal="lower_right", scale=-0.5),
+                                dict(enable_gqa=True)])
+def test_gradcheck(torch, kw):
+    q, k, v = _inputs(torch, "float64", (2, 4, 3, 3), (2, 2, 5, 3), (2, 2, 5, 2))
+    if not kw.get("enable_gqa"):
+        k, v = (x.detach().repeat(1, 2, 1, 1).requires_grad_() for x in (k, v))
+    torch.autograd.gradcheck(lambda a, b, c: mha_ext.scaled_dot_product_attention(
+        a, b, c, **kw), (q, k, v))
+
+
+def test_double_backward_raises(torch):
+    q, k, v = _inputs(torch, "float64", (1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4))
+    out = mha_ext.scaled_dot_product_attention(q, k, v)
+    (gq,) = torch.autograd.grad(out.sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        gq.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True, "lower_right"])
+@pytest.mark.parametrize("zero_rows, p", [(True, 0.2), (False, 0.0), (False, 0.2)])
+def test_private_calls_against_the_reference(dtype, causal, zero_rows, p):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 7, 5)).astype(dtype)
+    k = rng.standard_normal((2, 2, 9, 5)).astype(dtype)
+    v = rng.standard_normal((2, 2, 9, 3)).astype(dtype)
+    go = rng.standard_normal((2, 4, 7, 3)).astype(dtype)
+    gw = rng.standard_normal((2, 4, 7, 9)).astype(dtype)
+    masks = [(1, rng.standard_normal((7, 9)).astype(dtype)), (0, rng.random((2, 1, 1, 9)) < 0.2)]
+    kw = dict(masks=masks, is_causal=causal, scale=0.3, dropout=p, seed=5, counter=2,
+              zero_rows=zero_rows)
+    tol = TOL[dtype] * 10
+    fast = _core._sdpa(q, k, v, need_weights=True, **kw)
+    ref = _core._sdpa(q, k, v, need_weights=True, reference=True, **kw)
+    for a, b in zip(fast, ref):
+        np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
+    fast = _core._sdpa_backward(q, k, v, go, grad_weights=gw, **kw)
+    ref = _core._sdpa_backward(q, k, v, go, grad_weights=gw, reference=True, **kw)
+    for a, b in zip(fast, ref):
+        np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
+
+
+def test_errors(torch):
+    f = mha_ext.scaled_dot_product_attention
+    q, k, v = np.ones((2, 4, 3, 8)), np.ones((2, 2, 5, 8)), np.ones((2, 2, 5, 8))
+    with pytest.raises(ValueError, match="enable_gqa"):
+        f(q, k, v)
+    with pytest.raises(ValueError, match="multiple"):
+        f(q, np.ones((2, 3, 5, 8)), np.ones((2, 3, 5, 8)), enable_gqa=True)
+    with pytest.raises(ValueError, match="is_causal=True"):
+        f(q, q, q, attn_mask=np.ones((3, 3), bool), is_causal=True)
+    with pytest.raises(TypeError, match="attn_mask"):
+        f(q, q, q, attn_mask=np.ones((3, 3), np.int64))
+    with pytest.raises(ValueError, match="attn_mask"):
+        f(q, q, q, attn_mask=np.ones((4, 3), bool))
+    with pytest.raises(TypeError, match="is_causal"):
+        f(q, q, q, is_causal="upper_left")
+    with pytest.raises(TypeError, match="scale"):
+        f(q, q, q, scale="0.5")
+    with pytest.raises(ValueError, match="key's last dimension"):
+        f(q, np.ones((2, 4, 5, 7)), np.ones((2, 4, 5, 7)))
+    with pytest.raises(ValueError, match="dropout_p"):
+        f(q, q, q, dropout_p=1.5)
+    with pytest.raises(ValueError, match="q .*k .*v"):
+        _core._sdpa(q, k, np.ones((2, 2, 6, 8)))
+    t = torch.ones(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="attn_mask requires grad"):
+        f(t, t, t, attn_mask=torch.zeros(3, 3, requires_grad=True))
+    with pytest.raises(TypeError, match="float32 or float64"):
+        f(t.half(), t.half(), t.half())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shapes", [((2, 3, 5, 8), (2, 3, 0, 8), (2, 3, 0, 4)),   # S = 0
+                                    ((2, 3, 0, 8), (2, 3, 7, 8), (2, 3, 7, 4)),   # L = 0
+                                    ((0, 3, 5, 8), (0, 3, 7, 8), (0, 3, 7, 4))])  # B = 0
+def test_empty_shapes(torch, dtype, shapes):
+    _compare(torch, dtype, *shapes)
