@@ -346,6 +346,7 @@ CASES = {
     "position bias": dict(bias=True),
     "position bias, causal": dict(bias=True, causal=True),
     "position bias, bool mask": dict(bias=True, mask="bool"),
+    "position bias, bool mask, a row sees nothing": dict(bias=True, mask="bool-empty-row"),
     "position bias, float mask": dict(bias=True, mask="float"),
     "scaling 1.0": dict(scaling=1.0),
 }
