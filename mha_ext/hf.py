@@ -1,75 +1,233 @@
-"""mha_ext inside Hugging Face transformers models: the models' attention
-computed by mha_ext.scaled_dot_product_attention (the C core, forward and
-backward) in place of torch's SDPA.
+"""mha_ext.hf: mha_ext's SDPA twin as a Hugging Face ``transformers``
+attention implementation.
 
     import mha_ext.hf
-    mha_ext.hf.register()                       # once: the name "mha_ext"
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="mha_ext")
-    # or, for a model already built:  model.set_attn_implementation("mha_ext")
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-register() adds the attention function under the name "mha_ext" to
-transformers' AttentionInterface, with the masks transformers builds for
-its "sdpa" implementation (bool, True = attend: SDPA's polarity).  The
-function follows transformers' own SDPA integration: grouped-query
-attention without repeating K/V heads (enable_gqa), the module's scaling
-(T5's 1.0 too), top-left is_causal when no mask is given, a position bias
-added to the mask.  It needs transformers (tested with 5.23.0); nothing is
-downloaded.
+    mha_ext.hf.register()                    # once per process: adds "mha_ext"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="mha_ext")
+    model.set_attn_implementation("mha_ext") # or switch a model you already have
 
-Legend: B batch, H heads, L query length, S key length, D head width.
+Every model whose attention layer calls
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)``
+(in transformers 5.23: BERT, GPT-2, BART, T5, Llama and most decoders)
+then computes its attention with ``mha_ext.scaled_dot_product_attention``,
+forward and backward in C.  No model needed patching: T5's relative position
+bias and BART's cross-attention arrive through the same interface.
+
+What ``attention_forward`` does is what transformers' own "sdpa" function
+does, with mha_ext's twin in place of ``torch.nn.functional.
+scaled_dot_product_attention``:
+
+- query (B, H, L, D), key and value (B, Hkv, S, D) -> output (B, L, H, D),
+  contiguous, and ``None`` for the attention weights (like "sdpa").
+- ``attention_mask``: None, or a 4-D mask broadcastable to (B, H, L, S),
+  bool (True = attend, SDPA's polarity) or float (added to the scores).  The
+  masks are built by transformers' ``sdpa_mask`` (``register`` sets it for
+  the name), so padding, causal and sliding-window patterns arrive inside the
+  mask and need nothing here.
+- ``is_causal`` (top-left) only where "sdpa" uses it: more than one query,
+  no mask, and the layer causal (the argument, else ``module.is_causal``).
+- ``scaling`` -> ``scale`` (T5 passes 1.0); ``dropout`` -> ``dropout_p``
+  (the models pass 0.0 in eval mode).
+- GQA: fewer key/value heads than query heads -> ``enable_gqa=True``.
+- T5's ``position_bias`` (1 or B, H, L, S) is folded into a float mask, as
+  "sdpa" does: bias where the mask attends, the dtype's lowest value where it
+  blocks (the causal pattern too when there is no mask).
+- A float mask that needs a gradient (T5's bias while training, or under
+  grad mode at all): mha_ext's twin has no mask gradient, so the mask is
+  carried in the scores as L extra head columns and its gradient comes from
+  the C backward as the keys' (see ``_attend_with_mask_grad``).
+
+Refused with a clear error instead of computed wrongly: ``softcap``,
+attention sinks (``s_aux``), a ``head_mask`` (gone from transformers 5),
+a paged cache (continuous batching).  ``output_attentions=True`` gives
+``None`` weights, as with "sdpa".
+
+This module is imported only on request; it needs torch and transformers.
 """
 from __future__ import annotations
 
-__all__ = ["NAME", "register", "attention_forward"]
+import warnings
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+import mha_ext
+
+__all__ = ["NAME", "attention_forward", "register"]
 
 NAME = "mha_ext"
 
 
-def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      is_causal=None, position_bias=None, **kwargs):
-    """transformers' attention function signature: query (B, H, L, D), key,
-    value (B, Hkv, S, D) -> (output (B, L, H, D), None)."""
-    from ._sdpa_api import scaled_dot_product_attention
+def _twin() -> Callable[..., torch.Tensor]:
+    """The SDPA function every call goes through: mha_ext's twin of
+    torch.nn.functional.scaled_dot_product_attention.  The one place that
+    names it (tests replace this function to count or spy on calls)."""
+    fn = getattr(mha_ext, "scaled_dot_product_attention", None)
+    if fn is None:
+        raise ImportError(
+            "mha_ext.hf needs mha_ext.scaled_dot_product_attention (the SDPA "
+            "twin of issue 12, point 3), which this build of mha_ext does not "
+            "have")
+    return fn
 
+
+def _refuse_unsupported(kwargs: Dict[str, Any]) -> None:
     if kwargs.get("softcap") is not None:
-        raise ValueError("mha_ext attention does not support softcap")
-    L = query.shape[2]
+        raise ValueError(
+            "attn_implementation='mha_ext' does not support softcap (logit "
+            "soft-capping); use 'eager' for this model")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(
+            "attn_implementation='mha_ext' does not support attention sinks "
+            "(s_aux); use 'eager' for this model")
+    if kwargs.get("head_mask") is not None:
+        raise ValueError(
+            "attn_implementation='mha_ext' does not take a head_mask (removed "
+            "in transformers 5); multiply the heads' outputs yourself or use "
+            "'eager'")
+    cache = kwargs.get("cache")
+    if cache is not None and type(cache).__name__ == "PagedAttentionCache":
+        raise NotImplementedError(
+            "attn_implementation='mha_ext' does not support a paged cache "
+            "(continuous batching); use 'sdpa' for it")
+
+
+def _fold_position_bias(position_bias: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor],
+                        is_causal: bool, L: int, S: int) -> torch.Tensor:
+    """T5's additive relative-position bias and the mask as one float mask.
+
+    position_bias is (1 or B, H, L, S); attention_mask None, bool (True =
+    attend) or float (additive).  Blocked places get the dtype's lowest value,
+    as "sdpa" gives them, so a row with every key blocked computes the same
+    numbers there too."""
+    lowest = torch.finfo(position_bias.dtype).min
+    if attention_mask is None:
+        if not is_causal:
+            return position_bias
+        i = torch.arange(L, device=position_bias.device)[:, None]
+        j = torch.arange(S, device=position_bias.device)[None, :]
+        return torch.where((j <= i).view(1, 1, L, S), position_bias, lowest)
+    if attention_mask.dtype == torch.bool:
+        return torch.where(attention_mask, position_bias, lowest)
+    return position_bias + attention_mask
+
+
+def _attend_with_mask_grad(query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, mask: torch.Tensor,
+                           dropout: float, scaling: Optional[float],
+                           enable_gqa: bool) -> torch.Tensor:
+    """The twin on a float mask M that needs a gradient (T5's learned
+    relative-position bias): the C backward gives none for the mask, so M
+    rides in the scores instead, as extra head columns:
+
+        q~_i = [scale * q_i, e_i]   (e_i: row i of the L x L identity)
+        k~_j = [k_j, M[:, j]]       so  q~_i . k~_j = scale q_i . k_j + M[i, j]
+
+    The twin (scale 1) computes the same softmax, forward and backward in C,
+    and the gradient of k~'s extra columns is exactly dLoss/dM; torch's
+    autograd carries it back through the concatenation.  Costs L extra
+    columns per head; -inf entries of M go into a bool mask instead (0 * -inf
+    would be NaN).  query (B, H, L, D); key, value (B, Hkv, S, D/Dv); M
+    broadcastable to (B, H, L, S)."""
+    B, H, L, D = query.shape
+    S = key.shape[2]
+    if enable_gqa:
+        # one key/value head per query head (autograd sums the copies back)
+        groups = H // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scale = D ** -0.5 if scaling is None else scaling
+    mask = mask.to(query.dtype).expand(B, H, L, S)
+    blocked = torch.isneginf(mask)
+    allowed = ~blocked if bool(blocked.any()) else None
+    mask = mask.masked_fill(blocked, 0.0)
+    eye = torch.eye(L, dtype=query.dtype, device=query.device).expand(B, H, L, L)
+    q_aug = torch.cat([query * scale, eye], dim=-1)          # (B, H, L, D + L)
+    k_aug = torch.cat([key.expand(B, H, S, D), mask.transpose(-1, -2)],
+                      dim=-1)                                # (B, H, S, D + L)
+    return _twin()(q_aug, k_aug, value.expand(B, H, S, value.shape[-1]),
+                   attn_mask=allowed, dropout_p=dropout, is_causal=False,
+                   scale=1.0)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor,
+                      key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor],
+                      dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None,
+                      position_bias: Optional[torch.Tensor] = None,
+                      **kwargs: Any) -> Tuple[torch.Tensor, None]:
+    """transformers' attention-function contract, computed by mha_ext.
+
+    module: the calling attention layer (read: ``is_causal``).
+    query (B, H, L, D); key (B, Hkv, S, D); value (B, Hkv, S, Dv), H a
+    multiple of Hkv; attention_mask None or 4-D, bool (True = attend) or
+    float (added).  Returns (output (B, L, H, Dv) contiguous, None).
+    """
+    _refuse_unsupported(kwargs)
+    if kwargs.get("output_attentions", False):
+        warnings.warn(
+            "attn_implementation='mha_ext' returns no attention weights "
+            "(output_attentions=True gives None, as with 'sdpa'); use "
+            "'eager' to get them", stacklevel=2)
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            "attention_forward expects query, key and value of 4 dimensions "
+            f"(B, H, L, D); got query {tuple(query.shape)}, key "
+            f"{tuple(key.shape)}, value {tuple(value.shape)}")
+    L, S = query.shape[2], key.shape[2]
+    enable_gqa = key.shape[1] != query.shape[1]
+
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    # "sdpa"'s rule: the flag only for a causal layer's prefill without a
+    # mask; one query (a decoding step) sees every cached key.
     is_causal = bool(L > 1 and attention_mask is None and is_causal)
-    mask = attention_mask
-    if mask is not None and mask.shape[-1] != key.shape[2]:
-        mask = mask[..., : key.shape[2]]
-    if position_bias is not None:  # T5: a float bias added to the scores
-        import torch
 
-        S = key.shape[2]
-        bias = position_bias[..., :S]
-        if mask is None and is_causal:
-            mask = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
-            is_causal = False
-        if mask is None:
-            mask = bias
-        elif mask.dtype == torch.bool:  # True = attend
-            mask = bias.masked_fill(~mask, float("-inf"))
-        else:
-            mask = bias + mask
-    out = scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                       dropout_p=dropout if module.training else 0.0,
-                                       is_causal=is_causal, scale=scaling,
-                                       enable_gqa=key.shape[1] != query.shape[1])
+    if position_bias is not None:
+        attention_mask = _fold_position_bias(position_bias, attention_mask,
+                                             is_causal, L, S)
+        is_causal = False
+
+    if (attention_mask is not None and attention_mask.requires_grad
+            and torch.is_grad_enabled()):
+        out = _attend_with_mask_grad(query, key, value, attention_mask,
+                                     dropout, scaling, enable_gqa)
+    else:
+        out = _twin()(query, key, value, attn_mask=attention_mask,
+                      dropout_p=dropout, is_causal=is_causal, scale=scaling,
+                      enable_gqa=enable_gqa)
+    # (B, H, L, Dv) -> (B, L, H, Dv): the layout every model reshapes to
+    # (B, L, H * Dv) before its output projection.
     return out.transpose(1, 2).contiguous(), None
 
 
 def register(name: str = NAME) -> str:
-    """Register the attention function (and transformers' SDPA masks) under
-    `name` (default "mha_ext"); returns the name for attn_implementation=."""
+    """Make ``attn_implementation=name`` ("mha_ext" by default) compute
+    attention with mha_ext, in every model of this process.
+
+    Registers ``attention_forward`` in transformers' ``AttentionInterface``
+    and transformers' own ``sdpa_mask`` as the mask builder for the name in
+    ``AttentionMaskInterface`` (without it transformers would pass no mask at
+    all to an unknown name).  Idempotent; returns the name.  A name taken by
+    another implementation ('sdpa', 'flash_attention_2', ...) is a
+    ValueError; ImportError when this mha_ext has no SDPA twin.
+    """
     from transformers import AttentionInterface
-    try:
-        from transformers import AttentionMaskInterface
-        from transformers.masking_utils import sdpa_mask
-        AttentionMaskInterface.register(name, sdpa_mask)
-    except ImportError:  # older transformers: the masks are chosen by name alone
-        pass
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    taken = AttentionInterface()
+    if (not isinstance(name, str) or not name or name == "eager"
+            or (name in taken and taken[name] is not attention_forward)):
+        raise ValueError(
+            "register(name): name must be a non-empty str that names no "
+            "other attention implementation (not 'eager', "
+            f"{', '.join(repr(k) for k in taken if taken[k] is not attention_forward)}), "
+            f"got {name!r}")
+    _twin()
     AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
     return name
