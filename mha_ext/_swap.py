@@ -26,7 +26,7 @@ def attention_modules(model):
 
 def sharing(module):
     """An mha_ext.torch.MultiheadAttention computing with `module`'s own
-    parameters (shared, not copied); add_bias_kv / add_zero_attn refused."""
+    parameters (shared, not copied), add_bias_kv's bias_k / bias_v too."""
     ref = module.out_proj.weight
     new = MultiheadAttention(module.embed_dim, module.num_heads, module.dropout,
                              bias=module.in_proj_bias is not None,
@@ -35,7 +35,7 @@ def sharing(module):
                              vdim=module.vdim, batch_first=module.batch_first,
                              device="meta", dtype=ref.dtype)
     for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
-                 "in_proj_bias"):
+                 "in_proj_bias", "bias_k", "bias_v"):
         setattr(new, name, getattr(module, name))
     new.out_proj = module.out_proj
     return new.train(module.training)

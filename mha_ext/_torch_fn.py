@@ -16,7 +16,7 @@ import torch
 
 from . import autograd as _ag
 from ._convert import to_numpy
-from ._params import BLOCK_KEYS
+from ._params import BLOCK_KEYS, seed_keys
 
 __all__ = ["AttentionFunction", "DOUBLE_BACKWARD"]
 
@@ -46,12 +46,14 @@ class AttentionFunction(torch.autograd.Function):
     parameters unused), opts the keywords of its forward_train; params are
     W_q.weight, W_q.bias, ... W_o.bias (biases omitted when the module has
     none), then bias_k, bias_v when the core has add_bias_kv, in the order
-    of the C parameter block.  weights is an empty
-    tensor with need_weights=False."""
+    of the C parameter block.  params beyond the core's block (bias_k,
+    bias_v given to a core without add_bias_kv) are unused: their gradient
+    is zero.  weights is an empty tensor with need_weights=False."""
 
     @staticmethod
     def forward(ctx, core, opts, query, key, value, *params):
-        block = to_numpy(torch.cat([p.detach().reshape(-1) for p in params]), "parameters")
+        used = params[:len(seed_keys(core))]
+        block = to_numpy(torch.cat([p.detach().reshape(-1) for p in used]), "parameters")
         saved = _ag.forward_train(core, to_numpy(query, "query"), to_numpy(key, "key"),
                                   to_numpy(value, "value"), params=block, **opts)
         ctx.core = core
@@ -96,4 +98,7 @@ def _gradients(ctx, grad_out, grad_weights):
     keys = [k for k in BLOCK_KEYS if k in grads]  # block order: bias_k, bias_v last
     params = [torch.from_numpy(np.ascontiguousarray(grads[k])) if need[5 + i] else None
               for i, k in enumerate(keys)]
+    unused = ctx.saved_tensors[3 + len(keys):]  # parameters outside the core's block
+    params += [torch.zeros_like(p) if need[5 + len(keys) + i] else None
+               for i, p in enumerate(unused)]
     return inputs + params

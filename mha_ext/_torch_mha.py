@@ -26,7 +26,7 @@ import sys
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.init import constant_, xavier_uniform_
+from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.parameter import Parameter
 
@@ -36,9 +36,6 @@ from ._torch_fn import AttentionFunction
 __all__ = ["MultiheadAttention"]
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
-
-UNSUPPORTED = ("mha_ext.torch.MultiheadAttention: {} is not supported yet (mha_ext's C "
-               "core has no {}); use torch.nn.MultiheadAttention for it")
 
 
 def _use_our_forward(module, args):
@@ -95,10 +92,13 @@ class MultiheadAttention(nn.Module):
 
     Arguments, attributes, parameters (in_proj_weight, or q_proj_weight /
     k_proj_weight / v_proj_weight when kdim or vdim differ; in_proj_bias;
-    out_proj), their initialisation and the state_dict keys are torch's, so
+    bias_k and bias_v (1, 1, E) with add_bias_kv=True; out_proj), their
+    initialisation and the state_dict keys are torch's, so
     ``load_state_dict(torch_mha.state_dict())`` works both ways.
-    add_bias_kv=True and add_zero_attn=True are a NotImplementedError (the
-    core lacks them).  float32 and float64 on the CPU.
+    add_bias_kv appends the learned key bias_k and value bias_v to every
+    sequence's keys and values, add_zero_attn then a zero key and value,
+    as torch does (the weights have S + 1 or S + 2 keys).  float32 and
+    float64 on the CPU.
 
     forward(query, key, value, key_padding_mask=None, need_weights=True,
             attn_mask=None, average_attn_weights=True, is_causal=False)
@@ -116,12 +116,6 @@ class MultiheadAttention(nn.Module):
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
                              f"({num_heads})")
-        if add_bias_kv:
-            raise NotImplementedError(UNSUPPORTED.format("add_bias_kv=True",
-                                                         "learned extra key/value"))
-        if add_zero_attn:
-            raise NotImplementedError(UNSUPPORTED.format("add_zero_attn=True",
-                                                         "zero key/value"))
         factory = {"device": device, "dtype": dtype}
         super().__init__()
         self.embed_dim = embed_dim
@@ -148,13 +142,18 @@ class MultiheadAttention(nn.Module):
             self.register_parameter("in_proj_bias", None)
         self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias,
                                                         **factory)
-        self.bias_k = self.bias_v = None
-        self.add_zero_attn = False
+        if add_bias_kv:
+            self.bias_k = Parameter(torch.empty((1, 1, embed_dim), **factory))
+            self.bias_v = Parameter(torch.empty((1, 1, embed_dim), **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = bool(add_zero_attn)
         self._reset_parameters()
         self.register_forward_pre_hook(_use_our_forward)
 
     def _reset_parameters(self) -> None:
-        """torch's initialisation: xavier_uniform_ projections, zero biases."""
+        """torch's initialisation: xavier_uniform_ projections, zero biases,
+        xavier_normal_ bias_k and bias_v."""
         if self._qkv_same_embed_dim:
             xavier_uniform_(self.in_proj_weight)
         else:
@@ -164,6 +163,10 @@ class MultiheadAttention(nn.Module):
         if self.in_proj_bias is not None:
             constant_(self.in_proj_bias, 0.0)
             constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            xavier_normal_(self.bias_k)
+        if self.bias_v is not None:
+            xavier_normal_(self.bias_v)
 
     def __setstate__(self, state):
         state.setdefault("_qkv_same_embed_dim", True)
@@ -172,44 +175,47 @@ class MultiheadAttention(nn.Module):
     @classmethod
     def from_torch(cls, module) -> "MultiheadAttention":
         """A copy of a torch.nn.MultiheadAttention: the same configuration,
-        dtype, device, training mode and parameter values (its own memory).
-        add_bias_kv / add_zero_attn modules are a NotImplementedError."""
+        dtype, device, training mode and parameter values (its own memory),
+        add_bias_kv's bias_k / bias_v and add_zero_attn included."""
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, not "
                             f"{type(module).__name__}")
-        if module.bias_k is not None or module.bias_v is not None:
-            raise NotImplementedError(UNSUPPORTED.format("add_bias_kv=True",
-                                                         "learned extra key/value"))
-        if module.add_zero_attn:
-            raise NotImplementedError(UNSUPPORTED.format("add_zero_attn=True",
-                                                         "zero key/value"))
+        if (module.bias_k is None) != (module.bias_v is None):
+            raise ValueError("from_torch: the module has one of bias_k and bias_v but not the "
+                             "other (torch's add_bias_kv sets both)")
         ref = module.out_proj.weight
         new = cls(module.embed_dim, module.num_heads, module.dropout,
-                  bias=module.in_proj_bias is not None, kdim=module.kdim, vdim=module.vdim,
+                  bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
+                  add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim,
                   batch_first=module.batch_first, device=ref.device, dtype=ref.dtype)
         new.load_state_dict(module.state_dict())
         return new.train(module.training)
 
     # ------------------------------------------------------------ the call
-    def _core(self, dtype):
+    def _core(self, dtype, extra=None):
         """The C module doing the work in `dtype` (its parameters unused: ours
-        are passed to every call), made once per dtype."""
+        are passed to every call), made once per dtype and options.  extra:
+        (add_bias_kv, add_zero_attn) of the core, default this module's."""
         name = _DTYPES.get(dtype)
         if name is None:
             raise TypeError(f"mha_ext computes in float32 or float64; the parameters "
                             f"are {dtype}")
+        if extra is None:
+            extra = (self.bias_k is not None, bool(self.add_zero_attn))
         cores = self.__dict__.setdefault("_cores", {})
-        if name not in cores:
-            cores[name] = _Core(self.embed_dim, self.num_heads, bias=self._has_bias(),
-                                kdim=self.kdim, vdim=self.vdim, dtype=name)
-        return cores[name]
+        if (name, extra) not in cores:
+            cores[name, extra] = _Core(self.embed_dim, self.num_heads, bias=self._has_bias(),
+                                       kdim=self.kdim, vdim=self.vdim, dtype=name,
+                                       add_bias_kv=extra[0], add_zero_attn=extra[1])
+        return cores[name, extra]
 
     def _has_bias(self):
         return self.in_proj_bias is not None or self.out_proj.bias is not None
 
     def _params(self):
-        """[W_q.weight, W_q.bias, ... W_o.bias] as views of our parameters
-        (the C block's order), so that gradients reach the parameters."""
+        """[W_q.weight, W_q.bias, ... W_o.bias, then bias_k, bias_v with
+        add_bias_kv] as views of our parameters (the C block's order), so
+        that gradients reach the parameters."""
         E = self.embed_dim
         if self._qkv_same_embed_dim:
             w = self.in_proj_weight
@@ -217,8 +223,9 @@ class MultiheadAttention(nn.Module):
         else:
             ws = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
         ws = ws + (self.out_proj.weight,)
+        kv = [] if self.bias_k is None else [self.bias_k.reshape(-1), self.bias_v.reshape(-1)]
         if not self._has_bias():
-            return list(ws)
+            return list(ws) + kv
         ref = self.out_proj.weight
         b = self.in_proj_bias
         if b is None:
@@ -227,7 +234,7 @@ class MultiheadAttention(nn.Module):
         if bo is None:
             bo = torch.zeros(E, dtype=ref.dtype, device=ref.device)
         bs = (b[:E], b[E:2 * E], b[2 * E:], bo)
-        return [t for pair in zip(ws, bs) for t in pair]
+        return [t for pair in zip(ws, bs) for t in pair] + kv
 
     def _torch_fast_path(self, query, key, value, attn_mask, key_padding_mask):
         """Whether torch.nn.MultiheadAttention would take its fused path for
@@ -245,6 +252,8 @@ class MultiheadAttention(nn.Module):
         if query.dtype != self.in_proj_weight.dtype or query.dtype != self.in_proj_bias.dtype:
             return False
         if self.training or self.num_heads % 2 or not self.batch_first:
+            return False
+        if self.bias_k is not None or self.add_zero_attn:
             return False
         if torch.is_autocast_enabled():
             return False
@@ -280,7 +289,9 @@ class MultiheadAttention(nn.Module):
         or float added.  is_causal is torch's hint that attn_mask is the
         causal mask: it needs attn_mask (RuntimeError otherwise, as torch),
         and, as torch does, without key_padding_mask and with
-        need_weights=False the causal pattern is applied instead of the mask.
+        need_weights=False the causal pattern is applied instead of the mask
+        (top-left over the keys with add_bias_kv's and add_zero_attn's
+        appended: query i < S sees none of them, as torch's SDPA call).
 
         Returns (output shaped like query with width E, weights): weights are
         (B, L, S) averaged over heads (average_attn_weights=True, the
@@ -327,10 +338,34 @@ class MultiheadAttention(nn.Module):
                     average_weights=bool(average_attn_weights),
                     masked_rows="nan" if need_weights or fast else "zero",
                     dropout=float(self.dropout) if self.training else 0.0)
-        out, weights = AttentionFunction.apply(core, opts, q, k, v, *params)
+        if causal and (self.bias_k is not None or self.add_zero_attn):
+            out, weights = self._causal_over_extra_keys(dtype, opts, q, k, v, params), None
+        else:
+            out, weights = AttentionFunction.apply(core, opts, q, k, v, *params)
         if batched and not self.batch_first:
             out = out.transpose(0, 1)
         return out, (weights if need_weights else None)
+
+    def _causal_over_extra_keys(self, dtype, opts, q, k, v, params):
+        # torch's SDPA path with the is_causal hint applies its top-left
+        # causal pattern to the keys *after* bias_k / the zero key were
+        # appended: query i sees key j (extra keys at S, S + 1) iff j <= i.
+        # Our causal mask never blocks the extra keys, so the queries are
+        # computed in row blocks, each by a core with the extra keys it sees:
+        # rows [0, S) causal over the S keys and no extra key; row S + e the
+        # first e + 1 extra keys and every key (the last block: to L).
+        L, S = q.shape[-2], k.shape[-2]
+        kv = self.bias_k is not None
+        extras = ([(True, False)] if kv else []) + ([(kv, True)] if self.add_zero_attn else [])
+        blocks = [(0, min(L, S), (False, False), True)]
+        for e, extra in enumerate(extras):
+            stop = S + e + 1 if e < len(extras) - 1 else L
+            if S + e < min(stop, L):
+                blocks.append((S + e, min(stop, L), extra, False))
+        outs = [AttentionFunction.apply(self._core(dtype, extra), dict(opts, is_causal=c),
+                                        q[..., a:b, :], k, v, *params)[0]
+                for a, b, extra, c in blocks]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                         average_attn_weights, is_causal):

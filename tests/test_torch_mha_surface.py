@@ -76,26 +76,35 @@ def test_constructor_signature_is_torchs():
 
 
 @pytest.mark.parametrize("kw", [{}, dict(kdim=3, vdim=5), dict(bias=False),
-                                dict(batch_first=True, dropout=0.25)])
+                                dict(batch_first=True, dropout=0.25),
+                                dict(add_bias_kv=True), dict(add_zero_attn=True),
+                                dict(kdim=3, vdim=5, bias=False, add_bias_kv=True,
+                                     add_zero_attn=True)])
 def test_attributes_parameters_and_keys_match(kw):
     torch.manual_seed(0)
     t = nn.MultiheadAttention(E, H, **kw)
     torch.manual_seed(0)
     m = MultiheadAttention(E, H, **kw)
     for a in ("embed_dim", "kdim", "vdim", "num_heads", "head_dim", "dropout", "batch_first",
-              "_qkv_same_embed_dim", "add_zero_attn", "bias_k", "bias_v", "training"):
+              "_qkv_same_embed_dim", "add_zero_attn", "training"):
         assert getattr(m, a) == getattr(t, a), a
     for a in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
-              "in_proj_bias"):
+              "in_proj_bias", "bias_k", "bias_v"):
         assert (getattr(m, a) is None) == (getattr(t, a) is None), a
+    assert [n for n, _ in m.named_parameters()] == [n for n, _ in t.named_parameters()]
+    for n, p in t.named_parameters():
+        assert dict(m.named_parameters())[n].shape == p.shape, n
     assert isinstance(m.out_proj, nn.modules.linear.NonDynamicallyQuantizableLinear)
     assert list(m.state_dict()) == list(t.state_dict())
-    # the same initialisation: xavier_uniform_ in the same order, zero biases
+    # the same initialisation: xavier_uniform_ in the same order, zero biases,
+    # xavier_normal_ bias_k and bias_v
     for (n, a), b in zip(t.state_dict().items(), m.state_dict().values()):
         assert torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("kw", [{}, dict(kdim=3, vdim=5, bias=False)])
+@pytest.mark.parametrize("kw", [{}, dict(kdim=3, vdim=5, bias=False),
+                                dict(add_bias_kv=True, add_zero_attn=True),
+                                dict(kdim=3, vdim=5, bias=False, add_bias_kv=True)])
 def test_state_dict_both_ways(kw):
     t, _ = pair(**kw)
     m = MultiheadAttention(E, H, dtype=torch.float64, **kw)
@@ -108,13 +117,14 @@ def test_state_dict_both_ways(kw):
     call_both(t2, m, q, k, v)
 
 
-@pytest.mark.parametrize("kw,word", [(dict(add_bias_kv=True), "add_bias_kv"),
-                                     (dict(add_zero_attn=True), "add_zero_attn")])
-def test_unsupported_options_refused(kw, word):
-    with pytest.raises(NotImplementedError, match=f"{word}=True is not supported yet"):
-        MultiheadAttention(E, H, **kw)
-    with pytest.raises(NotImplementedError, match=word):
-        MultiheadAttention.from_torch(nn.MultiheadAttention(E, H, **kw))
+def test_state_dict_without_bias_kv_refused_by_a_module_with_it():
+    # torch's strict load_state_dict: a key missing or unexpected either way
+    plain = nn.MultiheadAttention(E, H).state_dict()
+    with pytest.raises(RuntimeError, match="bias_k"):
+        MultiheadAttention(E, H, add_bias_kv=True).load_state_dict(plain)
+    with pytest.raises(RuntimeError, match="bias_k"):
+        MultiheadAttention(E, H).load_state_dict(
+            nn.MultiheadAttention(E, H, add_bias_kv=True).state_dict())
 
 
 @pytest.mark.parametrize("args,exc,word", [((8, 3), ValueError, "divisible"),
