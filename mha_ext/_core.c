@@ -98,7 +98,7 @@ static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (o_kdim != Py_None && positive_int(o_kdim, "kdim", &cfg.kdim) < 0) return NULL;
     if (o_vdim != Py_None && positive_int(o_vdim, "vdim", &cfg.vdim) < 0) return NULL;
     if (o_p && parse_dropout(o_p, "dropout", &p) < 0) return NULL;
-    if ((b = PyObject_IsTrue(o_bias)) < 0) return NULL;
+    if (parse_flag(o_bias, "bias", &b) < 0) return NULL;
     cfg.bias = b;
     if (o_bkv && parse_flag(o_bkv, "add_bias_kv", &cfg.add_bias_kv) < 0) return NULL;
     if (o_zero && parse_flag(o_zero, "add_zero_attn", &cfg.add_zero_attn) < 0) return NULL;

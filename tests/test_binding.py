@@ -264,3 +264,12 @@ def test_type_has_a_text_signature():
         "(query, key, value, *, masks=()")
     assert str(inspect.signature(M(8, 2)._backward)).startswith(
         "(query, key, value, grad_output, *, params=None")
+
+
+@pytest.mark.parametrize("bad", [np.array([True, False]), [1, 0], "yes"])
+def test_bias_flag_names_the_argument(bad):
+    """bias= follows the flags' rule: one truth value, or a TypeError naming
+    it (not NumPy's bare "truth value of an array is ambiguous")."""
+    with pytest.raises(TypeError, match="bias"):
+        mha_ext.MultiHeadAttention(8, 2, bias=bad)
+    assert mha_ext.MultiHeadAttention(8, 2, bias=np.bool_(False), seed=0).bias is False
