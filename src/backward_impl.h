@@ -379,6 +379,8 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     f.grad_weights = (const T *)a->grad_weights;
     f.rr = mha_rows_make(a->fwd.masks, a->fwd.n_masks, a->fwd.is_causal, a->fwd.Sq, a->fwd.Sk,
                          a->fwd.zero_masked_rows);
+    mha_rows_window(&f.rr, a->fwd.has_window, a->fwd.window_left, a->fwd.window_right,
+                    a->fwd.Sq, a->fwd.Sk);
     f.B = a->fwd.B; f.Sq = a->fwd.Sq; f.Skg = a->fwd.Sk;
     Skx = f.Sk = a->fwd.Sk + sz.extra; /* every key: the given ones, then the extra ones */
     f.E = cfg->d_model; f.H = f.Hkv = cfg->n_heads; f.Dk = f.Dv = f.E / f.H;

@@ -169,6 +169,14 @@ typedef struct {
     void *poll_ctx;       /*   its argument */
     int has_scale;        /* nonzero: the scores are scaled by `scale` (any */
     double scale;         /*   value, 0 too); else by 1 / sqrt(Dk) */
+    int has_window;       /* nonzero: a sliding window over the Sk given keys */
+    int64_t window_left, window_right; /* (never the extra keys): query i sees
+                             key j iff i + c - window_left <= j <= i + c +
+                             window_right, c = Sk - Sq with
+                             MHA_CAUSAL_LOWER_RIGHT, else 0; a negative bound
+                             is unbounded on its side.  Keys outside are
+                             blocked (combined with masks and causality), and
+                             the fast paths skip their blocks */
 } mha_forward_args;
 
 /* The size checks of a call of shape (B, Sq, Sk), with nothing computed or
@@ -326,6 +334,8 @@ typedef struct {
     void *weights;          /* (B, H, L, S) written (after dropout), or NULL */
     mha_poll_fn poll;
     void *poll_ctx;
+    int has_window;         /* a sliding window, as in mha_forward_args */
+    int64_t window_left, window_right;
 } mha_sdpa_args;
 
 /* The gradients of one mha_sdpa_forward call `fwd` (its out, weights

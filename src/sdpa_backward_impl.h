@@ -40,6 +40,7 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     f.grad_weights = (const T *)a->grad_weights;
     f.rr = mha_rows_make(fa->masks, fa->n_masks, fa->is_causal, fa->L, fa->S,
                          fa->zero_masked_rows);
+    mha_rows_window(&f.rr, fa->has_window, fa->window_left, fa->window_right, fa->L, fa->S);
     f.B = fa->B; f.H = fa->H; f.Hkv = fa->Hkv;
     f.Sq = fa->L; f.Sk = f.Skg = fa->S;
     f.Dk = fa->D; f.Dv = fa->Dv;

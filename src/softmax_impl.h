@@ -11,8 +11,9 @@
  *
  * A row is (b, h, i): the scores of query i of head h in batch b against
  * the keys.  The rules, each in one place:
- *   masks       additive masks first, then -inf where a blocking mask or
- *               causality (key j > query i + coff) blocks (row_masks); keys
+ *   masks       additive masks first, then -inf where a blocking mask,
+ *               causality (key j > query i + coff) or the sliding window
+ *               (j outside [i + coff - wl, i + coff + wr]) blocks (row_masks); keys
  *               from rr->nmk on (add_bias_kv's and add_zero_attn's) are
  *               never blocked
  *   blocked     a row with no visible key is the blocked value: NaN, or 0
@@ -63,6 +64,14 @@ static inline void SUF(row_masks)(const mha_rows *rr, T *s, int64_t b, int64_t h
         j = i + rr->coff + 1 - j0; /* the first blocked key of this row, relative to j0 */
         for (j = j < 0 ? 0 : j; j < n; j++) s[j] = -(T)INFINITY;
     }
+    if (rr->window) {
+        /* the window's first visible key, and the first blocked one after it,
+         * relative to j0 */
+        const int64_t lo = rr->wl < 0 ? 0 : i + rr->coff - rr->wl - j0;
+        const int64_t hi = rr->wr < 0 ? n : i + rr->coff + rr->wr + 1 - j0;
+        for (j = 0; j < lo && j < n; j++) s[j] = -(T)INFINITY;
+        for (j = hi < 0 ? 0 : hi; j < n; j++) s[j] = -(T)INFINITY;
+    }
 }
 
 /* Scale the raw scores s[0..n) of row (b, h, i), keys j0.., by `scale`,
@@ -75,7 +84,7 @@ static inline T SUF(row_max)(const KT *kern, const mha_rows *rr, T scale, T *s,
 {
     T m;
     int64_t j;
-    if (rr->n_masks == 0 && !rr->causal) {
+    if (rr->n_masks == 0 && !rr->causal && !rr->window) {
         m = kern->scale_max(s, n, scale);
     } else {
         kern->scale(s, n, scale);
