@@ -455,6 +455,8 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
         FLAG(c->reference, o->reference, "reference") || FLAG(c->save, o->save, "save") ||
         FLAG(c->save_p, o->save_p, "save_p"))
         return -1;
+    if (parse_window(o->window, &a->has_window, &a->window_left, &a->window_right) < 0)
+        return -1;
     if (o->dropout && parse_dropout(o->dropout, "dropout", &p) < 0) return -1;
     if (o->counter && parse_u64(o->counter, "counter", &counter) < 0) return -1;
 
