@@ -131,7 +131,8 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
         T *w = p_bh + r * Sk;
         const int64_t i = i0 + r;
         /* P = softmax(masked S · scale); ne < 0: every key blocked */
-        const int64_t ne = SUF(softmax_row)(at->kern, &at->rr, at->scale, w, b, h, i, kend, Sk);
+        const int64_t ne = SUF(softmax_row)(at->kern, &at->rr, at->scale, w, b, h, i, 0, kend,
+                                                  Sk);
         if (a_bh != p_bh) memcpy(a_bh + r * Sk, w, (size_t)Sk * sizeof(T));
         if (at->dropout_on && ne >= 0) /* a blocked row: no dropout either */
             SUF(dropout_row)(at, a_bh + r * Sk, ne,
@@ -189,15 +190,6 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
             for (d = 0; d < Dv; d++) c[d] = acc[r * Dv + d] * inv;
         }
     }
-}
-
-/* 1 when every element of x[0..n) is finite */
-static int SUF(all_finite)(const T *x, int64_t n)
-{
-    int64_t i;
-    T z = 0;
-    for (i = 0; i < n; i++) z += x[i] * 0; /* NaN as soon as one is NaN or inf */
-    return z == 0;
 }
 
 /* The attention pass: every (b, h, block of queries) on the pool. */
