@@ -145,7 +145,7 @@ typedef struct {
     PyObject *query, *key, *value, *params, *masks;
     PyObject *is_causal, *need_weights, *zero_rows, *reference, *scale, *window;
     PyObject *dropout, *counter, *save, *save_p;
-    PyObject *grad_output, *grad_weights, *saved;
+    PyObject *grad_output, *grad_weights, *saved, *head_mask;
 } call_objects;
 
 struct call {
@@ -157,6 +157,7 @@ struct call {
     PyArrayObject *params;      /* NULL: the module's own (under its lock) */
     PyArrayObject *query, *key, *value;
     PyArrayObject *grad_output, *grad_weights;
+    PyArrayObject *head_mask;   /* (B, H), or NULL */
     PyArrayObject *saved[5];    /* Q, K, V, ctx, P (P may stay NULL) */
     PyArrayObject *mask_arr[MHA_MAX_MASKS];
     mha_mask masks[MHA_MAX_MASKS];

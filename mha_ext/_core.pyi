@@ -88,14 +88,14 @@ class MultiHeadAttention:
                  masks: Sequence[_Mask] = ..., is_causal: _Causal = ...,
                  need_weights: _Flag = ..., zero_rows: _Flag = ...,
                  reference: _Flag = ..., scale: Optional[float] = ...,
-                 window: _Window = ...,
+                 window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
     def _forward_train(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
                        params: Optional[npt.ArrayLike] = ..., masks: Sequence[_Mask] = ...,
                        is_causal: _Causal = ..., need_weights: _Flag = ...,
                        zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
                        save: _Flag = ..., save_p: _Flag = ..., scale: Optional[float] = ...,
-                       window: _Window = ...,
+                       window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
                        ) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[_Saved], _Copies]: ...
     def _backward(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike,
                   grad_output: npt.ArrayLike, *, params: Optional[npt.ArrayLike] = ...,
@@ -103,7 +103,7 @@ class MultiHeadAttention:
                   zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
                   grad_weights: Optional[npt.ArrayLike] = ...,
                   saved: Optional[_Saved] = ..., scale: Optional[float] = ...,
-                  window: _Window = ...,
+                  window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
                   ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
     def _block(self) -> np.ndarray: ...
     def _layout(self) -> Tuple[Tuple[int, int], ...]: ...

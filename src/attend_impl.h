@@ -37,6 +37,8 @@ typedef struct {
     double dropout;       /* p */
     uint64_t drop_key;
     int dropout_on;
+    const T *hmask;       /* NULL, or the head mask: (b, h) at b*hm_sb + h*hm_sh */
+    int64_t hm_sb, hm_sh;
     int skip;             /* V finite, no extra keys: skip the keys causality
                              and the window block (att_kbeg, att_kend) */
     int64_t n_qblk;
@@ -140,6 +142,13 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     }
     SUF(mha_gemm)(at->kern, 0, nq, Dv, kend - kbeg, a_bh + kbeg, Sk, v_bh + kbeg * Dv, Dv, NULL,
                   c_bh, at->ldc, 0, gs);
+    if (at->hmask) { /* the head mask m: weights m·A, context (m·A)·V = m·(A·V) */
+        const T m = at->hmask[b * at->hm_sb + h * at->hm_sh];
+        for (r = 0; r < nq; r++) {
+            at->kern->scale(c_bh + r * at->ldc, Dv, m);
+            if (at->weights) at->kern->scale(at->weights + (bh * at->Sq + i0 + r) * Sk, Sk, m);
+        }
+    }
 }
 
 /* Attention without weights: an online softmax over blocks of KB keys. */
@@ -188,6 +197,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
         } else {
             T inv = (T)1 / l[r];
             for (d = 0; d < Dv; d++) c[d] = acc[r * Dv + d] * inv;
+            if (at->hmask) at->kern->scale(c, Dv, at->hmask[b * at->hm_sb + h * at->hm_sh]);
         }
     }
 }

@@ -61,6 +61,9 @@ typedef struct {
                              a window: each block of queries works on its keys
                              [ks, ke) only (bwd_range) */
     const T *p_saved;     /* NULL, or mha_forward_save's P (B, H, Sq, Sk) */
+    const T *hmask;       /* NULL, or the head mask: (b, h) at b*hm_sb + h*hm_sh; then
+                             dctx is scaled by it in place, per head */
+    int64_t hm_sb, hm_sh;
     T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E), or as the dc_ strides say: */
     int64_t dq_sb, dq_sh, dq_ld, dk_sb, dk_sh, dk_ld, dv_sb, dv_sh, dv_ld; /* (b, h or h') */
     T *bsum;              /* NULL, or (3, B, E): Σ over each batch's rows of dQ, dK, dV
@@ -233,6 +236,12 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
         T *c_bh = f->saved ? NULL : f->ctx + b * Sq * E + h * Dk; /* (Sq, Dk), ld E */
         T *dq_bh = f->dq ? f->dq + b * f->dq_sb + h * f->dq_sh : NULL; /* (Sq, Dk), ld dq_ld */
         const T *gw_bh = f->grad_weights ? f->grad_weights + bh * Sq * Sk : NULL;
+        /* the head mask m: ctx_bh = (m·A)·V_bh, weights m·A, so dctx_bh and
+         * the weights' gradient reach A times m (dctx: this task's columns) */
+        const T hmv = f->hmask ? f->hmask[b * f->hm_sb + h * f->hm_sh] : (T)1;
+        if (f->hmask)
+            for (r = 0; r < Sq; r++) f->kern->scale(f->dctx + b * f->dc_sb + h * f->dc_sh +
+                                                    r * f->dc_ld, Dv, hmv);
         if (Sk == 0) { /* no key: the context is an empty sum, nothing to differentiate */
             for (r = 0; r < Sq; r++) {
                 for (j = 0; j < Dk && !f->saved; j++) c_bh[r * E + j] = 0;
@@ -292,6 +301,8 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
             if (!f->saved)
                 SUF(mha_gemm)(f->kern, 0, nq, Dv, n, a_blk + ks, Sk, v_bh + ks * ldv, ldv, NULL,
                               c_bh + i0 * E, E, 0, gs);
+            for (r = 0; r < nq && f->hmask && !f->saved; r++)
+                f->kern->scale(c_bh + (i0 + r) * E, Dv, hmv);
             /* backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh */
             SUF(mha_gemm_tn)(f->kern, n, Dv, nq, a_blk + ks, Sk, dc_bh + i0 * f->dc_ld, f->dc_ld,
                              dvs + ks * Dv, Dv, !first, gs);
@@ -300,7 +311,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                           ldv, NULL, d + ks, Sk, 0, gs);
             if (gw_bh)
                 for (r = 0; r < nq; r++)
-                    for (j = ks; j < ke; j++) d[r * Sk + j] += gw_bh[(i0 + r) * Sk + j];
+                    for (j = ks; j < ke; j++) d[r * Sk + j] += hmv * gw_bh[(i0 + r) * Sk + j];
             for (r = 0; r < nq; r++) {
                 T *d_r = d + r * Sk;
                 /* backward of A = dropout(P): dP = dA · keep / (1 - p) */
@@ -421,6 +432,9 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     memset(&f, 0, sizeof f);
     f.a = a;
     f.grad_weights = (const T *)a->grad_weights;
+    f.hmask = (const T *)a->fwd.head_mask;
+    f.hm_sb = a->fwd.head_mask_stride[0];
+    f.hm_sh = a->fwd.head_mask_stride[1];
     f.rr = mha_rows_make(a->fwd.masks, a->fwd.n_masks, a->fwd.is_causal, a->fwd.Sq, a->fwd.Sk,
                          a->fwd.zero_masked_rows);
     mha_rows_window(&f.rr, a->fwd.has_window, a->fwd.window_left, a->fwd.window_right,

@@ -233,6 +233,9 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     at.drop_scale = a->dropout < 1.0 ? (T)(1.0 / (1.0 - a->dropout)) : (T)0;
     at.drop_key = mha_stream_key(a->seed, a->counter);
     at.weights = (T *)a->weights;
+    at.hmask = (const T *)a->head_mask;
+    at.hm_sb = a->head_mask_stride[0];
+    at.hm_sh = a->head_mask_stride[1];
     const int64_t B = a->B, Sq = a->Sq, Sk = a->Sk, E = cfg->d_model, Dk = at.Dk;
     /* the kernel choice depends on the problem alone, never on threads */
     f.small = B * Sq < SMALL_M && B * Sk < SMALL_M;

@@ -177,6 +177,14 @@ typedef struct {
                              is unbounded on its side.  Keys outside are
                              blocked (combined with masks and causality), and
                              the fast paths skip their blocks */
+    const void *head_mask; /* NULL, or scalars of cfg->dtype over (B, H):
+                             element (b, h) = head_mask[b*head_mask_stride[0] +
+                             h*head_mask_stride[1]] (strides may be 0) multiplies
+                             head h's weights after dropout (Hugging Face's
+                             head_mask: 0 switches the head off); the weights
+                             returned are the multiplied ones.  Finite values
+                             (the binding checks); no gradient for it */
+    int64_t head_mask_stride[2];
 } mha_forward_args;
 
 /* The size checks of a call of shape (B, Sq, Sk), with nothing computed or

@@ -133,6 +133,10 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
                             row[j] = 0;
                     }
                 }
+                /* the head mask: a_j · m (b, h) */
+                for (j = 0; j < Skx && a->head_mask; j++)
+                    row[j] *= ((const T *)a->head_mask)[b * a->head_mask_stride[0] +
+                                                        h * a->head_mask_stride[1]];
                 if (a->weights)
                     for (j = 0; j < Skx; j++)
                         ((T *)a->weights)[((b * H + h) * Sq + i) * Skx + j] = row[j];
