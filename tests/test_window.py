@@ -8,6 +8,8 @@ other mask and both causal alignments; float32 and float64; errors named.
 
 Legend: B batch, Sq/Sk query/key length, E = d_model, H = n_heads.
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -279,3 +281,38 @@ def test_window_errors_name_the_argument(bad, err, words):
     # the C methods refuse them too, whatever the Python layer passes
     with pytest.raises((TypeError, ValueError), match="window"):
         m._forward(x, x, x, window=bad if bad != (1.5, 0) else (1.5, 0))
+
+
+MEMORY_PROBE = r"""
+import resource, sys
+import os
+
+import numpy as np
+import mha_ext
+S = 4096
+m = mha_ext.MultiHeadAttention(64, 2, seed=0)
+x = np.random.default_rng(0).standard_normal((1, S, 64)).astype(np.float32)
+m(x[:, :64], window=(64, 0), is_causal=True, need_weights=False)   # warm the pools
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+m(x, window=(64, 0), is_causal=True, need_weights=False)
+ctx = m.forward_train(x, window=(64, 0), is_causal=True, need_weights=False)
+m.backward(ctx, np.ones_like(x))
+mha_ext.scaled_dot_product_attention(x[None], x[None], x[None], window=(64, 0))
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024)
+"""
+
+
+def test_windowed_calls_build_no_sq_by_sk_buffer(tmp_path):
+    """need_weights=False with a window, S 4096: the call, forward_train +
+    backward and the SDPA twin raise the peak RSS by far less than one
+    (S, S) float32 buffer (64 MiB): no dense mask or score matrix is made."""
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(mha_ext.__file__)), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    grew = int(run.stdout.split()[-1])
+    assert grew < 16 * 2**20, f"peak RSS grew by {grew / 2**20:.1f} MiB"
