@@ -57,13 +57,13 @@ typedef struct {
     T *ctx, *dctx;        /* (B, Sq, E) (ctx: only when not saved) */
     int64_t dc_sb, dc_sh, dc_ld; /* dctx's row i of head (b, h): b*dc_sb + h*dc_sh + i*dc_ld */
     int saved;            /* q, k, v, ctx are mha_forward_save's: never written */
-    int skip;             /* V, dctx and grad_weights finite, no extra keys, causal or
-                             a window: each block of queries works on its keys
-                             [ks, ke) only (bwd_range) */
+    int skip;             /* a window; K, V, dctx, grad_weights finite; no extra
+                             keys: each block of queries works on its keys
+                             [ks, ke) only (bwd_range; causality alone keeps
+                             the full rows, bit for bit as before windows) */
     const T *p_saved;     /* NULL, or mha_forward_save's P (B, H, Sq, Sk) */
-    const T *hmask;       /* NULL, or the head mask: (b, h) at b*hm_sb + h*hm_sh; then
-                             dctx is scaled by it in place, per head */
-    int64_t hm_sb, hm_sh;
+    const T *hmask;       /* NULL, or the head mask (b, h) at b*hm_sb + h*hm_sh */
+    int64_t hm_sb, hm_sh; /*   (then dctx is scaled by it in place, per head) */
     T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E), or as the dc_ strides say: */
     int64_t dq_sb, dq_sh, dq_ld, dk_sb, dk_sh, dk_ld, dv_sb, dv_sh, dv_ld; /* (b, h or h') */
     T *bsum;              /* NULL, or (3, B, E): Σ over each batch's rows of dQ, dK, dV
@@ -236,8 +236,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
         T *c_bh = f->saved ? NULL : f->ctx + b * Sq * E + h * Dk; /* (Sq, Dk), ld E */
         T *dq_bh = f->dq ? f->dq + b * f->dq_sb + h * f->dq_sh : NULL; /* (Sq, Dk), ld dq_ld */
         const T *gw_bh = f->grad_weights ? f->grad_weights + bh * Sq * Sk : NULL;
-        /* the head mask m: ctx_bh = (m·A)·V_bh, weights m·A, so dctx_bh and
-         * the weights' gradient reach A times m (dctx: this task's columns) */
+        /* head mask m: ctx_bh = (m·A)·V_bh, weights m·A: dctx_bh, d weights times m */
         const T hmv = f->hmask ? f->hmask[b * f->hm_sb + h * f->hm_sh] : (T)1;
         if (f->hmask)
             for (r = 0; r < Sq; r++) f->kern->scale(f->dctx + b * f->dc_sb + h * f->dc_sh +
@@ -531,9 +530,9 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         SUF(append_extra)(cfg, f.dv, (const T *)p->bias_v, f.v, f.B, f.Skg, Skx, f.E);
     }
     MHA_TICK("backward 1 proj");
-    /* a NaN or inf in V, dctx or the weights' gradient must reach every key
-     * (0·NaN), as in the reference: no skipping then; nor with extra keys */
-    f.skip = (f.rr.causal || f.rr.window) && sz.extra == 0 &&
+    /* a NaN or inf in K, V, dctx or the weights' gradient must reach every
+     * key (0·NaN), as in the reference: no skipping then; nor with extra keys */
+    f.skip = f.rr.window && sz.extra == 0 && SUF(all_finite)(f.k, n_kv) &&
              SUF(all_finite)(f.v, n_kv) && SUF(all_finite)(f.dctx, n_q) &&
              (!f.grad_weights || SUF(all_finite)(f.grad_weights, sz.n_weights));
 

@@ -92,7 +92,8 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     tr.D = fa->D;
     if (mha_parallel_for(f.B * f.Hkv, slots, SUF(sdpa_transpose_task), &tr, &ps)) goto stopped;
     /* no skipping when a NaN or inf must reach every key (see bwd_range) */
-    f.skip = (f.rr.causal || f.rr.window) && SUF(all_finite)(f.v, sz.n_value) &&
+    f.skip = f.rr.window && SUF(all_finite)(f.k, sz.n_key) &&
+             SUF(all_finite)(f.v, sz.n_value) &&
              SUF(all_finite)(f.dctx, sz.n_out) &&
              (!f.grad_weights || SUF(all_finite)(f.grad_weights, sz.n_weights));
     if (mha_parallel_for(f.B * f.Hkv, slots, SUF(attend_backward_task), &f, &ps)) goto stopped;

@@ -316,3 +316,29 @@ def test_windowed_calls_build_no_sq_by_sk_buffer(tmp_path):
     assert run.returncode == 0, run.stderr
     grew = int(run.stdout.split()[-1])
     assert grew < 16 * 2**20, f"peak RSS grew by {grew / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("bad", ["k", "v", "grad"])
+def test_nan_outside_the_window_reaches_the_gradients_as_with_the_dense_mask(bad):
+    """A NaN or inf in a key or value no query's window holds, or in the
+    incoming gradient, reaches the gradients exactly as with the dense mask
+    (0·NaN): the skipping of the window is off then."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 4, 8))
+    k = rng.standard_normal((1, 2, 300, 8))
+    v = rng.standard_normal((1, 2, 300, 8))
+    go = rng.standard_normal((1, 2, 4, 8))
+    if bad == "k":
+        k[0, 1, 5] = np.nan            # key 5: outside every window below
+    elif bad == "v":
+        v[0, 0, 7] = np.inf
+    else:
+        go[0, 1, 2, 3] = np.nan
+    from mha_ext import _core
+    blocked = dense_blocked(4, 300, (10, 0), "lower_right")
+    kw = dict(is_causal="lower_right", zero_rows=True)
+    got = _core._sdpa_backward(q, k, v, go, window=(10, 0), **kw)
+    want = _core._sdpa_backward(q, k, v, go, masks=[(0, blocked)], **kw)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)

@@ -123,11 +123,12 @@ static void sdpa_case(mha_dtype dt, int64_t B, int64_t H, int64_t Hkv, int64_t L
     }
     CHECK(nan_bad == 0 && e_out < tol(dt) && e_on < tol(dt) && e_w < tol(dt) && e_g < tol(dt),
           "%s %s B%lld H%lld Hkv%lld L%lld S%lld D%lld Dv%lld causal %d scale %d:%g masked %d "
-          "zero %d p %g gw %d win %d:%lld,%lld: out %g online %g weights %g grads %g, %lld NaN misplaced",
+          "zero %d p %g gw %d win %d:%lld,%lld: out %g online %g weights %g grads %g, "
+          "%lld NaN misplaced",
           mha_get_isa(), dt == MHA_FLOAT32 ? "f32" : "f64", (long long)B, (long long)H,
           (long long)Hkv, (long long)L, (long long)S, (long long)D, (long long)Dv, o.causal,
-          o.has_scale, o.scale, o.masked, o.zero_rows, o.p, o.gw, o.win, (long long)o.wl, (long long)o.wr, e_out, e_on, e_w, e_g,
-          (long long)nan_bad);
+          o.has_scale, o.scale, o.masked, o.zero_rows, o.p, o.gw, o.win, (long long)o.wl,
+          (long long)o.wr, e_out, e_on, e_w, e_g, (long long)nan_bad);
     for (k = 0; k < 2; k++) free(g[k]);
     free(out); free(out2); free(ref); free(w); free(wr);
     problem_free(&pr);
