@@ -46,6 +46,8 @@ class HeadsModel:
     ``model.attn`` is the attention module; ``model.embed(x)`` its input for
     tokens x (B, L); ``model.loss(x)`` the mean cross-entropy over the three
     questions (a float); ``model.accuracy(x)`` one accuracy per question.
+    Each takes ``head_mask=`` (H,) as the attention call does: 0 switches a
+    head off.
     """
 
     def __init__(self, vocab=10, length=10, d_model=48, n_heads=4, seed=0):
@@ -63,21 +65,21 @@ class HeadsModel:
         # x (B, L) -> (B, L, E)
         return self.tok[x] + self.pos[: x.shape[1]]
 
-    def logits(self, x):
+    def logits(self, x, head_mask=None):
         # x (B, L) -> (B, L, 3, V)
-        out, _ = self.attn(self.embed(x), need_weights=False)
+        out, _ = self.attn(self.embed(x), need_weights=False, head_mask=head_mask)
         return self._read(out)
 
     def _read(self, out):
         y = out @ self.read_w.T + self.read_b
         return y.reshape(*out.shape[:2], 3, self.V)
 
-    def loss(self, x):
-        return float(_cross_entropy(self.logits(x), targets(x))[0])
+    def loss(self, x, head_mask=None):
+        return float(_cross_entropy(self.logits(x, head_mask), targets(x))[0])
 
-    def accuracy(self, x):
+    def accuracy(self, x, head_mask=None):
         t = targets(x)
-        hit = (self.logits(x).argmax(-1) == t)
+        hit = (self.logits(x, head_mask).argmax(-1) == t)
         return {q: float(hit[..., k][t[..., k] >= 0].mean())
                 for k, q in enumerate(QUESTIONS)}
 

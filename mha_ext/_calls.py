@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._convert import as_array, contiguous, flag
+from ._convert import as_array, as_real, contiguous, flag
 from ._masks import masks as _masks
 
 # is_causal: the one spelling of the lower-right alignment in every API
@@ -41,6 +41,8 @@ class Call(NamedTuple):
     average_weights: bool
     zero_rows: bool          # masked_rows == "zero"
     scale: float | None      # None: 1 / sqrt(Dk)
+    window: tuple | None     # None, or (left, right), each int >= 0 or None
+    head_mask: np.ndarray | None  # (B, H) of the module's dtype, finite
 
 
 def causal(is_causal):
@@ -73,9 +75,50 @@ def score_scale(scale):
     raise TypeError(f"scale must be None or a real number, not {type(scale).__name__}")
 
 
+def _window_bound(x, side):
+    if x is None:
+        return None
+    if (isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer))
+            or int(x) < 0):
+        raise ValueError(f"window's {side} bound must be None (unbounded) or an int >= 0, "
+                         f"got {x!r}")
+    return int(x)
+
+
+def sliding_window(window):
+    """window checked: None (no window) or (left, right), each None
+    (unbounded on that side) or an int >= 0: query i sees keys j with
+    i - left <= j <= i + right (the diagonal shifted by Sk - Sq with
+    is_causal="lower_right").  (None, None) is no window."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of ints >= 0 or None "
+                        f"(query i sees keys i - left .. i + right), got {window!r}")
+    w = (_window_bound(window[0], "left"), _window_bound(window[1], "right"))
+    return None if w == (None, None) else w
+
+
+def head_mask_array(head_mask, B, H, dtype):
+    """head_mask checked: None, or real numbers of shape (H,) (every batch)
+    or (B, H), as a contiguous (B, H) array of dtype.  Finite values only
+    (0 switches a head off, 1 keeps it; any other factor scales it)."""
+    if head_mask is None:
+        return None
+    m = as_real(head_mask, "head_mask")
+    if m.shape not in ((H,), (B, H)):
+        raise ValueError(f"head_mask must have shape (n_heads,) = ({H},) or (batch, n_heads) "
+                         f"= ({B}, {H}), got {m.shape}")
+    m = np.array(np.broadcast_to(m, (B, H)), dtype=dtype, order="C", copy=True)  # kept
+    if not np.isfinite(m).all():
+        raise ValueError("head_mask must hold finite numbers")
+    return m
+
+
 def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
             key_padding_mask=None, is_causal=False, need_weights=True,
-            average_weights=False, masked_rows="nan", dtype=None, scale=None) -> Call:
+            average_weights=False, masked_rows="nan", dtype=None, scale=None,
+            window=None, head_mask=None) -> Call:
     """A call's arguments checked and brought to the C side's form.  key
     defaults to query, value to key.  With dtype None the inputs are arrays
     as given (no copy for an ndarray; the C side converts); with a dtype they
@@ -113,7 +156,8 @@ def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
     ms = _masks(mask, attn_mask, key_padding_mask, batched, B, mha.n_heads, Sq, Sk)
     return Call(q3, k3, v3, ms, batched, causal(is_causal),
                 flag(need_weights, "need_weights"), flag(average_weights, "average_weights"),
-                masked_rows == "zero", score_scale(scale))
+                masked_rows == "zero", score_scale(scale), sliding_window(window),
+                head_mask_array(head_mask, B, mha.n_heads, mha.dtype))
 
 
 def shape_output(call, out, weights):
@@ -163,7 +207,7 @@ def c_forward(mha, call, reference=False):
     return mha._forward(call.query, call.key, call.value, masks=call.masks,
                         is_causal=call.is_causal, need_weights=call.need_weights,
                         zero_rows=call.zero_rows, reference=bool(reference),
-                        scale=call.scale)
+                        scale=call.scale, window=call.window, head_mask=call.head_mask)
 
 
 def c_forward_train(mha, call, block, dropout, counter, keep):
@@ -175,14 +219,16 @@ def c_forward_train(mha, call, block, dropout, counter, keep):
                               masks=list(call.masks), is_causal=call.is_causal,
                               need_weights=call.need_weights, zero_rows=call.zero_rows,
                               dropout=dropout, counter=counter, save=keep >= 1,
-                              save_p=keep == 2, scale=call.scale)
+                              save_p=keep == 2, scale=call.scale, window=call.window,
+                              head_mask=call.head_mask)
 
 
 def c_backward(mha, block, query, key, value, masks, is_causal, zero_rows, dropout,
-               counter, grad_output, grad_weights, saved, scale=None):
+               counter, grad_output, grad_weights, saved, scale=None, window=None,
+               head_mask=None):
     """The backward of one c_forward_train call: (parameter gradient block,
     d query, d key, d value), the inputs' gradients 3-D."""
     return mha._backward(query, key, value, grad_output, params=block, masks=list(masks),
                          is_causal=is_causal, zero_rows=zero_rows, dropout=dropout,
                          counter=counter, grad_weights=grad_weights, saved=saved,
-                         scale=scale)
+                         scale=scale, window=window, head_mask=head_mask)

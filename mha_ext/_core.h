@@ -122,6 +122,10 @@ int parse_u64(PyObject *obj, const char *name, uint64_t *out);
 /* is_causal: False / True (MHA_CAUSAL_TOP_LEFT) or "lower_right"
  * (MHA_CAUSAL_LOWER_RIGHT) into *out */
 int parse_causal(PyObject *obj, int *out);
+/* window: None (*has = 0) or a tuple (left, right), each None (-1:
+ * unbounded) or an int >= 0: mha_forward_args' has_window, window_left,
+ * window_right (_core_masks.c) */
+int parse_window(PyObject *obj, int *has, int64_t *left, int64_t *right);
 /* scale: None (*has = 0: 1/sqrt(head width)) or a real number */
 int parse_scale(PyObject *obj, int *has, double *out);
 /* a sequence of (kind, array) pairs (kind 0 blocking, 1 additive of
@@ -139,9 +143,9 @@ typedef enum { CALL_FORWARD, CALL_FORWARD_TRAIN, CALL_BACKWARD } call_op;
 /* The Python objects of one call, by keyword (NULL: not given). */
 typedef struct {
     PyObject *query, *key, *value, *params, *masks;
-    PyObject *is_causal, *need_weights, *zero_rows, *reference, *scale;
+    PyObject *is_causal, *need_weights, *zero_rows, *reference, *scale, *window;
     PyObject *dropout, *counter, *save, *save_p;
-    PyObject *grad_output, *grad_weights, *saved;
+    PyObject *grad_output, *grad_weights, *saved, *head_mask;
 } call_objects;
 
 struct call {
@@ -153,6 +157,7 @@ struct call {
     PyArrayObject *params;      /* NULL: the module's own (under its lock) */
     PyArrayObject *query, *key, *value;
     PyArrayObject *grad_output, *grad_weights;
+    PyArrayObject *head_mask;   /* (B, H), or NULL */
     PyArrayObject *saved[5];    /* Q, K, V, ctx, P (P may stay NULL) */
     PyArrayObject *mask_arr[MHA_MAX_MASKS];
     mha_mask masks[MHA_MAX_MASKS];

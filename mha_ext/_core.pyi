@@ -16,6 +16,8 @@ _Self = TypeVar("_Self", bound="MultiHeadAttention")
 _Mask = Tuple[Literal[0, 1], npt.ArrayLike]
 _Flag = bool | int | np.bool_
 # is_causal: False, True (top-left) or "lower_right"
+# window: None, or (left, right), each an int >= 0 or None (unbounded)
+_Window = Optional[Tuple[Optional[int], Optional[int]]]
 _Causal = _Flag | Literal["lower_right"]
 # (Q, K, V, ctx, P | None): Q (B, H, Sq, Dk), K (B, H, Dk, Sk'), V (B, H, Sk', Dk),
 # ctx (B, Sq, E), P (B, H, Sq, Sk'); Sk' = Sk + the extra keys of add_bias_kv
@@ -37,13 +39,14 @@ def _isa_available(name: str, /) -> bool: ...
 def _sdpa(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *,
           masks: Sequence[_Mask] = ..., is_causal: _Causal = ..., scale: Optional[float] = ...,
           dropout: float = ..., seed: int = ..., counter: int = ..., need_weights: _Flag = ...,
-          zero_rows: _Flag = ..., reference: _Flag = ...,
+          zero_rows: _Flag = ..., reference: _Flag = ..., window: _Window = ...,
           ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
 def _sdpa_backward(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike,
                    grad_output: npt.ArrayLike, *, masks: Sequence[_Mask] = ...,
                    is_causal: _Causal = ..., scale: Optional[float] = ..., dropout: float = ...,
                    seed: int = ..., counter: int = ..., zero_rows: _Flag = ...,
                    grad_weights: Optional[npt.ArrayLike] = ..., reference: _Flag = ...,
+                   window: _Window = ...,
                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
 class MultiHeadAttention:
@@ -85,12 +88,14 @@ class MultiHeadAttention:
                  masks: Sequence[_Mask] = ..., is_causal: _Causal = ...,
                  need_weights: _Flag = ..., zero_rows: _Flag = ...,
                  reference: _Flag = ..., scale: Optional[float] = ...,
+                 window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
     def _forward_train(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
                        params: Optional[npt.ArrayLike] = ..., masks: Sequence[_Mask] = ...,
                        is_causal: _Causal = ..., need_weights: _Flag = ...,
                        zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
                        save: _Flag = ..., save_p: _Flag = ..., scale: Optional[float] = ...,
+                       window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
                        ) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[_Saved], _Copies]: ...
     def _backward(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike,
                   grad_output: npt.ArrayLike, *, params: Optional[npt.ArrayLike] = ...,
@@ -98,6 +103,7 @@ class MultiHeadAttention:
                   zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
                   grad_weights: Optional[npt.ArrayLike] = ...,
                   saved: Optional[_Saved] = ..., scale: Optional[float] = ...,
+                  window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
                   ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
     def _block(self) -> np.ndarray: ...
     def _layout(self) -> Tuple[Tuple[int, int], ...]: ...

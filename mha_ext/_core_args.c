@@ -3,6 +3,7 @@
  * Every error names the argument and what was expected. */
 #include "_core.h"
 
+#include <math.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -291,6 +292,9 @@ static int check_shape(PyArrayObject *arr, const char *name, int nd, const int64
     else if (nd == 3)
         PyErr_Format(PyExc_ValueError, "%s must have %s (%lld, %lld, %lld), got %U", name,
                      what, (long long)want[0], (long long)want[1], (long long)want[2], s);
+    else if (nd == 2)
+        PyErr_Format(PyExc_ValueError, "%s must have %s (%lld, %lld), got %U", name, what,
+                     (long long)want[0], (long long)want[1], s);
     else
         PyErr_Format(PyExc_ValueError, "%s must have %s (%lld,), got %U", name, what,
                      (long long)want[0], s);
@@ -455,6 +459,8 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
         FLAG(c->reference, o->reference, "reference") || FLAG(c->save, o->save, "save") ||
         FLAG(c->save_p, o->save_p, "save_p"))
         return -1;
+    if (parse_window(o->window, &a->has_window, &a->window_left, &a->window_right) < 0)
+        return -1;
     if (o->dropout && parse_dropout(o->dropout, "dropout", &p) < 0) return -1;
     if (o->counter && parse_u64(o->counter, "counter", &counter) < 0) return -1;
 
@@ -504,6 +510,26 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
         Py_SETREF(c->value, (PyArrayObject *)Py_NewRef(c->key));
     else if (to_module_dtype(self, &c->value) < 0)
         goto fail;
+    if (o->head_mask && o->head_mask != Py_None) { /* (B, H) finite, the module's dtype */
+        const int64_t hd[2] = {a->B, self->cfg.n_heads};
+        npy_intp i, n;
+        if (!(c->head_mask = input_array(self, o->head_mask, "head_mask")) ||
+            check_shape(c->head_mask, "head_mask", 2, hd, "the shape (batch, heads)") < 0)
+            goto fail;
+        n = PyArray_SIZE(c->head_mask);
+        for (i = 0; i < n; i++) {
+            double x = self->cfg.dtype == MHA_FLOAT64
+                           ? ((const double *)PyArray_DATA(c->head_mask))[i]
+                           : (double)((const float *)PyArray_DATA(c->head_mask))[i];
+            if (!isfinite(x)) {
+                PyErr_SetString(PyExc_ValueError, "head_mask must hold finite numbers");
+                goto fail;
+            }
+        }
+        a->head_mask = PyArray_DATA(c->head_mask);
+        a->head_mask_stride[0] = self->cfg.n_heads;
+        a->head_mask_stride[1] = 1;
+    }
     {
         const int64_t dim[4] = {a->B, self->cfg.n_heads, a->Sq, a->Sk};
         if (o->masks && convert_masks(o->masks, typenum_of(self), dim, c->masks, c->mask_arr,
@@ -545,6 +571,7 @@ void call_clear(struct call *c)
     Py_CLEAR(c->value);
     Py_CLEAR(c->grad_output);
     Py_CLEAR(c->grad_weights);
+    Py_CLEAR(c->head_mask);
     for (i = 0; i < 5; i++) Py_CLEAR(c->saved[i]);
     for (i = 0; i < MHA_MAX_MASKS; i++) Py_CLEAR(c->mask_arr[i]);
 }

@@ -97,15 +97,16 @@ static PyObject *obj_or_none(PyArrayObject *a)
 PyObject *mha_forward_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "masks", "is_causal", "need_weights",
-                             "zero_rows", "reference", "scale", NULL};
+                             "zero_rows", "reference", "scale", "window", "head_mask", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *out = NULL, *w = NULL;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOO:_forward", kwlist, &o.query,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOO:_forward", kwlist, &o.query,
                                      &o.key, &o.value, &o.masks, &o.is_causal, &o.need_weights,
-                                     &o.zero_rows, &o.reference, &o.scale))
+                                     &o.zero_rows, &o.reference, &o.scale, &o.window,
+                                     &o.head_mask))
         return NULL;
     if (call_parse(self, CALL_FORWARD, &o, &c) < 0) return NULL;
     {
@@ -130,17 +131,18 @@ PyObject *mha_forward_train_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "params", "masks", "is_causal",
                              "need_weights", "zero_rows", "dropout", "counter", "save",
-                             "save_p", "scale", NULL};
+                             "save_p", "scale", "window", "head_mask", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *out = NULL, *w = NULL, *kept[5] = {NULL}, *copies[4] = {NULL};
     PyObject *saved = NULL, *copied = NULL, *result = NULL;
     int i;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOO:_forward_train", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOOOO:_forward_train", kwlist,
                                      &o.query, &o.key, &o.value, &o.params, &o.masks,
                                      &o.is_causal, &o.need_weights, &o.zero_rows, &o.dropout,
-                                     &o.counter, &o.save, &o.save_p, &o.scale))
+                                     &o.counter, &o.save, &o.save_p, &o.scale, &o.window,
+                                     &o.head_mask))
         return NULL;
     if (call_parse(self, CALL_FORWARD_TRAIN, &o, &c) < 0) return NULL;
     {
@@ -203,16 +205,17 @@ PyObject *mha_backward_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "grad_output", "params", "masks",
                              "is_causal", "zero_rows", "dropout", "counter", "grad_weights",
-                             "saved", "scale", NULL};
+                             "saved", "scale", "window", "head_mask", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *gp = NULL, *gq = NULL, *gk = NULL, *gv = NULL;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOO:_backward", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOOO:_backward", kwlist,
                                      &o.query, &o.key, &o.value, &o.grad_output, &o.params,
                                      &o.masks, &o.is_causal, &o.zero_rows, &o.dropout,
-                                     &o.counter, &o.grad_weights, &o.saved, &o.scale))
+                                     &o.counter, &o.grad_weights, &o.saved, &o.scale, &o.window,
+                                     &o.head_mask))
         return NULL;
     if (call_parse(self, CALL_BACKWARD, &o, &c) < 0) return NULL;
     {

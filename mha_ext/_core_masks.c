@@ -99,3 +99,47 @@ fail:
     return -1;
 }
 
+
+/* one bound of a window: None (-1: unbounded) or an int >= 0 (clamped to
+ * 2**62: wider than any length is the same window) */
+static int window_bound(PyObject *obj, const char *side, int64_t *out)
+{
+    long long v;
+    int overflow = 0;
+    if (obj == Py_None) {
+        *out = -1;
+        return 0;
+    }
+    if (PyBool_Check(obj) || !PyIndex_Check(obj)) goto bad;
+    {
+        PyObject *i = PyNumber_Index(obj);
+        if (!i) return -1;
+        v = PyLong_AsLongLongAndOverflow(i, &overflow);
+        Py_DECREF(i);
+    }
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (overflow < 0 || (overflow == 0 && v < 0)) goto bad;
+    *out = overflow > 0 || v > ((long long)1 << 62) ? (int64_t)1 << 62 : (int64_t)v;
+    return 0;
+bad:
+    PyErr_Format(PyExc_ValueError, "window's %s bound must be None (unbounded) or an int >= 0, "
+                 "got %R", side, obj);
+    return -1;
+}
+
+int parse_window(PyObject *obj, int *has, int64_t *left, int64_t *right)
+{
+    *has = 0;
+    *left = *right = -1;
+    if (!obj || obj == Py_None) return 0;
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 2) {
+        PyErr_Format(PyExc_TypeError, "window must be None or a tuple (left, right) of ints >= 0 "
+                     "or None (query i sees keys i - left .. i + right), got %R", obj);
+        return -1;
+    }
+    if (window_bound(PyTuple_GET_ITEM(obj, 0), "left", left) < 0 ||
+        window_bound(PyTuple_GET_ITEM(obj, 1), "right", right) < 0)
+        return -1;
+    *has = 1;
+    return 0;
+}

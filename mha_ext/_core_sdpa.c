@@ -196,19 +196,20 @@ static PyArrayObject *new4(const sdpa_call *c, int64_t d0, int64_t d1, int64_t d
 PyObject *sdpa_py(PyObject *m, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"q", "k", "v", "masks", "is_causal", "scale", "dropout", "seed",
-                             "counter", "need_weights", "zero_rows", "reference", NULL};
+                             "counter", "need_weights", "zero_rows", "reference", "window", NULL};
     PyObject *q, *k, *v, *masks = NULL, *causal = NULL, *scale = NULL, *p = NULL, *seed = NULL,
-             *counter = NULL, *need = NULL, *zero = NULL, *ref = NULL, *result = NULL;
+             *counter = NULL, *need = NULL, *zero = NULL, *ref = NULL, *win = NULL, *result = NULL;
     PyArrayObject *out = NULL, *w = NULL;
     sdpa_call c;
     mha_sdpa_args *a = &c.ba.fwd;
     (void)m;
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOO:_sdpa", kwlist, &q, &k, &v,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOO:_sdpa", kwlist, &q, &k, &v,
                                      &masks, &causal, &scale, &p, &seed, &counter, &need, &zero,
-                                     &ref))
+                                     &ref, &win))
         return NULL;
     if ((need && parse_flag(need, "need_weights", &c.need_weights) < 0) ||
+        parse_window(win, &a->has_window, &a->window_left, &a->window_right) < 0 ||
         sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref) < 0)
         goto fail;
     if (!(out = new4(&c, a->B, a->H, a->L, a->Dv))) goto fail;
@@ -228,8 +229,8 @@ PyObject *sdpa_backward_py(PyObject *m, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"q", "k", "v", "grad_output", "masks", "is_causal", "scale",
                              "dropout", "seed", "counter", "zero_rows", "grad_weights",
-                             "reference", NULL};
-    PyObject *q, *k, *v, *go, *masks = NULL, *causal = NULL, *scale = NULL, *p = NULL,
+                             "reference", "window", NULL};
+    PyObject *q, *k, *v, *go, *win = NULL, *masks = NULL, *causal = NULL, *scale = NULL, *p = NULL,
              *seed = NULL, *counter = NULL, *zero = NULL, *gw = Py_None, *ref = NULL,
              *result = NULL;
     PyArrayObject *dq = NULL, *dk = NULL, *dv = NULL;
@@ -237,11 +238,12 @@ PyObject *sdpa_backward_py(PyObject *m, PyObject *args, PyObject *kwds)
     mha_sdpa_args *a = &c.ba.fwd;
     (void)m;
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOO:_sdpa_backward", kwlist, &q,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOO:_sdpa_backward", kwlist, &q,
                                      &k, &v, &go, &masks, &causal, &scale, &p, &seed, &counter,
-                                     &zero, &gw, &ref))
+                                     &zero, &gw, &ref, &win))
         return NULL;
-    if (sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref) < 0)
+    if (parse_window(win, &a->has_window, &a->window_left, &a->window_right) < 0 ||
+        sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref) < 0)
         goto fail;
     {
         const int64_t od[4] = {a->B, a->H, a->L, a->Dv}, wd[4] = {a->B, a->H, a->L, a->S};

@@ -116,17 +116,19 @@ def _seed(seed):
 
 
 def sdpa_forward(q4, k4, v4, masks, is_causal, scale, p, seed, need_weights=False,
-                 reference=False):
+                 reference=False, window=None):
     """_core._sdpa: (out (B, H, L, Ev), weights (B, H, L, S) or None).
-    Rows with no visible key give 0, as torch's SDPA does."""
+    Rows with no visible key give 0, as torch's SDPA does.  window: None or
+    a pair checked by mha_ext._calls.sliding_window."""
     return _core._sdpa(q4, k4, v4, masks=masks, is_causal=is_causal, scale=scale,
                        dropout=p, seed=seed, counter=0, need_weights=need_weights,
-                       zero_rows=True, reference=reference)
+                       zero_rows=True, reference=reference, window=window)
 
 
-def sdpa_backward(q4, k4, v4, grad_out, masks, is_causal, scale, p, seed, reference=False):
+def sdpa_backward(q4, k4, v4, grad_out, masks, is_causal, scale, p, seed, reference=False,
+                  window=None):
     """_core._sdpa_backward: (dq, dk, dv) of the sdpa_forward call with the
     same arguments."""
     return _core._sdpa_backward(q4, k4, v4, grad_out, masks=masks, is_causal=is_causal,
                                 scale=scale, dropout=p, seed=seed, counter=0, zero_rows=True,
-                                reference=reference)
+                                reference=reference, window=window)

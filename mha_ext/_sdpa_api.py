@@ -5,13 +5,15 @@ Function of mha_ext._sdpa_torch (imported only then: it needs torch).
 from __future__ import annotations
 
 from ._convert import is_tensor, probability
+from ._calls import sliding_window
 from ._sdpa import _seed, sdpa_arrays, sdpa_forward
 
 __all__ = ["scaled_dot_product_attention"]
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False, *, seed=None):
+                                 is_causal=False, scale=None, enable_gqa=False, *, seed=None,
+                                 window=None):
     """torch.nn.functional.scaled_dot_product_attention, computed by mha_ext's C core.
 
         out = softmax(query @ keyᵀ · scale + mask) @ value
@@ -41,6 +43,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     scale: None (1/sqrt(E)) or any real number.
     enable_gqa: query head h reads key/value head h // (Hq // H) (Hq a
         multiple of H), as torch's grouped-query attention does.
+    window: (left, right), a sliding window (a keyword of ours): query i
+        sees keys j with i - left <= j <= i + right (None = unbounded on
+        that side; the diagonal shifted by S - L with is_causal=
+        "lower_right").  The C kernels skip the key blocks outside it.
 
     A query with no visible key gives a zero output row (and zero
     gradients), as torch's SDPA does.
@@ -48,11 +54,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if any(is_tensor(x) for x in (query, key, value)):
         from ._sdpa_torch import sdpa_torch  # needs torch: imported on first use only
         return sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                          enable_gqa, seed)
+                          enable_gqa, seed, window)
+    w = sliding_window(window)
     p = probability(dropout_p, "dropout_p")
     q4, k4, v4, masks, c, s, (lead, _), _ = sdpa_arrays(query, key, value, attn_mask,
                                                         is_causal, scale, enable_gqa)
-    out, _ = sdpa_forward(q4, k4, v4, masks, c, s, p, _seed(seed) if p > 0 else 0)
+    out, _ = sdpa_forward(q4, k4, v4, masks, c, s, p, _seed(seed) if p > 0 else 0, window=w)
     return out.reshape(lead + out.shape[2:])
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from . import _sdpa
+from . import _calls
 from ._convert import probability, to_numpy
 from ._torch_fn import _NoDoubleBackward
 
@@ -32,8 +33,9 @@ class SDPAFunction(torch.autograd.Function):
         q4, k4, v4, masks, c, s, (lead, lead_kv), dtype = _sdpa.sdpa_arrays(
             to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value"),
             plan["attn_mask"], plan["is_causal"], plan["scale"], plan["enable_gqa"])
-        out, _ = _sdpa.sdpa_forward(q4, k4, v4, masks, c, s, plan["p"], plan["seed"])
-        ctx.args = (q4, k4, v4, masks, c, s, plan["p"], plan["seed"])
+        out, _ = _sdpa.sdpa_forward(q4, k4, v4, masks, c, s, plan["p"], plan["seed"],
+                                    window=plan["window"])
+        ctx.args = (q4, k4, v4, masks, c, s, plan["p"], plan["seed"], plan["window"])
         ctx.leads = (lead, lead_kv, lead_kv)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.set_materialize_grads(False)
@@ -42,14 +44,15 @@ class SDPAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q4, k4, v4, masks, c, s, p, seed = ctx.args
+        q4, k4, v4, masks, c, s, p, seed, window = ctx.args
         need = ctx.needs_input_grad
         if grad_out is None:
             return None, None, None, None
         with torch.no_grad():
             go = np.ascontiguousarray(to_numpy(grad_out, "grad_output"),
                                       dtype=q4.dtype).reshape(q4.shape[:3] + v4.shape[3:])
-            dq, dk, dv = _sdpa.sdpa_backward(q4, k4, v4, go, masks, c, s, p, seed)
+            dq, dk, dv = _sdpa.sdpa_backward(q4, k4, v4, go, masks, c, s, p, seed,
+                                             window=window)
             grads = [_unbroadcast(g, lead, shape) if need[1 + i] else None
                      for i, (g, lead, shape) in enumerate(zip((dq, dk, dv), ctx.leads,
                                                                ctx.shapes))]
@@ -79,7 +82,8 @@ def _unbroadcast(g, lead, shape):
     return torch.from_numpy(np.ascontiguousarray(g.reshape(shape)))
 
 
-def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
+def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+               window=None):
     """scaled_dot_product_attention on tensors (see mha_ext._sdpa)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -96,5 +100,6 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         attn_mask = to_numpy(attn_mask, "attn_mask")
     p = probability(dropout_p, "dropout_p")
     plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                p=p, seed=_sdpa._seed(seed) if p > 0 else 0)
+                p=p, seed=_sdpa._seed(seed) if p > 0 else 0,
+                window=_calls.sliding_window(window))
     return SDPAFunction.apply(plan, query, key, value)

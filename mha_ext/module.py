@@ -340,6 +340,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                 is_causal: bool | Literal["lower_right"] = False, need_weights: bool = True,
                 average_weights: bool = False,
                 masked_rows: Literal["nan", "zero"] = "nan", scale: float | None = None,
+                window: tuple[int | None, int | None] | None = None,
+                head_mask: ArrayLike | None = None,
                 **unknown,
                 ) -> tuple[np.ndarray, np.ndarray | None]:
         """Attention of query over key and value; returns (output, weights).
@@ -365,6 +367,16 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             "lower_right": query i does not see key j > i + Sk - Sq (torch's
             causal_lower_right: the last query sees every key, as when
             decoding).  Never blocks add_bias_kv's or add_zero_attn's keys.
+          window: (left, right), a sliding window: query i sees keys j with
+            i - left <= j <= i + right (None = unbounded on that side; the
+            diagonal shifted by Sk - Sq with is_causal="lower_right"; with
+            is_causal the right side is 0 anyway).  The kernels skip the key
+            blocks outside it: no (Sq, Sk) mask is built.  Never blocks
+            add_bias_kv's or add_zero_attn's keys.
+        head_mask: None, or (H,) or (B, H) finite factors multiplying each
+          head's weights after dropout (Hugging Face's head_mask: 0 switches
+          the head off, 1 keeps it); the weights returned are multiplied.
+          Gradients flow to everything else as before; head_mask gets none.
         scale: None (1/sqrt(Dk)) or the factor of the scores (any real, 0 too).
         masked_rows: "nan" (default) gives NaN weights and output for a query
           that sees no key, like the seed module; "zero" gives zero weights and
@@ -380,7 +392,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             self, query, key, value, mask, unknown, "forward")
         call = _calls.prepare(self, query, key, value, mask, attn_mask, key_padding_mask,
                               is_causal, need_weights, average_weights, masked_rows,
-                              scale=scale)
+                              scale=scale, window=window, head_mask=head_mask)
         out, weights = _calls.c_forward(self, call)
         out, weights = _calls.shape_output(call, out, weights)
         return (_habits.seq_first_output(out) if seq_first else out), weights

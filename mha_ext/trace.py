@@ -33,6 +33,7 @@ import os
 
 import numpy as np
 
+from ._calls import sliding_window
 from ._convert import flag, to_numpy
 
 __all__ = ["Step", "Trace", "trace"]
@@ -300,8 +301,12 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     """Run ``module(query, key, value, mask, **kwargs)`` step by step.
 
     Takes exactly the arguments of a call (``attn_mask``,
-    ``key_padding_mask``, ``is_causal``, ``need_weights``,
+    ``key_padding_mask``, ``is_causal``, ``window``, ``need_weights``,
     ``average_weights``, ``masked_rows``) and returns a :class:`Trace`.
+    A sliding ``window`` is shown in the "masked scores" step as the keys
+    it blocks (the trace builds the (Sq, Sk) picture; the call does not);
+    a ``head_mask`` as a "head mask" step after the softmax (with dropout
+    active: in the "dropout" step, which holds the call's weights).
 
     The module is called once with the same arguments; ``trace.output`` and
     ``trace.weights`` are that call's results, bit for bit.  Errors in the
@@ -420,10 +425,16 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
         (" (blocked rows → 0)" if zero_rows else ""),
         ("B", "H", "Sq", "Sk"), a)
 
+    hm = kwargs.get("head_mask")
+    if hm is not None:
+        hm = np.broadcast_to(_as_array(hm, dtype), (B, H))[:, :, None, None]
     if dropout_active:
         a = np.asarray(dropped)[None] if unbatched else np.asarray(dropped)
-        add("dropout", "A = A·keep / (1 − p), p = %g" % p,
-            ("B", "H", "Sq", "Sk"), a)
+        add("dropout", "A = A·keep / (1 − p), p = %g" % p +
+            (" · head_mask[h]" if hm is not None else ""), ("B", "H", "Sq", "Sk"), a)
+    elif hm is not None:
+        a = (a * hm).astype(dtype, copy=False)
+        add("head mask", "A = A · head_mask[h] (0: head off)", ("B", "H", "Sq", "Sk"), a)
 
     ctx = (a @ vh).astype(dtype, copy=False)
     add("context", "C = A·V (per head)", ("B", "H", "Sq", "Dk"), ctx)
@@ -502,5 +513,19 @@ def _masks(mask, kwargs, unbatched, B, H, Sq, Sk, dtype):
     if flag(kwargs.get("is_causal", False), "is_causal"):
         causal = np.triu(np.ones((Sq, Sk), dtype=bool), k=1)[None, None]
         block(causal, "j > i (causal)")
+
+    window = sliding_window(kwargs.get("window"))
+    if window is not None:
+        left, right = window
+        d = np.arange(Sk)[None, :] - np.arange(Sq)[:, None]   # j - i
+        out = np.zeros((Sq, Sk), dtype=bool)
+        words = []
+        if left is not None:
+            out |= d < -left
+            words.append(f"j < i − {left}")
+        if right is not None:
+            out |= d > right
+            words.append(f"j > i + {right}")
+        block(out[None, None], " or ".join(words) + " (window)")
 
     return blocked, added, why_blocked, why_added

@@ -11,9 +11,10 @@
  * weights array, finishes the softmax there in place (written once) and
  * multiplies by V: no second (Sq, Sk) buffer.  Without, an online softmax
  * runs over blocks of KB keys in per-thread scratch of (QB, KB): no (Sq, Sk)
- * buffer at all.  Causal: keys past the block's last visible key are never
- * computed (skip_causal; not when V holds a NaN or inf, which must still
- * reach every row as 0·NaN does in the reference, nor with extra keys). */
+ * buffer at all.  Causal and sliding windows: keys outside the block's
+ * visible range are never computed (skip; not when V holds a NaN or inf,
+ * which must still reach every row as 0·NaN does in the reference, nor
+ * with extra keys). */
 
 #define QB 48        /* queries per attention task: a multiple of every kernel's MR (6, 6, 4) */
 #define KB 256       /* keys per block of the online softmax */
@@ -36,7 +37,10 @@ typedef struct {
     double dropout;       /* p */
     uint64_t drop_key;
     int dropout_on;
-    int skip_causal;      /* causal, V finite, no extra keys: skip blocked keys */
+    const T *hmask;       /* NULL, or the head mask: (b, h) at b*hm_sb + h*hm_sh */
+    int64_t hm_sb, hm_sh;
+    int skip;             /* V finite, no extra keys: skip the keys causality
+                             and the window block (att_kbeg, att_kend) */
     int64_t n_qblk;
 } SUF(att);
 
@@ -50,12 +54,21 @@ static int SUF(att_state)(const SUF(att) *at, int64_t *state)
     return 0;
 }
 
-/* the keys [0, kend) the block of queries i0 .. i0+nq-1 may see */
+/* the keys [kbeg, kend) the block of queries i0 .. i0+nq-1 may see */
 static int64_t SUF(att_kend)(const SUF(att) *at, int64_t i0, int64_t nq)
 {
     int64_t kend = at->Sk;
-    if (at->skip_causal && i0 + nq + at->rr.coff < kend) kend = i0 + nq + at->rr.coff;
+    if (at->skip && at->rr.causal && i0 + nq + at->rr.coff < kend) kend = i0 + nq + at->rr.coff;
+    if (at->skip && at->rr.window && at->rr.wr >= 0 &&
+        i0 + nq + at->rr.coff + at->rr.wr < kend)
+        kend = i0 + nq + at->rr.coff + at->rr.wr;
     return kend < 0 ? 0 : kend;
+}
+static int64_t SUF(att_kbeg)(const SUF(att) *at, int64_t i0)
+{
+    int64_t kbeg = 0;
+    if (at->skip && at->rr.window && at->rr.wl >= 0) kbeg = i0 + at->rr.coff - at->rr.wl;
+    return kbeg < 0 ? 0 : kbeg > at->Sk ? at->Sk : kbeg;
 }
 
 static void SUF(fill_rows)(T *x, int64_t rows, int64_t cols, int64_t ld, T value)
@@ -86,7 +99,7 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     int64_t bh = t / at->n_qblk, b = bh / at->H, h = bh % at->H;
     int64_t bkv = b * at->Hkv + h / (at->H / at->Hkv);
     int64_t i0 = (t % at->n_qblk) * QB, nq = at->Sq - i0 < QB ? at->Sq - i0 : QB;
-    int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, kend;
+    int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, kend, kbeg;
     const T *q_bh = at->qh + (bh * at->Sq + i0) * Dk;          /* (nq, Dk) */
     const T *kt_bh = at->kt + bkv * Dk * Sk;                    /* (Dk, Sk) */
     const T *v_bh = at->vh + bkv * Sk * Dv;                     /* (Sk, Dv) */
@@ -103,25 +116,39 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
         return;
     }
     kend = SUF(att_kend)(at, i0, nq); /* later keys: blocked for all */
-    if (kend == 0) { /* lower-right, Sq > Sk: every row of the block is blocked */
+    kbeg = SUF(att_kbeg)(at, i0);     /* earlier keys: blocked for all */
+    if (kend <= kbeg) { /* every row of the block is blocked (lower-right with
+                           Sq > Sk, or an empty window) */
         const T value = SUF(blocked_row_value)(&at->rr);
         SUF(fill_rows)(p_bh, nq, Sk, Sk, value);
         if (a_bh != p_bh) SUF(fill_rows)(a_bh, nq, Sk, Sk, value);
         SUF(fill_rows)(c_bh, nq, Dv, at->ldc, value);
         return;
     }
-    SUF(mha_gemm)(at->kern, 0, nq, kend, Dk, q_bh, Dk, kt_bh, Sk, NULL, p_bh, Sk, 0, gs);
+    /* the keys before kbeg: 0 scores, which the window masks */
+    if (kbeg > 0) SUF(fill_rows)(p_bh, nq, kbeg, Sk, (T)0);
+    SUF(mha_gemm)(at->kern, 0, nq, kend - kbeg, Dk, q_bh, Dk, kt_bh + kbeg, Sk, NULL,
+                  p_bh + kbeg, Sk, 0, gs);
     for (r = 0; r < nq; r++) {
         T *w = p_bh + r * Sk;
         const int64_t i = i0 + r;
         /* P = softmax(masked S · scale); ne < 0: every key blocked */
-        const int64_t ne = SUF(softmax_row)(at->kern, &at->rr, at->scale, w, b, h, i, kend, Sk);
+        const int64_t ne = SUF(softmax_row)(at->kern, &at->rr, at->scale, w, b, h, i, 0, kend,
+                                                  Sk);
         if (a_bh != p_bh) memcpy(a_bh + r * Sk, w, (size_t)Sk * sizeof(T));
         if (at->dropout_on && ne >= 0) /* a blocked row: no dropout either */
             SUF(dropout_row)(at, a_bh + r * Sk, ne,
                              ((uint64_t)bh * (uint64_t)at->Sq + (uint64_t)i) * (uint64_t)Sk);
     }
-    SUF(mha_gemm)(at->kern, 0, nq, Dv, kend, a_bh, Sk, v_bh, Dv, NULL, c_bh, at->ldc, 0, gs);
+    SUF(mha_gemm)(at->kern, 0, nq, Dv, kend - kbeg, a_bh + kbeg, Sk, v_bh + kbeg * Dv, Dv, NULL,
+                  c_bh, at->ldc, 0, gs);
+    if (at->hmask) { /* the head mask m: weights m·A, context (m·A)·V = m·(A·V) */
+        const T m = at->hmask[b * at->hm_sb + h * at->hm_sh];
+        for (r = 0; r < nq; r++) {
+            at->kern->scale(c_bh + r * at->ldc, Dv, m);
+            if (at->weights) at->kern->scale(at->weights + (bh * at->Sq + i0 + r) * Sk, Sk, m);
+        }
+    }
 }
 
 /* Attention without weights: an online softmax over blocks of KB keys. */
@@ -147,7 +174,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     }
     SUF(fill_rows)(acc, nq, Dv, Dv, (T)0);
     kend = SUF(att_kend)(at, i0, nq);
-    for (j0 = 0; j0 < kend; j0 += KB) {
+    for (j0 = SUF(att_kbeg)(at, i0); j0 < kend; j0 += KB) {
         int64_t nk = kend - j0 < KB ? kend - j0 : KB;
         SUF(mha_gemm)(at->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, Sk, NULL, s, KB, 0, gs);
         for (r = 0; r < nq; r++) {
@@ -170,17 +197,9 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
         } else {
             T inv = (T)1 / l[r];
             for (d = 0; d < Dv; d++) c[d] = acc[r * Dv + d] * inv;
+            if (at->hmask) at->kern->scale(c, Dv, at->hmask[b * at->hm_sb + h * at->hm_sh]);
         }
     }
-}
-
-/* 1 when every element of x[0..n) is finite */
-static int SUF(all_finite)(const T *x, int64_t n)
-{
-    int64_t i;
-    T z = 0;
-    for (i = 0; i < n; i++) z += x[i] * 0; /* NaN as soon as one is NaN or inf */
-    return z == 0;
 }
 
 /* The attention pass: every (b, h, block of queries) on the pool. */

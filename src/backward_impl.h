@@ -57,7 +57,13 @@ typedef struct {
     T *ctx, *dctx;        /* (B, Sq, E) (ctx: only when not saved) */
     int64_t dc_sb, dc_sh, dc_ld; /* dctx's row i of head (b, h): b*dc_sb + h*dc_sh + i*dc_ld */
     int saved;            /* q, k, v, ctx are mha_forward_save's: never written */
+    int skip;             /* a window; K, V, dctx, grad_weights finite; no extra
+                             keys: each block of queries works on its keys
+                             [ks, ke) only (bwd_range; causality alone keeps
+                             the full rows, bit for bit as before windows) */
     const T *p_saved;     /* NULL, or mha_forward_save's P (B, H, Sq, Sk) */
+    const T *hmask;       /* NULL, or the head mask (b, h) at b*hm_sb + h*hm_sh */
+    int64_t hm_sb, hm_sh; /*   (then dctx is scaled by it in place, per head) */
     T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E), or as the dc_ strides say: */
     int64_t dq_sb, dq_sh, dq_ld, dk_sb, dk_sh, dk_ld, dv_sb, dv_sh, dv_ld; /* (b, h or h') */
     T *bsum;              /* NULL, or (3, B, E): Σ over each batch's rows of dQ, dK, dV
@@ -166,6 +172,29 @@ static int SUF(saved_row_blocked)(const SUF(bwd) *f, const T *p_r, const T *q_i,
     return SUF(row_max)(f->kern, &f->rr, f->scale, s, b, h, i, 0, f->Sk) == -(T)INFINITY;
 }
 
+/* The keys [*ks, *ke) the queries i0 .. i0+nq-1 may see (with f->skip;
+ * else every key).  Outside, P is exactly 0 and, V, dctx and grad_weights
+ * being finite, so is every term of the gradients: skipping them changes
+ * nothing unless a row is NaN (then the block is redone on every key). */
+static void SUF(bwd_range)(const SUF(bwd) *f, int64_t i0, int64_t nq, int64_t *ks,
+                           int64_t *ke)
+{
+    const mha_rows *rr = &f->rr;
+    int64_t lo = 0, hi = f->Sk;
+    if (f->skip) {
+        if (rr->causal && i0 + nq + rr->coff < hi) hi = i0 + nq + rr->coff;
+        if (rr->window && rr->wr >= 0 && i0 + nq + rr->coff + rr->wr < hi)
+            hi = i0 + nq + rr->coff + rr->wr;
+        if (rr->window && rr->wl >= 0 && i0 + rr->coff - rr->wl > lo) lo = i0 + rr->coff - rr->wl;
+    }
+    if (hi <= lo) { /* every row blocked: the plain path handles the blocked rows */
+        lo = 0;
+        hi = f->Sk;
+    }
+    *ks = lo;
+    *ke = hi;
+}
+
 /* One (b, key/value head h'): for each query head h of its group, the
  * forward of the attention recomputed block by block of queries, each step
  * followed by its backward (the module: h' = h, groups of one). */
@@ -174,7 +203,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
     const SUF(bwd) *f = (const SUF(bwd) *)vf;
     const int64_t G = f->H / f->Hkv, b = task / f->Hkv, hkv = task % f->Hkv;
     const int64_t E = f->E, Sq = f->Sq, Sk = f->Sk, Dk = f->Dk, Dv = f->Dv;
-    int64_t i0, r, j, g;
+    int64_t i0, r, j, g, ks, ke, n, koff;
     /* Q_bh and V_bh: per head (kept by the forward) or columns of (B, S, E)
      * (recomputed); K_bh: transposed per head (Dk, Sk) or columns of K */
     const int hm = f->saved;
@@ -195,6 +224,11 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
     T *dqs = d + QB * Sk, *dks = dqs + QB * Dk, *dvs = dks + Sk * Dk;
     uint8_t blocked[QB] = {0}; /* the block's rows with every key blocked */
 
+    if (f->skip) { /* blocks of queries touch only their keys' rows */
+        memset(dks, 0, (size_t)(Sk * Dk) * sizeof(T));
+        memset(dvs, 0, (size_t)(Sk * Dv) * sizeof(T));
+    }
+
     for (g = 0; g < G; g++) {
         const int64_t h = hkv * G + g, bh = b * f->H + h;
         const T *q_bh = hm ? f->q + bh * Sq * Dk : f->q + b * Sq * E + h * Dk; /* (Sq, Dk) */
@@ -202,6 +236,11 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
         T *c_bh = f->saved ? NULL : f->ctx + b * Sq * E + h * Dk; /* (Sq, Dk), ld E */
         T *dq_bh = f->dq ? f->dq + b * f->dq_sb + h * f->dq_sh : NULL; /* (Sq, Dk), ld dq_ld */
         const T *gw_bh = f->grad_weights ? f->grad_weights + bh * Sq * Sk : NULL;
+        /* head mask m: ctx_bh = (m·A)·V_bh, weights m·A: dctx_bh, d weights times m */
+        const T hmv = f->hmask ? f->hmask[b * f->hm_sb + h * f->hm_sh] : (T)1;
+        if (f->hmask)
+            for (r = 0; r < Sq; r++) f->kern->scale(f->dctx + b * f->dc_sb + h * f->dc_sh +
+                                                    r * f->dc_ld, Dv, hmv);
         if (Sk == 0) { /* no key: the context is an empty sum, nothing to differentiate */
             for (r = 0; r < Sq; r++) {
                 for (j = 0; j < Dk && !f->saved; j++) c_bh[r * E + j] = 0;
@@ -210,18 +249,31 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
         }
         for (i0 = 0; Sk > 0 && i0 < Sq; i0 += QB) {
             const int64_t nq = Sq - i0 < QB ? Sq - i0 : QB;
-            const int first = i0 == 0 && g == 0;
+            const int first = i0 == 0 && g == 0 && !f->skip;
             /* P of this block: the forward's, or recomputed into p */
             const T *pb = f->p_saved ? f->p_saved + (bh * Sq + i0) * Sk : p;
             const T *a_blk = pb; /* A: P itself without dropout */
 
+            /* the block's keys [ks, ks + n); every buffer below is read and
+             * written from column ks (koff: K_bh's first key) */
+            SUF(bwd_range)(f, i0, nq, &ks, &ke);
+        redo:
+            n = ke - ks;
+            koff = hm ? ks : ks * E;
             /* forward: S = Q_bh·K_bhᵀ · scale; S = masked(S); P = softmax(S) */
             if (!f->p_saved)
-                SUF(mha_gemm)(f->kern, !hm, nq, Sk, Dk, q_bh + i0 * ldq, ldq, k_bh, hm ? Sk : E,
-                              NULL, p, Sk, 0, gs);
+                SUF(mha_gemm)(f->kern, !hm, nq, n, Dk, q_bh + i0 * ldq, ldq, k_bh + koff,
+                              hm ? Sk : E, NULL, p + ks, Sk, 0, gs);
             for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: the same P */
-                blocked[r] = SUF(softmax_row)(f->kern, &f->rr, f->scale, p + r * Sk, b, h,
-                                              i0 + r, Sk, Sk) < 0;
+                blocked[r] = SUF(softmax_row)(f->kern, &f->rr, f->scale, p + r * Sk + ks, b, h,
+                                              i0 + r, ks, n, n) < 0;
+            if (n < Sk) /* a NaN row must reach every key, as in the reference */
+                for (r = 0; r < nq; r++)
+                    if (pb[r * Sk + ks] != pb[r * Sk + ks]) {
+                        ks = 0;
+                        ke = Sk;
+                        goto redo;
+                    }
             for (r = 0; r < nq && f->p_saved && f->dropout_on; r++)
                 blocked[r] = SUF(saved_row_blocked)(f, pb + r * Sk, q_bh + (i0 + r) * ldq, k_bh,
                                                     d + r * Sk, b, h, i0 + r);
@@ -232,11 +284,11 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                     const uint64_t idx = ((uint64_t)bh * (uint64_t)Sq + (uint64_t)(i0 + r)) *
                                          (uint64_t)Sk;
                     if (blocked[r]) {
-                        memset(keep + r * Sk, 1, (size_t)Sk);
-                        memcpy(d + r * Sk, pb + r * Sk, (size_t)Sk * sizeof(T));
+                        memset(keep + r * Sk + ks, 1, (size_t)n);
+                        memcpy(d + r * Sk + ks, pb + r * Sk + ks, (size_t)n * sizeof(T));
                         continue;
                     }
-                    for (j = 0; j < Sk; j++) {
+                    for (j = ks; j < ke; j++) {
                         keep[r * Sk + j] =
                             (uint8_t)mha_dropout_keep(f->drop_key, idx + (uint64_t)j, f->dropout);
                         d[r * Sk + j] = keep[r * Sk + j] ? pb[r * Sk + j] * f->drop_scale : (T)0;
@@ -246,36 +298,38 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
             }
             /* forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx), unless kept */
             if (!f->saved)
-                SUF(mha_gemm)(f->kern, 0, nq, Dv, Sk, a_blk, Sk, v_bh, ldv, NULL, c_bh + i0 * E, E,
-                              0, gs);
+                SUF(mha_gemm)(f->kern, 0, nq, Dv, n, a_blk + ks, Sk, v_bh + ks * ldv, ldv, NULL,
+                              c_bh + i0 * E, E, 0, gs);
+            for (r = 0; r < nq && f->hmask && !f->saved; r++)
+                f->kern->scale(c_bh + (i0 + r) * E, Dv, hmv);
             /* backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh */
-            SUF(mha_gemm_tn)(f->kern, Sk, Dv, nq, a_blk, Sk, dc_bh + i0 * f->dc_ld, f->dc_ld, dvs,
-                             Dv, !first, gs);
+            SUF(mha_gemm_tn)(f->kern, n, Dv, nq, a_blk + ks, Sk, dc_bh + i0 * f->dc_ld, f->dc_ld,
+                             dvs + ks * Dv, Dv, !first, gs);
             /* ... and dA = dctx_bh·V_bhᵀ, plus the gradient of the returned weights */
-            SUF(mha_gemm)(f->kern, 1, nq, Sk, Dv, dc_bh + i0 * f->dc_ld, f->dc_ld, v_bh, ldv, NULL,
-                          d, Sk, 0, gs);
+            SUF(mha_gemm)(f->kern, 1, nq, n, Dv, dc_bh + i0 * f->dc_ld, f->dc_ld, v_bh + ks * ldv,
+                          ldv, NULL, d + ks, Sk, 0, gs);
             if (gw_bh)
                 for (r = 0; r < nq; r++)
-                    for (j = 0; j < Sk; j++) d[r * Sk + j] += gw_bh[(i0 + r) * Sk + j];
+                    for (j = ks; j < ke; j++) d[r * Sk + j] += hmv * gw_bh[(i0 + r) * Sk + j];
             for (r = 0; r < nq; r++) {
                 T *d_r = d + r * Sk;
                 /* backward of A = dropout(P): dP = dA · keep / (1 - p) */
                 if (f->dropout_on && !blocked[r])
-                    for (j = 0; j < Sk; j++)
+                    for (j = ks; j < ke; j++)
                         d_r[j] = keep[r * Sk + j] ? d_r[j] * f->drop_scale : (T)0;
                 /* backward of P = softmax(S): dS_j = P_j (dP_j - Σ_k P_k dP_k),
                  * and of S = ... · scale: the scale folded in */
-                f->kern->softmax_grad(pb + r * Sk, d_r, Sk, f->scale);
+                f->kern->softmax_grad(pb + r * Sk + ks, d_r + ks, n, f->scale);
             }
             /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh */
             if (dq_bh) {
-                SUF(mha_gemm)(f->kern, hm, nq, Dk, Sk, d, Sk, k_bh, hm ? Sk : E, NULL, dqs, Dk, 0,
-                              gs);
+                SUF(mha_gemm)(f->kern, hm, nq, Dk, n, d + ks, Sk, k_bh + koff, hm ? Sk : E, NULL,
+                              dqs, Dk, 0, gs);
                 for (r = 0; r < nq; r++)
                     memcpy(dq_bh + (i0 + r) * f->dq_ld, dqs + r * Dk, (size_t)Dk * sizeof(T));
             }
-            SUF(mha_gemm_tn)(f->kern, Sk, Dk, nq, d, Sk, q_bh + i0 * ldq, ldq, dks, Dk, !first,
-                             gs);
+            SUF(mha_gemm_tn)(f->kern, n, Dk, nq, d + ks, Sk, q_bh + i0 * ldq, ldq, dks + ks * Dk,
+                             Dk, !first, gs);
         }
         /* this head's share of the bias gradient of Q (db = Σ_rows dY),
          * summed while dQ_bh is still in cache; phase 4 adds the batches */
@@ -377,8 +431,13 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     memset(&f, 0, sizeof f);
     f.a = a;
     f.grad_weights = (const T *)a->grad_weights;
+    f.hmask = (const T *)a->fwd.head_mask;
+    f.hm_sb = a->fwd.head_mask_stride[0];
+    f.hm_sh = a->fwd.head_mask_stride[1];
     f.rr = mha_rows_make(a->fwd.masks, a->fwd.n_masks, a->fwd.is_causal, a->fwd.Sq, a->fwd.Sk,
                          a->fwd.zero_masked_rows);
+    mha_rows_window(&f.rr, a->fwd.has_window, a->fwd.window_left, a->fwd.window_right,
+                    a->fwd.Sq, a->fwd.Sk);
     f.B = a->fwd.B; f.Sq = a->fwd.Sq; f.Skg = a->fwd.Sk;
     Skx = f.Sk = a->fwd.Sk + sz.extra; /* every key: the given ones, then the extra ones */
     f.E = cfg->d_model; f.H = f.Hkv = cfg->n_heads; f.Dk = f.Dv = f.E / f.H;
@@ -471,6 +530,11 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         SUF(append_extra)(cfg, f.dv, (const T *)p->bias_v, f.v, f.B, f.Skg, Skx, f.E);
     }
     MHA_TICK("backward 1 proj");
+    /* a NaN or inf in K, V, dctx or the weights' gradient must reach every
+     * key (0·NaN), as in the reference: no skipping then; nor with extra keys */
+    f.skip = f.rr.window && sz.extra == 0 && SUF(all_finite)(f.k, n_kv) &&
+             SUF(all_finite)(f.v, n_kv) && SUF(all_finite)(f.dctx, n_q) &&
+             (!f.grad_weights || SUF(all_finite)(f.grad_weights, sz.n_weights));
 
     /* 2. attention, per (b, h) */
     if (mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f, &ps)) goto stopped;

@@ -226,12 +226,16 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     at.H = at.Hkv = cfg->n_heads;
     at.Dk = at.Dv = cfg->d_model / cfg->n_heads;
     at.rr = mha_rows_make(a->masks, a->n_masks, a->is_causal, a->Sq, a->Sk, a->zero_masked_rows);
+    mha_rows_window(&at.rr, a->has_window, a->window_left, a->window_right, a->Sq, a->Sk);
     at.scale = (T)mha_score_scale(a->has_scale, a->scale, at.Dk);
     at.dropout = a->dropout;
     at.dropout_on = a->dropout > 0.0;
     at.drop_scale = a->dropout < 1.0 ? (T)(1.0 / (1.0 - a->dropout)) : (T)0;
     at.drop_key = mha_stream_key(a->seed, a->counter);
     at.weights = (T *)a->weights;
+    at.hmask = (const T *)a->head_mask;
+    at.hm_sb = a->head_mask_stride[0];
+    at.hm_sh = a->head_mask_stride[1];
     const int64_t B = a->B, Sq = a->Sq, Sk = a->Sk, E = cfg->d_model, Dk = at.Dk;
     /* the kernel choice depends on the problem alone, never on threads */
     f.small = B * Sq < SMALL_M && B * Sk < SMALL_M;
@@ -317,9 +321,10 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     if (sz.extra) SUF(extra_rows)(cfg, p, kt, vh, B, cfg->n_heads, Sk, Skx, Dk);
     MHA_TICK("forward qkv proj");
 
-    /* a NaN or inf in V must reach every row (0·NaN), so no causal
-     * skipping; nor past the extra keys, which causality never blocks */
-    at.skip_causal = a->is_causal && sz.extra == 0 && SUF(all_finite)(vh, B * Skx * E);
+    /* a NaN or inf in V must reach every row (0·NaN), so no causal or
+     * window skipping; nor past the extra keys, which nothing blocks */
+    at.skip = (a->is_causal || at.rr.window) && sz.extra == 0 &&
+              SUF(all_finite)(vh, B * Skx * E);
 
     /* attention, per (b, h, block of queries) */
     if (SUF(attend)(&at, slots, &ps)) goto stopped;

@@ -231,6 +231,9 @@ typedef struct {
     int64_t nmk;           /* keys the masks and causality cover (Sk); keys
                               from nmk on (the extra keys) are never blocked */
     int zero_masked_rows;
+    int window;            /* nonzero: key j < nmk is blocked unless
+                              i + coff - wl <= j <= i + coff + wr */
+    int64_t wl, wr;        /* < 0: unbounded on that side */
 } mha_rows;
 static inline mha_rows mha_rows_make(const mha_mask *masks, int n_masks, int is_causal,
                                      int64_t Sq, int64_t Sk, int zero_masked_rows)
@@ -242,7 +245,21 @@ static inline mha_rows mha_rows_make(const mha_mask *masks, int n_masks, int is_
     rr.coff = is_causal == MHA_CAUSAL_LOWER_RIGHT ? Sk - Sq : 0;
     rr.nmk = Sk;
     rr.zero_masked_rows = zero_masked_rows;
+    rr.window = 0;
+    rr.wl = rr.wr = -1;
     return rr;
+}
+/* A call's sliding window into rr (mha_forward_args.has_window ...): the
+ * bounds clamped to Sq + Sk (wider is the same window), so that i + coff +-
+ * a bound never overflows. */
+static inline void mha_rows_window(mha_rows *rr, int has_window, int64_t left, int64_t right,
+                                   int64_t Sq, int64_t Sk)
+{
+    const int64_t wide = Sq + Sk + 1;
+    if (!has_window || (left < 0 && right < 0)) return; /* unbounded: no window */
+    rr->window = 1;
+    rr->wl = left < 0 ? -1 : left > wide ? wide : left;
+    rr->wr = right < 0 ? -1 : right > wide ? wide : right;
 }
 /* the score scale of a call: the caller's, or 1 / sqrt(Dk) */
 static inline double mha_score_scale(int has_scale, double scale, int64_t Dk)

@@ -169,6 +169,22 @@ typedef struct {
     void *poll_ctx;       /*   its argument */
     int has_scale;        /* nonzero: the scores are scaled by `scale` (any */
     double scale;         /*   value, 0 too); else by 1 / sqrt(Dk) */
+    int has_window;       /* nonzero: a sliding window over the Sk given keys */
+    int64_t window_left, window_right; /* (never the extra keys): query i sees
+                             key j iff i + c - window_left <= j <= i + c +
+                             window_right, c = Sk - Sq with
+                             MHA_CAUSAL_LOWER_RIGHT, else 0; a negative bound
+                             is unbounded on its side.  Keys outside are
+                             blocked (combined with masks and causality), and
+                             the fast paths skip their blocks */
+    const void *head_mask; /* NULL, or scalars of cfg->dtype over (B, H):
+                             element (b, h) = head_mask[b*head_mask_stride[0] +
+                             h*head_mask_stride[1]] (strides may be 0) multiplies
+                             head h's weights after dropout (Hugging Face's
+                             head_mask: 0 switches the head off); the weights
+                             returned are the multiplied ones.  Finite values
+                             (the binding checks); no gradient for it */
+    int64_t head_mask_stride[2];
 } mha_forward_args;
 
 /* The size checks of a call of shape (B, Sq, Sk), with nothing computed or
@@ -326,6 +342,8 @@ typedef struct {
     void *weights;          /* (B, H, L, S) written (after dropout), or NULL */
     mha_poll_fn poll;
     void *poll_ctx;
+    int has_window;         /* a sliding window, as in mha_forward_args */
+    int64_t window_left, window_right;
 } mha_sdpa_args;
 
 /* The gradients of one mha_sdpa_forward call `fwd` (its out, weights

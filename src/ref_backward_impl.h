@@ -153,6 +153,10 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                     arow[j] = a->dropout == 0.0 || blocked_row ? row[j]
                               : keep[j] ? row[j] * drop_scale : (T)0;
                 }
+                /* forward: a_j = a_j · m, the head mask of (b, h) */
+                const T hm = a->head_mask ? ((const T *)a->head_mask)[
+                    b * a->head_mask_stride[0] + h * a->head_mask_stride[1]] : (T)1;
+                for (j = 0; j < Skx && a->head_mask; j++) arow[j] *= hm;
                 /* forward: ctx_i = Σ_j a_j v_j (a blocked row: NaN or 0) */
                 for (d = 0; d < Dk; d++) {
                     T c = 0;
@@ -174,6 +178,8 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                     drow[j] = da;
                 }
                 if (blocked_row && a->zero_masked_rows) continue; /* p = 0: nothing flows */
+                /* backward of a_j = a_j · m: da_j = da_j · m */
+                for (j = 0; j < Skx && a->head_mask; j++) drow[j] *= hm;
                 /* backward of a_j = p_j · keep_j / (1 - p_drop): dp_j = da_j · keep_j / (1 - p_drop) */
                 if (a->dropout > 0.0 && !blocked_row)
                     for (j = 0; j < Skx; j++) drow[j] = keep[j] ? drow[j] * drop_scale : (T)0;

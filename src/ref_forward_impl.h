@@ -20,12 +20,16 @@ static void SUF(ref_extra_rows)(const mha_config *cfg, const T *bias, T *x, int6
     }
 }
 
-/* 1 when a mask or causality blocks key j of row (b, h, i): the masks and
- * causality cover the Sk given keys, never the extra ones */
+/* 1 when causality or the sliding window blocks key j of row (b, h, i):
+ * they cover the Sk given keys, never the extra ones */
 static int SUF(ref_causal_blocks)(const mha_forward_args *a, int64_t i, int64_t j)
 {
     const int64_t coff = a->is_causal == MHA_CAUSAL_LOWER_RIGHT ? a->Sk - a->Sq : 0;
-    return a->is_causal && j < a->Sk && j > i + coff;
+    if (j >= a->Sk) return 0;
+    if (a->is_causal && j > i + coff) return 1;
+    if (a->has_window && a->window_left >= 0 && j - (i + coff) < -a->window_left) return 1;
+    if (a->has_window && a->window_right >= 0 && j - (i + coff) > a->window_right) return 1;
+    return 0;
 }
 
 /* y (M, N) = x (M, K) · w (N, K)ᵀ + b (N) */
@@ -129,6 +133,10 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
                             row[j] = 0;
                     }
                 }
+                /* the head mask: a_j · m (b, h) */
+                for (j = 0; j < Skx && a->head_mask; j++)
+                    row[j] *= ((const T *)a->head_mask)[b * a->head_mask_stride[0] +
+                                                        h * a->head_mask_stride[1]];
                 if (a->weights)
                     for (j = 0; j < Skx; j++)
                         ((T *)a->weights)[((b * H + h) * Sq + i) * Skx + j] = row[j];

@@ -40,6 +40,10 @@ static int SUF(ref_sdpa_row)(const mha_sdpa_args *a, int64_t b, int64_t h, int64
             if (mk->kind == MHA_MASK_BLOCK && ((const uint8_t *)mk->data)[off]) s = -(T)INFINITY;
         }
         if (a->is_causal && j > i + coff) s = -(T)INFINITY;
+        if (a->has_window && a->window_left >= 0 && j - (i + coff) < -a->window_left)
+            s = -(T)INFINITY;
+        if (a->has_window && a->window_right >= 0 && j - (i + coff) > a->window_right)
+            s = -(T)INFINITY;
         p[j] = s;
     }
     /* p = softmax(s) */

@@ -40,6 +40,7 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     f.grad_weights = (const T *)a->grad_weights;
     f.rr = mha_rows_make(fa->masks, fa->n_masks, fa->is_causal, fa->L, fa->S,
                          fa->zero_masked_rows);
+    mha_rows_window(&f.rr, fa->has_window, fa->window_left, fa->window_right, fa->L, fa->S);
     f.B = fa->B; f.H = fa->H; f.Hkv = fa->Hkv;
     f.Sq = fa->L; f.Sk = f.Skg = fa->S;
     f.Dk = fa->D; f.Dv = fa->Dv;
@@ -90,6 +91,11 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     tr.S = fa->S;
     tr.D = fa->D;
     if (mha_parallel_for(f.B * f.Hkv, slots, SUF(sdpa_transpose_task), &tr, &ps)) goto stopped;
+    /* no skipping when a NaN or inf must reach every key (see bwd_range) */
+    f.skip = f.rr.window && SUF(all_finite)(f.k, sz.n_key) &&
+             SUF(all_finite)(f.v, sz.n_value) &&
+             SUF(all_finite)(f.dctx, sz.n_out) &&
+             (!f.grad_weights || SUF(all_finite)(f.grad_weights, sz.n_weights));
     if (mha_parallel_for(f.B * f.Hkv, slots, SUF(attend_backward_task), &f, &ps)) goto stopped;
     mha_work_free(work);
     mha_free(f.keep);

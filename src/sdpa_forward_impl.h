@@ -27,6 +27,7 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     at.B = a->B; at.H = a->H; at.Hkv = a->Hkv;
     at.Sq = a->L; at.Sk = a->S; at.Dk = a->D; at.Dv = a->Dv;
     at.rr = mha_rows_make(a->masks, a->n_masks, a->is_causal, a->L, a->S, a->zero_masked_rows);
+    mha_rows_window(&at.rr, a->has_window, a->window_left, a->window_right, a->L, a->S);
     at.scale = (T)mha_score_scale(a->has_scale, a->scale, a->D);
     at.dropout = a->dropout;
     at.dropout_on = a->dropout > 0.0;
@@ -62,8 +63,8 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     tr.D = a->D;
     if (a->S > 0 && mha_parallel_for(a->B * a->Hkv, slots, SUF(sdpa_transpose_task), &tr, &ps))
         goto stopped;
-    /* a NaN or inf in v must reach every row (0·NaN): no causal skipping */
-    at.skip_causal = a->is_causal && SUF(all_finite)(at.vh, sz.n_value);
+    /* a NaN or inf in v must reach every row (0·NaN): no skipping */
+    at.skip = (a->is_causal || at.rr.window) && SUF(all_finite)(at.vh, sz.n_value);
     if (SUF(attend)(&at, slots, &ps)) goto stopped;
     mha_work_free(work);
     return MHA_OK;

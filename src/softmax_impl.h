@@ -6,13 +6,14 @@
  * The reference passes (ref_*_impl.h) keep their own plain loops: an oracle
  * shares nothing with the fast path but the inputs.
  *
- * Instances: row_masks_f32/_f64, row_max_f32/_f64, softmax_row_f32/_f64,
+ * Instances: all_finite_f32/_f64, row_masks_f32/_f64, row_max_f32/_f64, softmax_row_f32/_f64,
  * softmax_online_step_f32/_f64, blocked_row_value_f32/_f64.
  *
  * A row is (b, h, i): the scores of query i of head h in batch b against
  * the keys.  The rules, each in one place:
- *   masks       additive masks first, then -inf where a blocking mask or
- *               causality (key j > query i + coff) blocks (row_masks); keys
+ *   masks       additive masks first, then -inf where a blocking mask,
+ *               causality (key j > query i + coff) or the sliding window
+ *               (j outside [i + coff - wl, i + coff + wr]) blocks (row_masks); keys
  *               from rr->nmk on (add_bias_kv's and add_zero_attn's) are
  *               never blocked
  *   blocked     a row with no visible key is the blocked value: NaN, or 0
@@ -20,6 +21,15 @@
  *   NaN         a NaN score makes the whole row NaN       (row_max, softmax_row)
  *   causal      keys past the diagonal are exact zeros, never exponentiated
  *   dropout     mha_dropout_keep (internal.h) */
+
+/* 1 when every element of x[0..n) is finite */
+static int SUF(all_finite)(const T *x, int64_t n)
+{
+    int64_t i;
+    T z = 0;
+    for (i = 0; i < n; i++) z += x[i] * 0; /* NaN as soon as one is NaN or inf */
+    return z == 0;
+}
 
 /* The value of every weight, and of the context, of a row with every key
  * blocked (Sk == 0 is no such row: its context is an empty sum, 0). */
@@ -63,6 +73,14 @@ static inline void SUF(row_masks)(const mha_rows *rr, T *s, int64_t b, int64_t h
         j = i + rr->coff + 1 - j0; /* the first blocked key of this row, relative to j0 */
         for (j = j < 0 ? 0 : j; j < n; j++) s[j] = -(T)INFINITY;
     }
+    if (rr->window) {
+        /* the window's first visible key, and the first blocked one after it,
+         * relative to j0 */
+        const int64_t lo = rr->wl < 0 ? 0 : i + rr->coff - rr->wl - j0;
+        const int64_t hi = rr->wr < 0 ? n : i + rr->coff + rr->wr + 1 - j0;
+        for (j = 0; j < lo && j < n; j++) s[j] = -(T)INFINITY;
+        for (j = hi < 0 ? 0 : hi; j < n; j++) s[j] = -(T)INFINITY;
+    }
 }
 
 /* Scale the raw scores s[0..n) of row (b, h, i), keys j0.., by `scale`,
@@ -75,7 +93,7 @@ static inline T SUF(row_max)(const KT *kern, const mha_rows *rr, T scale, T *s,
 {
     T m;
     int64_t j;
-    if (rr->n_masks == 0 && !rr->causal) {
+    if (rr->n_masks == 0 && !rr->causal && !rr->window) {
         m = kern->scale_max(s, n, scale);
     } else {
         kern->scale(s, n, scale);
@@ -88,24 +106,26 @@ static inline T SUF(row_max)(const KT *kern, const mha_rows *rr, T scale, T *s,
     return m;
 }
 
-/* The softmax P of row (b, h, i) in place over s[0..n) (n = Sk), from the
- * raw scores of keys [0, kend) (kend <= n: the keys from kend on are
- * blocked by causality for this row, their s never read).  Returns the
+/* The softmax P of row (b, h, i) in place over s[0..n), s[0] being key j0
+ * (j0 = 0 and n = Sk: the whole row; j0 > 0: the keys before j0 are
+ * blocked for this row and left alone), from the raw scores of keys
+ * j0 .. j0+kend-1 (kend <= n: the keys from there on are blocked by
+ * causality or the window for this row, their s never read).  Returns the
  * number ne of leading entries that may be nonzero (those past it are
  * exact zeros), or -1 for a blocked row (every entry the blocked value). */
 static inline int64_t SUF(softmax_row)(const KT *kern, const mha_rows *rr, T scale,
-                                       T *s, int64_t b, int64_t h, int64_t i, int64_t kend,
-                                       int64_t n)
+                                       T *s, int64_t b, int64_t h, int64_t i, int64_t j0,
+                                       int64_t kend, int64_t n)
 {
     int64_t ne = kend, j;
-    T sum, m = SUF(row_max)(kern, rr, scale, s, b, h, i, 0, kend);
+    T sum, m = SUF(row_max)(kern, rr, scale, s, b, h, i, j0, kend);
     if (m == -(T)INFINITY) { /* every key blocked */
         const T value = SUF(blocked_row_value)(rr);
         for (j = 0; j < n; j++) s[j] = value;
         return -1;
     }
-    if (rr->causal && rr->nmk >= kend && i + rr->coff + 1 < ne)
-        ne = i + rr->coff + 1; /* the rest are exact zeros (> 0: the row has a visible key) */
+    if (rr->causal && rr->nmk >= j0 + kend && i + rr->coff + 1 - j0 < ne)
+        ne = i + rr->coff + 1 - j0; /* the rest are exact zeros (> 0: a visible key) */
     sum = kern->exp_sum(s, ne, m);
     if (sum != sum) { /* a NaN score: the reference's whole row is NaN */
         for (j = 0; j < n; j++) s[j] = (T)NAN;

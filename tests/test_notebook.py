@@ -55,6 +55,10 @@ def test_notebook_executes(tmp_path, monkeypatch):
     for question in ("previous", "mirror", "first"):
         assert re.search(question + r" +error with head 0\.\.3 off: .* -> needs head \d", text)
     assert len(images) >= 2, "the head analysis plot was not displayed"
+    # issue 14: switching heads off with head_mask finds a head each question needs
+    for question in ("previous", "mirror", "first"):
+        assert re.search(r"head_mask: " + question + r" needs head\(s\) \[\d", text), question
+    assert "only one head on:" in text
     if torch_here:
         assert "largest difference from torch" in text
     else:

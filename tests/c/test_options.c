@@ -1,7 +1,9 @@
 /* test_options.c: the module path's options of issue 12, alone (no Python),
  * run by tests/test_c_core.py: lower-right causal alignment
  * (MHA_CAUSAL_LOWER_RIGHT), the score scale override (has_scale, scale),
- * add_bias_kv and add_zero_attn.  The fast forward and backward (also
+ * add_bias_kv and add_zero_attn; and issue 14's sliding window
+ * (has_window, window_left, window_right) and head mask (over (B, H) or
+ * broadcast from (H)) with each of them.  The fast forward and backward (also
  * through mha_forward_save / mha_backward_saved) against the references on
  * every instruction set in both dtypes; the reference backward against
  * finite differences of the reference forward in float64; hand-checked
@@ -13,13 +15,16 @@ typedef struct {
     double scale;
     int masked, zero_rows, gw;
     double p;
+    int win;           /* a sliding window (wl, wr; < 0 unbounded) */
+    int64_t wl, wr;
+    int hmask;         /* 0 none, 1 a head mask over (B, H), 2 over (H) broadcast */
 } opts;
 
 typedef struct {
     mha_config c;
     int64_t B, Sq, Sk, Skx, nq, nk, nv, nw, total;
     int64_t off[MHA_NPARAM], size[MHA_NPARAM];
-    void *P, *query, *key, *value, *G, *GW, *add;
+    void *P, *query, *key, *value, *G, *GW, *add, *hm;
     uint8_t *blk;
     mha_mask masks[2];
     mha_params p;
@@ -62,12 +67,25 @@ static void problem_make(problem *pr, mha_dtype dt, int64_t B, int64_t Sq, int64
     pr->a.has_scale = o->has_scale; pr->a.scale = o->scale;
     pr->a.zero_masked_rows = o->zero_rows;
     pr->a.dropout = o->p; pr->a.seed = 5; pr->a.counter = 8;
+    pr->hm = rand_array(dt, B * H, &s); /* (B, H): some heads off, some halved */
+    for (i = 0; i < B * H; i++) {
+        double x = i % 3 == 0 ? 0.0 : i % 3 == 1 ? 1.0 : 0.5;
+        if (dt == MHA_FLOAT32) ((float *)pr->hm)[i] = (float)x;
+        else ((double *)pr->hm)[i] = x;
+    }
+    if (o->hmask) {
+        pr->a.head_mask = pr->hm;
+        pr->a.head_mask_stride[0] = o->hmask == 1 ? H : 0;
+        pr->a.head_mask_stride[1] = 1;
+    }
+    pr->a.has_window = o->win;
+    pr->a.window_left = o->wl; pr->a.window_right = o->wr;
 }
 
 static void problem_free(problem *pr)
 {
     free(pr->P); free(pr->query); free(pr->key); free(pr->value); free(pr->G); free(pr->GW);
-    free(pr->add); free(pr->blk);
+    free(pr->add); free(pr->blk); free(pr->hm);
 }
 
 /* fast (mha_forward with and without weights, mha_forward_save, mha_backward,
@@ -348,6 +366,34 @@ int main(void)
                 opts o = {0, 0, MHA_CAUSAL_LOWER_RIGHT, 0, 0, 0, 0, 1, 0.9};
                 module_case(dt, 1, 4, 2, 3, 1, 3, 3, o);
                 module_case(dt, 2, 6, 3, 4, 2, 4, 4, o);
+            }
+            for (k = 0; k < 24; k++) {
+                /* sliding windows (issue 14): narrow, one-sided, empty for
+                 * some rows, wider than S; with every other option */
+                static const int64_t w[8][2] = {{2, 1}, {0, 0}, {-1, 3}, {4, -1},
+                                                {100, 100}, {1, 0}, {0, -1}, {-1, -1}};
+                opts o = {0};
+                o.win = 1;
+                o.wl = w[k % 8][0]; o.wr = w[k % 8][1];
+                o.bias_kv = k % 5 == 1;
+                o.zero_attn = k % 7 == 2;
+                o.causal = k % 3;
+                o.has_scale = k % 4 == 3;
+                o.scale = 0.37;
+                o.masked = k % 2;
+                o.zero_rows = (k / 3) % 2;
+                o.gw = k % 5 < 2;
+                o.p = k % 6 == 4 ? 0.25 : 0.0;
+                o.hmask = (k + k / 3) % 3;
+                module_case(dt, 2, 7, 5, 6, 3, 5, 9, o);   /* Sq > Sk: empty windows */
+                module_case(dt, 2, 3, 9, 8, 2, 8, 8, o);
+                module_case(dt, 2, 3, 0, 6, 3, 5, 9, o);
+                if (k % 3 == 0) { /* several blocks: skipped key blocks */
+                    o.wl = o.wl >= 0 ? 40 + o.wl : -1;
+                    o.wr = o.wr >= 0 ? 7 + o.wr : -1;
+                    module_case(dt, 2, 130, 300, 16, 2, 16, 16, o);
+                    module_case(dt, 1, 300, 130, 16, 2, 16, 16, o);
+                }
             }
             {
                 opts o = {1, 1, MHA_CAUSAL_LOWER_RIGHT, 0, 0, 0, 0, 0, 0};

@@ -4,7 +4,8 @@
  * mha_sdpa_backward_ref) on edge sizes, every instruction set, both dtypes,
  * GQA and MQA, Dv != D, both causal alignments, masks, dropout, blocked
  * rows, S = 0, L = 0, B = 0; the reference backward against finite
- * differences of the reference forward in float64; GQA against its heads
+ * differences of the reference forward in float64; sliding windows (issue
+ * 14) with every other option; GQA against its heads
  * repeated; arguments refused.  Legend as in src/mha.h's SDPA section. */
 #include "check.h"
 
@@ -13,6 +14,8 @@ typedef struct {
     double scale;
     int masked, zero_rows, gw;
     double p;
+    int win;           /* a sliding window (wl, wr; < 0 unbounded) */
+    int64_t wl, wr;
 } opts;
 
 typedef struct {
@@ -52,6 +55,8 @@ static void problem_make(problem *pr, mha_dtype dt, int64_t B, int64_t H, int64_
     pr->a.has_scale = o->has_scale; pr->a.scale = o->scale;
     pr->a.zero_masked_rows = o->zero_rows;
     pr->a.dropout = o->p; pr->a.seed = 3; pr->a.counter = 11;
+    pr->a.has_window = o->win;
+    pr->a.window_left = o->wl; pr->a.window_right = o->wr;
 }
 
 static void problem_free(problem *pr)
@@ -118,11 +123,12 @@ static void sdpa_case(mha_dtype dt, int64_t B, int64_t H, int64_t Hkv, int64_t L
     }
     CHECK(nan_bad == 0 && e_out < tol(dt) && e_on < tol(dt) && e_w < tol(dt) && e_g < tol(dt),
           "%s %s B%lld H%lld Hkv%lld L%lld S%lld D%lld Dv%lld causal %d scale %d:%g masked %d "
-          "zero %d p %g gw %d: out %g online %g weights %g grads %g, %lld NaN misplaced",
+          "zero %d p %g gw %d win %d:%lld,%lld: out %g online %g weights %g grads %g, "
+          "%lld NaN misplaced",
           mha_get_isa(), dt == MHA_FLOAT32 ? "f32" : "f64", (long long)B, (long long)H,
           (long long)Hkv, (long long)L, (long long)S, (long long)D, (long long)Dv, o.causal,
-          o.has_scale, o.scale, o.masked, o.zero_rows, o.p, o.gw, e_out, e_on, e_w, e_g,
-          (long long)nan_bad);
+          o.has_scale, o.scale, o.masked, o.zero_rows, o.p, o.gw, o.win, (long long)o.wl,
+          (long long)o.wr, e_out, e_on, e_w, e_g, (long long)nan_bad);
     for (k = 0; k < 2; k++) free(g[k]);
     free(out); free(out2); free(ref); free(w); free(wr);
     problem_free(&pr);
@@ -277,6 +283,29 @@ int main(void)
                 opts o = {MHA_CAUSAL_LOWER_RIGHT, 0, 0, 0, 0, 1, 0.9};
                 sdpa_case(dt, 1, 1, 1, 4, 2, 3, 3, o);
                 sdpa_case(dt, 2, 2, 1, 6, 3, 4, 5, o);
+            }
+            for (k = 0; k < 16; k++) {
+                /* sliding windows (issue 14) with every other option */
+                static const int64_t w[8][2] = {{2, 1}, {0, 0}, {-1, 3}, {4, -1},
+                                                {100, 100}, {1, 0}, {0, -1}, {-1, -1}};
+                opts o = {0};
+                o.win = 1;
+                o.wl = w[k % 8][0]; o.wr = w[k % 8][1];
+                o.causal = k % 3;
+                o.has_scale = k % 4 == 3;
+                o.scale = 0.41;
+                o.masked = k % 2;
+                o.zero_rows = (k / 3) % 2;
+                o.gw = k % 5 < 2;
+                o.p = k % 6 == 4 ? 0.3 : 0.0;
+                sdpa_case(dt, 2, 4, 2, 7, 5, 6, 3, o);   /* L > S: empty windows */
+                sdpa_case(dt, 2, 3, 1, 3, 9, 4, 7, o);
+                if (k % 3 == 0) { /* several blocks: skipped key blocks */
+                    o.wl = o.wl >= 0 ? 40 + o.wl : -1;
+                    o.wr = o.wr >= 0 ? 7 + o.wr : -1;
+                    sdpa_case(dt, 1, 4, 2, 130, 300, 16, 24, o);
+                    sdpa_case(dt, 1, 2, 2, 300, 130, 24, 8, o);
+                }
             }
             for (k = 0; k < 18; k++) {
                 opts o = {0};
