@@ -107,30 +107,9 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                 T *c_i = ctx + (b * Sq + i) * E + h * Dk;
                 T *dq_i = dq + (b * Sq + i) * E + h * Dk;
                 T m = -(T)INFINITY, sum = 0, dot = 0;
-                int blocked_row, n;
-                /* forward: s_j = q_i·k_j · scale, plus the additive masks,
-                 * -inf where a blocking mask or causality blocks (not the
-                 * extra keys) */
-                for (j = 0; j < Skx; j++) {
-                    T s = 0;
-                    for (d = 0; d < Dk; d++) s += q_i[d] * k[(b * Skx + j) * E + h * Dk + d];
-                    s *= scale;
-                    for (n = 0; n < a->n_masks && j < Sk; n++) {
-                        const mha_mask *mk = &a->masks[n];
-                        int64_t off = b * mk->stride[0] + h * mk->stride[1] +
-                                      i * mk->stride[2] + j * mk->stride[3];
-                        if (mk->kind == MHA_MASK_ADD) s += ((const T *)mk->data)[off];
-                    }
-                    for (n = 0; n < a->n_masks && j < Sk; n++) {
-                        const mha_mask *mk = &a->masks[n];
-                        int64_t off = b * mk->stride[0] + h * mk->stride[1] +
-                                      i * mk->stride[2] + j * mk->stride[3];
-                        if (mk->kind == MHA_MASK_BLOCK && ((const uint8_t *)mk->data)[off])
-                            s = -(T)INFINITY;
-                    }
-                    if (SUF(ref_causal_blocks)(a, i, j)) s = -(T)INFINITY;
-                    row[j] = s;
-                }
+                int blocked_row;
+                /* forward: s_j = q_i·k_j · scale + masks (ref_scores) */
+                SUF(ref_scores)(a, q_i, k + b * Skx * E, E, Dk, Skx, b, h, i, scale, row);
                 /* forward: p = softmax(s); a row with every key blocked is
                  * NaN, or 0 with zero_masked_rows (Sk == 0 is no such row) */
                 blocked_row = Skx > 0;

@@ -32,6 +32,39 @@ static int SUF(ref_causal_blocks)(const mha_forward_args *a, int64_t i, int64_t 
     return 0;
 }
 
+/* forward: the scores of query i (batch b, head h) against every key j <
+ * Skx: s_j = q_i·k_j · scale, plus the additive masks, -inf where a
+ * blocking mask, causality or the window blocks (never the extra keys
+ * j >= Sk).  q_i (Dk) is head h's slice of a query row; k_b (Skx, E) is
+ * batch b's keys.  The forward and the backward reference both call it. */
+static void SUF(ref_scores)(const mha_forward_args *a, const T *q_i, const T *k_b, int64_t E,
+                            int64_t Dk, int64_t Skx, int64_t b, int64_t h, int64_t i, T scale,
+                            T *row)
+{
+    int64_t j, d;
+    int n;
+    for (j = 0; j < Skx; j++) {
+        T s = 0;
+        for (d = 0; d < Dk; d++) s += q_i[d] * k_b[j * E + h * Dk + d];
+        s *= scale;
+        for (n = 0; n < a->n_masks && j < a->Sk; n++) {
+            const mha_mask *mk = &a->masks[n];
+            int64_t off = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
+                          j * mk->stride[3];
+            if (mk->kind == MHA_MASK_ADD) s += ((const T *)mk->data)[off];
+        }
+        for (n = 0; n < a->n_masks && j < a->Sk; n++) {
+            const mha_mask *mk = &a->masks[n];
+            int64_t off = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
+                          j * mk->stride[3];
+            if (mk->kind == MHA_MASK_BLOCK && ((const uint8_t *)mk->data)[off])
+                s = -(T)INFINITY;
+        }
+        if (SUF(ref_causal_blocks)(a, i, j)) s = -(T)INFINITY;
+        row[j] = s;
+    }
+}
+
 /* y (M, N) = x (M, K) · w (N, K)ᵀ + b (N) */
 static void SUF(ref_linear)(const T *x, const T *w, const T *b, T *y,
                             int64_t M, int64_t N, int64_t K)
@@ -85,28 +118,9 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
             for (i = 0; i < Sq; i++) {
                 /* scores of query i against every key */
                 T m = -(T)INFINITY, sum = 0;
-                int blocked_row, n;
-                for (j = 0; j < Skx; j++) {
-                    T s = 0;
-                    for (d = 0; d < Dk; d++)
-                        s += q[(b * Sq + i) * E + h * Dk + d] * k[(b * Skx + j) * E + h * Dk + d];
-                    s *= scale;
-                    for (n = 0; n < a->n_masks && j < Sk; n++) {
-                        const mha_mask *mk = &a->masks[n];
-                        int64_t off = b * mk->stride[0] + h * mk->stride[1] +
-                                      i * mk->stride[2] + j * mk->stride[3];
-                        if (mk->kind == MHA_MASK_ADD) s += ((const T *)mk->data)[off];
-                    }
-                    for (n = 0; n < a->n_masks && j < Sk; n++) {
-                        const mha_mask *mk = &a->masks[n];
-                        int64_t off = b * mk->stride[0] + h * mk->stride[1] +
-                                      i * mk->stride[2] + j * mk->stride[3];
-                        if (mk->kind == MHA_MASK_BLOCK && ((const uint8_t *)mk->data)[off])
-                            s = -(T)INFINITY;
-                    }
-                    if (SUF(ref_causal_blocks)(a, i, j)) s = -(T)INFINITY;
-                    row[j] = s;
-                }
+                int blocked_row;
+                SUF(ref_scores)(a, q + (b * Sq + i) * E + h * Dk, k + b * Skx * E, E, Dk, Skx,
+                                b, h, i, scale, row);
                 /* softmax, with NaN rows where every key is blocked (Skx == 0
                  * is no such row: its context is an empty sum, 0) */
                 blocked_row = Skx > 0;
