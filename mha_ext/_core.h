@@ -116,6 +116,7 @@ static inline int typenum_of(const MHAObject *self)
 /* ---------------------------------------------------------------- arguments */
 int positive_int(PyObject *obj, const char *name, int64_t *out);
 int parse_flag(PyObject *obj, const char *name, int *out);
+PyObject *shape_str(PyArrayObject *arr); /* str(arr.shape) */
 int parse_dropout(PyObject *obj, const char *name, double *out);
 int parse_dtype(PyObject *obj, mha_dtype *out);
 int parse_u64(PyObject *obj, const char *name, uint64_t *out);

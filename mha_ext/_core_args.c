@@ -225,7 +225,8 @@ void set_status_error(mha_status st, const char *what)
 
 /* ------------------------------------------------------------ arrays */
 
-static PyObject *shape_str(PyArrayObject *arr)
+/* str(arr.shape), for error messages (also _core_masks.c) */
+PyObject *shape_str(PyArrayObject *arr)
 {
     PyObject *s = PyObject_GetAttrString((PyObject *)arr, "shape");
     PyObject *r;

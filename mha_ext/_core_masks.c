@@ -4,16 +4,6 @@
  * names what was wrong. */
 #include "_core.h"
 
-static PyObject *mask_shape_str(PyArrayObject *arr)
-{
-    PyObject *s = PyObject_GetAttrString((PyObject *)arr, "shape");
-    PyObject *r;
-    if (!s) return NULL;
-    r = PyObject_Str(s);
-    Py_DECREF(s);
-    return r;
-}
-
 /* Convert mask `obj` of `kind` and broadcast it (NumPy's rules) onto
  * (B, H, Sq, Sk), filling m.  The array holding the data is kept in *keep. */
 static int convert_mask(int typenum, PyObject *obj, int kind, const int64_t dim[4],
@@ -47,7 +37,7 @@ static int convert_mask(int typenum, PyObject *obj, int kind, const int64_t dim[
         } else if ((int64_t)n == dim[d]) {
             m->stride[d] = (int64_t)(PyArray_STRIDE(arr, ad) / (npy_intp)PyArray_ITEMSIZE(arr));
         } else {
-            PyObject *s = mask_shape_str(arr);
+            PyObject *s = shape_str(arr);
             if (s) {
                 PyErr_Format(PyExc_ValueError,
                              "a mask of shape %U does not broadcast to (B, H, Sq, Sk) = "
