@@ -69,10 +69,11 @@ static PyArrayObject *new_block(const MHAObject *self)
 static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"d_model", "n_heads", "dropout", "bias", "kdim", "vdim",
-                             "dtype", "seed", "add_bias_kv", "add_zero_attn", NULL};
+                             "dtype", "seed", "add_bias_kv", "add_zero_attn", "n_kv_heads",
+                             NULL};
     PyObject *o_e = NULL, *o_h = NULL, *o_p = NULL, *o_bias = Py_True, *o_kdim = Py_None,
              *o_vdim = Py_None, *o_dtype = NULL, *o_seed = Py_None, *o_bkv = NULL,
-             *o_zero = NULL;
+             *o_zero = NULL, *o_kvh = Py_None;
     MHAObject *self = NULL;
     mha_config cfg;
     double p = 0.0;
@@ -80,9 +81,9 @@ static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     mha_status st;
     int b;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$OOOOOOO:MultiHeadAttention", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$OOOOOOOO:MultiHeadAttention", kwlist,
                                      &o_e, &o_h, &o_p, &o_bias, &o_kdim, &o_vdim,
-                                     &o_dtype, &o_seed, &o_bkv, &o_zero))
+                                     &o_dtype, &o_seed, &o_bkv, &o_zero, &o_kvh))
         return NULL;
     memset(&cfg, 0, sizeof cfg);
     if (positive_int(o_e, "d_model", &cfg.d_model) < 0) return NULL;
@@ -92,6 +93,15 @@ static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                      "d_model (%lld) must be divisible by n_heads (%lld)",
                      (long long)cfg.d_model, (long long)cfg.n_heads);
         return NULL;
+    }
+    if (o_kvh != Py_None) { /* grouped-query attention: Hkv divides H */
+        if (positive_int(o_kvh, "n_kv_heads", &cfg.n_kv_heads) < 0) return NULL;
+        if (cfg.n_heads % cfg.n_kv_heads != 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "n_kv_heads (%lld) must divide n_heads (%lld)",
+                         (long long)cfg.n_kv_heads, (long long)cfg.n_heads);
+            return NULL;
+        }
     }
     cfg.kdim = cfg.d_model;
     cfg.vdim = cfg.d_model;
@@ -248,6 +258,7 @@ static PyObject *get_vdim(MHAObject *s, void *c) { (void)c; return PyLong_FromLo
 static PyObject *get_bias(MHAObject *s, void *c) { (void)c; return PyBool_FromLong(s->cfg.bias); }
 static PyObject *get_add_bias_kv(MHAObject *s, void *c) { (void)c; return PyBool_FromLong(s->cfg.add_bias_kv); }
 static PyObject *get_add_zero_attn(MHAObject *s, void *c) { (void)c; return PyBool_FromLong(s->cfg.add_zero_attn); }
+static PyObject *get_n_kv_heads(MHAObject *s, void *c) { (void)c; return PyLong_FromLongLong(mha_kv_heads(&s->cfg)); }
 static PyObject *get_seed(MHAObject *s, void *c) { (void)c; return PyLong_FromUnsignedLongLong(s->seed); }
 static PyObject *get_num_parameters(MHAObject *s, void *c) { (void)c; return PyLong_FromLongLong(s->total); }
 static PyObject *get_dtype(MHAObject *s, void *c)
@@ -304,6 +315,8 @@ static PyGetSetDef mha_getset[] = {
     {"bias", (getter)get_bias, NULL, "Whether the projections have biases.", NULL},
     {"add_bias_kv", (getter)get_add_bias_kv, NULL,
      "Whether bias_k and bias_v are appended to the keys and values (torch's add_bias_kv).", NULL},
+    {"n_kv_heads", (getter)get_n_kv_heads, NULL,
+     "Hkv: the key/value heads (n_heads unless grouped-query attention).", NULL},
     {"add_zero_attn", (getter)get_add_zero_attn, NULL,
      "Whether a zero key and value are appended (torch's add_zero_attn).", NULL},
     {"seed", (getter)get_seed, NULL, "The seed of the initialisation and the dropout stream.", NULL},

@@ -147,6 +147,7 @@ typedef struct {
     PyObject *is_causal, *need_weights, *zero_rows, *reference, *scale, *window;
     PyObject *dropout, *counter, *save, *save_p;
     PyObject *grad_output, *grad_weights, *saved, *head_mask;
+    PyObject *cache; /* None, or (K (B, Hkv, Dk, cap), V (B, Hkv, cap, Dk), length) */
 } call_objects;
 
 struct call {
@@ -160,6 +161,7 @@ struct call {
     PyArrayObject *grad_output, *grad_weights;
     PyArrayObject *head_mask;   /* (B, H), or NULL */
     PyArrayObject *saved[5];    /* Q, K, V, ctx, P (P may stay NULL) */
+    PyArrayObject *cache[2];    /* the cache's K and V (written by the call), or NULL */
     PyArrayObject *mask_arr[MHA_MAX_MASKS];
     mha_mask masks[MHA_MAX_MASKS];
     mha_params p;

@@ -409,9 +409,9 @@ static int parse_saved(MHAObject *self, PyObject *obj, struct call *c)
 {
     static const char *names[5] = {"saved Q", "saved K", "saved V", "saved ctx", "saved P"};
     const int64_t H = self->cfg.n_heads, Dk = self->cfg.d_model / H, E = self->cfg.d_model;
-    const int64_t B = c->ba.fwd.B, Sq = c->ba.fwd.Sq;
+    const int64_t B = c->ba.fwd.B, Sq = c->ba.fwd.Sq, Hkv = mha_kv_heads(&self->cfg);
     const int64_t Sk = c->ba.fwd.Sk + mha_extra_keys(&self->cfg); /* K, V with their extra rows */
-    const int64_t want[5][4] = {{B, H, Sq, Dk}, {B, H, Dk, Sk}, {B, H, Sk, Dk},
+    const int64_t want[5][4] = {{B, H, Sq, Dk}, {B, Hkv, Dk, Sk}, {B, Hkv, Sk, Dk},
                                 {B, Sq, E, 0}, {B, H, Sq, Sk}};
     Py_ssize_t n;
     int i;
@@ -432,6 +432,72 @@ static int parse_saved(MHAObject *self, PyObject *obj, struct call *c)
     c->sv.ctx = PyArray_DATA(c->saved[3]);
     c->sv.p = c->saved[4] ? PyArray_DATA(c->saved[4]) : NULL;
     c->have_saved = 1;
+    return 0;
+}
+
+/* cache = (K, V, length): the module's dtype, C-contiguous, writeable
+ * arrays K (B, Hkv, Dk, cap) and V (B, Hkv, cap, Dk) (cap > 0) taken as
+ * they are (never copied: the call writes into them), and 0 <= length with
+ * length + Sk <= cap.  Sets the call's cache fields. */
+static int parse_cache(MHAObject *self, PyObject *obj, struct call *c)
+{
+    static const char *names[2] = {"the cache's K", "the cache's V"};
+    mha_forward_args *a = &c->ba.fwd;
+    const int64_t Hkv = mha_kv_heads(&self->cfg), Dk = self->cfg.d_model / self->cfg.n_heads;
+    long long len;
+    int64_t cap;
+    int i;
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 3) {
+        PyErr_SetString(PyExc_TypeError, "cache must be None or a (K, V, length) tuple");
+        return -1;
+    }
+    if (c->op != CALL_FORWARD || c->reference) {
+        PyErr_SetString(PyExc_ValueError, "a cache is for the plain forward call only");
+        return -1;
+    }
+    if (mha_extra_keys(&self->cfg) != 0) {
+        PyErr_SetString(PyExc_ValueError, "a cache cannot be used with add_bias_kv or "
+                        "add_zero_attn (their extra keys would sit inside the cached ones)");
+        return -1;
+    }
+    for (i = 0; i < 2; i++) {
+        PyObject *x = PyTuple_GET_ITEM(obj, i);
+        PyArrayObject *arr;
+        if (!PyArray_Check(x) || PyArray_TYPE((PyArrayObject *)x) != typenum_of(self) ||
+            !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)x) ||
+            !PyArray_ISWRITEABLE((PyArrayObject *)x) || !PyArray_ISALIGNED((PyArrayObject *)x) ||
+            PyArray_NDIM((PyArrayObject *)x) != 4) {
+            PyErr_Format(PyExc_ValueError, "%s must be a writeable C-contiguous 4-D array of "
+                         "the module's dtype", names[i]);
+            return -1;
+        }
+        arr = (PyArrayObject *)x;
+        cap = (int64_t)PyArray_DIM(arr, i == 0 ? 3 : 2);
+        {
+            const int64_t want[2][4] = {{a->B, Hkv, Dk, cap}, {a->B, Hkv, cap, Dk}};
+            if (cap <= 0 || check_shape(arr, names[i], 4, want[i], "shape") < 0) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_ValueError, "%s must have a capacity > 0", names[i]);
+                return -1;
+            }
+        }
+        c->cache[i] = (PyArrayObject *)Py_NewRef(x);
+    }
+    if ((int64_t)PyArray_DIM(c->cache[0], 3) != (int64_t)PyArray_DIM(c->cache[1], 2)) {
+        PyErr_SetString(PyExc_ValueError, "the cache's K and V must have the same capacity");
+        return -1;
+    }
+    len = PyLong_AsLongLong(PyTuple_GET_ITEM(obj, 2));
+    if (len == -1 && PyErr_Occurred()) return -1;
+    if (len < 0 || len > cap || a->Sk > cap - (int64_t)len) {
+        PyErr_Format(PyExc_ValueError, "the cache holds %lld of %lld keys: %lld more do not fit",
+                     len, (long long)cap, (long long)a->Sk);
+        return -1;
+    }
+    a->cache_k = PyArray_DATA(c->cache[0]);
+    a->cache_v = PyArray_DATA(c->cache[1]);
+    a->cache_cap = cap;
+    a->cache_len = (int64_t)len;
     return 0;
 }
 
@@ -501,6 +567,7 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
             goto fail;
         if (o->saved && o->saved != Py_None && parse_saved(self, o->saved, c) < 0) goto fail;
     }
+    if (o->cache && o->cache != Py_None && parse_cache(self, o->cache, c) < 0) goto fail;
     if (check_memory(self, c) < 0) goto fail;
     if (to_module_dtype(self, &c->query) < 0) goto fail;
     if (o->key == o->query) /* self-attention: convert once */
@@ -532,7 +599,7 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
         a->head_mask_stride[1] = 1;
     }
     {
-        const int64_t dim[4] = {a->B, self->cfg.n_heads, a->Sq, a->Sk};
+        const int64_t dim[4] = {a->B, self->cfg.n_heads, a->Sq, a->cache_len + a->Sk};
         if (o->masks && convert_masks(o->masks, typenum_of(self), dim, c->masks, c->mask_arr,
                                       &a->n_masks) < 0)
             goto fail;
@@ -574,5 +641,7 @@ void call_clear(struct call *c)
     Py_CLEAR(c->grad_weights);
     Py_CLEAR(c->head_mask);
     for (i = 0; i < 5; i++) Py_CLEAR(c->saved[i]);
+    Py_CLEAR(c->cache[0]);
+    Py_CLEAR(c->cache[1]);
     for (i = 0; i < MHA_MAX_MASKS; i++) Py_CLEAR(c->mask_arr[i]);
 }

@@ -97,21 +97,23 @@ static PyObject *obj_or_none(PyArrayObject *a)
 PyObject *mha_forward_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "masks", "is_causal", "need_weights",
-                             "zero_rows", "reference", "scale", "window", "head_mask", NULL};
+                             "zero_rows", "reference", "scale", "window", "head_mask", "cache",
+                             NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *out = NULL, *w = NULL;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOO:_forward", kwlist, &o.query,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOO:_forward", kwlist, &o.query,
                                      &o.key, &o.value, &o.masks, &o.is_causal, &o.need_weights,
                                      &o.zero_rows, &o.reference, &o.scale, &o.window,
-                                     &o.head_mask))
+                                     &o.head_mask, &o.cache))
         return NULL;
     if (call_parse(self, CALL_FORWARD, &o, &c) < 0) return NULL;
     {
         const int64_t B = c.ba.fwd.B, Sq = c.ba.fwd.Sq;
-        const int64_t Skx = c.ba.fwd.Sk + mha_extra_keys(&self->cfg);
+        /* every key: the cached ones, the given ones, the extra ones */
+        const int64_t Skx = c.ba.fwd.cache_len + c.ba.fwd.Sk + mha_extra_keys(&self->cfg);
         const int64_t od[3] = {B, Sq, self->cfg.d_model}, wd[4] = {B, self->cfg.n_heads, Sq, Skx};
         if (!(out = new_array(&c, 3, od, 0))) goto fail;
         if (c.need_weights && !(w = new_array(&c, 4, wd, 0))) goto fail;
@@ -149,9 +151,10 @@ PyObject *mha_forward_train_py(MHAObject *self, PyObject *args, PyObject *kwds)
         const int64_t B = c.ba.fwd.B, Sq = c.ba.fwd.Sq;
         const int64_t Sk = c.ba.fwd.Sk + mha_extra_keys(&self->cfg); /* with the extra keys */
         const int64_t E = self->cfg.d_model, H = self->cfg.n_heads, Dk = E / H;
+        const int64_t Hkv = mha_kv_heads(&self->cfg);
         const int64_t od[3] = {B, Sq, E}, wd[4] = {B, H, Sq, Sk};
         /* mha_forward_save's layouts: Q, K (transposed), V per head, ctx, P */
-        const int64_t kd[5][4] = {{B, H, Sq, Dk}, {B, H, Dk, Sk}, {B, H, Sk, Dk},
+        const int64_t kd[5][4] = {{B, H, Sq, Dk}, {B, Hkv, Dk, Sk}, {B, Hkv, Sk, Dk},
                                   {B, Sq, E, 0}, {B, H, Sq, Sk}};
         const int64_t pd[1] = {self->total};
         const int n_kept = !c.save ? 0 : c.save_p ? 5 : 4;

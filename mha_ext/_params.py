@@ -8,9 +8,11 @@ add_bias_kv=True).  This module names those tensors (the seed module's
 keys, torch.nn.MultiheadAttention's packed and separate keys and which block
 tensors each one stacks) and converts between state dicts and blocks.
 
-Legend: E = d_model; tensor i < 8 is a weight (E, fan_in) for even i, a bias
-(E,) for odd i; tensors 8 and 9 (bias_k, bias_v) are (E,) (torch keeps them
-as (1, 1, E): either shape loads).
+Legend: E = d_model; tensor i < 8 is a weight (out, fan_in) for even i, a
+bias (out,) for odd i, out = E for W_q and W_o and Ekv = n_kv_heads * d_k
+for W_k and W_v (E unless grouped-query attention); tensors 8 and 9
+(bias_k, bias_v) are (Ekv,) (torch keeps them as (1, 1, E): either shape
+loads).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import numpy as np
 
 from ._convert import as_real, flag
 
-__all__ = ["LINEARS", "SEED_KEYS", "BIAS_KV", "BLOCK_KEYS", "TORCH_PACKED", "TORCH_SEPARATE",
+__all__ = ["kv_width", "LINEARS", "SEED_KEYS", "BIAS_KV", "BLOCK_KEYS", "TORCH_PACKED", "TORCH_SEPARATE",
            "TORCH_KEYS", "TORCH_PARTS", "TORCH_UNSUPPORTED", "IncompatibleKeys", "seed_keys", "shape",
            "tensor", "state_dict", "load_block", "params_block", "grads"]
 
@@ -57,12 +59,19 @@ def seed_keys(mha):
     return tuple(k for i, k in enumerate(BLOCK_KEYS) if layout[i][1] != 0)
 
 
+def kv_width(mha):
+    """Ekv = n_kv_heads * d_k: the output width of W_k and W_v (d_model
+    unless grouped-query attention)."""
+    return mha.n_kv_heads * mha.d_k
+
+
 def shape(mha, i):
-    """The shape of block tensor i: (E, fan_in) for a weight, (E,) for a bias,
-    bias_k or bias_v."""
+    """The shape of block tensor i: (out, fan_in) for a weight, (out,) for a
+    bias, bias_k or bias_v; out = Ekv for W_k, W_v, bias_k and bias_v."""
+    out = kv_width(mha) if 2 <= i < 6 or i >= 8 else mha.d_model
     if i % 2 == 1 or i >= 8:
-        return (mha.d_model,)
-    return (mha.d_model, (mha.d_model, mha.kdim, mha.vdim, mha.d_model)[i // 2])
+        return (out,)
+    return (out, (mha.d_model, mha.kdim, mha.vdim, mha.d_model)[i // 2])
 
 
 def tensor(mha, i, block=None):
@@ -120,6 +129,11 @@ def load_block(mha, state, strict=True):
     # bias_k and bias_v are in both layouts: the other keys tell which it is
     if (any(k in TORCH_KEYS for k in state)
             and not any(k in ours and k not in BIAS_KV for k in state)):
+        if mha.n_kv_heads != mha.n_heads:
+            raise ValueError(f"state_dict has torch.nn.MultiheadAttention's keys, which has "
+                             f"no grouped-query attention; this module has n_kv_heads="
+                             f"{mha.n_kv_heads} < n_heads={mha.n_heads}: use its own keys "
+                             f"(state_dict())")
         keys, parts = _torch_layout(mha, state), TORCH_PARTS
     else:
         keys, parts = ours, {k: (BLOCK_KEYS.index(k),) for k in ours}
@@ -140,7 +154,7 @@ def load_block(mha, state, strict=True):
         # a key holds one tensor, or several stacked along the first axis
         shapes = [shape(mha, i) for i in parts[k]]
         want = (sum(sh[0] for sh in shapes),) + shapes[0][1:]
-        if k in BIAS_KV and value.shape == (1, 1, mha.d_model):  # torch's shape
+        if k in BIAS_KV and value.shape == (1, 1, kv_width(mha)):  # torch's shape
             value = value.reshape(-1)
         if value.shape != want:
             raise ValueError(f"state_dict[{k!r}] must have shape {want}, got {value.shape}")
@@ -170,7 +184,7 @@ def params_block(mha, params):
                 raise KeyError(f"params is missing {k!r}")
             value = as_real(params[k], f"params[{k!r}]")
             want = shape(mha, i)
-            if k in BIAS_KV and value.shape == (1, 1, mha.d_model):  # torch's shape
+            if k in BIAS_KV and value.shape == (1, 1, kv_width(mha)):  # torch's shape
                 value = value.reshape(-1)
             if value.shape != want:
                 raise ValueError(f"params[{k!r}] must have shape {want}, got {value.shape}")

@@ -133,7 +133,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, *,
                  bias: bool = True, kdim: int | None = None, vdim: int | None = None,
                  dtype: DTypeLike = "float32", seed: int | None = None,
-                 add_bias_kv: bool = False, add_zero_attn: bool = False) -> None:
+                 add_bias_kv: bool = False, add_zero_attn: bool = False,
+                 n_kv_heads: int | None = None) -> None:
         """A new module: arguments as in the class docstring (the C base
         class's __new__ checks them and builds the parameters; this signature
         is here for help() and editors)."""

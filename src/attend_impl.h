@@ -23,9 +23,11 @@ typedef struct {
     const KT *kern;
     mha_rows rr;          /* masks, causality, blocked rows */
     int64_t B, H, Hkv, Sq, Sk, Dk, Dv; /* Sk: every key, the extra ones too */
+    int64_t kld;          /* K's and V's rows per head in memory (>= Sk: a
+                             cache's capacity); 0: Sk */
     const T *qh;          /* Q per head: (B, H, Sq, Dk) */
-    const T *kt;          /* K per head, transposed: (B, Hkv, Dk, Sk) */
-    const T *vh;          /* V per head: (B, Hkv, Sk, Dv) */
+    const T *kt;          /* K per head, transposed: (B, Hkv, Dk, kld) */
+    const T *vh;          /* V per head: (B, Hkv, kld, Dv) */
     T *ctx;               /* row i of head (b, h): ctx + b*cs_b + h*cs_h + i*ldc, Dv wide */
     int64_t cs_b, cs_h, ldc;
     T *weights;           /* NULL, or (B, H, Sq, Sk) */
@@ -101,8 +103,8 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     int64_t i0 = (t % at->n_qblk) * QB, nq = at->Sq - i0 < QB ? at->Sq - i0 : QB;
     int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, kend, kbeg;
     const T *q_bh = at->qh + (bh * at->Sq + i0) * Dk;          /* (nq, Dk) */
-    const T *kt_bh = at->kt + bkv * Dk * Sk;                    /* (Dk, Sk) */
-    const T *v_bh = at->vh + bkv * Sk * Dv;                     /* (Sk, Dv) */
+    const T *kt_bh = at->kt + bkv * Dk * at->kld;              /* (Dk, Sk), ld kld */
+    const T *v_bh = at->vh + bkv * at->kld * Dv;               /* (Sk, Dv) */
     T *c_bh = at->ctx + b * at->cs_b + h * at->cs_h + i0 * at->ldc; /* (nq, Dv), ld ldc */
     T *gs = at->scratch + (int64_t)slot * at->scratch_len;
     T *p_bh = (at->p_save ? at->p_save : at->weights) + (bh * at->Sq + i0) * Sk; /* (nq, Sk) */
@@ -127,7 +129,7 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     }
     /* the keys before kbeg: 0 scores, which the window masks */
     if (kbeg > 0) SUF(fill_rows)(p_bh, nq, kbeg, Sk, (T)0);
-    SUF(mha_gemm)(at->kern, 0, nq, kend - kbeg, Dk, q_bh, Dk, kt_bh + kbeg, Sk, NULL,
+    SUF(mha_gemm)(at->kern, 0, nq, kend - kbeg, Dk, q_bh, Dk, kt_bh + kbeg, at->kld, NULL,
                   p_bh + kbeg, Sk, 0, gs);
     for (r = 0; r < nq; r++) {
         T *w = p_bh + r * Sk;
@@ -140,6 +142,9 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
             SUF(dropout_row)(at, a_bh + r * Sk, ne,
                              ((uint64_t)bh * (uint64_t)at->Sq + (uint64_t)i) * (uint64_t)Sk);
     }
+    /* A·V from a multiple of the GEMM's depth block (A is 0 before kbeg):
+     * a row's sums then never depend on the block of queries it is in */
+    kbeg -= kbeg % MHA_GEMM_KC;
     SUF(mha_gemm)(at->kern, 0, nq, Dv, kend - kbeg, a_bh + kbeg, Sk, v_bh + kbeg * Dv, Dv, NULL,
                   c_bh, at->ldc, 0, gs);
     if (at->hmask) { /* the head mask m: weights m·A, context (m·A)·V = m·(A·V) */
@@ -160,8 +165,8 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     int64_t i0 = (t % at->n_qblk) * QB, nq = at->Sq - i0 < QB ? at->Sq - i0 : QB;
     int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, j0, d, kend;
     const T *q_bh = at->qh + (bh * at->Sq + i0) * Dk; /* (nq, Dk) */
-    const T *kt_bh = at->kt + bkv * Dk * Sk;          /* (Dk, Sk) */
-    const T *v_bh = at->vh + bkv * Sk * Dv;           /* (Sk, Dv) */
+    const T *kt_bh = at->kt + bkv * Dk * at->kld;    /* (Dk, Sk), ld kld */
+    const T *v_bh = at->vh + bkv * at->kld * Dv;     /* (Sk, Dv) */
     T *c_bh = at->ctx + b * at->cs_b + h * at->cs_h + i0 * at->ldc;
     T *gs = at->scratch + (int64_t)slot * at->scratch_len; /* GEMM packing */
     T *s = gs + MHA_GEMM_SCRATCH;                          /* (QB, KB) */
@@ -174,9 +179,13 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     }
     SUF(fill_rows)(acc, nq, Dv, Dv, (T)0);
     kend = SUF(att_kend)(at, i0, nq);
-    for (j0 = SUF(att_kbeg)(at, i0); j0 < kend; j0 += KB) {
+    /* blocks of keys anchored at key 0 (from the multiple of KB before the
+     * first visible key): a row's running sums never depend on the block of
+     * queries it is in, nor on keys past its last visible one */
+    for (j0 = SUF(att_kbeg)(at, i0) / KB * KB; j0 < kend; j0 += KB) {
         int64_t nk = kend - j0 < KB ? kend - j0 : KB;
-        SUF(mha_gemm)(at->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, Sk, NULL, s, KB, 0, gs);
+        SUF(mha_gemm)(at->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB, 0,
+                      gs);
         for (r = 0; r < nq; r++) {
             T *srow = s + r * KB, alpha;
             const int64_t i = i0 + r;
@@ -206,6 +215,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
 static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
 {
     at->n_qblk = (at->Sq + QB - 1) / QB;
+    if (at->kld == 0) at->kld = at->Sk;
     return mha_parallel_for(at->B * at->H * at->n_qblk, slots,
                             at->weights || at->p_save ? SUF(attend_weights_task)
                                                       : SUF(attend_online_task),

@@ -50,6 +50,7 @@ typedef struct {
     const T *grad_weights; /* NULL, or dL/d weights (B, H, Sq, Sk) */
     mha_rows rr;          /* the forward's masks, causality, blocked rows */
     int64_t B, Sq, Sk, E, H, Hkv, Dk, Dv; /* Sk: every key, the extra ones too */
+    int64_t Ekv;          /* Hkv*Dk: the width of K and V's rows */
     int64_t Skg;          /* the given keys (Sk without the extra ones) */
     T *q, *k, *v;         /* recomputed: Q (B, Sq, E), K and V (B, Sk, E); kept
                              (saved): Q (B, H, Sq, Dk), K (B, Hkv, Dk, Sk),
@@ -207,10 +208,11 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
     /* Q_bh and V_bh: per head (kept by the forward) or columns of (B, S, E)
      * (recomputed); K_bh: transposed per head (Dk, Sk) or columns of K */
     const int hm = f->saved;
-    const int64_t ldq = hm ? Dk : E, ldv = hm ? Dv : E; /* of Q_bh and V_bh */
+    const int64_t Ekv = f->Ekv;
+    const int64_t ldq = hm ? Dk : E, ldv = hm ? Dv : Ekv; /* of Q_bh and V_bh */
     const int64_t bkv = b * f->Hkv + hkv;
-    const T *k_bh = hm ? f->k + bkv * Dk * Sk : f->k + b * Sk * E + hkv * Dk; /* see above */
-    const T *v_bh = hm ? f->v + bkv * Sk * Dv : f->v + b * Sk * E + hkv * Dk; /* (Sk, Dv) */
+    const T *k_bh = hm ? f->k + bkv * Dk * Sk : f->k + b * Sk * Ekv + hkv * Dk; /* see above */
+    const T *v_bh = hm ? f->v + bkv * Sk * Dv : f->v + b * Sk * Ekv + hkv * Dk; /* (Sk, Dv) */
     T *dk_bh = f->dk ? f->dk + b * f->dk_sb + hkv * f->dk_sh : NULL; /* (Sk, Dk), ld dk_ld */
     T *dv_bh = f->dv ? f->dv + b * f->dv_sb + hkv * f->dv_sh : NULL; /* (Sk, Dv), ld dv_ld */
     T *p = f->scratch + (int64_t)slot * f->scratch_len; /* (QB, Sk) P, when recomputed */
@@ -259,11 +261,11 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
             SUF(bwd_range)(f, i0, nq, &ks, &ke);
         redo:
             n = ke - ks;
-            koff = hm ? ks : ks * E;
+            koff = hm ? ks : ks * Ekv;
             /* forward: S = Q_bh·K_bhᵀ · scale; S = masked(S); P = softmax(S) */
             if (!f->p_saved)
                 SUF(mha_gemm)(f->kern, !hm, nq, n, Dk, q_bh + i0 * ldq, ldq, k_bh + koff,
-                              hm ? Sk : E, NULL, p + ks, Sk, 0, gs);
+                              hm ? Sk : Ekv, NULL, p + ks, Sk, 0, gs);
             for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: the same P */
                 blocked[r] = SUF(softmax_row)(f->kern, &f->rr, f->scale, p + r * Sk + ks, b, h,
                                               i0 + r, ks, n, n) < 0;
@@ -323,7 +325,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
             }
             /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh */
             if (dq_bh) {
-                SUF(mha_gemm)(f->kern, hm, nq, Dk, n, d + ks, Sk, k_bh + koff, hm ? Sk : E, NULL,
+                SUF(mha_gemm)(f->kern, hm, nq, Dk, n, d + ks, Sk, k_bh + koff, hm ? Sk : Ekv, NULL,
                               dqs, Dk, 0, gs);
                 for (r = 0; r < nq; r++)
                     memcpy(dq_bh + (i0 + r) * f->dq_ld, dqs + r * Dk, (size_t)Dk * sizeof(T));
@@ -345,8 +347,9 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
     }
     /* ... and of K and V, over the given keys' rows */
     if (f->bsum) {
-        SUF(colsum)(dks, f->Skg, Dk, Dk, f->bsum + (f->B + b) * E + hkv * Dk);
-        SUF(colsum)(dvs, f->Skg, Dv, Dv, f->bsum + (2 * f->B + b) * E + hkv * Dk);
+        /* (B, Ekv) blocks, at B*E and 2*B*E */
+        SUF(colsum)(dks, f->Skg, Dk, Dk, f->bsum + f->B * E + b * Ekv + hkv * Dk);
+        SUF(colsum)(dvs, f->Skg, Dv, Dv, f->bsum + 2 * f->B * E + b * Ekv + hkv * Dk);
     }
 }
 
@@ -440,7 +443,9 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
                     a->fwd.Sq, a->fwd.Sk);
     f.B = a->fwd.B; f.Sq = a->fwd.Sq; f.Skg = a->fwd.Sk;
     Skx = f.Sk = a->fwd.Sk + sz.extra; /* every key: the given ones, then the extra ones */
-    f.E = cfg->d_model; f.H = f.Hkv = cfg->n_heads; f.Dk = f.Dv = f.E / f.H;
+    f.E = cfg->d_model; f.H = cfg->n_heads; f.Dk = f.Dv = f.E / f.H;
+    f.Hkv = mha_kv_heads(cfg);
+    f.Ekv = f.Hkv * f.Dk;
     f.scale = (T)mha_score_scale(a->fwd.has_scale, a->fwd.scale, f.Dk);
     f.kern = SUF(mha_kern_get)();
     f.dropout = a->fwd.dropout;
@@ -450,7 +455,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     Rq = f.B * f.Sq; /* rows of query-side matrices; n_out = Rq * E fits */
     Rk = f.B * f.Skg; /* rows of key-side matrices;  n_key = Rk * Ek fits */
     n_q = sz.n_out;
-    if (mha_mul(f.B * Skx, f.E, &n_kv)) return MHA_ERR_OVERFLOW; /* K, V with the extra rows */
+    if (mha_mul(f.B * Skx, f.Ekv, &n_kv)) return MHA_ERR_OVERFLOW; /* K, V with the extra rows */
 
     slots = mha_get_num_threads();
     {
@@ -491,9 +496,10 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     f.scratch = f.bsum + 3 * f.B * f.E;
     /* the module's layouts: dctx, dq (B, Sq, E), dk, dv (B, Sk', E), heads as columns */
     f.dc_sb = f.dq_sb = f.Sq * f.E;
-    f.dk_sb = f.dv_sb = Skx * f.E;
+    f.dk_sb = f.dv_sb = Skx * f.Ekv;
     f.dc_sh = f.dq_sh = f.dk_sh = f.dv_sh = f.Dk;
-    f.dc_ld = f.dq_ld = f.dk_ld = f.dv_ld = f.E;
+    f.dc_ld = f.dq_ld = f.E;
+    f.dk_ld = f.dv_ld = f.Ekv;
     if (sv) { /* read only */
         f.saved = 1;
         f.p_saved = (const T *)sv->p;
@@ -518,16 +524,16 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         SUF(prod_add)(&f, MHA_NT, (const T *)a->fwd.query, f.E, (const T *)p->wq, f.E,
                       (const T *)p->bq, f.q, f.E, Rq, f.E, f.E);
         SUF(prod_add)(&f, MHA_NT, (const T *)a->fwd.key, Ek, (const T *)p->wk, Ek,
-                      (const T *)p->bk, sz.extra ? f.dk : f.k, f.E, Rk, f.E, Ek);
+                      (const T *)p->bk, sz.extra ? f.dk : f.k, f.Ekv, Rk, f.Ekv, Ek);
         SUF(prod_add)(&f, MHA_NT, (const T *)a->fwd.value, Ev, (const T *)p->wv, Ev,
-                      (const T *)p->bv, sz.extra ? f.dv : f.v, f.E, Rk, f.E, Ev);
+                      (const T *)p->bv, sz.extra ? f.dv : f.v, f.Ekv, Rk, f.Ekv, Ev);
     }
     SUF(prod_add)(&f, MHA_NN, (const T *)a->grad_out, f.E, (const T *)p->wo, f.E,
                   NULL, f.dctx, f.E, Rq, f.E, f.E);
     if (mha_parallel_for(f.prods.tiles, slots, SUF(prod_task), &f, &ps)) goto stopped;
     if (!f.saved && sz.extra) { /* K, V += their extra rows */
-        SUF(append_extra)(cfg, f.dk, (const T *)p->bias_k, f.k, f.B, f.Skg, Skx, f.E);
-        SUF(append_extra)(cfg, f.dv, (const T *)p->bias_v, f.v, f.B, f.Skg, Skx, f.E);
+        SUF(append_extra)(cfg, f.dk, (const T *)p->bias_k, f.k, f.B, f.Skg, Skx, f.Ekv);
+        SUF(append_extra)(cfg, f.dv, (const T *)p->bias_v, f.v, f.B, f.Skg, Skx, f.Ekv);
     }
     MHA_TICK("backward 1 proj");
     /* a NaN or inf in K, V, dctx or the weights' gradient must reach every
@@ -537,12 +543,12 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
              (!f.grad_weights || SUF(all_finite)(f.grad_weights, sz.n_weights));
 
     /* 2. attention, per (b, h) */
-    if (mha_parallel_for(f.B * f.H, slots, SUF(attend_backward_task), &f, &ps)) goto stopped;
+    if (mha_parallel_for(f.B * f.Hkv, slots, SUF(attend_backward_task), &f, &ps)) goto stopped;
     if (sz.extra) { /* backward of K, V += extra rows: bias_k's, bias_v's gradients */
         SUF(drop_extra)(cfg, f.dk, g && cfg->add_bias_kv ? g + offset[MHA_BIAS_K] : NULL, f.B,
-                        f.Skg, Skx, f.E);
+                        f.Skg, Skx, f.Ekv);
         SUF(drop_extra)(cfg, f.dv, g && cfg->add_bias_kv ? g + offset[MHA_BIAS_V] : NULL, f.B,
-                        f.Skg, Skx, f.E);
+                        f.Skg, Skx, f.Ekv);
     }
     MHA_TICK("backward 2 attn");
 
@@ -554,27 +560,27 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
                       g + offset[MHA_WO], f.E, f.E, f.E, Rq);
         SUF(prod_add)(&f, MHA_TN, f.dq, f.E, (const T *)a->fwd.query, f.E, NULL,
                       g + offset[MHA_WQ], f.E, f.E, f.E, Rq);
-        SUF(prod_add)(&f, MHA_TN, f.dk, f.E, (const T *)a->fwd.key, Ek, NULL,
-                      g + offset[MHA_WK], Ek, f.E, Ek, Rk);
-        SUF(prod_add)(&f, MHA_TN, f.dv, f.E, (const T *)a->fwd.value, Ev, NULL,
-                      g + offset[MHA_WV], Ev, f.E, Ev, Rk);
+        SUF(prod_add)(&f, MHA_TN, f.dk, f.Ekv, (const T *)a->fwd.key, Ek, NULL,
+                      g + offset[MHA_WK], Ek, f.Ekv, Ek, Rk);
+        SUF(prod_add)(&f, MHA_TN, f.dv, f.Ekv, (const T *)a->fwd.value, Ev, NULL,
+                      g + offset[MHA_WV], Ev, f.Ekv, Ev, Rk);
     }
     if (a->grad_query)
         SUF(prod_add)(&f, MHA_NN, f.dq, f.E, (const T *)p->wq, f.E, NULL,
                       (T *)a->grad_query, f.E, Rq, f.E, f.E);
     if (a->grad_key)
-        SUF(prod_add)(&f, MHA_NN, f.dk, f.E, (const T *)p->wk, Ek, NULL,
-                      (T *)a->grad_key, Ek, Rk, Ek, f.E);
+        SUF(prod_add)(&f, MHA_NN, f.dk, f.Ekv, (const T *)p->wk, Ek, NULL,
+                      (T *)a->grad_key, Ek, Rk, Ek, f.Ekv);
     if (a->grad_value)
-        SUF(prod_add)(&f, MHA_NN, f.dv, f.E, (const T *)p->wv, Ev, NULL,
-                      (T *)a->grad_value, Ev, Rk, Ev, f.E);
+        SUF(prod_add)(&f, MHA_NN, f.dv, f.Ekv, (const T *)p->wv, Ev, NULL,
+                      (T *)a->grad_value, Ev, Rk, Ev, f.Ekv);
     /* ... and, in the same pass, the bias gradients: the column sums of
      * d out, and of dQ, dK, dV as the sums of their batches' sums */
     if (g && cfg->bias) {
         SUF(btr_add)(&f, (const T *)a->grad_out, g + offset[MHA_BO], Rq, f.E);
         SUF(btr_add)(&f, f.bsum, g + offset[MHA_BQ], f.B, f.E);
-        SUF(btr_add)(&f, f.bsum + f.B * f.E, g + offset[MHA_BK], f.B, f.E);
-        SUF(btr_add)(&f, f.bsum + 2 * f.B * f.E, g + offset[MHA_BV], f.B, f.E);
+        SUF(btr_add)(&f, f.bsum + f.B * f.E, g + offset[MHA_BK], f.B, f.Ekv);
+        SUF(btr_add)(&f, f.bsum + 2 * f.B * f.E, g + offset[MHA_BV], f.B, f.Ekv);
     }
     {
         int64_t n_tasks = f.prods.tiles;

@@ -31,7 +31,6 @@
 
 #define RM 1024      /* rows per projection task: packed W reused over them (and
                         narrower column tiles, 64 wide, before more row tiles) */
-#define SMALL_M 24   /* below this many rows, projections use the dot kernel */
 
 /* What a projection's tiles do besides the product (the product itself,
  * y = x·wᵀ + b, is the pass's mha_product of the same index): */
@@ -41,6 +40,7 @@ typedef struct {
     T *yt;              /* NULL, or y per head, transposed: (B, H, Dk, Sl) */
     int64_t S, Sl, Dk;  /* ... their rows per batch, rows per head in the
                            layout (S plus the extra keys) and head width */
+    int64_t off;        /* the layout's row of y's first row (a cache's length) */
 } SUF(proj_extra);
 
 typedef struct {
@@ -48,7 +48,7 @@ typedef struct {
     T *scratch;          /* per slot: GEMM packing, then a projection tile or
                             the attention's state */
     int64_t scratch_len; /* scalars per slot */
-    int small;           /* the projections use the dot kernel */
+    int small;           /* the projections use the dot kernel (never: 0) */
     mha_products prods;  /* the pass's projections (internal.h's task list) */
     SUF(proj_extra) extra[3]; /* ... and what each does besides */
 } SUF(fwd);
@@ -60,13 +60,13 @@ typedef struct {
  *                                   each store run is long)
  * for row i0+r = b*S + s and column n0+c = h*Dk + d. */
 static void SUF(tile_to_heads)(const T *y, int64_t ldy, int64_t N, int64_t i0, int64_t m,
-                               int64_t n0, int64_t n, int64_t S, int64_t Sl, int64_t Dk, T *yh,
-                               T *yt)
+                               int64_t n0, int64_t n, int64_t S, int64_t Sl, int64_t Dk,
+                               int64_t off, T *yh, T *yt)
 {
     const int64_t H = N / Dk;
     int64_t r0, r1, r, c, c1;
     for (r0 = i0; r0 < i0 + m; r0 = r1) {
-        const int64_t b = r0 / S, s0 = r0 % S;
+        const int64_t b = r0 / S, s0 = r0 % S + off;
         r1 = i0 + m;
         if (r1 > (b + 1) * S) r1 = (b + 1) * S;
         if (r1 > r0 + 16) r1 = r0 + 16;
@@ -112,7 +112,8 @@ static void SUF(linear_task)(void *ctx, int64_t t, int slot)
     }
     SUF(mha_tile_gemm)(f->kern, jb, &tl, y, ldy, f->small, gs);
     if (ex->yh || ex->yt)
-        SUF(tile_to_heads)(y, ldy, jb->N, i0, m, n0, n, ex->S, ex->Sl, ex->Dk, ex->yh, ex->yt);
+        SUF(tile_to_heads)(y, ldy, jb->N, i0, m, n0, n, ex->S, ex->Sl, ex->Dk, ex->off, ex->yh,
+                           ex->yt);
 }
 
 /* A projection y (M, N) = x (M, K)·w (N, K)ᵀ + b into the pass's list, in
@@ -169,8 +170,8 @@ static void SUF(save_copies)(const mha_params *p, const mha_forward_args *a,
 }
 
 /* K and V's extra rows (add_bias_kv's bias_k / bias_v, then add_zero_attn's
- * zeros) after the Sk projected ones of every (b, h): kt (B, H, Dk, Sk'),
- * vh (B, H, Sk', Dk) */
+ * zeros) after the Sk projected ones of every (b, h) (h of the H = Hkv
+ * key/value heads): kt (B, H, Dk, Sk'), vh (B, H, Sk', Dk) */
 static void SUF(extra_rows)(const mha_config *cfg, const mha_params *p, T *kt, T *vh, int64_t B,
                             int64_t H, int64_t Sk, int64_t Skx, int64_t Dk)
 {
@@ -213,7 +214,11 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     if (st != MHA_OK) return st;
     st = mha_param_layout(cfg, offset, size, &total);
     if (st != MHA_OK) return st;
-    if (sz.n_out == 0) { /* B == 0 or Sq == 0: nothing to compute */
+    /* the cache: K, V live there, Sk new keys after its cache_len */
+    const int cached = a->cache_k != NULL;
+    const int64_t Hkv = mha_kv_heads(cfg), klen = cached ? a->cache_len : 0;
+    if (sz.n_out == 0 && !(cached && a->B > 0 && a->Sk > 0)) {
+        /* B == 0 or Sq == 0: nothing to compute (a cache still takes its keys) */
         if (cp) SUF(save_copies)(p, a, cp, &sz, offset, size);
         return MHA_OK;
     }
@@ -222,11 +227,16 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     memset(&at, 0, sizeof at);
     f.kern = at.kern = SUF(mha_kern_get)();
     at.B = a->B; at.Sq = a->Sq;
-    Skx = at.Sk = a->Sk + sz.extra; /* every key: the given ones, then the extra ones */
-    at.H = at.Hkv = cfg->n_heads;
+    Skx = a->Sk + sz.extra; /* every key: the given ones, then the extra ones */
+    at.Sk = klen + Skx;     /* ... after the cached ones */
+    at.kld = cached ? a->cache_cap : at.Sk; /* K's, V's rows per head in memory */
+    at.H = cfg->n_heads;
+    at.Hkv = Hkv;
     at.Dk = at.Dv = cfg->d_model / cfg->n_heads;
-    at.rr = mha_rows_make(a->masks, a->n_masks, a->is_causal, a->Sq, a->Sk, a->zero_masked_rows);
-    mha_rows_window(&at.rr, a->has_window, a->window_left, a->window_right, a->Sq, a->Sk);
+    at.rr = mha_rows_make(a->masks, a->n_masks, a->is_causal, a->Sq, klen + a->Sk,
+                          a->zero_masked_rows);
+    mha_rows_window(&at.rr, a->has_window, a->window_left, a->window_right, a->Sq,
+                    klen + a->Sk);
     at.scale = (T)mha_score_scale(a->has_scale, a->scale, at.Dk);
     at.dropout = a->dropout;
     at.dropout_on = a->dropout > 0.0;
@@ -236,17 +246,19 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     at.hmask = (const T *)a->head_mask;
     at.hm_sb = a->head_mask_stride[0];
     at.hm_sh = a->head_mask_stride[1];
-    const int64_t B = a->B, Sq = a->Sq, Sk = a->Sk, E = cfg->d_model, Dk = at.Dk;
-    /* the kernel choice depends on the problem alone, never on threads */
-    f.small = B * Sq < SMALL_M && B * Sk < SMALL_M;
+    const int64_t B = a->B, Sq = a->Sq, Sk = a->Sk, E = cfg->d_model, Dk = at.Dk,
+                  Ekv = Hkv * Dk;
+    /* the packed GEMM whatever the number of rows: a row's bits never depend
+     * on the rows beside it (batch invariance; the cache's bit-exactness) */
+    f.small = 0;
 
     /* small problems stay on the calling thread */
     slots = mha_get_num_threads();
     {
         double flops = 2.0 * (double)B * (double)Sq * (double)E * (double)E * 2.0 +
-                       2.0 * (double)B * (double)Sk * (double)E *
+                       2.0 * (double)B * (double)Sk * (double)Ekv *
                            (double)(cfg->kdim + cfg->vdim) +
-                       4.0 * (double)B * (double)Sq * (double)Skx * (double)E;
+                       4.0 * (double)B * (double)Sq * (double)at.Sk * (double)E;
         if (flops < 2e6) slots = 1;
     }
 
@@ -263,9 +275,10 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
         if (SUF(att_state)(&at, &state)) return MHA_ERR_OVERFLOW;
         f.scratch_len = MHA_GEMM_SCRATCH + (tile > state ? tile : state);
     }
-    /* workspace: qh and ctx (B, Sq, E) scalars, kt and vh (B, Sk', E),
-     * unless the caller keeps them; then the slots' scratch */
-    if (mha_mul(B * Skx, E, &t) || mha_mul(t, keep ? 0 : 2, &t) ||
+    /* workspace: qh and ctx (B, Sq, E) scalars, kt and vh (B, Sk', Ekv),
+     * unless the caller keeps them (or the cache holds K and V); then the
+     * slots' scratch */
+    if (mha_mul(B * Skx, Ekv, &t) || mha_mul(t, keep || cached ? 0 : 2, &t) ||
         mha_add(t, keep ? 0 : 2 * sz.n_out, &n_work) ||
         mha_mul(f.scratch_len, slots, &n_scratch) || mha_add(n_work, n_scratch, &n_work))
         return MHA_ERR_OVERFLOW;
@@ -283,8 +296,12 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
         qh = work;
         ctx = qh + sz.n_out;
         kt = ctx + sz.n_out;
-        vh = kt + B * Skx * E;
-        f.scratch = vh + B * Skx * E;
+        vh = kt + (cached ? 0 : B * Skx * Ekv);
+        f.scratch = vh + (cached ? 0 : B * Skx * Ekv);
+        if (cached) {
+            kt = (T *)a->cache_k;
+            vh = (T *)a->cache_v;
+        }
     }
     at.qh = qh; at.kt = kt; at.vh = vh;
     at.ctx = ctx;
@@ -300,31 +317,33 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     jq = SUF(add_proj)(&f, (const T *)a->query, (const T *)p->wq, (const T *)p->bq, NULL,
                        B * Sq, E, E, slots);
     jk = SUF(add_proj)(&f, (const T *)a->key, (const T *)p->wk, (const T *)p->bk, NULL,
-                       B * Sk, E, cfg->kdim, slots);
+                       B * Sk, Ekv, cfg->kdim, slots);
     jv = SUF(add_proj)(&f, (const T *)a->value, (const T *)p->wv, (const T *)p->bv, NULL,
-                       B * Sk, E, cfg->vdim, slots);
+                       B * Sk, Ekv, cfg->vdim, slots);
     SUF(proj_copies)(&f, 0, cp, offset, MHA_WQ, cp ? cp->query : NULL);
     SUF(proj_copies)(&f, 1, cp, offset, MHA_WK, cp ? cp->key : NULL);
     SUF(proj_copies)(&f, 2, cp, offset, MHA_WV, cp ? cp->value : NULL);
     if (cp && cp->params && cfg->add_bias_kv) {
-        memcpy((T *)cp->params + offset[MHA_BIAS_K], p->bias_k, (size_t)E * sizeof(T));
-        memcpy((T *)cp->params + offset[MHA_BIAS_V], p->bias_v, (size_t)E * sizeof(T));
+        memcpy((T *)cp->params + offset[MHA_BIAS_K], p->bias_k, (size_t)Ekv * sizeof(T));
+        memcpy((T *)cp->params + offset[MHA_BIAS_V], p->bias_v, (size_t)Ekv * sizeof(T));
     }
     jq->yh = qh;
     jk->yt = kt;
     jv->yh = vh;
     jq->S = jq->Sl = Sq;
     jk->S = jv->S = Sk;
-    jk->Sl = jv->Sl = Skx;
+    jk->Sl = jv->Sl = at.kld;
+    jk->off = jv->off = klen;
     jq->Dk = jk->Dk = jv->Dk = Dk;
     if (mha_parallel_for(f.prods.tiles, slots, SUF(linear_task), &f, &ps)) goto stopped;
-    if (sz.extra) SUF(extra_rows)(cfg, p, kt, vh, B, cfg->n_heads, Sk, Skx, Dk);
+    if (sz.extra) SUF(extra_rows)(cfg, p, kt, vh, B, Hkv, Sk, Skx, Dk);
     MHA_TICK("forward qkv proj");
 
     /* a NaN or inf in V must reach every row (0·NaN), so no causal or
      * window skipping; nor past the extra keys, which nothing blocks */
-    at.skip = (a->is_causal || at.rr.window) && sz.extra == 0 &&
-              SUF(all_finite)(vh, B * Skx * E);
+    at.skip = (a->is_causal || at.rr.window) && sz.extra == 0;
+    for (t = 0; t < B * Hkv && at.skip; t++) /* each head's keys (the cache's valid ones) */
+        at.skip = SUF(all_finite)(vh + t * at.kld * Dk, at.Sk * Dk);
 
     /* attention, per (b, h, block of queries) */
     if (SUF(attend)(&at, slots, &ps)) goto stopped;
@@ -345,4 +364,3 @@ stopped: /* the poll asked to stop: the outputs are unspecified */
 }
 
 #undef RM
-#undef SMALL_M

@@ -105,9 +105,24 @@ mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
     if (sz->n_key > 0 && !a->key) return MHA_ERR_ARG;
     if (sz->n_value > 0 && !a->value) return MHA_ERR_ARG;
 
+    /* the cache: both buffers, no extra keys, room for the Sk new keys,
+     * and its (B, Hkv, Dk, cap) addressable */
+    if (a->cache_k || a->cache_v) {
+        int64_t t, end;
+        size_t bytes;
+        if (!a->cache_k || !a->cache_v || sz->extra != 0 || a->cache_len < 0 ||
+            a->cache_cap <= 0)
+            return MHA_ERR_ARG;
+        if (mha_add(a->cache_len, a->Sk, &end)) return MHA_ERR_OVERFLOW;
+        if (end > a->cache_cap) return MHA_ERR_ARG;
+        if (mha_mul(a->B, mha_kv_heads(cfg), &t) || mha_mul(t, a->cache_cap, &t) ||
+            mha_mul(t, cfg->d_model / H, &t) || mha_bytes(t, mha_dtype_size(cfg->dtype), &bytes))
+            return MHA_ERR_OVERFLOW;
+    }
     /* every mask offset b*s0 + h*s1 + i*s2 + j*s3 must fit in int64_t */
     {
-        const int64_t dim[4] = {a->B, H, a->Sq, a->Sk};
+        const int64_t dim[4] = {a->B, H, a->Sq,
+                                a->cache_k ? a->cache_len + a->Sk : a->Sk};
         return check_masks(a->masks, a->n_masks, dim);
     }
 }
@@ -164,6 +179,8 @@ mha_status mha_forward_save(const mha_config *cfg, const mha_params *p,
         const int n = !!s->q + !!s->k + !!s->v + !!s->ctx;
         if ((n != 0 && n != 4) || (s->p && n == 0)) return MHA_ERR_ARG;
     }
+    /* a cache is mha_forward's alone: nothing saved or copied beside it */
+    if (a && (a->cache_k || a->cache_v) && (s || c)) return MHA_ERR_ARG;
     switch (cfg->dtype) {
     case MHA_FLOAT32: return mha_forward_f32(cfg, p, a, s, c);
     case MHA_FLOAT64: return mha_forward_f64(cfg, p, a, s, c);
@@ -179,7 +196,7 @@ mha_status mha_backward(const mha_config *cfg, const mha_params *p, const mha_ba
 mha_status mha_backward_saved(const mha_config *cfg, const mha_params *p,
                               const mha_backward_args *a, const mha_saved *s)
 {
-    if (!cfg) return MHA_ERR_ARG;
+    if (!cfg || (a && (a->fwd.cache_k || a->fwd.cache_v))) return MHA_ERR_ARG;
     if (s && (!s->q || !s->k || !s->v || !s->ctx)) return MHA_ERR_ARG;
     switch (cfg->dtype) {
     case MHA_FLOAT32: return mha_backward_f32(cfg, p, a, s);
@@ -190,7 +207,7 @@ mha_status mha_backward_saved(const mha_config *cfg, const mha_params *p,
 
 mha_status mha_forward_ref(const mha_config *cfg, const mha_params *p, const mha_forward_args *a)
 {
-    if (!cfg) return MHA_ERR_ARG;
+    if (!cfg || (a && (a->cache_k || a->cache_v))) return MHA_ERR_ARG;
     switch (cfg->dtype) {
     case MHA_FLOAT32: return mha_forward_ref_f32(cfg, p, a);
     case MHA_FLOAT64: return mha_forward_ref_f64(cfg, p, a);
@@ -201,7 +218,7 @@ mha_status mha_forward_ref(const mha_config *cfg, const mha_params *p, const mha
 mha_status mha_backward_ref(const mha_config *cfg, const mha_params *p,
                             const mha_backward_args *a)
 {
-    if (!cfg) return MHA_ERR_ARG;
+    if (!cfg || (a && (a->fwd.cache_k || a->fwd.cache_v))) return MHA_ERR_ARG;
     switch (cfg->dtype) {
     case MHA_FLOAT32: return mha_backward_ref_f32(cfg, p, a);
     case MHA_FLOAT64: return mha_backward_ref_f64(cfg, p, a);

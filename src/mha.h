@@ -53,6 +53,10 @@ typedef struct {
                           batch (torch.nn.MultiheadAttention's add_bias_kv) */
     int add_zero_attn; /* nonzero: then a zero key/value row is appended
                           (torch's add_zero_attn) */
+    int64_t n_kv_heads; /* Hkv: 0 (= H) or a divisor of H: grouped-query
+                           attention, W_k and W_v project to Hkv*Dk features
+                           and query head h reads key/value head h / (H / Hkv)
+                           (Hkv = 1: multi-query attention) */
 } mha_config;
 
 /* The extra keys of a configuration: add_bias_kv's row, then
@@ -66,12 +70,13 @@ int64_t mha_extra_keys(const mha_config *cfg);
 mha_status mha_config_check(const mha_config *cfg);
 
 /* The parameters live in one contiguous block of scalars, in this order,
- * each in torch.nn.Linear's (out_features, in_features) layout:
- *   W_q.weight (E, E)   W_q.bias (E)
- *   W_k.weight (E, Ek)  W_k.bias (E)
- *   W_v.weight (E, Ev)  W_v.bias (E)
- *   W_o.weight (E, E)   W_o.bias (E)
- *   bias_k (E)          bias_v (E)
+ * each in torch.nn.Linear's (out_features, in_features) layout
+ * (Ekv = Hkv*Dk, which is E unless cfg->n_kv_heads says otherwise):
+ *   W_q.weight (E, E)     W_q.bias (E)
+ *   W_k.weight (Ekv, Ek)  W_k.bias (Ekv)
+ *   W_v.weight (Ekv, Ev)  W_v.bias (Ekv)
+ *   W_o.weight (E, E)     W_o.bias (E)
+ *   bias_k (Ekv)          bias_v (Ekv)
  * Bias entries have size 0 when cfg->bias == 0; bias_k and bias_v have
  * size 0 unless cfg->add_bias_kv. */
 enum {
@@ -95,10 +100,10 @@ mha_status mha_params_init(const mha_config *cfg, void *block, uint64_t seed);
  * Biases are NULL when cfg->bias == 0. */
 typedef struct {
     const void *wq, *bq; /* (E, E), (E) */
-    const void *wk, *bk; /* (E, Ek), (E) */
-    const void *wv, *bv; /* (E, Ev), (E) */
+    const void *wk, *bk; /* (Ekv, Ek), (Ekv) */
+    const void *wv, *bv; /* (Ekv, Ev), (Ekv) */
     const void *wo, *bo; /* (E, E), (E) */
-    const void *bias_k, *bias_v; /* (E), (E); NULL unless cfg->add_bias_kv */
+    const void *bias_k, *bias_v; /* (Ekv), (Ekv); NULL unless cfg->add_bias_kv */
 } mha_params;
 
 /* Point p at the tensors of a block laid out by mha_param_layout. */
@@ -185,7 +190,22 @@ typedef struct {
                              returned are the multiplied ones.  Finite values
                              (the binding checks); no gradient for it */
     int64_t head_mask_stride[2];
+    /* A key/value cache (mha_forward only; the other entry points refuse
+     * one, as does a configuration with extra keys): cache_k (B, Hkv, Dk,
+     * cache_cap), K per head transposed, and cache_v (B, Hkv, cache_cap, Dk),
+     * contiguous, their first cache_len keys already projected.  The call
+     * projects its Sk keys and values into keys cache_len .. cache_len+Sk-1
+     * (cache_len + Sk <= cache_cap) and attends over all cache_len + Sk of
+     * them: masks, causality and the window are over (B, H, Sq, cache_len +
+     * Sk) then, and the weights (B, H, Sq, cache_len + Sk).  The caller
+     * advances its length.  Sq == 0 only fills the cache.  A row's bits are
+     * those of the same row in one call over the whole sequence. */
+    void *cache_k, *cache_v; /* both NULL: no cache */
+    int64_t cache_cap, cache_len;
 } mha_forward_args;
+
+/* Hkv: cfg->n_kv_heads, or n_heads when that is 0. */
+int64_t mha_kv_heads(const mha_config *cfg);
 
 /* The size checks of a call of shape (B, Sq, Sk), with nothing computed or
  * allocated: MHA_OK, MHA_ERR_ARG or MHA_ERR_OVERFLOW, as mha_forward would
@@ -281,9 +301,9 @@ mha_status mha_backward_ref(const mha_config *cfg, const mha_params *p,
  * mha_saved, in the layouts the attention reads (each head's block
  * contiguous):
  *   q    (B, H, Sq, Dk)  Q = query·W_qᵀ + b_q per head      \
- *   k    (B, H, Dk, Sk') K = key·W_kᵀ + b_k per head,        | the four
+ *   k    (B, Hkv, Dk, Sk') K = key·W_kᵀ + b_k per head,      | the four
  *                        transposed                          | together,
- *   v    (B, H, Sk', Dk) V = value·W_vᵀ + b_v per head       | or none
+ *   v    (B, Hkv, Sk', Dk) V = value·W_vᵀ + b_v per head     | or none
  *   ctx  (B, Sq, E)      the heads' A·V_bh concatenated, before W_o
  *   p    (B, H, Sq, Sk') the softmax P, before dropout (only with the four)
  *   (Sk' = Sk + mha_extra_keys(cfg): K and V with their extra rows)

@@ -9,19 +9,23 @@
 mha_status mha_param_layout(const mha_config *cfg, int64_t offset[MHA_NPARAM],
                             int64_t size[MHA_NPARAM], int64_t *total)
 {
-    int64_t E, in[4], pos = 0;
+    int64_t E, Ekv, in[4], out[4], pos = 0;
     int i;
     if (!cfg || !offset || !size || !total) return MHA_ERR_ARG;
     if (cfg->d_model <= 0 || cfg->n_heads <= 0 || cfg->kdim <= 0 || cfg->vdim <= 0 ||
-        cfg->d_model % cfg->n_heads != 0 || mha_dtype_size(cfg->dtype) == 0)
+        cfg->d_model % cfg->n_heads != 0 || mha_dtype_size(cfg->dtype) == 0 ||
+        cfg->n_kv_heads < 0 || cfg->n_kv_heads > cfg->n_heads ||
+        (cfg->n_kv_heads > 0 && cfg->n_heads % cfg->n_kv_heads != 0))
         return MHA_ERR_ARG;
     E = cfg->d_model;
+    Ekv = mha_kv_heads(cfg) * (E / cfg->n_heads); /* <= E */
     in[0] = E; in[1] = cfg->kdim; in[2] = cfg->vdim; in[3] = E;
+    out[0] = E; out[1] = Ekv; out[2] = Ekv; out[3] = E;
     for (i = 0; i < 4; i++) {
-        if (mha_mul(E, in[i], &size[2 * i])) return MHA_ERR_OVERFLOW;
-        size[2 * i + 1] = cfg->bias ? E : 0;
+        if (mha_mul(out[i], in[i], &size[2 * i])) return MHA_ERR_OVERFLOW;
+        size[2 * i + 1] = cfg->bias ? out[i] : 0;
     }
-    size[MHA_BIAS_K] = size[MHA_BIAS_V] = cfg->add_bias_kv ? E : 0;
+    size[MHA_BIAS_K] = size[MHA_BIAS_V] = cfg->add_bias_kv ? Ekv : 0;
     for (i = 0; i < MHA_NPARAM; i++) {
         offset[i] = pos;
         if (mha_add(pos, size[i], &pos)) return MHA_ERR_OVERFLOW;
@@ -31,6 +35,11 @@ mha_status mha_param_layout(const mha_config *cfg, int64_t offset[MHA_NPARAM],
     if (mha_bytes(pos, mha_dtype_size(cfg->dtype), &bytes)) return MHA_ERR_OVERFLOW;
     *total = pos;
     return MHA_OK;
+}
+
+int64_t mha_kv_heads(const mha_config *cfg)
+{
+    return !cfg ? 0 : cfg->n_kv_heads > 0 ? cfg->n_kv_heads : cfg->n_heads;
 }
 
 int64_t mha_extra_keys(const mha_config *cfg)

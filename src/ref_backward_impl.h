@@ -42,7 +42,7 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
     mha_sizes sz;
     mha_forward_args chk;
     const mha_forward_args *a;
-    int64_t B, Sq, Sk, Skx, E, H, Dk, Ek, Ev, b, h, i, j, d, n_kv;
+    int64_t B, Sq, Sk, Skx, E, H, Dk, Ek, Ev, b, h, i, j, d, n_kv, Ekv, hk;
     int64_t offset[MHA_NPARAM], size[MHA_NPARAM], total;
     size_t bytes;
     T *q = NULL, *k = NULL, *v = NULL, *ctx = NULL, *dctx = NULL, *dq = NULL, *dk = NULL,
@@ -61,7 +61,8 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
     B = a->B; Sq = a->Sq; Sk = a->Sk;
     E = cfg->d_model; H = cfg->n_heads; Dk = E / H; Ek = cfg->kdim; Ev = cfg->vdim;
     Skx = Sk + sz.extra; /* the given keys, then the extra ones */
-    n_kv = B * Skx * E; /* checked by mha_check_forward */
+    Ekv = mha_kv_heads(cfg) * Dk; /* K and V's width: Hkv heads */
+    n_kv = B * Skx * Ekv; /* checked by mha_check_forward */
     g = (T *)ba->grad_params;
 
     st = MHA_ERR_NOMEM;
@@ -86,12 +87,12 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
     SUF(ref_linear)((const T *)a->query, (const T *)p->wq, (const T *)p->bq, q, B * Sq, E, E);
     for (b = 0; b < B && Sk > 0; b++) { /* ... each batch's Sk rows, then K, V += extra rows */
         SUF(ref_linear)((const T *)a->key + b * Sk * Ek, (const T *)p->wk, (const T *)p->bk,
-                        k + b * Skx * E, Sk, E, Ek);
+                        k + b * Skx * Ekv, Sk, Ekv, Ek);
         SUF(ref_linear)((const T *)a->value + b * Sk * Ev, (const T *)p->wv, (const T *)p->bv,
-                        v + b * Skx * E, Sk, E, Ev);
+                        v + b * Skx * Ekv, Sk, Ekv, Ev);
     }
-    SUF(ref_extra_rows)(cfg, (const T *)p->bias_k, k, B, Sk, Skx, E);
-    SUF(ref_extra_rows)(cfg, (const T *)p->bias_v, v, B, Sk, Skx, E);
+    SUF(ref_extra_rows)(cfg, (const T *)p->bias_k, k, B, Sk, Skx, Ekv);
+    SUF(ref_extra_rows)(cfg, (const T *)p->bias_v, v, B, Sk, Skx, Ekv);
     /* backward of out = ctx·W_oᵀ + b_o, for ctx: dctx = d out·W_o */
     SUF(ref_linear_backward)((const T *)ba->grad_out, NULL, (const T *)p->wo, dctx, NULL, NULL,
                              B * Sq, E, E);
@@ -109,7 +110,8 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                 T m = -(T)INFINITY, sum = 0, dot = 0;
                 int blocked_row;
                 /* forward: s_j = q_i·k_j · scale + masks (ref_scores) */
-                SUF(ref_scores)(a, q_i, k + b * Skx * E, E, Dk, Skx, b, h, i, scale, row);
+                hk = h / (H / (Ekv / Dk)); /* the key/value head of query head h */
+                SUF(ref_scores)(a, q_i, k + b * Skx * Ekv, Ekv, Dk, Skx, b, h, hk, i, scale, row);
                 /* forward: p = softmax(s); a row with every key blocked is
                  * NaN, or 0 with zero_masked_rows (Sk == 0 is no such row) */
                 blocked_row = Skx > 0;
@@ -141,7 +143,7 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                     T c = 0;
                     if (blocked_row) c = nan_or_zero;
                     else
-                        for (j = 0; j < Skx; j++) c += arow[j] * v[(b * Skx + j) * E + h * Dk + d];
+                        for (j = 0; j < Skx; j++) c += arow[j] * v[(b * Skx + j) * Ekv + hk * Dk + d];
                     c_i[d] = c;
                 }
                 /* backward of ctx_i = Σ_j a_j v_j: dv_j += a_j dctx_i,
@@ -149,8 +151,8 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                 for (j = 0; j < Skx; j++) {
                     T da = 0;
                     for (d = 0; d < Dk; d++) {
-                        dv[(b * Skx + j) * E + h * Dk + d] += arow[j] * dc_i[d];
-                        da += dc_i[d] * v[(b * Skx + j) * E + h * Dk + d];
+                        dv[(b * Skx + j) * Ekv + hk * Dk + d] += arow[j] * dc_i[d];
+                        da += dc_i[d] * v[(b * Skx + j) * Ekv + hk * Dk + d];
                     }
                     if (ba->grad_weights)
                         da += ((const T *)ba->grad_weights)[((b * H + h) * Sq + i) * Skx + j];
@@ -172,8 +174,8 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                 for (j = 0; j < Skx; j++) {
                     const T ds = drow[j] * scale;
                     for (d = 0; d < Dk; d++) {
-                        dq_i[d] += ds * k[(b * Skx + j) * E + h * Dk + d];
-                        dk[(b * Skx + j) * E + h * Dk + d] += ds * q_i[d];
+                        dq_i[d] += ds * k[(b * Skx + j) * Ekv + hk * Dk + d];
+                        dk[(b * Skx + j) * Ekv + hk * Dk + d] += ds * q_i[d];
                     }
                 }
             }
@@ -185,18 +187,18 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
     /* backward of K, V += extra rows: d bias_k = Σ_b dk[b, Sk] (likewise v);
      * then the given rows alone, (B*Sk, E) */
     if (g && cfg->add_bias_kv)
-        for (d = 0; d < E; d++) {
+        for (d = 0; d < Ekv; d++) {
             T sk = 0, sv = 0;
             for (b = 0; b < B; b++) {
-                sk += dk[(b * Skx + Sk) * E + d];
-                sv += dv[(b * Skx + Sk) * E + d];
+                sk += dk[(b * Skx + Sk) * Ekv + d];
+                sv += dv[(b * Skx + Sk) * Ekv + d];
             }
             g[offset[MHA_BIAS_K] + d] = sk;
             g[offset[MHA_BIAS_V] + d] = sv;
         }
     for (b = 1; b < B && Skx != Sk; b++) {
-        memmove(dk + b * Sk * E, dk + b * Skx * E, (size_t)(Sk * E) * sizeof(T));
-        memmove(dv + b * Sk * E, dv + b * Skx * E, (size_t)(Sk * E) * sizeof(T));
+        memmove(dk + b * Sk * Ekv, dk + b * Skx * Ekv, (size_t)(Sk * Ekv) * sizeof(T));
+        memmove(dv + b * Sk * Ekv, dv + b * Skx * Ekv, (size_t)(Sk * Ekv) * sizeof(T));
     }
     /* backward of Q = query·W_qᵀ + b_q, K = key·W_kᵀ + b_k, V = value·W_vᵀ + b_v */
     SUF(ref_linear_backward)(dq, (const T *)a->query, (const T *)p->wq, (T *)ba->grad_query,
@@ -204,10 +206,10 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                              g && cfg->bias ? g + offset[MHA_BQ] : NULL, B * Sq, E, E);
     SUF(ref_linear_backward)(dk, (const T *)a->key, (const T *)p->wk, (T *)ba->grad_key,
                              g ? g + offset[MHA_WK] : NULL,
-                             g && cfg->bias ? g + offset[MHA_BK] : NULL, B * Sk, E, Ek);
+                             g && cfg->bias ? g + offset[MHA_BK] : NULL, B * Sk, Ekv, Ek);
     SUF(ref_linear_backward)(dv, (const T *)a->value, (const T *)p->wv, (T *)ba->grad_value,
                              g ? g + offset[MHA_WV] : NULL,
-                             g && cfg->bias ? g + offset[MHA_BV] : NULL, B * Sk, E, Ev);
+                             g && cfg->bias ? g + offset[MHA_BV] : NULL, B * Sk, Ekv, Ev);
     st = MHA_OK;
 done:
     mha_free(q); mha_free(k); mha_free(v); mha_free(ctx); mha_free(dctx);

@@ -36,16 +36,16 @@ static int SUF(ref_causal_blocks)(const mha_forward_args *a, int64_t i, int64_t 
  * Skx: s_j = q_i·k_j · scale, plus the additive masks, -inf where a
  * blocking mask, causality or the window blocks (never the extra keys
  * j >= Sk).  q_i (Dk) is head h's slice of a query row; k_b (Skx, E) is
- * batch b's keys.  The forward and the backward reference both call it. */
+ * batch b's keys (E: Hkv*Dk), hk the key head of query head h.  The forward and the backward reference both call it. */
 static void SUF(ref_scores)(const mha_forward_args *a, const T *q_i, const T *k_b, int64_t E,
-                            int64_t Dk, int64_t Skx, int64_t b, int64_t h, int64_t i, T scale,
-                            T *row)
+                            int64_t Dk, int64_t Skx, int64_t b, int64_t h, int64_t hk, int64_t i,
+                            T scale, T *row)
 {
     int64_t j, d;
     int n;
     for (j = 0; j < Skx; j++) {
         T s = 0;
-        for (d = 0; d < Dk; d++) s += q_i[d] * k_b[j * E + h * Dk + d];
+        for (d = 0; d < Dk; d++) s += q_i[d] * k_b[j * E + hk * Dk + d];
         s *= scale;
         for (n = 0; n < a->n_masks && j < a->Sk; n++) {
             const mha_mask *mk = &a->masks[n];
@@ -83,7 +83,7 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
 {
     mha_sizes sz;
     int64_t B = a ? a->B : 0, Sq = a ? a->Sq : 0, Sk = a ? a->Sk : 0;
-    int64_t E, H, Dk, b, h, i, j, d, n_kv, Skx;
+    int64_t E, H, Dk, b, h, i, j, d, n_kv, Skx, Ekv, hk;
     size_t bytes;
     T *q = NULL, *k = NULL, *v = NULL, *ctx = NULL, *row = NULL;
     mha_status st = mha_check_forward(cfg, p, a, &sz);
@@ -92,8 +92,9 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
     E = cfg->d_model;
     H = cfg->n_heads;
     Dk = E / H;
+    Ekv = mha_kv_heads(cfg) * Dk; /* K and V's width: Hkv heads */
     Skx = Sk + sz.extra; /* the given keys, then the extra ones */
-    n_kv = B * Skx * E; /* checked by mha_check_forward */
+    n_kv = B * Skx * Ekv; /* checked by mha_check_forward */
     st = MHA_ERR_NOMEM;
     if (mha_bytes(sz.n_out, sizeof(T), &bytes)) return MHA_ERR_OVERFLOW;
     if (!(q = (T *)mha_alloc(bytes)) || !(ctx = (T *)mha_alloc(bytes))) goto done;
@@ -104,23 +105,24 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
     SUF(ref_linear)((const T *)a->query, (const T *)p->wq, (const T *)p->bq, q, B * Sq, E, E);
     for (b = 0; b < B && Sk > 0; b++) { /* each batch's Sk rows, then its extra ones */
         SUF(ref_linear)((const T *)a->key + b * Sk * cfg->kdim, (const T *)p->wk,
-                        (const T *)p->bk, k + b * Skx * E, Sk, E, cfg->kdim);
+                        (const T *)p->bk, k + b * Skx * Ekv, Sk, Ekv, cfg->kdim);
         SUF(ref_linear)((const T *)a->value + b * Sk * cfg->vdim, (const T *)p->wv,
-                        (const T *)p->bv, v + b * Skx * E, Sk, E, cfg->vdim);
+                        (const T *)p->bv, v + b * Skx * Ekv, Sk, Ekv, cfg->vdim);
     }
-    SUF(ref_extra_rows)(cfg, (const T *)p->bias_k, k, B, Sk, Skx, E);
-    SUF(ref_extra_rows)(cfg, (const T *)p->bias_v, v, B, Sk, Skx, E);
+    SUF(ref_extra_rows)(cfg, (const T *)p->bias_k, k, B, Sk, Skx, Ekv);
+    SUF(ref_extra_rows)(cfg, (const T *)p->bias_v, v, B, Sk, Skx, Ekv);
 
     const T scale = (T)mha_score_scale(a->has_scale, a->scale, Dk);
     const T drop_scale = a->dropout < 1.0 ? (T)(1.0 / (1.0 - a->dropout)) : (T)0;
     for (b = 0; b < B; b++)
         for (h = 0; h < H; h++)
             for (i = 0; i < Sq; i++) {
-                /* scores of query i against every key */
+                /* scores of query i against every key (of key head hk) */
                 T m = -(T)INFINITY, sum = 0;
                 int blocked_row;
-                SUF(ref_scores)(a, q + (b * Sq + i) * E + h * Dk, k + b * Skx * E, E, Dk, Skx,
-                                b, h, i, scale, row);
+                hk = h / (H / (Ekv / Dk));
+                SUF(ref_scores)(a, q + (b * Sq + i) * E + h * Dk, k + b * Skx * Ekv, Ekv, Dk,
+                                Skx, b, h, hk, i, scale, row);
                 /* softmax, with NaN rows where every key is blocked (Skx == 0
                  * is no such row: its context is an empty sum, 0) */
                 blocked_row = Skx > 0;
@@ -158,7 +160,7 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
                     T c = 0;
                     if (blocked_row) c = a->zero_masked_rows ? (T)0 : (T)NAN;
                     else
-                        for (j = 0; j < Skx; j++) c += row[j] * v[(b * Skx + j) * E + h * Dk + d];
+                        for (j = 0; j < Skx; j++) c += row[j] * v[(b * Skx + j) * Ekv + hk * Dk + d];
                     ctx[(b * Sq + i) * E + h * Dk + d] = c;
                 }
             }
