@@ -21,6 +21,7 @@ import numpy as np
 
 from ._convert import as_array, as_real, contiguous, flag
 from ._masks import masks as _masks
+from .cache import KVCache
 
 # is_causal: the one spelling of the lower-right alignment in every API
 LOWER_RIGHT = "lower_right"
@@ -43,6 +44,7 @@ class Call(NamedTuple):
     scale: float | None      # None: 1 / sqrt(Dk)
     window: tuple | None     # None, or (left, right), each int >= 0 or None
     head_mask: np.ndarray | None  # (B, H) of the module's dtype, finite
+    cache: object = None     # None, or the KVCache (mha_ext.cache) the call extends
 
 
 def causal(is_causal):
@@ -115,14 +117,41 @@ def head_mask_array(head_mask, B, H, dtype):
     return m
 
 
+def _cache_check(mha, cache, key, value, is_causal):
+    """A call's cache checked (a KVCache of this module); returns is_causal
+    as the cached call reads it: a self-attention cache is causal with the
+    lower-right alignment (the new queries follow the cached keys), so
+    is_causal may be left False or be True or "lower_right"; a cross cache
+    is never causal and takes the query alone."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be None or a KVCache (from new_cache or cache_memory), "
+                        f"not {type(cache).__name__}")
+    cache._check_owner(mha)
+    c = causal(is_causal)
+    if cache.cross:
+        if key is not None or value is not None:
+            raise ValueError("a cross-attention cache (cache_memory) already holds the "
+                             "memory's keys and values: pass the query alone")
+        if c:
+            raise ValueError("a cross-attention cache's memory is not causal: leave "
+                             "is_causal False")
+        return False
+    return LOWER_RIGHT
+
+
 def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
             key_padding_mask=None, is_causal=False, need_weights=True,
             average_weights=False, masked_rows="nan", dtype=None, scale=None,
-            window=None, head_mask=None) -> Call:
+            window=None, head_mask=None, cache=None) -> Call:
     """A call's arguments checked and brought to the C side's form.  key
     defaults to query, value to key.  With dtype None the inputs are arrays
     as given (no copy for an ndarray; the C side converts); with a dtype they
-    are C-contiguous arrays of it (no copy when they already are)."""
+    are C-contiguous arrays of it (no copy when they already are).  With a
+    cache (a KVCache), key and value are the new keys (a cross cache: none),
+    the masks cover the cached keys and the new ones, and the call is
+    causal as _cache_check says."""
+    if cache is not None:
+        is_causal = _cache_check(mha, cache, key, value, is_causal)
     if dtype is None:
         convert = as_array
     else:
@@ -153,11 +182,24 @@ def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
     B, Sq, Sk = q3.shape[0], q3.shape[1], k3.shape[1]
     if not isinstance(masked_rows, str) or masked_rows not in ("nan", "zero"):
         raise ValueError(f"masked_rows must be 'nan' or 'zero', got {masked_rows!r}")
-    ms = _masks(mask, attn_mask, key_padding_mask, batched, B, mha.n_heads, Sq, Sk)
+    Sk_all = Sk
+    if cache is not None:
+        if B != cache.batch_size:
+            raise ValueError(f"the cache was made for batch_size {cache.batch_size}, the "
+                             f"call has batch {B}")
+        if cache.cross:  # no new keys: the memory is cached
+            k3 = np.zeros((B, 0, mha.kdim), dtype=mha.dtype)
+            v3 = np.zeros((B, 0, mha.vdim), dtype=mha.dtype)
+            Sk = 0
+        if cache.length + Sk > cache.capacity:
+            raise ValueError(f"the cache holds {cache.length} of {cache.capacity} keys: "
+                             f"{Sk} more do not fit (make it with a larger max_len)")
+        Sk_all = cache.length + Sk
+    ms = _masks(mask, attn_mask, key_padding_mask, batched, B, mha.n_heads, Sq, Sk_all)
     return Call(q3, k3, v3, ms, batched, causal(is_causal),
                 flag(need_weights, "need_weights"), flag(average_weights, "average_weights"),
                 masked_rows == "zero", score_scale(scale), sliding_window(window),
-                head_mask_array(head_mask, B, mha.n_heads, mha.dtype))
+                head_mask_array(head_mask, B, mha.n_heads, mha.dtype), cache)
 
 
 def shape_output(call, out, weights):
@@ -203,11 +245,30 @@ def keep_level(mha, call, save_projections):
 def c_forward(mha, call, reference=False):
     """The module's call: (output (B, Sq, E), weights (B, H, Sq, Sk') or None,
     Sk' = Sk plus the extra keys of add_bias_kv and add_zero_attn);
-    reference=True runs the core's plain reference forward (the tests' oracle)."""
-    return mha._forward(call.query, call.key, call.value, masks=call.masks,
-                        is_causal=call.is_causal, need_weights=call.need_weights,
-                        zero_rows=call.zero_rows, reference=bool(reference),
-                        scale=call.scale, window=call.window, head_mask=call.head_mask)
+    reference=True runs the core's plain reference forward (the tests' oracle).
+    With call.cache, the call writes its keys and values into the cache and
+    attends over all of it (Sk' = the cache's length after the call); the
+    cache's length advances only when the call succeeds."""
+    cache = call.cache
+    if cache is None:
+        return mha._forward(call.query, call.key, call.value, masks=call.masks,
+                            is_causal=call.is_causal, need_weights=call.need_weights,
+                            zero_rows=call.zero_rows, reference=bool(reference),
+                            scale=call.scale, window=call.window, head_mask=call.head_mask)
+    if cache._busy:
+        raise RuntimeError("this cache is in use by another call: one call at a time extends "
+                           "a cache")
+    cache._busy = True
+    try:
+        result = mha._forward(call.query, call.key, call.value, masks=call.masks,
+                              is_causal=call.is_causal, need_weights=call.need_weights,
+                              zero_rows=call.zero_rows, reference=bool(reference),
+                              scale=call.scale, window=call.window, head_mask=call.head_mask,
+                              cache=cache._c_tuple())
+        cache._length += call.key.shape[1]
+    finally:
+        cache._busy = False
+    return result
 
 
 def c_forward_train(mha, call, block, dropout, counter, keep):

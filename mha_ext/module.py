@@ -32,8 +32,9 @@ from numpy.typing import ArrayLike, DTypeLike
 from . import _calls, _core, _habits, _interop, _params
 from . import autograd as _autograd
 from . import trace as _trace
-from ._convert import as_real
+from ._convert import as_array, as_real
 from ._params import IncompatibleKeys
+from .cache import KVCache
 
 __all__ = ["MultiHeadAttention", "Linear"]
 
@@ -97,9 +98,13 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
     MultiHeadAttention(d_model, n_heads, dropout=0.0, *, bias=True,
                        kdim=None, vdim=None, dtype="float32", seed=None,
-                       add_bias_kv=False, add_zero_attn=False)
+                       add_bias_kv=False, add_zero_attn=False, n_kv_heads=None)
 
     d_model, n_heads : positive ints, d_model divisible by n_heads.
+    n_kv_heads : None (= n_heads) or a divisor of n_heads: grouped-query
+        attention (Llama, Mistral, Qwen; 1 is multi-query attention).  W_k
+        and W_v project to n_kv_heads * d_k features, and query head h
+        reads key/value head h // (n_heads // n_kv_heads).
     dropout : probability in [0, 1] of dropping an attention weight in
         training mode (the module starts in training mode, like torch's).
     bias : whether the four projections have biases.
@@ -108,7 +113,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     seed : int or None; fixes the initialisation, U(-1/sqrt(fan_in),
         1/sqrt(fan_in)) like torch.nn.Linear, and the dropout stream.
     add_bias_kv : torch.nn.MultiheadAttention's: learned vectors bias_k and
-        bias_v (E,) (initialised N(0, 1/E) as torch does) are appended to
+        bias_v (n_kv_heads * d_k,) (initialised N(0, 1/E) as torch does) are appended to
         the projected keys and values as one more key per batch.
     add_zero_attn : torch's: then a zero key and value are appended.
         The extra keys are never blocked by a mask or by is_causal, and the
@@ -117,6 +122,11 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     Parameters: W_q, W_k, W_v, W_o, each with .weight (out, in) and .bias,
     live NumPy views of the module's memory (and bias_k, bias_v with
     add_bias_kv).
+
+    Incremental decoding: new_cache(batch_size, max_len) makes a KVCache
+    and ``m(x, cache=cache)`` projects x's keys and values into it and
+    attends over everything cached (see forward); cache_memory(memory)
+    caches a fixed memory's keys and values for cross-attention.
 
     MultiHeadAttention.from_torch(module) copies a torch.nn.MultiheadAttention
     (or a module with W_q/W_k/W_v/W_o linear children); load_state_dict also
@@ -173,12 +183,13 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
     @property
     def W_k(self) -> Linear:
-        """The key projection: weight (E, kdim), bias (E,)."""
+        """The key projection: weight (Ekv, kdim), bias (Ekv,), Ekv =
+        n_kv_heads * d_k (E unless grouped-query attention)."""
         return self._linear(2)
 
     @property
     def W_v(self) -> Linear:
-        """The value projection: weight (E, vdim), bias (E,)."""
+        """The value projection: weight (Ekv, vdim), bias (Ekv,)."""
         return self._linear(4)
 
     @property
@@ -274,6 +285,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         kwargs = dict(bias=self.bias, kdim=self.kdim, vdim=self.vdim,
                       dtype=self.dtype.name, seed=self.seed, add_bias_kv=self.add_bias_kv,
                       add_zero_attn=self.add_zero_attn)
+        if self.n_kv_heads != self.n_heads:
+            kwargs["n_kv_heads"] = self.n_kv_heads
         state = {"params": self.state_dict(), "dropout": self.dropout,
                  "training": self.training, "counter": self._counter,
                  "dict": dict(self.__dict__)}
@@ -332,7 +345,33 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             s += ", add_bias_kv=True"
         if self.add_zero_attn:
             s += ", add_zero_attn=True"
+        if self.n_kv_heads != self.n_heads:
+            s += f", n_kv_heads={self.n_kv_heads}"
         return s + ")"
+
+    # ------------------------------------------------------------ caches
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty key/value cache for incremental decoding: up to max_len
+        keys of a batch of batch_size, in this module's dtype (memory:
+        2 * batch_size * n_kv_heads * d_k * max_len scalars).  Pass it as
+        ``m(x, cache=cache)``: see forward."""
+        return KVCache(self, batch_size, max_len)
+
+    def cache_memory(self, memory: ArrayLike, value: ArrayLike | None = None) -> KVCache:
+        """A cross-attention cache: the keys and values of a fixed memory
+        (B, M, kdim) (value (B, M, vdim), default memory) projected once.
+        Later calls ``m(query, cache=cache)`` attend over all M of them (no
+        causality; masks cover the M keys) and never extend it."""
+        mem = as_array(memory, "memory")
+        if mem.ndim != 3 or mem.shape[0] < 1 or mem.shape[1] < 1:
+            raise ValueError(f"memory must be 3-D (batch, length, kdim) with batch and "
+                             f"length >= 1, got shape {mem.shape}")
+        cache = KVCache(self, mem.shape[0], mem.shape[1])
+        empty = np.zeros((mem.shape[0], 0, self.d_model), dtype=self.dtype)
+        call = _calls.prepare(self, empty, mem, value, need_weights=False, cache=cache)
+        _calls.c_forward(self, call)  # Sq = 0: only the cache is filled
+        cache._cross = True
+        return cache
 
     # ------------------------------------------------------------ the call
     def forward(self, query: ArrayLike, key: ArrayLike | None = None,
@@ -343,6 +382,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                 masked_rows: Literal["nan", "zero"] = "nan", scale: float | None = None,
                 window: tuple[int | None, int | None] | None = None,
                 head_mask: ArrayLike | None = None,
+                cache: KVCache | None = None,
                 **unknown,
                 ) -> tuple[np.ndarray, np.ndarray | None]:
         """Attention of query over key and value; returns (output, weights).
@@ -382,6 +422,23 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         masked_rows: "nan" (default) gives NaN weights and output for a query
           that sees no key, like the seed module; "zero" gives zero weights and
           an output row equal to W_o.bias, like torch's SDPA.
+        cache: None, or a KVCache of this module (new_cache, cache_memory).
+          Self-attention cache of length L: the call's keys and values (key
+          and value default to query; n = key's length) are projected into
+          the cache at [L, L + n) and the queries attend over all L + n
+          keys, causally with the lower-right alignment (query i of Sq sees
+          keys j <= L + n - Sq + i), whatever is_causal says (False, True
+          or "lower_right" all mean that here); the cache's length becomes
+          L + n.  Prefill (many tokens) and decode (one) are the same call.
+          attn_mask is (Sq, L + n), key_padding_mask (B, L + n) (left-padded
+          prompts: block the pad keys in every later call too), window and
+          head_mask work as usual; the weights are (B, H, Sq, L + n).  The
+          outputs are bit-identical to those rows of one causal call over
+          the whole sequence (same instruction set, finite inputs, eval
+          mode).  More keys than the capacity: a ValueError, the cache
+          unchanged.  Cross cache (cache_memory): pass the query alone; it
+          attends over the cached memory without causality.  Not with
+          add_bias_kv / add_zero_attn (ValueError), nor forward_train.
         is_causal, need_weights and average_weights are single truth values
         (bools, NumPy bools); a sequence or array is a TypeError naming it.
         torch's keyword names (average_attn_weights, batch_first) are a
@@ -393,7 +450,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             self, query, key, value, mask, unknown, "forward")
         call = _calls.prepare(self, query, key, value, mask, attn_mask, key_padding_mask,
                               is_causal, need_weights, average_weights, masked_rows,
-                              scale=scale, window=window, head_mask=head_mask)
+                              scale=scale, window=window, head_mask=head_mask, cache=cache)
         out, weights = _calls.c_forward(self, call)
         out, weights = _calls.shape_output(call, out, weights)
         return (_habits.seq_first_output(out) if seq_first else out), weights
