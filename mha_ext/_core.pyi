@@ -19,12 +19,16 @@ _Flag = bool | int | np.bool_
 # window: None, or (left, right), each an int >= 0 or None (unbounded)
 _Window = Optional[Tuple[Optional[int], Optional[int]]]
 _Causal = _Flag | Literal["lower_right"]
-# (Q, K, V, ctx, P | None): Q (B, H, Sq, Dk), K (B, H, Dk, Sk'), V (B, H, Sk', Dk),
+# (Q, K, V, ctx, P | None): Q (B, H, Sq, Dk), K (B, Hkv, Dk, Sk'), V (B, Hkv, Sk', Dk),
 # ctx (B, Sq, E), P (B, H, Sq, Sk'); Sk' = Sk + the extra keys of add_bias_kv
 # and add_zero_attn
 _Saved = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]
 # (params | None, query, key, value): the forward's copies of its inputs
 _Copies = Tuple[Optional[np.ndarray], np.ndarray, np.ndarray, np.ndarray]
+# a key/value cache: (K (B, Hkv, Dk, cap), V (B, Hkv, cap, Dk), length), the
+# module's dtype, C-contiguous and writeable (the call writes its keys at
+# [length, length + Sk)); masks then cover (B, H, Sq, length + Sk)
+_Cache = Tuple[np.ndarray, np.ndarray, int]
 
 def set_num_threads(n: int | np.integer[Any], /) -> None:
     """Use n threads (1 to 256) for the library's own parallel work."""
@@ -58,7 +62,8 @@ class MultiHeadAttention:
                 vdim: int | np.integer[Any] | None = ...,
                 dtype: npt.DTypeLike = ...,
                 seed: int | np.integer[Any] | None = ...,
-                add_bias_kv: _Flag = ..., add_zero_attn: _Flag = ...) -> _Self: ...
+                add_bias_kv: _Flag = ..., add_zero_attn: _Flag = ...,
+                n_kv_heads: int | np.integer[Any] | None = ...) -> _Self: ...
     @property
     def d_model(self) -> int: ...
     @property
@@ -76,6 +81,8 @@ class MultiHeadAttention:
     @property
     def add_zero_attn(self) -> bool: ...
     @property
+    def n_kv_heads(self) -> int: ...
+    @property
     def seed(self) -> int: ...
     @property
     def num_parameters(self) -> int: ...
@@ -89,6 +96,7 @@ class MultiHeadAttention:
                  need_weights: _Flag = ..., zero_rows: _Flag = ...,
                  reference: _Flag = ..., scale: Optional[float] = ...,
                  window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
+                 cache: Optional[_Cache] = ...,
                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
     def _forward_train(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
                        params: Optional[npt.ArrayLike] = ..., masks: Sequence[_Mask] = ...,

@@ -7,6 +7,10 @@
  *       The call behind MultiHeadAttention.__call__; dropout is the
  *       module's own (training and dropout > 0, one stream per call).
  *       reference: the plain reference core instead of the fast one.
+ *       cache=(K, V, length): K (B, Hkv, Dk, cap), V (B, Hkv, cap, Dk)
+ *       arrays the call writes its keys and values into, at [length,
+ *       length + Sk), then attends over all length + Sk (masks and weights
+ *       over those); the caller advances length (mha_ext._calls).
  *   _forward_train(query, key, value, *, params=None, masks=(),
  *                  is_causal=False, need_weights=True, zero_rows=False,
  *                  dropout=0.0, counter=0, save=True, save_p=False, scale=None)

@@ -7,6 +7,9 @@ Seed-style layouts recognised (tried in this order):
   W_q, W_k, W_v, W_o                         the seed notebook's
   q_linear, k_linear, v_linear, out_linear   the teaching texts' other one
   q_proj, k_proj, v_proj, out_proj | o_proj  most Hugging Face models
+                                 (k_proj, v_proj may project to fewer
+                                 features, n_kv_heads * head_dim: a
+                                 grouped-query module, as Llama's)
   per-head lists: each of Q, K, V a ModuleList (or list) of one Linear per
     head, either as the projection attributes above (``W_q = ModuleList``)
     or as a list of head modules (``heads``, ``attention_heads``,
@@ -252,6 +255,20 @@ def _heads(module, E, listed, n_heads):
                      f"unknown; pass n_heads=")
 
 
+def _kv_heads(parts, E, H):
+    # grouped-query attention: W_k and W_v project to fewer features than
+    # W_q, a whole number of heads dividing H (Llama's k_proj, v_proj)
+    ek, ev = int(parts["W_k"][0].shape[0]), int(parts["W_v"][0].shape[0])
+    if ek == E and ev == E:
+        return None
+    dk = E // H
+    if ek != ev or ek % dk != 0 or H % (ek // dk) != 0 or ek > E:
+        raise ValueError(f"from_torch: W_k and W_v project to {ek} and {ev} features; with "
+                         f"{H} heads of width {dk} they must both project to n_kv_heads * "
+                         f"{dk} features, n_kv_heads dividing {H} (grouped-query attention)")
+    return ek // dk
+
+
 def _from_linears(cls, module, found, dtype, seed, n_heads):
     # the four projections (linears or per-head lists) into a `cls`
     parts = {ours: _stack(found[ours], ours, ours) for ours in LINEARS}
@@ -265,7 +282,8 @@ def _from_linears(cls, module, found, dtype, seed, n_heads):
     first = found["W_q"][0] if isinstance(found["W_q"], list) else found["W_q"]
     m = cls(E, H, _dropout(module), bias=bias,
             kdim=int(parts["W_k"][0].shape[1]), vdim=int(parts["W_v"][0].shape[1]),
-            dtype=_dtype(first.weight, dtype), seed=seed)
+            dtype=_dtype(first.weight, dtype), seed=seed,
+            n_kv_heads=_kv_heads(parts, E, H))
     state = {}
     for ours, (w, b, _) in parts.items():
         state[f"{ours}.weight"] = w

@@ -44,7 +44,8 @@ def test_demo_torch_hint_is_pinned_and_cpu_only(capsys, monkeypatch):
 def test_signature_of_the_class():
     sig = inspect.signature(mha_ext.MultiHeadAttention)
     assert list(sig.parameters) == ["d_model", "n_heads", "dropout", "bias", "kdim",
-                                    "vdim", "dtype", "seed", "add_bias_kv", "add_zero_attn"]
+                                    "vdim", "dtype", "seed", "add_bias_kv", "add_zero_attn",
+                                    "n_kv_heads"]
     kinds = {n: p.kind for n, p in sig.parameters.items()}
     assert kinds["dropout"] == inspect.Parameter.POSITIONAL_OR_KEYWORD
     assert kinds["bias"] == inspect.Parameter.KEYWORD_ONLY
