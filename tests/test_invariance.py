@@ -1,0 +1,100 @@
+"""Batch invariance (issue 17), a documented guarantee (docs/API.md): on a
+given instruction set, a query row's output (and weights) are the same bits
+whatever the batch size, whatever the other rows of the batch hold, however
+far the sequence is padded beyond the row's causal prefix, and at any
+thread count.  torch makes no such promise (its users file bugs about
+results that change with the batch size).
+
+Each test computes the same row two ways and asks for equal bits: a test
+that fails on any change of the order of a sum (before issue 17's fix, E64
+S10 differed by 9.7e-8: small shapes took a different projection kernel).
+
+Legend: B batch, S sequence length, E = d_model, H = n_heads.
+"""
+import numpy as np
+import pytest
+
+import mha_ext
+from mha_ext import MultiHeadAttention, _core
+
+ISAS = [name for name in ("portable", "avx2", "avx512") if _core._isa_available(name)]
+SHAPES = [(64, 4, 10), (64, 1, 3), (96, 8, 17), (512, 8, 10), (512, 8, 130)]  # E, H, S
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    before = _core._get_isa()
+    _core._set_isa(request.param)
+    yield request.param
+    _core._set_isa(before)
+
+
+def _data(B, S, E, dtype, seed=0):
+    return np.random.default_rng(seed).standard_normal((B, S, E)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("E,H,S", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_batch_invariance_batch_size(isa, dtype, E, H, S, causal):
+    # each batch row alone gives the bits it gives inside a batch of 5
+    m = MultiHeadAttention(E, H, dtype=dtype, seed=1).eval()
+    x = _data(5, S, E, dtype)
+    out, w = m(x, is_causal=causal)
+    for b in range(5):
+        ob, wb = m(x[b:b + 1], is_causal=causal)
+        assert np.array_equal(ob[0], out[b]), (b, np.abs(ob[0] - out[b]).max())
+        assert np.array_equal(wb[0], w[b])
+    # and without weights (the online-softmax path)
+    out2, _ = m(x, is_causal=causal, need_weights=False)
+    ob, _ = m(x[2:3], is_causal=causal, need_weights=False)
+    assert np.array_equal(ob[0], out2[2])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("E,H,S", SHAPES)
+def test_batch_invariance_other_rows(isa, dtype, E, H, S):
+    # changing the other batch rows changes nothing of row 0
+    m = MultiHeadAttention(E, H, dtype=dtype, seed=2).eval()
+    x = _data(3, S, E, dtype)
+    y = x.copy()
+    y[1:] = _data(2, S, E, dtype, seed=9) * 100
+    for nw in (True, False):
+        a, _ = m(x, is_causal=True, need_weights=nw)
+        b, _ = m(y, is_causal=True, need_weights=nw)
+        assert np.array_equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("E,H,S", SHAPES)
+def test_batch_invariance_padding_beyond_the_causal_prefix(isa, dtype, E, H, S):
+    # a causal call over the first k tokens gives the bits of those rows of
+    # the call over all S tokens, whatever follows (here: large numbers)
+    m = MultiHeadAttention(E, H, n_kv_heads=H // 2 if H > 1 else None, dtype=dtype,
+                           seed=3).eval()
+    x = _data(2, S, E, dtype)
+    x[:, S // 2:] *= 1000
+    for nw in (True, False):
+        full, fw = m(x, is_causal=True, need_weights=nw)
+        for k in sorted({1, S // 2, S - 1}):
+            part, pw = m(x[:, :k], is_causal=True, need_weights=nw)
+            assert np.array_equal(part, full[:, :k])
+            if nw:
+                assert np.array_equal(pw, fw[:, :, :k, :k])
+
+
+@pytest.mark.parametrize("E,H,S", SHAPES)
+def test_batch_invariance_thread_count(isa, E, H, S):
+    m = MultiHeadAttention(E, H, seed=4).eval()
+    x = _data(4, S, E, "float32")
+    before = mha_ext.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 4):
+            mha_ext.set_num_threads(n)
+            results.append(m(x, is_causal=True) + m(x, need_weights=False))
+    finally:
+        mha_ext.set_num_threads(before)
+    for r in results[1:]:
+        for a, b in zip(results[0], r):
+            assert (a is None and b is None) or np.array_equal(a, b)
