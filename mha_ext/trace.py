@@ -369,9 +369,14 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     B, Sq, E = xq.shape
     Sk = xk.shape[1]
     H = int(module.n_heads)
+    Hkv = int(module.n_kv_heads)  # grouped-query attention: fewer K/V heads
+    G = H // Hkv
     Dk = E // H
     sizes = {"B": B, "Sq": Sq, "Sk": Sk, "E": E, "H": H, "Dk": Dk,
              "Ek": xk.shape[2], "Ev": xv.shape[2]}
+    if G > 1:
+        sizes.update({"Hkv": Hkv, "Ekv": Hkv * Dk})
+    kvH, kvE = ("Hkv", "Ekv") if G > 1 else ("H", "E")
 
     wq, wk, wv, wo = module.W_q, module.W_k, module.W_v, module.W_o
     bias = wq.bias is not None
@@ -390,15 +395,20 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     k = _linear(xk, wk.weight, wk.bias)
     v = _linear(xv, wv.weight, wv.bias)
     add("Q projection", "Q = x_q·W_qᵀ" + b("q"), ("B", "Sq", "E"), q)
-    add("K projection", "K = x_k·W_kᵀ" + b("k"), ("B", "Sk", "E"), k)
-    add("V projection", "V = x_v·W_vᵀ" + b("v"), ("B", "Sk", "E"), v)
+    add("K projection", "K = x_k·W_kᵀ" + b("k"), ("B", "Sk", kvE), k)
+    add("V projection", "V = x_v·W_vᵀ" + b("v"), ("B", "Sk", kvE), v)
 
     qh = q.reshape(B, Sq, H, Dk).transpose(0, 2, 1, 3)
-    kh = k.reshape(B, Sk, H, Dk).transpose(0, 2, 1, 3)
-    vh = v.reshape(B, Sk, H, Dk).transpose(0, 2, 1, 3)
+    kh = k.reshape(B, Sk, Hkv, Dk).transpose(0, 2, 1, 3)
+    vh = v.reshape(B, Sk, Hkv, Dk).transpose(0, 2, 1, 3)
     add("Q heads", "Q → [B, H, Sq, Dk]", ("B", "H", "Sq", "Dk"), qh)
-    add("K heads", "K → [B, H, Sk, Dk]", ("B", "H", "Sk", "Dk"), kh)
-    add("V heads", "V → [B, H, Sk, Dk]", ("B", "H", "Sk", "Dk"), vh)
+    add("K heads", f"K → [B, {kvH}, Sk, Dk]", ("B", kvH, "Sk", "Dk"), kh)
+    add("V heads", f"V → [B, {kvH}, Sk, Dk]", ("B", kvH, "Sk", "Dk"), vh)
+    if G > 1:  # grouped-query attention: each K/V head serves G query heads
+        kh = np.repeat(kh, G, axis=1)
+        vh = np.repeat(vh, G, axis=1)
+        add("K/V groups", f"query head h reads K/V head h // {G} (K, V → [B, H, Sk, Dk])",
+            ("B", "H", "Sk", "Dk"), kh)
 
     scale = dtype.type(1.0 / np.sqrt(Dk))
     raw = (qh @ kh.transpose(0, 1, 3, 2)) * scale
