@@ -269,6 +269,10 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         module's copy takes (S, B, E) inputs, as torch does).  The number of
         heads comes from the module (n_heads, num_heads, ... or d_k,
         head_dim, ...; the length of per-head lists) or n_heads=.
+        A q/k/v/o_proj module whose k_proj and v_proj project to fewer
+        features (n_kv_heads * head_dim, e.g. Hugging Face's LlamaAttention)
+        gives a grouped-query copy (n_kv_heads); Llama's rotary embeddings
+        are its caller's business (they are not part of these projections).
         mask_polarity="keep" makes ``mask`` read 1 = attend, as modules that
         ``masked_fill(mask == 0, -inf)`` do; it is never guessed.
         add_bias_kv (bias_k, bias_v) and add_zero_attn are copied too.  A
@@ -481,6 +485,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
               value: ArrayLike | None = None, mask: ArrayLike | None = None, **kwargs):
         """The computation step by step (see mha_ext.Trace): each step's
         name, formula, shape and array.  print() it for the shape flow.
+        With cache= (a KVCache) it traces that cached call, which extends
+        the cache as the call does: "K cache" / "V cache" steps show it grow.
         Batch-first, block-polarity modules only (ValueError otherwise)."""
         _habits.plain_layout_only(self, "trace")
         return _trace.trace(self, query, key, value, mask, **kwargs)

@@ -59,7 +59,7 @@ class Step(namedtuple("Step", ["name", "formula", "shape", "array", "dims"])):
 
 # Long names of the legend symbols, used in the first row of the table.
 _LONG = {"B": "batch", "Sq": "seq_q", "Sk": "seq_k", "E": "d_model",
-         "H": "n_heads", "Dk": "d_k", "Ek": "kdim", "Ev": "vdim"}
+         "H": "n_heads", "Dk": "d_k", "Ek": "kdim", "Ev": "vdim", "Sn": "new_keys"}
 
 
 def _fmt_shape(shape):
@@ -125,7 +125,7 @@ class Trace:
     # -- display -----------------------------------------------------------
     def _header(self):
         z = self.sizes
-        parts = ["%s=%d" % (k, z[k]) for k in ("B", "Sq", "Sk", "E", "H", "Dk")
+        parts = ["%s=%d" % (k, z[k]) for k in ("B", "Sq", "Sk", "L", "E", "H", "Hkv", "Dk")
                  if k in z]
         for k in ("Ek", "Ev"):
             if k in z and z[k] != z["E"]:
@@ -330,9 +330,10 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     if getattr(module, "add_bias_kv", False) or getattr(module, "add_zero_attn", False):
         raise NotImplementedError("trace() does not show add_bias_kv's or add_zero_attn's "
                                   "extra keys yet: trace a module without them")
-    if kwargs.get("scale") is not None or isinstance(kwargs.get("is_causal"), str):
-        raise NotImplementedError("trace() shows the default scale and top-left causality "
-                                  "only (no scale=, no is_causal='lower_right')")
+    if kwargs.get("scale") is not None:
+        raise NotImplementedError("trace() shows the default scale only (no scale=)")
+    cache = kwargs.get("cache")
+    L0 = cache.length if cache is not None else 0  # keys cached before the call
     dtype = np.dtype(module.dtype)
     need_weights = flag(kwargs.get("need_weights", True), "need_weights")
     average = flag(kwargs.get("average_weights", False), "average_weights")
@@ -368,6 +369,8 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
 
     B, Sq, E = xq.shape
     Sk = xk.shape[1]
+    if cache is not None:  # the keys attended: the cached ones and the new ones
+        Sk = cache.length
     H = int(module.n_heads)
     Hkv = int(module.n_kv_heads)  # grouped-query attention: fewer K/V heads
     G = H // Hkv
@@ -376,6 +379,8 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
              "Ek": xk.shape[2], "Ev": xv.shape[2]}
     if G > 1:
         sizes.update({"Hkv": Hkv, "Ekv": Hkv * Dk})
+    if cache is not None:
+        sizes["L"] = L0
     kvH, kvE = ("Hkv", "Ekv") if G > 1 else ("H", "E")
 
     wq, wk, wv, wo = module.W_q, module.W_k, module.W_v, module.W_o
@@ -386,24 +391,34 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
         steps.append((name, formula, dims, array))
 
     add("query", "x_q", ("B", "Sq", "E"), xq)
-    add("key", "x_k = x_q" if key_defaulted else "x_k", ("B", "Sk", "Ek"), xk)
-    add("value", "x_v = x_k" if value_defaulted else "x_v",
-        ("B", "Sk", "Ev"), xv)
+    new = "Sn" if cache is not None else "Sk"  # the call's own keys
+    cross = cache is not None and cache.cross
+    if not cross:
+        add("key", "x_k = x_q" if key_defaulted else "x_k", ("B", new, "Ek"), xk)
+        add("value", "x_v = x_k" if value_defaulted else "x_v", ("B", new, "Ev"), xv)
 
     b = (lambda n: " + b_" + n) if bias else (lambda n: "")
     q = _linear(xq, wq.weight, wq.bias)
-    k = _linear(xk, wk.weight, wk.bias)
-    v = _linear(xv, wv.weight, wv.bias)
     add("Q projection", "Q = x_q·W_qᵀ" + b("q"), ("B", "Sq", "E"), q)
-    add("K projection", "K = x_k·W_kᵀ" + b("k"), ("B", "Sk", kvE), k)
-    add("V projection", "V = x_v·W_vᵀ" + b("v"), ("B", "Sk", kvE), v)
+    if not cross:
+        k = _linear(xk, wk.weight, wk.bias)
+        v = _linear(xv, wv.weight, wv.bias)
+        add("K projection", "K = x_k·W_kᵀ" + b("k"), ("B", new, kvE), k)
+        add("V projection", "V = x_v·W_vᵀ" + b("v"), ("B", new, kvE), v)
 
     qh = q.reshape(B, Sq, H, Dk).transpose(0, 2, 1, 3)
-    kh = k.reshape(B, Sk, Hkv, Dk).transpose(0, 2, 1, 3)
-    vh = v.reshape(B, Sk, Hkv, Dk).transpose(0, 2, 1, 3)
     add("Q heads", "Q → [B, H, Sq, Dk]", ("B", "H", "Sq", "Dk"), qh)
-    add("K heads", f"K → [B, {kvH}, Sk, Dk]", ("B", kvH, "Sk", "Dk"), kh)
-    add("V heads", f"V → [B, {kvH}, Sk, Dk]", ("B", kvH, "Sk", "Dk"), vh)
+    if cache is None:
+        kh = k.reshape(B, Sk, Hkv, Dk).transpose(0, 2, 1, 3)
+        vh = v.reshape(B, Sk, Hkv, Dk).transpose(0, 2, 1, 3)
+        add("K heads", f"K → [B, {kvH}, Sk, Dk]", ("B", kvH, "Sk", "Dk"), kh)
+        add("V heads", f"V → [B, {kvH}, Sk, Dk]", ("B", kvH, "Sk", "Dk"), vh)
+    else:  # the cache after the call: its L keys, then the call's new ones
+        kh, vh = np.array(cache.keys), np.array(cache.values)
+        grow = ("the cached memory" if cross else
+                f"[{L0} cached | {Sk - L0} new] → length {Sk}")
+        add("K cache", f"K cache: {grow}", ("B", kvH, "Sk", "Dk"), kh)
+        add("V cache", f"V cache: {grow}", ("B", kvH, "Sk", "Dk"), vh)
     if G > 1:  # grouped-query attention: each K/V head serves G query heads
         kh = np.repeat(kh, G, axis=1)
         vh = np.repeat(vh, G, axis=1)
@@ -414,8 +429,12 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     raw = (qh @ kh.transpose(0, 1, 3, 2)) * scale
     add("raw scores", "S = Q·Kᵀ / √Dk", ("B", "H", "Sq", "Sk"), raw)
 
+    # causality: top-left, or lower-right (a self-attention cache's rule:
+    # query i of Sq sees keys j <= i + Sk - Sq)
+    lower_right = (cache is not None and not cross) or kwargs.get("is_causal") == "lower_right"
+    causal = lower_right or (cache is None and flag(kwargs.get("is_causal", False), "is_causal"))
     blocked, added, why_blocked, why_added = _masks(
-        mask, kwargs, unbatched, B, H, Sq, Sk, dtype)
+        mask, kwargs, unbatched, B, H, Sq, Sk, dtype, causal, Sk - Sq if lower_right else 0)
     masked = raw
     formula = "S"
     if added is not None:
@@ -474,8 +493,9 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     return Trace(final, output, weights, sizes, info, unbatched=unbatched)
 
 
-def _masks(mask, kwargs, unbatched, B, H, Sq, Sk, dtype):
-    """The masks of API.md §3.1 as (blocked, added, why_blocked, why_added):
+def _masks(mask, kwargs, unbatched, B, H, Sq, Sk, dtype, causal=False, coff=0):
+    """The masks of API.md §3.1 (causal: is_causal's, query i's diagonal at
+    key i + coff) as (blocked, added, why_blocked, why_added):
     blocked is a bool array broadcastable to (B, H, Sq, Sk) or None, added a
     float array of dtype broadcastable likewise or None, and the two lists
     say in words where they came from."""
@@ -520,14 +540,14 @@ def _masks(mask, kwargs, unbatched, B, H, Sq, Sk, dtype):
         else:
             add(kpm, "key_padding_mask")
 
-    if flag(kwargs.get("is_causal", False), "is_causal"):
-        causal = np.triu(np.ones((Sq, Sk), dtype=bool), k=1)[None, None]
-        block(causal, "j > i (causal)")
+    if causal:
+        block(np.triu(np.ones((Sq, Sk), dtype=bool), k=1 + coff)[None, None],
+              f"j > i + {coff} (causal, lower right)" if coff else "j > i (causal)")
 
     window = sliding_window(kwargs.get("window"))
     if window is not None:
         left, right = window
-        d = np.arange(Sk)[None, :] - np.arange(Sq)[:, None]   # j - i
+        d = np.arange(Sk)[None, :] - np.arange(Sq)[:, None] - coff   # j - (i + coff)
         out = np.zeros((Sq, Sk), dtype=bool)
         words = []
         if left is not None:

@@ -137,7 +137,8 @@ def one_input(data):
         m = mha_ext.MultiHeadAttention(
             E, H, fz.pick([0.0, 0.0, 0.5, 1.0, 1.5, float("nan")]),
             bias=fz.flag(), kdim=kdim, vdim=vdim,
-            dtype=fz.pick(["float32", "float64", "float32", "float16"]), seed=fz.int(0, 9))
+            dtype=fz.pick(["float32", "float64", "float32", "float16"]), seed=fz.int(0, 9),
+            n_kv_heads=fz.pick([None, None, None, 1, H, fz.int(0, 5)]))
     except ALLOWED:
         return
     if fz.flag():
@@ -185,6 +186,9 @@ def one_input(data):
             m.load_state_dict(sd, strict=fz.flag())
         except ALLOWED:
             pass
+    if fz.byte() > 200:  # through a key/value cache (or the private call's cache arrays)
+        cached_calls(fz, m, q, k, v, kw)
+        return
     try:
         out, w = m(q, k, v, **kw)
     except ALLOWED:
@@ -197,6 +201,48 @@ def one_input(data):
         want = q_shape[:-2] + ((H,) if not kw.get("average_weights") else ()) + \
             (q_shape[-2], Sk_real)
         assert w.shape == want, (w.shape, want)
+
+
+def cached_calls(fz, m, q, k, v, kw):
+    """Calls with a cache: a KVCache of fuzzed size (maybe a cross one, maybe
+    another module's), one to three calls; or the private _forward with
+    fuzzed cache arrays.  Errors must be the allowed ones, the cache's
+    length must advance by the new keys exactly when a call succeeds."""
+    Hkv, Dk = m.n_kv_heads, m.d_k
+    if fz.flag():
+        shp = lambda a, b: shape_near(fz, (fz.int(0, 3), Hkv, a, b))  # noqa: E731
+        cap = fz.int(0, 12)
+        kc = array(fz, shp(Dk, cap), fz.pick([m.dtype, m.dtype, np.float16]))
+        vc = array(fz, shp(cap, Dk), fz.pick([m.dtype, m.dtype, np.float16]))
+        try:
+            qa = np.asarray(q, dtype=m.dtype)
+        except (*ALLOWED, RuntimeError):  # the harness's broken __array__
+            return
+        try:
+            m._forward(qa, qa, qa, cache=(kc, vc, fz.pick([0, 1, 5, -1, 2**40, "x"])),
+                       is_causal=fz.pick([False, True, "lower_right"]))
+        except ALLOWED:
+            pass
+        return
+    try:
+        if fz.flag():
+            cache = m.cache_memory(k if k is not None else q, v)
+        else:
+            cache = m.new_cache(fz.int(0, 4), fz.int(0, 20))
+    except ALLOWED:
+        return
+    for _ in range(fz.int(1, 3)):
+        before = cache.length
+        try:
+            out, w = m(q, None if cache.cross else k, None if cache.cross else v,
+                       cache=cache, **kw)
+        except ALLOWED:
+            assert cache.length == before
+            continue
+        n = 0 if cache.cross else np.shape(k if k is not None else q)[-2]
+        assert cache.length == before + n and out.shape == np.shape(q)
+        if w is not None and not kw.get("average_weights"):
+            assert w.shape[-1] == cache.length
 
 
 def random_mode(argv):
