@@ -63,4 +63,8 @@ def test_notebook_executes(tmp_path, monkeypatch):
         assert "largest difference from torch" in text
     else:
         assert "torch is not installed" in text
+    # issue 15: generation with a key/value cache, the cache growing
+    assert "decode 1 token:   cache.length 11, keys (2, 2, 11, 8)" in text
+    assert "generated [[2, 7, 5, 2, 7, 5, 2, 7], [1, 4, 1, 1, 4, 1, 1, 4]]" in text
+    assert "K cache: [11 cached | 1 new] → length 12" in text
     assert list(tmp_path.iterdir()) == []   # the notebook writes no files
