@@ -18,6 +18,7 @@
 
 #define QB 48        /* queries per attention task: a multiple of every kernel's MR (6, 6, 4) */
 #define KB 256       /* keys per block of the online softmax */
+#define ROWS 8       /* at most this many rows per task: the kernel's rows product */
 
 typedef struct {
     const KT *kern;
@@ -43,6 +44,7 @@ typedef struct {
     int64_t hm_sb, hm_sh;
     int skip;             /* V finite, no extra keys: skip the keys causality
                              and the window block (att_kbeg, att_kend) */
+    int grp;              /* tasks per (b, key/value head), rows the group's */
     int64_t n_qblk;
 } SUF(att);
 
@@ -50,8 +52,9 @@ typedef struct {
 static int SUF(att_state)(const SUF(att) *at, int64_t *state)
 {
     *state = 0;
-    if (!at->weights && !at->p_save)
-        return mha_mul(QB, at->Dv, state) || mha_add(*state, QB * KB + 2 * QB, state);
+    if (!at->weights && !at->p_save) /* s, mx, l, acc, and the rows product's sums */
+        return mha_mul(QB + ROWS, at->Dv + 16, state) ||
+               mha_add(*state, QB * KB + 2 * QB, state);
     if (at->p_save && !at->weights && at->dropout_on) return mha_mul(QB, at->Sk, state);
     return 0;
 }
@@ -156,39 +159,63 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     }
 }
 
-/* Attention without weights: an online softmax over blocks of KB keys. */
+/* Attention without weights: an online softmax over blocks of KB keys.
+ * Task = (b, h, block of queries), or with `grp` (grouped-query attention,
+ * few queries: a decode step) task = (b, key/value head h'), its rows the
+ * G query heads' Sq queries each (contiguous in qh), so that K and V of h'
+ * are read once for the whole group.  Few rows (at most ROWS) take the
+ * kernel's `rows` product instead of mha_gemm: the same bits, K and V
+ * streamed row by row. */
 static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
 {
     const SUF(att) *at = (const SUF(att) *)ctx;
-    int64_t bh = t / at->n_qblk, b = bh / at->H, h = bh % at->H;
-    int64_t bkv = b * at->Hkv + h / (at->H / at->Hkv);
-    int64_t i0 = (t % at->n_qblk) * QB, nq = at->Sq - i0 < QB ? at->Sq - i0 : QB;
+    const int64_t G = at->H / at->Hkv;
+    int64_t b, h0, bkv, i0, nq, nqh; /* nqh: rows per query head in the task */
     int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, j0, d, kend;
-    const T *q_bh = at->qh + (bh * at->Sq + i0) * Dk; /* (nq, Dk) */
+    if (at->grp) {
+        bkv = t;
+        b = t / at->Hkv;
+        h0 = (t % at->Hkv) * G;
+        i0 = 0;
+        nqh = at->Sq;
+        nq = G * nqh;
+    } else {
+        const int64_t bh = t / at->n_qblk;
+        b = bh / at->H;
+        h0 = bh % at->H;
+        bkv = b * at->Hkv + h0 / G;
+        i0 = (t % at->n_qblk) * QB;
+        nq = nqh = at->Sq - i0 < QB ? at->Sq - i0 : QB;
+    }
+    const T *q_bh = at->qh + ((b * at->H + h0) * at->Sq + i0) * Dk; /* (nq, Dk) */
     const T *kt_bh = at->kt + bkv * Dk * at->kld;    /* (Dk, Sk), ld kld */
     const T *v_bh = at->vh + bkv * at->kld * Dv;     /* (Sk, Dv) */
-    T *c_bh = at->ctx + b * at->cs_b + h * at->cs_h + i0 * at->ldc;
+    const int rows = nq <= ROWS && Dk <= MHA_GEMM_KC; /* the kernel's rows product */
     T *gs = at->scratch + (int64_t)slot * at->scratch_len; /* GEMM packing */
     T *s = gs + MHA_GEMM_SCRATCH;                          /* (QB, KB) */
     T *mx = s + QB * KB;                                   /* (QB) running max */
     T *l = mx + QB;                                        /* (QB) running sum */
     T *acc = l + QB;                                       /* (QB, Dv) */
+    T *tv = acc + QB * Dv;                                 /* (ROWS, Dv + 16): rows' sums */
     for (r = 0; r < nq; r++) {
         mx[r] = -(T)INFINITY;
         l[r] = 0;
     }
     SUF(fill_rows)(acc, nq, Dv, Dv, (T)0);
-    kend = SUF(att_kend)(at, i0, nq);
+    kend = SUF(att_kend)(at, i0, nqh);
     /* blocks of keys anchored at key 0 (from the multiple of KB before the
      * first visible key): a row's running sums never depend on the block of
      * queries it is in, nor on keys past its last visible one */
     for (j0 = SUF(att_kbeg)(at, i0) / KB * KB; j0 < kend; j0 += KB) {
         int64_t nk = kend - j0 < KB ? kend - j0 : KB;
-        SUF(mha_gemm)(at->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB, 0,
-                      gs);
+        if (rows)
+            at->kern->rows(nq, nk, Dk, q_bh, Dk, kt_bh + j0, at->kld, s, KB, 0, NULL);
+        else
+            SUF(mha_gemm)(at->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB,
+                          0, gs);
         for (r = 0; r < nq; r++) {
             T *srow = s + r * KB, alpha;
-            const int64_t i = i0 + r;
+            const int64_t h = h0 + r / nqh, i = i0 + r % nqh, bh = b * at->H + h;
             const int64_t ne = SUF(softmax_online_step)(at->kern, &at->rr, at->scale, srow, b, h,
                                                         i, j0, nk, &mx[r], &l[r], &alpha);
             if (ne < 0) continue; /* nothing visible in this block */
@@ -197,10 +224,15 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
                                                    (uint64_t)Sk + (uint64_t)j0);
             if (alpha != (T)1) at->kern->scale(acc + r * Dv, Dv, alpha);
         }
-        SUF(mha_gemm)(at->kern, 0, nq, Dv, nk, s, KB, v_bh + j0 * Dv, Dv, NULL, acc, Dv, 1, gs);
+        if (rows)
+            at->kern->rows(nq, Dv, nk, s, KB, v_bh + j0 * Dv, Dv, acc, Dv, 1, tv);
+        else
+            SUF(mha_gemm)(at->kern, 0, nq, Dv, nk, s, KB, v_bh + j0 * Dv, Dv, NULL, acc, Dv, 1,
+                          gs);
     }
     for (r = 0; r < nq; r++) {
-        T *c = c_bh + r * at->ldc;
+        const int64_t h = h0 + r / nqh, i = i0 + r % nqh;
+        T *c = at->ctx + b * at->cs_b + h * at->cs_h + i * at->ldc;
         if (mx[r] == -(T)INFINITY) { /* every key blocked; Sk == 0: an empty sum */
             for (d = 0; d < Dv; d++) c[d] = Sk == 0 ? (T)0 : SUF(blocked_row_value)(&at->rr);
         } else {
@@ -216,6 +248,11 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
 {
     at->n_qblk = (at->Sq + QB - 1) / QB;
     if (at->kld == 0) at->kld = at->Sk;
+    /* grouped-query attention with few queries: one task per key/value head */
+    at->grp = !at->weights && !at->p_save && at->H > at->Hkv &&
+              at->Sq * (at->H / at->Hkv) <= ROWS;
+    if (at->grp)
+        return mha_parallel_for(at->B * at->Hkv, slots, SUF(attend_online_task), at, ps);
     return mha_parallel_for(at->B * at->H * at->n_qblk, slots,
                             at->weights || at->p_save ? SUF(attend_weights_task)
                                                       : SUF(attend_online_task),
@@ -224,3 +261,4 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
 
 #undef QB
 #undef KB
+#undef ROWS

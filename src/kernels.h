@@ -38,6 +38,8 @@ typedef struct {
                 float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const float *bias);
     void (*dot)(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B,
                 int64_t ldb, const float *bias, float *C, int64_t ldc, int accumulate);
+    void (*rows)(int64_t m, int64_t n, int64_t K, const float *x, int64_t ldx, const float *A,
+                 int64_t lda, float *y, int64_t ldy, int accumulate, float *t);
     float (*scale_max)(float *s, int64_t n, float c);
     float (*max)(const float *s, int64_t n);
     float (*exp_sum)(float *s, int64_t n, float m);
@@ -55,6 +57,8 @@ typedef struct {
                 double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const double *bias);
     void (*dot)(int64_t m, int64_t n, int64_t K, const double *A, int64_t lda, const double *B,
                 int64_t ldb, const double *bias, double *C, int64_t ldc, int accumulate);
+    void (*rows)(int64_t m, int64_t n, int64_t K, const double *x, int64_t ldx, const double *A,
+                 int64_t lda, double *y, int64_t ldy, int accumulate, double *t);
     double (*scale_max)(double *s, int64_t n, double c);
     double (*max)(const double *s, int64_t n);
     double (*exp_sum)(double *s, int64_t n, double m);
