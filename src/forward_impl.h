@@ -29,6 +29,7 @@
  * Per-thread scratch (GEMM packing and the online state) is allocated once
  * per call. */
 
+#define SMALL_M 16   /* at most this many rows: the projections take the dot kernel */
 #define RM 1024      /* rows per projection task: packed W reused over them (and
                         narrower column tiles, 64 wide, before more row tiles) */
 
@@ -48,7 +49,7 @@ typedef struct {
     T *scratch;          /* per slot: GEMM packing, then a projection tile or
                             the attention's state */
     int64_t scratch_len; /* scalars per slot */
-    int small;           /* the projections use the dot kernel (never: 0) */
+    int small;           /* the projections use the dot kernel */
     mha_products prods;  /* the pass's projections (internal.h's task list) */
     SUF(proj_extra) extra[3]; /* ... and what each does besides */
 } SUF(fwd);
@@ -248,9 +249,10 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     at.hm_sh = a->head_mask_stride[1];
     const int64_t B = a->B, Sq = a->Sq, Sk = a->Sk, E = cfg->d_model, Dk = at.Dk,
                   Ekv = Hkv * Dk;
-    /* the packed GEMM whatever the number of rows: a row's bits never depend
-     * on the rows beside it (batch invariance; the cache's bit-exactness) */
-    f.small = 0;
+    /* few rows (a decode step): the unpacked dot kernel, whose sums are the
+     * packed GEMM's bit for bit, so a row's bits never depend on the rows
+     * beside it either way (batch invariance; the cache's bit-exactness) */
+    f.small = B * Sq <= SMALL_M && B * Sk <= SMALL_M;
 
     /* small problems stay on the calling thread */
     slots = mha_get_num_threads();
@@ -370,3 +372,4 @@ stopped: /* the poll asked to stop: the outputs are unspecified */
 }
 
 #undef RM
+#undef SMALL_M

@@ -110,10 +110,7 @@ void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T 
                          int64_t lda, const T *B, int64_t ldb, const T *bias, T *C,
                          int64_t ldc, int accumulate)
 {
-    int64_t i;
-    for (i = 0; i < M; i += 4)
-        kt->dot(M - i < 4 ? M - i : 4, N, K, A + i * lda, lda, B, ldb, bias, C + i * ldc, ldc,
-                accumulate);
+    kt->dot(M, N, K, A, lda, B, ldb, bias, C, ldc, accumulate);
 }
 
 /* internal.h's mha_tile_gemm: one tile of a product of the task list */

@@ -7,7 +7,7 @@
  *   V_FMA(a, b, c)   a*b + c (one rounding where the ISA has FMA)
  *   V_SET1(x)        x in every lane
  *   MR, NRV, DOT_C   micro-kernel rows, vectors per row (NR = NRV*VL), and
- *                    columns per step of the dot kernel
+ *                    (unused now) columns per step of the old dot kernel
  *   KATTR            the target attribute of every function here
  * T, KDOUBLE, VL, VT, VI, V_SET1 and SUF are undefined at the end of this
  * file; the rest stay the includer's.
@@ -189,45 +189,59 @@ KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, cons
     }
 }
 
+/* C (m, n) = A (m, K)·B (n, K)ᵀ (+ bias), B read in place (no packing):
+ * the projections of few rows (a decode step's token).  Each element is
+ * summed exactly as the packed GEMM sums it (gemm_impl.h: per depth block
+ * of DOT_KC, c = 0 then c = V_FMA(A[i][k], B[j][k], c) in k order; C = c,
+ * or C + c for a later block or with accumulate; the bias added after the
+ * last block), so a row's bits never depend on which of the two ran: the
+ * lanes hold DOT_R rows of A (transposed once per block into at), and
+ * DOT_J columns of B are summed at once (independent chains). */
+#define DOT_KC 512   /* MHA_GEMM_KC: the packed GEMM's depth block */
+#define DOT_J 8
 KATTR static void SUF(dot)(int64_t m, int64_t n, int64_t K, const T *A, int64_t lda,
                            const T *B, int64_t ldb, const T *bias, T *C, int64_t ldc,
                            int accumulate)
 {
-    const T *a[4], *b[DOT_C];
-    int64_t j, k, nj;
-    int r, c;
-    for (r = 0; r < 4; r++) a[r] = A + (r < m ? r : m - 1) * lda;
-    for (j = 0; j < n; j += DOT_C) {
-        VT acc[4][DOT_C];
-        nj = n - j < DOT_C ? n - j : DOT_C;
-        for (c = 0; c < DOT_C; c++) b[c] = B + (j + (c < nj ? c : nj - 1)) * ldb;
-#pragma GCC unroll 4
-        for (r = 0; r < 4; r++)
-#pragma GCC unroll 4
-            for (c = 0; c < DOT_C; c++) acc[r][c] = (VT){0};
-        for (k = 0; k + VL <= K; k += VL) {
-            VT av[4], bv[DOT_C];
-#pragma GCC unroll 4
-            for (r = 0; r < 4; r++) av[r] = SUF(vload)(a[r] + k);
-#pragma GCC unroll 4
-            for (c = 0; c < DOT_C; c++) bv[c] = SUF(vload)(b[c] + k);
-#pragma GCC unroll 4
-            for (r = 0; r < 4; r++)
-#pragma GCC unroll 4
-                for (c = 0; c < DOT_C; c++) acc[r][c] = V_FMA(av[r], bv[c], acc[r][c]);
-        }
-        for (r = 0; r < m; r++)
-            for (c = 0; c < nj; c++) {
-                T s = SUF(hsum)(acc[r][c]);
-                int64_t kk;
-                for (kk = k; kk < K; kk++) s += a[r][kk] * b[c][kk];
-                T *cp = C + r * ldc + j + c;
-                if (accumulate) s = *cp + s;
-                if (bias) s = s + bias[j + c];
-                *cp = s;
+    T at[DOT_KC * VL];
+    int64_t i0, j0, pc, k, mr, nj;
+    int r, u;
+    for (i0 = 0; i0 < m; i0 += VL) {
+        mr = m - i0 < VL ? m - i0 : VL;
+        for (pc = 0; pc < K; pc += DOT_KC) {
+            const int64_t kc = K - pc < DOT_KC ? K - pc : DOT_KC;
+            const int last = pc + kc >= K, acc = accumulate || pc > 0;
+            for (k = 0; k < kc; k++) /* lane r: row i0 + r of A (0 past m) */
+                for (r = 0; r < VL; r++) at[k * VL + r] = r < mr ? A[(i0 + r) * lda + pc + k] : 0;
+            for (j0 = 0; j0 < n; j0 += DOT_J) {
+                const T *b[DOT_J];
+                VT c[DOT_J];
+                T lane[VL];
+                nj = n - j0 < DOT_J ? n - j0 : DOT_J;
+                for (u = 0; u < DOT_J; u++) {
+                    b[u] = B + (j0 + (u < nj ? u : nj - 1)) * ldb + pc;
+                    c[u] = SUF(vset1)(0);
+                }
+                for (k = 0; k < kc; k++) {
+                    const VT a = SUF(vload)(at + k * VL);
+#pragma GCC unroll 8
+                    for (u = 0; u < DOT_J; u++) c[u] = V_FMA(a, SUF(vset1)(b[u][k]), c[u]);
+                }
+                for (u = 0; u < nj; u++) {
+                    SUF(vstore)(lane, c[u]);
+                    for (r = 0; r < mr; r++) {
+                        T *cp = C + (i0 + r) * ldc + j0 + u, x = lane[r];
+                        if (acc) x = *cp + x;
+                        if (last && bias) x = x + bias[j0 + u];
+                        *cp = x;
+                    }
+                }
             }
+        }
     }
 }
+#undef DOT_KC
+#undef DOT_J
 
 /* y (m, n) = x (m, K)·A (K, n), A row-major (lda), K <= MHA_GEMM_KC: each
  * element summed exactly as the micro-kernel sums it (c = 0, then c =

@@ -12,8 +12,13 @@
  *   Bp holds element (k, c) at Bp[k*ldbk + c] for c < NR: a packed panel
  *   (ldbk = NR, zero-padded) or, for a full strip, B itself (ldbk = ldb).
  *   accumulate: C += (else C is never read); bias (nr) added when not NULL.
- * dot: the unpacked small-M form of C (m, n) = A (m, K) · B (n, K)ᵀ for
- *   m <= 4, plus bias, (+)= like ukr: dot products along K.
+ * dot: the unpacked small-M form of mha_gemm's C (m, n) = A (m, K)·B (n, K)ᵀ
+ *   (+ bias, (+)=), every element the packed GEMM's bits (the same sums in
+ *   the same order, depth blocks of MHA_GEMM_KC): rows of A in the lanes.
+ * rows: y (m, n) (+)= x (m, K)·A (K, n) for K <= MHA_GEMM_KC, A row-major
+ *   and streamed once for all m rows (few rows), every element mha_gemm's
+ *   bits; t: scratch of m rows of n rounded up to the vector width (with
+ *   accumulate; without, y's rows need that room).
  * Row kernels for the softmax, over s[0..n):
  *   scale_max: s *= c, returns the largest non-NaN entry (-inf if none)
  *   max:       the largest non-NaN entry (-inf if none)
