@@ -18,7 +18,7 @@
 
 #define QB 48        /* queries per attention task: a multiple of every kernel's MR (6, 6, 4) */
 #define KB 256       /* keys per block of the online softmax */
-#define ROWS 8       /* at most this many rows per task: the kernel's rows product */
+#define ROWS 48      /* grouped-query tasks: at most this many rows (G * Sq) */
 
 typedef struct {
     const KT *kern;
@@ -52,9 +52,8 @@ typedef struct {
 static int SUF(att_state)(const SUF(att) *at, int64_t *state)
 {
     *state = 0;
-    if (!at->weights && !at->p_save) /* s, mx, l, acc, and the rows product's sums */
-        return mha_mul(QB + ROWS, at->Dv + 16, state) ||
-               mha_add(*state, QB * KB + 2 * QB, state);
+    if (!at->weights && !at->p_save)
+        return mha_mul(QB, at->Dv, state) || mha_add(*state, QB * KB + 2 * QB, state);
     if (at->p_save && !at->weights && at->dropout_on) return mha_mul(QB, at->Sk, state);
     return 0;
 }
@@ -163,9 +162,8 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
  * Task = (b, h, block of queries), or with `grp` (grouped-query attention,
  * few queries: a decode step) task = (b, key/value head h'), its rows the
  * G query heads' Sq queries each (contiguous in qh), so that K and V of h'
- * are read once for the whole group.  Few rows (at most ROWS) take the
- * kernel's `rows` product instead of mha_gemm: the same bits, K and V
- * streamed row by row. */
+ * are read once for the whole group (a row's bits are the same either way:
+ * mha_gemm's sums do not depend on the rows beside it). */
 static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
 {
     const SUF(att) *at = (const SUF(att) *)ctx;
@@ -190,13 +188,11 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     const T *q_bh = at->qh + ((b * at->H + h0) * at->Sq + i0) * Dk; /* (nq, Dk) */
     const T *kt_bh = at->kt + bkv * Dk * at->kld;    /* (Dk, Sk), ld kld */
     const T *v_bh = at->vh + bkv * at->kld * Dv;     /* (Sk, Dv) */
-    const int rows = nq <= ROWS && Dk <= MHA_GEMM_KC; /* the kernel's rows product */
     T *gs = at->scratch + (int64_t)slot * at->scratch_len; /* GEMM packing */
     T *s = gs + MHA_GEMM_SCRATCH;                          /* (QB, KB) */
     T *mx = s + QB * KB;                                   /* (QB) running max */
     T *l = mx + QB;                                        /* (QB) running sum */
     T *acc = l + QB;                                       /* (QB, Dv) */
-    T *tv = acc + QB * Dv;                                 /* (ROWS, Dv + 16): rows' sums */
     for (r = 0; r < nq; r++) {
         mx[r] = -(T)INFINITY;
         l[r] = 0;
@@ -208,11 +204,8 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
      * queries it is in, nor on keys past its last visible one */
     for (j0 = SUF(att_kbeg)(at, i0) / KB * KB; j0 < kend; j0 += KB) {
         int64_t nk = kend - j0 < KB ? kend - j0 : KB;
-        if (rows)
-            at->kern->rows(nq, nk, Dk, q_bh, Dk, kt_bh + j0, at->kld, s, KB, 0, NULL);
-        else
-            SUF(mha_gemm)(at->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB,
-                          0, gs);
+        SUF(mha_gemm)(at->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB, 0,
+                      gs);
         for (r = 0; r < nq; r++) {
             T *srow = s + r * KB, alpha;
             const int64_t h = h0 + r / nqh, i = i0 + r % nqh, bh = b * at->H + h;
@@ -224,11 +217,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
                                                    (uint64_t)Sk + (uint64_t)j0);
             if (alpha != (T)1) at->kern->scale(acc + r * Dv, Dv, alpha);
         }
-        if (rows)
-            at->kern->rows(nq, Dv, nk, s, KB, v_bh + j0 * Dv, Dv, acc, Dv, 1, tv);
-        else
-            SUF(mha_gemm)(at->kern, 0, nq, Dv, nk, s, KB, v_bh + j0 * Dv, Dv, NULL, acc, Dv, 1,
-                          gs);
+        SUF(mha_gemm)(at->kern, 0, nq, Dv, nk, s, KB, v_bh + j0 * Dv, Dv, NULL, acc, Dv, 1, gs);
     }
     for (r = 0; r < nq; r++) {
         const int64_t h = h0 + r / nqh, i = i0 + r % nqh;
@@ -248,9 +237,10 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
 {
     at->n_qblk = (at->Sq + QB - 1) / QB;
     if (at->kld == 0) at->kld = at->Sk;
-    /* grouped-query attention with few queries: one task per key/value head */
+    /* grouped-query attention with few queries: one task per key/value head
+     * (when that leaves a task for every thread) */
     at->grp = !at->weights && !at->p_save && at->H > at->Hkv &&
-              at->Sq * (at->H / at->Hkv) <= ROWS;
+              at->Sq * (at->H / at->Hkv) <= ROWS && at->B * at->Hkv >= slots;
     if (at->grp)
         return mha_parallel_for(at->B * at->Hkv, slots, SUF(attend_online_task), at, ps);
     return mha_parallel_for(at->B * at->H * at->n_qblk, slots,

@@ -11,7 +11,7 @@
  *   KATTR            the target attribute of every function here
  * T, KDOUBLE, VL, VT, VI, V_SET1 and SUF are undefined at the end of this
  * file; the rest stay the includer's.
- * Each instance defines ukr_S, dot_S, rows_S, scale_max_S, max_S, exp_sum_S,
+ * Each instance defines ukr_S, dot_S, scale_max_S, max_S, exp_sum_S,
  * scale_S, exp_row_S and softmax_grad_S for its suffix S (f32_avx2,
  * f64_portable, ...), which the includer lists by name in its table.
  * Semantics are documented in kernels.h.  Every loop order is fixed: a
@@ -242,44 +242,6 @@ KATTR static void SUF(dot)(int64_t m, int64_t n, int64_t K, const T *A, int64_t 
 }
 #undef DOT_KC
 #undef DOT_J
-
-/* y (m, n) = x (m, K)·A (K, n), A row-major (lda), K <= MHA_GEMM_KC: each
- * element summed exactly as the micro-kernel sums it (c = 0, then c =
- * V_FMA(x[r][k], A[k][j], c) for k = 0, 1, ..., K-1; then y = c, or y + c
- * with accumulate), so the bits are mha_gemm's whatever the caller's choice
- * between them.  A is streamed row by row, once for all m rows (few rows:
- * the attention of a decode step); the sums live in memory: in y itself
- * without accumulate (its rows then need room for n rounded up to VL), else
- * in t, m rows of n rounded up to VL. */
-KATTR static void SUF(rows)(int64_t m, int64_t n, int64_t K, const T *x, int64_t ldx,
-                            const T *A, int64_t lda, T *y, int64_t ldy, int accumulate, T *t)
-{
-    const int64_t nv = n / VL * VL, np = (n + VL - 1) / VL * VL;
-    const int64_t ldt = accumulate ? np : ldy;
-    T *c = accumulate ? t : y;
-    int64_t r, k, j;
-    for (r = 0; r < m; r++)
-        for (j = 0; j < np; j++) c[r * ldt + j] = 0;
-    for (k = 0; k < K; k++) {
-        const T *a = A + k * lda;
-        VT tail = SUF(vset1)(0);
-        if (nv < n) { /* the row's last vector, zero-padded (no read past n) */
-            T tmp[VL];
-            for (j = 0; j < VL; j++) tmp[j] = nv + j < n ? a[nv + j] : (T)0;
-            tail = SUF(vload)(tmp);
-        }
-        for (r = 0; r < m; r++) {
-            const VT xv = SUF(vset1)(x[r * ldx + k]);
-            T *cr = c + r * ldt;
-            for (j = 0; j < nv; j += VL)
-                SUF(vstore)(cr + j, V_FMA(xv, SUF(vload)(a + j), SUF(vload)(cr + j)));
-            if (nv < n) SUF(vstore)(cr + nv, V_FMA(xv, tail, SUF(vload)(cr + nv)));
-        }
-    }
-    if (accumulate)
-        for (r = 0; r < m; r++)
-            for (j = 0; j < n; j++) y[r * ldy + j] = y[r * ldy + j] + t[r * np + j];
-}
 
 KATTR static T SUF(scale_max)(T *s, int64_t n, T c)
 {

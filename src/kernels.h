@@ -15,10 +15,6 @@
  * dot: the unpacked small-M form of mha_gemm's C (m, n) = A (m, K)·B (n, K)ᵀ
  *   (+ bias, (+)=), every element the packed GEMM's bits (the same sums in
  *   the same order, depth blocks of MHA_GEMM_KC): rows of A in the lanes.
- * rows: y (m, n) (+)= x (m, K)·A (K, n) for K <= MHA_GEMM_KC, A row-major
- *   and streamed once for all m rows (few rows), every element mha_gemm's
- *   bits; t: scratch of m rows of n rounded up to the vector width (with
- *   accumulate; without, y's rows need that room).
  * Row kernels for the softmax, over s[0..n):
  *   scale_max: s *= c, returns the largest non-NaN entry (-inf if none)
  *   max:       the largest non-NaN entry (-inf if none)
@@ -43,8 +39,6 @@ typedef struct {
                 float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const float *bias);
     void (*dot)(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B,
                 int64_t ldb, const float *bias, float *C, int64_t ldc, int accumulate);
-    void (*rows)(int64_t m, int64_t n, int64_t K, const float *x, int64_t ldx, const float *A,
-                 int64_t lda, float *y, int64_t ldy, int accumulate, float *t);
     float (*scale_max)(float *s, int64_t n, float c);
     float (*max)(const float *s, int64_t n);
     float (*exp_sum)(float *s, int64_t n, float m);
@@ -62,8 +56,6 @@ typedef struct {
                 double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const double *bias);
     void (*dot)(int64_t m, int64_t n, int64_t K, const double *A, int64_t lda, const double *B,
                 int64_t ldb, const double *bias, double *C, int64_t ldc, int accumulate);
-    void (*rows)(int64_t m, int64_t n, int64_t K, const double *x, int64_t ldx, const double *A,
-                 int64_t lda, double *y, int64_t ldy, int accumulate, double *t);
     double (*scale_max)(double *s, int64_t n, double c);
     double (*max)(const double *s, int64_t n);
     double (*exp_sum)(double *s, int64_t n, double m);
