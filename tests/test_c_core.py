@@ -11,7 +11,10 @@ module path: lower-right causal alignment, the scale override, add_bias_kv
 and add_zero_attn, fast against reference and the reference against finite
 differences (test_options.c); the attention entry point on projected heads,
 mha_sdpa_forward / mha_sdpa_backward with GQA, Dv != D, both alignments,
-masks, dropout, S = 0, L = 0 (test_sdpa.c).  With MHA_EXT_CFLAGS (the CI's sanitizer stage)
+masks, dropout, S = 0, L = 0 (test_sdpa.c); grouped-query attention on the
+module path against the reference, forward and backward, and the key/value
+cache: chunked decoding bit-identical to the full causal call, bad caches
+as statuses (test_cache.c).  With MHA_EXT_CFLAGS (the CI's sanitizer stage)
 they are built with those flags too.
 """
 import os
@@ -26,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 
 
-PROGRAMS = ["test_core", "test_options", "test_sdpa"]
+PROGRAMS = ["test_core", "test_options", "test_sdpa", "test_cache"]
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
