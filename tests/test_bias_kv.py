@@ -207,8 +207,6 @@ def test_errors():
         m._forward(x, x, x, is_causal="yes")
     with pytest.raises(TypeError, match="scale"):
         m._forward(x, x, x, scale="1")
-    with pytest.raises(NotImplementedError, match="lower_right"):
-        m.trace(x, is_causal="lower_right")
     with pytest.raises(NotImplementedError, match="add_bias_kv"):
         MultiHeadAttention(E, H, add_bias_kv=True).trace(x)
 
@@ -230,3 +228,16 @@ def test_torch_module_takes_scale_and_lower_right(torch):
     ctx = m.forward_train(q.detach().numpy(), k.detach().numpy(), is_causal="lower_right",
                           scale=0.25)
     np.testing.assert_allclose(gq.numpy(), m.backward(ctx, G.numpy())["query"], atol=1e-12)
+
+
+def test_trace_shows_the_lower_right_alignment():
+    # issue 15: trace() shows is_causal="lower_right" (the diagonal shifted by
+    # Sk - Sq), its NumPy steps giving the call's output
+    m = MultiHeadAttention(E, H, dtype="float64", seed=0).eval()
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((B, 3, E)), rng.standard_normal((B, 7, E))
+    t = m.trace(q, k, is_causal="lower_right")
+    out, _ = m(q, k, is_causal="lower_right")
+    np.testing.assert_allclose(t.info["numpy_output"], out, rtol=1e-12, atol=1e-12)
+    assert "j > i + 4 (causal, lower right)" in t["masked scores"].formula
+    assert np.isneginf(t["masked scores"].array[0, 0, 0, 5:]).all()
