@@ -51,9 +51,10 @@ class MultiHeadAttention(nn.Module):
     backward, as a torch module.
 
     MultiHeadAttention(d_model, n_heads, dropout=0.0, *, bias=True, kdim=None,
-                       vdim=None, dtype=torch.float32, seed=None)
+                       vdim=None, dtype=torch.float32, seed=None, n_kv_heads=None)
 
-    Arguments as mha_ext.MultiHeadAttention's; ``dtype`` may be a torch or
+    Arguments as mha_ext.MultiHeadAttention's (n_kv_heads: grouped-query
+    attention, W_k and W_v then nn.Linear(in, n_kv_heads * d_k)); ``dtype`` may be a torch or
     NumPy dtype or its name.  ``seed`` fixes the initialisation (the same
     numbers as mha_ext.MultiHeadAttention with that seed) and the dropout
     stream.  Dropout is active in training mode (``train()``, the default),
@@ -71,7 +72,7 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(self, d_model, n_heads, dropout=0.0, *, bias=True, kdim=None, vdim=None,
-                 dtype=torch.float32, seed=None):
+                 dtype=torch.float32, seed=None, n_kv_heads=None):
         super().__init__()
         if isinstance(dtype, torch.dtype):
             if dtype not in _DTYPES:
@@ -80,13 +81,15 @@ class MultiHeadAttention(nn.Module):
         else:
             np_dtype = dtype
         self._core = _Core(d_model, n_heads, dropout, bias=bias, kdim=kdim, vdim=vdim,
-                           dtype=np_dtype, seed=seed)
+                           dtype=np_dtype, seed=seed, n_kv_heads=n_kv_heads)
         tdtype = torch.float64 if self._core.dtype == np.float64 else torch.float32
         core = self._core
         ins = (core.d_model, core.kdim, core.vdim, core.d_model)
+        ekv = core.n_kv_heads * core.d_k
+        outs = (core.d_model, ekv, ekv, core.d_model)
         state = core.state_dict()
-        for name, fan_in in zip(LINEARS, ins):
-            lin = nn.Linear(fan_in, core.d_model, bias=core.bias, dtype=tdtype)
+        for name, fan_in, fan_out in zip(LINEARS, ins, outs):
+            lin = nn.Linear(fan_in, fan_out, bias=core.bias, dtype=tdtype)
             with torch.no_grad():
                 lin.weight.copy_(torch.from_numpy(state[f"{name}.weight"]))
                 if core.bias:
@@ -96,6 +99,7 @@ class MultiHeadAttention(nn.Module):
     # the configuration, read from the core
     d_model = property(lambda self: self._core.d_model)
     n_heads = property(lambda self: self._core.n_heads)
+    n_kv_heads = property(lambda self: self._core.n_kv_heads)
     kdim = property(lambda self: self._core.kdim)
     vdim = property(lambda self: self._core.vdim)
 
@@ -115,6 +119,8 @@ class MultiHeadAttention(nn.Module):
             s += f", kdim={c.kdim}"
         if c.vdim != c.d_model:
             s += f", vdim={c.vdim}"
+        if c.n_kv_heads != c.n_heads:
+            s += f", n_kv_heads={c.n_kv_heads}"
         return s
 
     def _params(self):
@@ -135,7 +141,8 @@ class MultiHeadAttention(nn.Module):
             raise TypeError(f"parameters must be float32 or float64, got {dtype}")
         if core.dtype != np.dtype(want):
             new = _Core(core.d_model, core.n_heads, core.dropout, bias=core.bias,
-                        kdim=core.kdim, vdim=core.vdim, dtype=want, seed=core.seed)
+                        kdim=core.kdim, vdim=core.vdim, dtype=want, seed=core.seed,
+                        n_kv_heads=core.n_kv_heads)
             new._counter = core._counter
             self._core = core = new
         return core

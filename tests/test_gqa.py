@@ -197,3 +197,22 @@ def test_trace_shows_the_groups():
     text = str(t)
     assert "[B, Hkv, Sk, Dk]" in text and "query head h reads K/V head h // 2" in text
     np.testing.assert_allclose(t.info["numpy_output"], t.output, rtol=1e-12, atol=1e-12)
+
+
+def test_the_torch_module_takes_n_kv_heads():
+    # mha_ext.torch.MultiHeadAttention: nn.Linear W_k, W_v of Hkv * Dk features,
+    # forward and autograd gradients against torch's SDPA with enable_gqa
+    from mha_ext.torch import MultiHeadAttention as TorchMHA
+    t = TorchMHA(64, 8, n_kv_heads=2, dtype=torch.float64, seed=3).eval()
+    assert t.n_kv_heads == 2 and t.W_k.weight.shape == (16, 64) and "n_kv_heads=2" in repr(t)
+    x = torch.randn(2, 5, 64, dtype=torch.float64, requires_grad=True)
+    out, _ = t(x, is_causal=True, need_weights=False)
+    sd = {k: v.detach().numpy() for k, v in t.state_dict().items()}
+    ref, leaves = _torch_gqa(sd, x.detach().numpy(), 8, 2, "float64", is_causal=True)
+    np.testing.assert_allclose(out.detach().numpy(), ref.detach().numpy(), **TOL["float64"])
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    np.testing.assert_allclose(x.grad.numpy(), leaves["query"].grad.numpy(), **TOL["float64"])
+    np.testing.assert_allclose(t.W_k.weight.grad.numpy(), leaves["W_k.weight"].grad.numpy(),
+                               **TOL["float64"])
