@@ -24,8 +24,10 @@ filled with random keys and values (the projections that would have made
 them are not what is timed).
 
 Reported: ms per step (median), the cache's bytes read per step (K and V of
-2049 keys: 2 · B · Hkv · 2049 · Dk · 4 bytes) over the step's time in GB/s,
-and that as a % of the machine's memory read bandwidth measured by a small
+2049 keys: 2 · B · Hkv · 2049 · Dk · 4 bytes) over the step's time in GB/s
+(and, for ours, over the attention's share alone: the step minus the same
+step with an empty cache, which is the projections' and the call's fixed
+cost), and that as a % of the machine's memory read bandwidth measured by a small
 C probe (read_probe.c next to this file, compiled at run time: each of
 --threads threads sums its slice of a 512 MiB buffer); also a prefill
 (B 8, 256 tokens) through the cache against the plain causal call.
@@ -88,10 +90,13 @@ def child_ours(Hkv, min_time):
     cache._v[...] = rng.standard_normal(cache._v.shape, dtype=np.float32)
     x = rng.standard_normal((B, 1, E), dtype=np.float32)
 
-    def step():
-        cache._length = L
+    def step(length=L):
+        cache._length = length
         m(x, cache=cache, need_weights=False)
     res = {"step_s": timed(step, min_time)}
+    # the same step over an empty cache: the projections and the call's fixed
+    # costs, so that step_s - empty_s is the attention's share (the cache read)
+    res["empty_s"] = timed(lambda: step(0), min_time / 2)
     # prefill: 256 tokens through a cache vs the plain causal call
     xp = rng.standard_normal((B, 256, E), dtype=np.float32)
     pc = m.new_cache(B, 256)
@@ -193,6 +198,13 @@ def main():
             gbps = cache_bytes / r["step_s"] / 1e9
             pct = f"{100 * gbps / bw:5.1f}% of read bandwidth" if bw else ""
             print(f"  {impl:6s} {ms:8.3f} ms/step  {gbps:7.1f} GB/s  {pct}")
+            if "empty_s" in r and r["step_s"] > r["empty_s"]:
+                att = r["step_s"] - r["empty_s"]
+                r["attention_GBps"] = cache_bytes / att / 1e9
+                pa = f"{100 * r['attention_GBps'] / bw:5.1f}% of read bandwidth" if bw else ""
+                print(f"  {'':6s} the attention alone (the step minus the same step with an empty "
+                      f"cache, {1e3 * r['empty_s']:.3f} ms): {1e3 * att:.3f} ms, "
+                      f"{r['attention_GBps']:.1f} GB/s {pa}")
             row[impl] = dict(r, ms=ms, GBps=gbps, pct_bw=100 * gbps / bw if bw else None)
             if "prefill_s" in r:
                 print(f"  {'':6s} prefill 256 tokens through the cache {1e3 * r['prefill_s']:.2f} ms"
