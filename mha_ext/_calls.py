@@ -255,10 +255,9 @@ def c_forward(mha, call, reference=False):
                             is_causal=call.is_causal, need_weights=call.need_weights,
                             zero_rows=call.zero_rows, reference=bool(reference),
                             scale=call.scale, window=call.window, head_mask=call.head_mask)
-    if cache._busy:
+    if not cache._busy.acquire(blocking=False):
         raise RuntimeError("this cache is in use by another call: one call at a time extends "
                            "a cache")
-    cache._busy = True
     try:
         result = mha._forward(call.query, call.key, call.value, masks=call.masks,
                               is_causal=call.is_causal, need_weights=call.need_weights,
@@ -267,7 +266,7 @@ def c_forward(mha, call, reference=False):
                               cache=cache._c_tuple())
         cache._length += call.key.shape[1]
     finally:
-        cache._busy = False
+        cache._busy.release()
     return result
 
 

@@ -12,6 +12,8 @@ Legend: B batch, Hkv key/value heads, Dk head width.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 __all__ = ["KVCache"]
@@ -37,6 +39,8 @@ class KVCache:
     """
 
     __slots__ = ("_module", "_k", "_v", "_length", "_cross", "_busy", "__weakref__")
+    # _busy: a lock held by the call that extends the cache (never waited on:
+    # a second call finds it held and refuses)
 
     def __init__(self, module, batch_size, capacity, cross=False):
         """Made by MultiHeadAttention.new_cache / cache_memory, not directly."""
@@ -51,7 +55,7 @@ class KVCache:
         self._v = np.zeros((B, Hkv, cap, Dk), dtype=module.dtype)
         self._length = 0
         self._cross = bool(cross)
-        self._busy = False
+        self._busy = threading.Lock()
 
     @property
     def length(self) -> int:

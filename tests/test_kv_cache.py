@@ -259,10 +259,31 @@ def test_extra_keys_refuse_a_cache():
 def test_a_cache_in_use_refuses_a_second_call():
     m = _module(64, 4, 2, "float32")
     cache = m.new_cache(1, 4)
-    cache._busy = True  # as while another thread's call runs
+    cache._busy.acquire()  # as while another thread's call runs
     with pytest.raises(RuntimeError, match="in use"):
         m(_x(1, 1, 64, "float32"), cache=cache)
     assert cache.length == 0
+    cache._busy.release()
+    m(_x(1, 1, 64, "float32"), cache=cache)  # free again: the next call goes through
+    assert cache.length == 1 and not cache._busy.locked()
+
+
+def test_two_threads_decode_with_their_own_caches():
+    # one module, two caches, two threads at once: each gets the bits it gets alone
+    import threading
+    m = _module(64, 4, 2, "float32")
+    xs = [_x(2, 30, 64, "float32", seed=s) for s in (1, 2)]
+    want = [m(x, is_causal=True, need_weights=False)[0] for x in xs]
+    got = [None, None]
+
+    def run(i):
+        got[i], _, _ = _decode(m, xs[i], [1] * 30)
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
 
 
 def test_the_binding_checks_the_cache_arrays():
@@ -292,3 +313,18 @@ def test_a_cache_is_an_ordinary_object():
     assert m2.n_kv_heads == 2
     with pytest.raises(ValueError, match="another module"):
         m2(_x(2, 1, 64, "float64"), cache=cache)
+
+
+def test_the_binding_keeps_no_reference_to_the_cache_arrays():
+    import sys
+    m = _module(64, 4, 2, "float32")
+    x = _x(1, 1, 64, "float32")
+    k = np.zeros((1, 2, 16, 4), np.float32)
+    v = np.zeros((1, 2, 4, 16), np.float32)
+    before = sys.getrefcount(k), sys.getrefcount(v)
+    for length in (0, 1, 2, 3, 4, -1):  # the last two are errors
+        try:
+            m._forward(x, x, x, cache=(k, v, length))
+        except ValueError:
+            pass
+    assert (sys.getrefcount(k), sys.getrefcount(v)) == before
