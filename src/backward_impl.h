@@ -49,8 +49,8 @@ typedef struct {
     const mha_backward_args *a;
     const T *grad_weights; /* NULL, or dL/d weights (B, H, Sq, Sk) */
     mha_rows rr;          /* the forward's masks, causality, blocked rows */
-    int64_t B, Sq, Sk, E, H, Hkv, Dk, Dv; /* Sk: every key, the extra ones too */
-    int64_t Ekv;          /* Hkv*Dk: the width of K and V's rows */
+    int64_t B, Sq, Sk, E, H, Hkv, Dk, Dv, Ekv; /* Sk: every key, the extra ones too;
+                                                Ekv = Hkv*Dk, K and V's width */
     int64_t Skg;          /* the given keys (Sk without the extra ones) */
     T *q, *k, *v;         /* recomputed: Q (B, Sq, E), K and V (B, Sk, E); kept
                              (saved): Q (B, H, Sq, Dk), K (B, Hkv, Dk, Sk),
@@ -65,10 +65,10 @@ typedef struct {
     const T *p_saved;     /* NULL, or mha_forward_save's P (B, H, Sq, Sk) */
     const T *hmask;       /* NULL, or the head mask (b, h) at b*hm_sb + h*hm_sh */
     int64_t hm_sb, hm_sh; /*   (then dctx is scaled by it in place, per head) */
-    T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, E), or as the dc_ strides say: */
+    T *dq, *dk, *dv;      /* dQ (B, Sq, E), dK and dV (B, Sk, Ekv), or as the strides say: */
     int64_t dq_sb, dq_sh, dq_ld, dk_sb, dk_sh, dk_ld, dv_sb, dv_sh, dv_ld; /* (b, h or h') */
     T *bsum;              /* NULL, or (3, B, E): Σ over each batch's rows of dQ, dK, dV
-                             (the given keys' rows) */
+                             (the given keys' rows; dK's, dV's (B, Ekv) at B*E, 2*B*E) */
     T *scratch;           /* per slot: P, D (QB, Sk), then dQ_bh's block (QB, Dk),
                              dK_bh (Sk, Dk) and dV_bh (Sk, Dv) */
     T *pack;              /* per slot: MHA_GEMM_SCRATCH scalars for mha_gemm's packing */
@@ -198,7 +198,7 @@ static void SUF(bwd_range)(const SUF(bwd) *f, int64_t i0, int64_t nq, int64_t *k
 
 /* One (b, key/value head h'): for each query head h of its group, the
  * forward of the attention recomputed block by block of queries, each step
- * followed by its backward (the module: h' = h, groups of one). */
+ * followed by its backward (the module without n_kv_heads: groups of one). */
 static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
 {
     const SUF(bwd) *f = (const SUF(bwd) *)vf;
@@ -347,7 +347,6 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
     }
     /* ... and of K and V, over the given keys' rows */
     if (f->bsum) {
-        /* (B, Ekv) blocks, at B*E and 2*B*E */
         SUF(colsum)(dks, f->Skg, Dk, Dk, f->bsum + f->B * E + b * Ekv + hkv * Dk);
         SUF(colsum)(dvs, f->Skg, Dv, Dv, f->bsum + 2 * f->B * E + b * Ekv + hkv * Dk);
     }
@@ -444,8 +443,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     f.B = a->fwd.B; f.Sq = a->fwd.Sq; f.Skg = a->fwd.Sk;
     Skx = f.Sk = a->fwd.Sk + sz.extra; /* every key: the given ones, then the extra ones */
     f.E = cfg->d_model; f.H = cfg->n_heads; f.Dk = f.Dv = f.E / f.H;
-    f.Hkv = mha_kv_heads(cfg);
-    f.Ekv = f.Hkv * f.Dk;
+    f.Hkv = mha_kv_heads(cfg); f.Ekv = f.Hkv * f.Dk;
     f.scale = (T)mha_score_scale(a->fwd.has_scale, a->fwd.scale, f.Dk);
     f.kern = SUF(mha_kern_get)();
     f.dropout = a->fwd.dropout;
@@ -498,8 +496,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     f.dc_sb = f.dq_sb = f.Sq * f.E;
     f.dk_sb = f.dv_sb = Skx * f.Ekv;
     f.dc_sh = f.dq_sh = f.dk_sh = f.dv_sh = f.Dk;
-    f.dc_ld = f.dq_ld = f.E;
-    f.dk_ld = f.dv_ld = f.Ekv;
+    f.dc_ld = f.dq_ld = f.E; f.dk_ld = f.dv_ld = f.Ekv;
     if (sv) { /* read only */
         f.saved = 1;
         f.p_saved = (const T *)sv->p;
