@@ -80,6 +80,19 @@ def workload():
             except (TypeError, ValueError):
                 pass
         m.eval()
+        # issue 15: grouped-query attention, its backward, and a key/value cache
+        g = mha_ext.MultiHeadAttention(24, 4, n_kv_heads=2, dtype=dtype, seed=3).eval()
+        gx = rng.standard_normal((2, 9, 24)).astype(dtype)
+        g.backward(g.forward_train(gx, is_causal=True), np.ones((2, 9, 24)))
+        cache = g.new_cache(2, 9)
+        for n in (4, 1, 1, 3):
+            L = cache.length
+            g(gx[:, L:L + n], cache=cache, key_padding_mask=np.zeros((2, L + n), bool))
+        try:
+            g(gx[:, :1], cache=cache)  # full: refused
+        except ValueError:
+            pass
+        g(gx[:, :2], cache=g.cache_memory(gx), need_weights=False)
 
         def work():
             for _ in range(3):
