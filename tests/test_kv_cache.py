@@ -328,3 +328,24 @@ def test_the_binding_keeps_no_reference_to_the_cache_arrays():
         except ValueError:
             pass
     assert (sys.getrefcount(k), sys.getrefcount(v)) == before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_grouped_decoding_with_per_head_masks(dtype):
+    # grouped-query decoding (one task per key/value head, its rows the
+    # group's heads): a per-head additive attn_mask (B*H, n, L + n), a window
+    # and a head mask reach the right rows
+    m = _module(64, 8, 2, dtype)
+    B, S, H = 2, 16, 8
+    x = _x(B, S, 64, dtype)
+    add = np.random.default_rng(8).standard_normal((B * H, S, S)).astype(dtype)
+    hm = np.random.default_rng(9).uniform(0.5, 1.5, (B, H))
+    kw = dict(window=(6, None), head_mask=hm, need_weights=False)
+    full, _ = m(x, is_causal=True, attn_mask=add, **kw)
+    cache = m.new_cache(B, S)
+    outs, L = [], 0
+    for n in (5, 1, 1, 3, 1, 5):
+        o, _ = m(x[:, L:L + n], cache=cache, attn_mask=add[:, L:L + n, :L + n], **kw)
+        outs.append(o)
+        L += n
+    assert np.array_equal(np.concatenate(outs, 1), full)
