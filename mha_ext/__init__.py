@@ -97,12 +97,13 @@ else:
     from ._core import get_num_threads, set_num_threads
     from ._sdpa_api import scaled_dot_product_attention
     from .module import Linear, MultiHeadAttention
+    from .cache import KVCache
     from . import heads
     from .explorer import Explorer, explore
     from .plot import plot_heads
     from .trace import Step, Trace, trace
 
-    __all__ = ["MultiHeadAttention", "Linear", "Trace", "Step", "trace", "plot_heads",
+    __all__ = ["MultiHeadAttention", "Linear", "KVCache", "Trace", "Step", "trace", "plot_heads",
                "explore", "Explorer", "heads", "scaled_dot_product_attention",
                "set_num_threads", "get_num_threads", "__version__"]
 

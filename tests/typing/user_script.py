@@ -43,6 +43,14 @@ ctx = mha.forward_train(x, mask=causal)  # pending[mypy,pyright]: forward_train 
 grads = mha.backward(ctx, np.ones_like(ctx.output))  # pending[pyright]: backward's ctx untyped
 dq: np.ndarray = grads["query"]
 
+gqa = mha_ext.MultiHeadAttention(8, 4, n_kv_heads=2, seed=0).eval()
+cache: mha_ext.KVCache = gqa.new_cache(2, 8)
+step, _ = gqa(np.zeros((2, 3, 8), np.float32), cache=cache, need_weights=False)
+length: int = cache.length
+cached_keys: np.ndarray = cache.keys
+memory = gqa.cache_memory(np.zeros((2, 5, 8), np.float32))
+cross, _ = gqa(np.zeros((2, 1, 8), np.float32), cache=memory)
+
 n: int = mha_ext.get_num_threads()
 mha_ext.set_num_threads(n)
 version: str = mha_ext.__version__
