@@ -117,15 +117,16 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     }
     kend = SUF(att_kend)(at, i0, nq); /* later keys: blocked for all */
     kbeg = SUF(att_kbeg)(at, i0);     /* earlier keys: blocked for all */
+    if (at->skip) mha_lay_hull(&at->rr.lay, b, h, i0, nq, &kbeg, &kend); /* the layout's */
     if (kend <= kbeg) { /* every row of the block is blocked (lower-right with
-                           Sq > Sk, or an empty window) */
+                           Sq > Sk, an empty window or layout) */
         const T value = SUF(blocked_row_value)(&at->rr);
         SUF(fill_rows)(p_bh, nq, Sk, Sk, value);
         if (a_bh != p_bh) SUF(fill_rows)(a_bh, nq, Sk, Sk, value);
         SUF(fill_rows)(c_bh, nq, Dv, at->ldc, value);
         return;
     }
-    /* the keys before kbeg: 0 scores, which the window masks */
+    /* the keys before kbeg: 0 scores, which the window or the layout masks */
     if (kbeg > 0) SUF(fill_rows)(p_bh, nq, kbeg, Sk, (T)0);
     SUF(mha_gemm)(at->kern, 0, nq, kend - kbeg, Dk, q_bh, Dk, kt_bh + kbeg, Sk, NULL,
                   p_bh + kbeg, Sk, 0, gs);
@@ -158,7 +159,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     int64_t bh = t / at->n_qblk, b = bh / at->H, h = bh % at->H;
     int64_t bkv = b * at->Hkv + h / (at->H / at->Hkv);
     int64_t i0 = (t % at->n_qblk) * QB, nq = at->Sq - i0 < QB ? at->Sq - i0 : QB;
-    int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, j0, d, kend;
+    int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, j0, d, kend, jn, re, nk;
     const T *q_bh = at->qh + (bh * at->Sq + i0) * Dk; /* (nq, Dk) */
     const T *kt_bh = at->kt + bkv * Dk * Sk;          /* (Dk, Sk) */
     const T *v_bh = at->vh + bkv * Sk * Dv;           /* (Sk, Dv) */
@@ -174,8 +175,15 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     }
     SUF(fill_rows)(acc, nq, Dv, Dv, (T)0);
     kend = SUF(att_kend)(at, i0, nq);
-    for (j0 = SUF(att_kbeg)(at, i0); j0 < kend; j0 += KB) {
-        int64_t nk = kend - j0 < KB ? kend - j0 : KB;
+    for (jn = SUF(att_kbeg)(at, i0); jn < kend; jn = j0 + nk) {
+        j0 = jn;
+        if (at->skip) { /* the next run of keys the layout keeps for the block */
+            mha_lay_run(&at->rr.lay, b, h, i0, nq, jn, kend, &j0, &re);
+            if (j0 >= kend) break;
+            nk = re - j0 < KB ? re - j0 : KB;
+        } else {
+            nk = kend - j0 < KB ? kend - j0 : KB;
+        }
         SUF(mha_gemm)(at->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, Sk, NULL, s, KB, 0, gs);
         for (r = 0; r < nq; r++) {
             T *srow = s + r * KB, alpha;

@@ -57,7 +57,7 @@ typedef struct {
     T *ctx, *dctx;        /* (B, Sq, E) (ctx: only when not saved) */
     int64_t dc_sb, dc_sh, dc_ld; /* dctx's row i of head (b, h): b*dc_sb + h*dc_sh + i*dc_ld */
     int saved;            /* q, k, v, ctx are mha_forward_save's: never written */
-    int skip;             /* a window; K, V, dctx, grad_weights finite; no extra
+    int skip;             /* a window or layout; K, V, dctx, grad_weights finite; no extra
                              keys: each block of queries works on its keys
                              [ks, ke) only (bwd_range; causality alone keeps
                              the full rows, bit for bit as before windows) */
@@ -176,8 +176,8 @@ static int SUF(saved_row_blocked)(const SUF(bwd) *f, const T *p_r, const T *q_i,
  * else every key).  Outside, P is exactly 0 and, V, dctx and grad_weights
  * being finite, so is every term of the gradients: skipping them changes
  * nothing unless a row is NaN (then the block is redone on every key). */
-static void SUF(bwd_range)(const SUF(bwd) *f, int64_t i0, int64_t nq, int64_t *ks,
-                           int64_t *ke)
+static void SUF(bwd_range)(const SUF(bwd) *f, int64_t b, int64_t h, int64_t i0, int64_t nq,
+                           int64_t *ks, int64_t *ke)
 {
     const mha_rows *rr = &f->rr;
     int64_t lo = 0, hi = f->Sk;
@@ -186,6 +186,7 @@ static void SUF(bwd_range)(const SUF(bwd) *f, int64_t i0, int64_t nq, int64_t *k
         if (rr->window && rr->wr >= 0 && i0 + nq + rr->coff + rr->wr < hi)
             hi = i0 + nq + rr->coff + rr->wr;
         if (rr->window && rr->wl >= 0 && i0 + rr->coff - rr->wl > lo) lo = i0 + rr->coff - rr->wl;
+        if (lo < hi) mha_lay_hull(&rr->lay, b, h, i0, nq, &lo, &hi); /* the layout's */
     }
     if (hi <= lo) { /* every row blocked: the plain path handles the blocked rows */
         lo = 0;
@@ -256,7 +257,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
 
             /* the block's keys [ks, ks + n); every buffer below is read and
              * written from column ks (koff: K_bh's first key) */
-            SUF(bwd_range)(f, i0, nq, &ks, &ke);
+            SUF(bwd_range)(f, b, h, i0, nq, &ks, &ke);
         redo:
             n = ke - ks;
             koff = hm ? ks : ks * E;
@@ -438,6 +439,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
                          a->fwd.zero_masked_rows);
     mha_rows_window(&f.rr, a->fwd.has_window, a->fwd.window_left, a->fwd.window_right,
                     a->fwd.Sq, a->fwd.Sk);
+    f.rr.lay = a->fwd.layout;
     f.B = a->fwd.B; f.Sq = a->fwd.Sq; f.Skg = a->fwd.Sk;
     Skx = f.Sk = a->fwd.Sk + sz.extra; /* every key: the given ones, then the extra ones */
     f.E = cfg->d_model; f.H = f.Hkv = cfg->n_heads; f.Dk = f.Dv = f.E / f.H;
@@ -532,7 +534,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     MHA_TICK("backward 1 proj");
     /* a NaN or inf in K, V, dctx or the weights' gradient must reach every
      * key (0·NaN), as in the reference: no skipping then; nor with extra keys */
-    f.skip = f.rr.window && sz.extra == 0 && SUF(all_finite)(f.k, n_kv) &&
+    f.skip = (f.rr.window || f.rr.lay.keep) && sz.extra == 0 && SUF(all_finite)(f.k, n_kv) &&
              SUF(all_finite)(f.v, n_kv) && SUF(all_finite)(f.dctx, n_q) &&
              (!f.grad_weights || SUF(all_finite)(f.grad_weights, sz.n_weights));
 

@@ -227,6 +227,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     at.Dk = at.Dv = cfg->d_model / cfg->n_heads;
     at.rr = mha_rows_make(a->masks, a->n_masks, a->is_causal, a->Sq, a->Sk, a->zero_masked_rows);
     mha_rows_window(&at.rr, a->has_window, a->window_left, a->window_right, a->Sq, a->Sk);
+    at.rr.lay = a->layout;
     at.scale = (T)mha_score_scale(a->has_scale, a->scale, at.Dk);
     at.dropout = a->dropout;
     at.dropout_on = a->dropout > 0.0;
@@ -323,7 +324,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
 
     /* a NaN or inf in V must reach every row (0·NaN), so no causal or
      * window skipping; nor past the extra keys, which nothing blocks */
-    at.skip = (a->is_causal || at.rr.window) && sz.extra == 0 &&
+    at.skip = (a->is_causal || at.rr.window || at.rr.lay.keep) && sz.extra == 0 &&
               SUF(all_finite)(vh, B * Skx * E);
 
     /* attention, per (b, h, block of queries) */

@@ -44,6 +44,10 @@ static int SUF(ref_sdpa_row)(const mha_sdpa_args *a, int64_t b, int64_t h, int64
             s = -(T)INFINITY;
         if (a->has_window && a->window_right >= 0 && j - (i + coff) > a->window_right)
             s = -(T)INFINITY;
+        if (a->layout.keep && /* the block layout: (i, j)'s block not kept */
+            !a->layout.keep[b * a->layout.stride[0] + h * a->layout.stride[1] +
+                            (i / a->layout.q_block) * a->layout.nkb + j / a->layout.k_block])
+            s = -(T)INFINITY;
         p[j] = s;
     }
     /* p = softmax(s) */

@@ -41,6 +41,7 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     f.rr = mha_rows_make(fa->masks, fa->n_masks, fa->is_causal, fa->L, fa->S,
                          fa->zero_masked_rows);
     mha_rows_window(&f.rr, fa->has_window, fa->window_left, fa->window_right, fa->L, fa->S);
+    f.rr.lay = fa->layout;
     f.B = fa->B; f.H = fa->H; f.Hkv = fa->Hkv;
     f.Sq = fa->L; f.Sk = f.Skg = fa->S;
     f.Dk = fa->D; f.Dv = fa->Dv;
@@ -92,7 +93,7 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     tr.D = fa->D;
     if (mha_parallel_for(f.B * f.Hkv, slots, SUF(sdpa_transpose_task), &tr, &ps)) goto stopped;
     /* no skipping when a NaN or inf must reach every key (see bwd_range) */
-    f.skip = f.rr.window && SUF(all_finite)(f.k, sz.n_key) &&
+    f.skip = (f.rr.window || f.rr.lay.keep) && SUF(all_finite)(f.k, sz.n_key) &&
              SUF(all_finite)(f.v, sz.n_value) &&
              SUF(all_finite)(f.dctx, sz.n_out) &&
              (!f.grad_weights || SUF(all_finite)(f.grad_weights, sz.n_weights));
