@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._convert import as_array, as_real, contiguous, flag
-from ._masks import masks as _masks
+from ._masks import block_layout, masks as _masks
 
 # is_causal: the one spelling of the lower-right alignment in every API
 LOWER_RIGHT = "lower_right"
@@ -43,6 +43,7 @@ class Call(NamedTuple):
     scale: float | None      # None: 1 / sqrt(Dk)
     window: tuple | None     # None, or (left, right), each int >= 0 or None
     head_mask: np.ndarray | None  # (B, H) of the module's dtype, finite
+    layout: tuple | None     # None, or (keep (1|B, 1|H, nqb, nkb) bool, q_block, k_block)
 
 
 def causal(is_causal):
@@ -118,7 +119,7 @@ def head_mask_array(head_mask, B, H, dtype):
 def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
             key_padding_mask=None, is_causal=False, need_weights=True,
             average_weights=False, masked_rows="nan", dtype=None, scale=None,
-            window=None, head_mask=None) -> Call:
+            window=None, head_mask=None, layout=None) -> Call:
     """A call's arguments checked and brought to the C side's form.  key
     defaults to query, value to key.  With dtype None the inputs are arrays
     as given (no copy for an ndarray; the C side converts); with a dtype they
@@ -157,7 +158,8 @@ def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
     return Call(q3, k3, v3, ms, batched, causal(is_causal),
                 flag(need_weights, "need_weights"), flag(average_weights, "average_weights"),
                 masked_rows == "zero", score_scale(scale), sliding_window(window),
-                head_mask_array(head_mask, B, mha.n_heads, mha.dtype))
+                head_mask_array(head_mask, B, mha.n_heads, mha.dtype),
+                block_layout(layout, B, mha.n_heads, Sq, Sk))
 
 
 def shape_output(call, out, weights):
@@ -207,7 +209,8 @@ def c_forward(mha, call, reference=False):
     return mha._forward(call.query, call.key, call.value, masks=call.masks,
                         is_causal=call.is_causal, need_weights=call.need_weights,
                         zero_rows=call.zero_rows, reference=bool(reference),
-                        scale=call.scale, window=call.window, head_mask=call.head_mask)
+                        scale=call.scale, window=call.window, head_mask=call.head_mask,
+                        layout=call.layout)
 
 
 def c_forward_train(mha, call, block, dropout, counter, keep):
@@ -220,15 +223,15 @@ def c_forward_train(mha, call, block, dropout, counter, keep):
                               need_weights=call.need_weights, zero_rows=call.zero_rows,
                               dropout=dropout, counter=counter, save=keep >= 1,
                               save_p=keep == 2, scale=call.scale, window=call.window,
-                              head_mask=call.head_mask)
+                              head_mask=call.head_mask, layout=call.layout)
 
 
 def c_backward(mha, block, query, key, value, masks, is_causal, zero_rows, dropout,
                counter, grad_output, grad_weights, saved, scale=None, window=None,
-               head_mask=None):
+               head_mask=None, layout=None):
     """The backward of one c_forward_train call: (parameter gradient block,
     d query, d key, d value), the inputs' gradients 3-D."""
     return mha._backward(query, key, value, grad_output, params=block, masks=list(masks),
                          is_causal=is_causal, zero_rows=zero_rows, dropout=dropout,
                          counter=counter, grad_weights=grad_weights, saved=saved,
-                         scale=scale, window=window, head_mask=head_mask)
+                         scale=scale, window=window, head_mask=head_mask, layout=layout)

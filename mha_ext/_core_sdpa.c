@@ -28,6 +28,7 @@
 typedef struct {
     mha_sdpa_backward_args ba; /* ba.fwd: the forward call */
     PyArrayObject *q, *k, *v, *grad_output, *grad_weights;
+    PyArrayObject *layout;     /* the block layout's kept flags, or NULL */
     PyArrayObject *mask_arr[MHA_MAX_MASKS];
     mha_mask masks[MHA_MAX_MASKS];
     int typenum, need_weights, reference;
@@ -41,6 +42,7 @@ static void sdpa_clear(sdpa_call *c)
     Py_CLEAR(c->v);
     Py_CLEAR(c->grad_output);
     Py_CLEAR(c->grad_weights);
+    Py_CLEAR(c->layout);
     for (i = 0; i < MHA_MAX_MASKS; i++) Py_CLEAR(c->mask_arr[i]);
 }
 
@@ -73,7 +75,8 @@ static int same_dims(PyArrayObject *arr, const int64_t *want)
 /* The arguments common to both functions into c (and c->ba.fwd). */
 static int sdpa_parse(sdpa_call *c, PyObject *q, PyObject *k, PyObject *v, PyObject *masks,
                       PyObject *is_causal, PyObject *scale, PyObject *dropout, PyObject *seed,
-                      PyObject *counter, PyObject *zero_rows, PyObject *reference)
+                      PyObject *counter, PyObject *zero_rows, PyObject *reference,
+                      PyObject *layout)
 {
     mha_sdpa_args *a = &c->ba.fwd;
     PyArrayObject *q0;
@@ -148,6 +151,7 @@ static int sdpa_parse(sdpa_call *c, PyObject *q, PyObject *k, PyObject *v, PyObj
         if (masks && convert_masks(masks, c->typenum, dim, c->masks, c->mask_arr,
                                    &a->n_masks) < 0)
             return -1;
+        if (parse_layout(layout, dim, &a->layout, &c->layout) < 0) return -1;
     }
     a->masks = c->masks;
     a->q = PyArray_DATA(c->q);
@@ -196,21 +200,23 @@ static PyArrayObject *new4(const sdpa_call *c, int64_t d0, int64_t d1, int64_t d
 PyObject *sdpa_py(PyObject *m, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"q", "k", "v", "masks", "is_causal", "scale", "dropout", "seed",
-                             "counter", "need_weights", "zero_rows", "reference", "window", NULL};
+                             "counter", "need_weights", "zero_rows", "reference", "window",
+                             "layout", NULL};
     PyObject *q, *k, *v, *masks = NULL, *causal = NULL, *scale = NULL, *p = NULL, *seed = NULL,
-             *counter = NULL, *need = NULL, *zero = NULL, *ref = NULL, *win = NULL, *result = NULL;
+             *counter = NULL, *need = NULL, *zero = NULL, *ref = NULL, *win = NULL, *result = NULL,
+             *lay = NULL;
     PyArrayObject *out = NULL, *w = NULL;
     sdpa_call c;
     mha_sdpa_args *a = &c.ba.fwd;
     (void)m;
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOO:_sdpa", kwlist, &q, &k, &v,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOOO:_sdpa", kwlist, &q, &k, &v,
                                      &masks, &causal, &scale, &p, &seed, &counter, &need, &zero,
-                                     &ref, &win))
+                                     &ref, &win, &lay))
         return NULL;
     if ((need && parse_flag(need, "need_weights", &c.need_weights) < 0) ||
         parse_window(win, &a->has_window, &a->window_left, &a->window_right) < 0 ||
-        sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref) < 0)
+        sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref, lay) < 0)
         goto fail;
     if (!(out = new4(&c, a->B, a->H, a->L, a->Dv))) goto fail;
     if (c.need_weights && !(w = new4(&c, a->B, a->H, a->L, a->S))) goto fail;
@@ -229,8 +235,8 @@ PyObject *sdpa_backward_py(PyObject *m, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"q", "k", "v", "grad_output", "masks", "is_causal", "scale",
                              "dropout", "seed", "counter", "zero_rows", "grad_weights",
-                             "reference", "window", NULL};
-    PyObject *q, *k, *v, *go, *win = NULL, *masks = NULL, *causal = NULL, *scale = NULL, *p = NULL,
+                             "reference", "window", "layout", NULL};
+    PyObject *q, *k, *v, *go, *win = NULL, *lay = NULL, *masks = NULL, *causal = NULL, *scale = NULL, *p = NULL,
              *seed = NULL, *counter = NULL, *zero = NULL, *gw = Py_None, *ref = NULL,
              *result = NULL;
     PyArrayObject *dq = NULL, *dk = NULL, *dv = NULL;
@@ -238,12 +244,12 @@ PyObject *sdpa_backward_py(PyObject *m, PyObject *args, PyObject *kwds)
     mha_sdpa_args *a = &c.ba.fwd;
     (void)m;
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOO:_sdpa_backward", kwlist, &q,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOOO:_sdpa_backward", kwlist, &q,
                                      &k, &v, &go, &masks, &causal, &scale, &p, &seed, &counter,
-                                     &zero, &gw, &ref, &win))
+                                     &zero, &gw, &ref, &win, &lay))
         return NULL;
     if (parse_window(win, &a->has_window, &a->window_left, &a->window_right) < 0 ||
-        sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref) < 0)
+        sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref, lay) < 0)
         goto fail;
     {
         const int64_t od[4] = {a->B, a->H, a->L, a->Dv}, wd[4] = {a->B, a->H, a->L, a->S};

@@ -33,9 +33,10 @@ class SDPAFunction(torch.autograd.Function):
         q4, k4, v4, masks, c, s, (lead, lead_kv), dtype = _sdpa.sdpa_arrays(
             to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value"),
             plan["attn_mask"], plan["is_causal"], plan["scale"], plan["enable_gqa"])
+        lay = _sdpa.sdpa_layout(plan["layout"], q4, k4)
         out, _ = _sdpa.sdpa_forward(q4, k4, v4, masks, c, s, plan["p"], plan["seed"],
-                                    window=plan["window"])
-        ctx.args = (q4, k4, v4, masks, c, s, plan["p"], plan["seed"], plan["window"])
+                                    window=plan["window"], layout=lay)
+        ctx.args = (q4, k4, v4, masks, c, s, plan["p"], plan["seed"], plan["window"], lay)
         ctx.leads = (lead, lead_kv, lead_kv)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.set_materialize_grads(False)
@@ -44,7 +45,7 @@ class SDPAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q4, k4, v4, masks, c, s, p, seed, window = ctx.args
+        q4, k4, v4, masks, c, s, p, seed, window, lay = ctx.args
         need = ctx.needs_input_grad
         if grad_out is None:
             return None, None, None, None
@@ -52,7 +53,7 @@ class SDPAFunction(torch.autograd.Function):
             go = np.ascontiguousarray(to_numpy(grad_out, "grad_output"),
                                       dtype=q4.dtype).reshape(q4.shape[:3] + v4.shape[3:])
             dq, dk, dv = _sdpa.sdpa_backward(q4, k4, v4, go, masks, c, s, p, seed,
-                                             window=window)
+                                             window=window, layout=lay)
             grads = [_unbroadcast(g, lead, shape) if need[1 + i] else None
                      for i, (g, lead, shape) in enumerate(zip((dq, dk, dv), ctx.leads,
                                                                ctx.shapes))]
@@ -83,7 +84,7 @@ def _unbroadcast(g, lead, shape):
 
 
 def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-               window=None):
+               window=None, layout=None):
     """scaled_dot_product_attention on tensors (see mha_ext._sdpa)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -101,5 +102,5 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     p = probability(dropout_p, "dropout_p")
     plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                 p=p, seed=_sdpa._seed(seed) if p > 0 else 0,
-                window=_calls.sliding_window(window))
+                window=_calls.sliding_window(window), layout=layout)
     return SDPAFunction.apply(plan, query, key, value)

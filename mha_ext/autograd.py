@@ -47,7 +47,7 @@ class ForwardContext:
     __slots__ = ("output", "weights", "dropout", "counter", "_params", "_query", "_key",
                  "_value", "_saved", "_masks", "_is_causal", "_zero_rows", "_batched",
                  "_need_weights", "_average_weights", "_seed", "_scale", "_window",
-                 "_head_mask")
+                 "_head_mask", "_layout")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -63,7 +63,7 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
                   key_padding_mask=None, is_causal=False, need_weights=True,
                   average_weights=False, masked_rows="nan", params=None, dropout=None,
                   dropout_counter=None, save_projections=True, scale=None,
-                  window=None, head_mask=None) -> ForwardContext:
+                  window=None, head_mask=None, layout=None) -> ForwardContext:
     """The forward pass of ``mha`` (a MultiHeadAttention), returning a
     :class:`ForwardContext` with ``.output`` and ``.weights`` (what the call
     returns) and what :func:`backward` needs.
@@ -83,7 +83,8 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
     # no copies here: the C forward copies the inputs as its projections read them
     call = _calls.prepare(mha, query, key, value, mask, attn_mask, key_padding_mask,
                           is_causal, need_weights, average_weights, masked_rows,
-                          dtype=mha.dtype, scale=scale, window=window, head_mask=head_mask)
+                          dtype=mha.dtype, scale=scale, window=window, head_mask=head_mask,
+                          layout=layout)
     # private copies: the backward must see the masks of this call
     masks = tuple((kind, np.array(m, copy=True)) for kind, m in call.masks)
     call = call._replace(masks=list(masks))
@@ -112,7 +113,7 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
                           _batched=call.batched, _need_weights=call.need_weights,
                           _average_weights=call.average_weights, _seed=mha.seed,
                           _scale=call.scale, _window=call.window,
-                          _head_mask=call.head_mask)
+                          _head_mask=call.head_mask, _layout=call.layout)
 
 
 def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
@@ -154,7 +155,7 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
     gp, gq, gk, gv = _calls.c_backward(mha, ctx._params, ctx._query, ctx._key, ctx._value,
                                        ctx._masks, ctx._is_causal, ctx._zero_rows,
                                        ctx.dropout, ctx.counter, go, gw, ctx._saved,
-                                       ctx._scale, ctx._window, ctx._head_mask)
+                                       ctx._scale, ctx._window, ctx._head_mask, ctx._layout)
     grads = _params.grads(mha, gp)
     if not ctx._batched:
         gq, gk, gv = gq[0], gk[0], gv[0]

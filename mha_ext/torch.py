@@ -62,10 +62,11 @@ class MultiHeadAttention(nn.Module):
     forward(query, key=None, value=None, mask=None, *, attn_mask=None,
             key_padding_mask=None, is_causal=False, need_weights=True,
             average_weights=False, masked_rows="nan", scale=None, window=None,
-            head_mask=None) -> (output, weights)
+            head_mask=None, layout=None) -> (output, weights)
     as mha_ext.MultiHeadAttention's call (is_causal True or "lower_right",
     scale None or a number, window None or a sliding window (left, right),
-    head_mask None or (H,) / (B, H) factors, no gradient), on (B, S, E) or (S, E) CPU tensors;
+    head_mask None or (H,) / (B, H) factors, no gradient, layout None or a
+    mha_ext.layout.BlockLayout), on (B, S, E) or (S, E) CPU tensors;
     weights is None with need_weights=False.  Gradients flow to query, key,
     value and every parameter.
     """
@@ -143,7 +144,7 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query, key=None, value=None, mask=None, *, attn_mask=None,
                 key_padding_mask=None, is_causal=False, need_weights=True,
                 average_weights=False, masked_rows="nan", scale=None, window=None,
-                head_mask=None, **unknown):
+                head_mask=None, layout=None, **unknown):
         if unknown:  # torch's names (average_attn_weights, ...) named with ours
             _habits.call_keywords(unknown, "forward")
         params = self._params()
@@ -169,6 +170,6 @@ class MultiHeadAttention(nn.Module):
                     is_causal=is_causal, need_weights=need_weights,
                     average_weights=average_weights, masked_rows=masked_rows,
                     dropout=core.dropout if self.training else 0.0, scale=scale,
-                    window=window, head_mask=head_mask)
+                    window=window, head_mask=head_mask, layout=layout)
         out, weights = _AttentionFunction.apply(core, opts, *tensors, *params)
         return out, (weights if need_weights else None)

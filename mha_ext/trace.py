@@ -33,7 +33,8 @@ import os
 
 import numpy as np
 
-from ._calls import sliding_window
+from ._calls import LOWER_RIGHT, causal, score_scale, sliding_window
+from ._masks import block_layout
 from ._convert import flag, to_numpy
 
 __all__ = ["Step", "Trace", "trace"]
@@ -330,9 +331,6 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     if getattr(module, "add_bias_kv", False) or getattr(module, "add_zero_attn", False):
         raise NotImplementedError("trace() does not show add_bias_kv's or add_zero_attn's "
                                   "extra keys yet: trace a module without them")
-    if kwargs.get("scale") is not None or isinstance(kwargs.get("is_causal"), str):
-        raise NotImplementedError("trace() shows the default scale and top-left causality "
-                                  "only (no scale=, no is_causal='lower_right')")
     dtype = np.dtype(module.dtype)
     need_weights = flag(kwargs.get("need_weights", True), "need_weights")
     average = flag(kwargs.get("average_weights", False), "average_weights")
@@ -400,9 +398,11 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     add("K heads", "K → [B, H, Sk, Dk]", ("B", "H", "Sk", "Dk"), kh)
     add("V heads", "V → [B, H, Sk, Dk]", ("B", "H", "Sk", "Dk"), vh)
 
-    scale = dtype.type(1.0 / np.sqrt(Dk))
+    given = score_scale(kwargs.get("scale"))
+    scale = dtype.type(1.0 / np.sqrt(Dk) if given is None else given)
     raw = (qh @ kh.transpose(0, 1, 3, 2)) * scale
-    add("raw scores", "S = Q·Kᵀ / √Dk", ("B", "H", "Sq", "Sk"), raw)
+    add("raw scores", "S = Q·Kᵀ / √Dk" if given is None else f"S = Q·Kᵀ · {given:g}",
+        ("B", "H", "Sq", "Sk"), raw)
 
     blocked, added, why_blocked, why_added = _masks(
         mask, kwargs, unbatched, B, H, Sq, Sk, dtype)
@@ -510,22 +510,35 @@ def _masks(mask, kwargs, unbatched, B, H, Sq, Sk, dtype):
         else:
             add(kpm, "key_padding_mask")
 
-    if flag(kwargs.get("is_causal", False), "is_causal"):
-        causal = np.triu(np.ones((Sq, Sk), dtype=bool), k=1)[None, None]
-        block(causal, "j > i (causal)")
+    is_causal = causal(kwargs.get("is_causal", False))
+    coff = Sk - Sq if is_causal == LOWER_RIGHT else 0      # the diagonal: j = i + coff
+    where = "i" if coff == 0 else f"i + {coff}" if coff > 0 else f"i − {-coff}"
+    if is_causal:
+        tri = np.triu(np.ones((Sq, Sk), dtype=bool), k=1 + coff)[None, None]
+        block(tri, f"j > {where} (causal" + (", lower right)" if is_causal == LOWER_RIGHT
+                                              else ")"))
 
     window = sliding_window(kwargs.get("window"))
     if window is not None:
         left, right = window
-        d = np.arange(Sk)[None, :] - np.arange(Sq)[:, None]   # j - i
+        d = np.arange(Sk)[None, :] - np.arange(Sq)[:, None] - coff   # j - (i + coff)
         out = np.zeros((Sq, Sk), dtype=bool)
         words = []
         if left is not None:
             out |= d < -left
-            words.append(f"j < i − {left}")
+            words.append(f"j < {where} − {left}")
         if right is not None:
             out |= d > right
-            words.append(f"j > i + {right}")
+            words.append(f"j > {where} + {right}")
         block(out[None, None], " or ".join(words) + " (window)")
+
+    lay = kwargs.get("layout")
+    if lay is not None:
+        keep = block_layout(lay, 1 if unbatched else B, H, Sq, Sk)[0]
+        dense = ~lay.to_dense(Sq, Sk)                       # True = blocked
+        block(dense.reshape((1,) * (4 - dense.ndim) + dense.shape),
+              f"block (i // {lay.q_block}, j // {lay.k_block}) not kept (layout "
+              f"{keep.shape[-2]}×{keep.shape[-1]} blocks of {lay.q_block}×{lay.k_block}, "
+              f"density {lay.density:.2f})")
 
     return blocked, added, why_blocked, why_added

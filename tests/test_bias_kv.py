@@ -207,8 +207,6 @@ def test_errors():
         m._forward(x, x, x, is_causal="yes")
     with pytest.raises(TypeError, match="scale"):
         m._forward(x, x, x, scale="1")
-    with pytest.raises(NotImplementedError, match="lower_right"):
-        m.trace(x, is_causal="lower_right")
     with pytest.raises(NotImplementedError, match="add_bias_kv"):
         MultiHeadAttention(E, H, add_bias_kv=True).trace(x)
 
