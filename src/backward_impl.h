@@ -196,6 +196,29 @@ static void SUF(bwd_range)(const SUF(bwd) *f, int64_t b, int64_t h, int64_t i0, 
     *ke = hi;
 }
 
+/* The next run [*rs, *re) of keys from key j (< ke) that the layout keeps
+ * for some query of rows i0 .. i0+nq-1 of (b, h); with runs 0 (no layout,
+ * no skipping, or a NaN row redone on every key) the one run [j, ke).
+ * *rs >= ke: none left.  Between runs, P is exactly 0 for every row of the
+ * block (the layout blocks those keys), so the products skip them. */
+static void SUF(bwd_run)(const SUF(bwd) *f, int runs, int64_t b, int64_t h, int64_t i0,
+                         int64_t nq, int64_t j, int64_t ke, int64_t *rs, int64_t *re)
+{
+    if (runs) {
+        mha_lay_run(&f->rr.lay, b, h, i0, nq, j, ke, rs, re);
+    } else {
+        *rs = j;
+        *re = ke;
+    }
+}
+
+/* x (rows, cols), leading dimension ld, set to 0 */
+static void SUF(bwd_zero)(T *x, int64_t rows, int64_t cols, int64_t ld)
+{
+    int64_t r;
+    for (r = 0; r < rows; r++) memset(x + r * ld, 0, (size_t)cols * sizeof(T));
+}
+
 /* One (b, key/value head h'): for each query head h of its group, the
  * forward of the attention recomputed block by block of queries, each step
  * followed by its backward (the module: h' = h, groups of one). */
@@ -204,7 +227,8 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
     const SUF(bwd) *f = (const SUF(bwd) *)vf;
     const int64_t G = f->H / f->Hkv, b = task / f->Hkv, hkv = task % f->Hkv;
     const int64_t E = f->E, Sq = f->Sq, Sk = f->Sk, Dk = f->Dk, Dv = f->Dv;
-    int64_t i0, r, j, g, ks, ke, n, koff;
+    int64_t i0, r, j, g, ks, ke, n, rj, rs, re, nr;
+    int runs;
     /* Q_bh and V_bh: per head (kept by the forward) or columns of (B, S, E)
      * (recomputed); K_bh: transposed per head (Dk, Sk) or columns of K */
     const int hm = f->saved;
@@ -258,21 +282,34 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
             /* the block's keys [ks, ks + n); every buffer below is read and
              * written from column ks (koff: K_bh's first key) */
             SUF(bwd_range)(f, b, h, i0, nq, &ks, &ke);
+            runs = f->skip && f->rr.lay.keep != NULL; /* the layout's runs of keys */
+            if (runs) { /* none: every row blocked, the plain path on every key */
+                SUF(bwd_run)(f, runs, b, h, i0, nq, ks, ke, &rs, &re);
+                runs = rs < ke;
+            }
         redo:
             n = ke - ks;
-            koff = hm ? ks : ks * E;
-            /* forward: S = Q_bh·K_bhᵀ · scale; S = masked(S); P = softmax(S) */
-            if (!f->p_saved)
-                SUF(mha_gemm)(f->kern, !hm, nq, n, Dk, q_bh + i0 * ldq, ldq, k_bh + koff,
-                              hm ? Sk : E, NULL, p + ks, Sk, 0, gs);
+            /* forward: S = Q_bh·K_bhᵀ · scale; S = masked(S); P = softmax(S)
+             * (between the runs: 0 scores, which the layout masks) */
+            if (!f->p_saved) {
+                if (runs) SUF(bwd_zero)(p + ks, nq, n, Sk);
+                for (rj = ks; rj < ke; rj = re) {
+                    SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
+                    if (rs >= ke) break;
+                    SUF(mha_gemm)(f->kern, !hm, nq, re - rs, Dk, q_bh + i0 * ldq, ldq,
+                                  k_bh + (hm ? rs : rs * E), hm ? Sk : E, NULL, p + rs, Sk, 0,
+                                  gs);
+                }
+            }
             for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: the same P */
                 blocked[r] = SUF(softmax_row)(f->kern, &f->rr, f->scale, p + r * Sk + ks, b, h,
                                               i0 + r, ks, n, n) < 0;
-            if (n < Sk) /* a NaN row must reach every key, as in the reference */
+            if (n < Sk || runs) /* a NaN row must reach every key, as in the reference */
                 for (r = 0; r < nq; r++)
                     if (pb[r * Sk + ks] != pb[r * Sk + ks]) {
                         ks = 0;
                         ke = Sk;
+                        runs = 0;
                         goto redo;
                     }
             for (r = 0; r < nq && f->p_saved && f->dropout_on; r++)
@@ -297,18 +334,29 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                 }
                 a_blk = d;
             }
-            /* forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx), unless kept */
-            if (!f->saved)
-                SUF(mha_gemm)(f->kern, 0, nq, Dv, n, a_blk + ks, Sk, v_bh + ks * ldv, ldv, NULL,
-                              c_bh + i0 * E, E, 0, gs);
+            /* over each run of keys [rs, re) (one run [ks, ke) without a layout):
+             * forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx), unless kept;
+             * backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh;
+             * ... and dA = dctx_bh·V_bhᵀ (0 between the runs) */
+            for (rj = ks, nr = 0; rj < ke; rj = re, nr++) {
+                SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
+                if (rs >= ke) break;
+                if (!f->saved)
+                    SUF(mha_gemm)(f->kern, 0, nq, Dv, re - rs, a_blk + rs, Sk, v_bh + rs * ldv,
+                                  ldv, NULL, c_bh + i0 * E, E, nr > 0, gs);
+                SUF(mha_gemm_tn)(f->kern, re - rs, Dv, nq, a_blk + rs, Sk,
+                                 dc_bh + i0 * f->dc_ld, f->dc_ld, dvs + rs * Dv, Dv, !first, gs);
+            }
+            if (runs) SUF(bwd_zero)(d + ks, nq, n, Sk); /* A (maybe d) read: now dA */
+            for (rj = ks; rj < ke; rj = re) {
+                SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
+                if (rs >= ke) break;
+                SUF(mha_gemm)(f->kern, 1, nq, re - rs, Dv, dc_bh + i0 * f->dc_ld, f->dc_ld,
+                              v_bh + rs * ldv, ldv, NULL, d + rs, Sk, 0, gs);
+            }
             for (r = 0; r < nq && f->hmask && !f->saved; r++)
                 f->kern->scale(c_bh + (i0 + r) * E, Dv, hmv);
-            /* backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh */
-            SUF(mha_gemm_tn)(f->kern, n, Dv, nq, a_blk + ks, Sk, dc_bh + i0 * f->dc_ld, f->dc_ld,
-                             dvs + ks * Dv, Dv, !first, gs);
-            /* ... and dA = dctx_bh·V_bhᵀ, plus the gradient of the returned weights */
-            SUF(mha_gemm)(f->kern, 1, nq, n, Dv, dc_bh + i0 * f->dc_ld, f->dc_ld, v_bh + ks * ldv,
-                          ldv, NULL, d + ks, Sk, 0, gs);
+            /* plus the gradient of the returned weights */
             if (gw_bh)
                 for (r = 0; r < nq; r++)
                     for (j = ks; j < ke; j++) d[r * Sk + j] += hmv * gw_bh[(i0 + r) * Sk + j];
@@ -322,15 +370,20 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                  * and of S = ... · scale: the scale folded in */
                 f->kern->softmax_grad(pb + r * Sk + ks, d_r + ks, n, f->scale);
             }
-            /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh */
-            if (dq_bh) {
-                SUF(mha_gemm)(f->kern, hm, nq, Dk, n, d + ks, Sk, k_bh + koff, hm ? Sk : E, NULL,
-                              dqs, Dk, 0, gs);
-                for (r = 0; r < nq; r++)
-                    memcpy(dq_bh + (i0 + r) * f->dq_ld, dqs + r * Dk, (size_t)Dk * sizeof(T));
+            /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh
+             * (dS is 0 between the runs) */
+            for (rj = ks, nr = 0; rj < ke; rj = re, nr++) {
+                SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
+                if (rs >= ke) break;
+                if (dq_bh)
+                    SUF(mha_gemm)(f->kern, hm, nq, Dk, re - rs, d + rs, Sk,
+                                  k_bh + (hm ? rs : rs * E), hm ? Sk : E, NULL, dqs, Dk, nr > 0,
+                                  gs);
+                SUF(mha_gemm_tn)(f->kern, re - rs, Dk, nq, d + rs, Sk, q_bh + i0 * ldq, ldq,
+                                 dks + rs * Dk, Dk, !first, gs);
             }
-            SUF(mha_gemm_tn)(f->kern, n, Dk, nq, d + ks, Sk, q_bh + i0 * ldq, ldq, dks + ks * Dk,
-                             Dk, !first, gs);
+            for (r = 0; r < nq && dq_bh; r++)
+                memcpy(dq_bh + (i0 + r) * f->dq_ld, dqs + r * Dk, (size_t)Dk * sizeof(T));
         }
         /* this head's share of the bias gradient of Q (db = Σ_rows dY),
          * summed while dQ_bh is still in cache; phase 4 adds the batches */

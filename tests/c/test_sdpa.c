@@ -16,7 +16,8 @@ typedef struct {
     double p;
     int win;           /* a sliding window (wl, wr; < 0 unbounded) */
     int64_t wl, wr;
-    int lay;           /* 0 none, 1 a block layout per (B, H), 2 one broadcast */
+    int lay;           /* 0 none, 1 a block layout per (B, H), 2 one broadcast,
+                          3 a sparse one per (B, H): runs of skipped keys */
     int64_t qbs, kbs;  /*   its block sizes */
 } opts;
 
@@ -39,7 +40,9 @@ static uint8_t *layout_make(mha_block_layout *ly, int64_t B, int64_t H, int64_t 
     n = (per_bh ? B * H : 1) * nqb * nkb;
     keep = malloc((size_t)(n + 1));
     for (e = 0; e < n; e++)
-        keep[e] = (uint8_t)((e * 5 + 1) % 3 != 0 && (nqb < 3 || (e / nkb) % nqb != 1));
+        keep[e] = per_bh == 2 /* sparse: a quarter of the blocks and key block 0 */
+                      ? (uint8_t)(e % nkb == 0 || ((e % nkb) * 7 + e / nkb) % 4 == 0)
+                      : (uint8_t)((e * 5 + 1) % 3 != 0 && (nqb < 3 || (e / nkb) % nqb != 1));
     ly->keep = keep;
     ly->nqb = nqb; ly->nkb = nkb;
     ly->q_block = qbs; ly->k_block = kbs;
@@ -79,7 +82,8 @@ static void problem_make(problem *pr, mha_dtype dt, int64_t B, int64_t H, int64_
     pr->a.dropout = o->p; pr->a.seed = 3; pr->a.counter = 11;
     pr->a.has_window = o->win;
     pr->a.window_left = o->wl; pr->a.window_right = o->wr;
-    if (o->lay) pr->keep = layout_make(&pr->a.layout, B, H, L, S, o->qbs, o->kbs, o->lay == 1);
+    if (o->lay) pr->keep = layout_make(&pr->a.layout, B, H, L, S, o->qbs, o->kbs,
+                                     o->lay == 3 ? 2 : o->lay == 1);
 }
 
 static void problem_free(problem *pr)
@@ -350,6 +354,7 @@ int main(void)
                 sdpa_case(dt, 2, 2, 2, 4, 0, 5, 3, o);
                 if (k % 6 >= 4 || k % 3 == 0) { /* several blocks: skipped key ranges */
                     if (k % 6 < 4) { o.qbs = 40; o.kbs = 50; }
+                    if (k % 4 == 1) { o.lay = 3; o.qbs = 100; o.kbs = 20; } /* runs */
                     sdpa_case(dt, 1, 4, 2, 130, 300, 16, 24, o);
                     sdpa_case(dt, 1, 2, 2, 300, 130, 24, 8, o);
                 }
