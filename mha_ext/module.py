@@ -423,11 +423,14 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return _autograd.forward_train(self, query, key, value, mask, **kwargs)
 
     def backward(self, ctx, grad_output: ArrayLike,
-                 grad_weights: ArrayLike | None = None) -> dict[str, np.ndarray]:
+                 grad_weights: ArrayLike | None = None, *,
+                 head_mask_grad: bool = False) -> dict[str, np.ndarray]:
         """Gradients of the forward_train call that made ctx, from dL/d output
         (and optionally dL/d weights): a dict keyed like state_dict() plus
-        'query', 'key' and 'value' (see mha_ext.autograd.backward)."""
-        return _autograd.backward(self, ctx, grad_output, grad_weights)
+        'query', 'key' and 'value', and 'head_mask' with head_mask_grad=True
+        (see mha_ext.autograd.backward)."""
+        return _autograd.backward(self, ctx, grad_output, grad_weights,
+                                  head_mask_grad=head_mask_grad)
 
     def trace(self, query: ArrayLike, key: ArrayLike | None = None,
               value: ArrayLike | None = None, mask: ArrayLike | None = None, **kwargs):

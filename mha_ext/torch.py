@@ -65,7 +65,8 @@ class MultiHeadAttention(nn.Module):
             head_mask=None, layout=None) -> (output, weights)
     as mha_ext.MultiHeadAttention's call (is_causal True or "lower_right",
     scale None or a number, window None or a sliding window (left, right),
-    head_mask None or (H,) / (B, H) factors, no gradient, layout None or a
+    head_mask None or (H,) / (B, H) factors (a tensor that requires grad
+    gets dL/d head_mask), layout None or a
     mha_ext.layout.BlockLayout), on (B, S, E) or (S, E) CPU tensors;
     weights is None with need_weights=False.  Gradients flow to query, key,
     value and every parameter.
@@ -171,5 +172,11 @@ class MultiHeadAttention(nn.Module):
                     average_weights=average_weights, masked_rows=masked_rows,
                     dropout=core.dropout if self.training else 0.0, scale=scale,
                     window=window, head_mask=head_mask, layout=layout)
-        out, weights = _AttentionFunction.apply(core, opts, *tensors, *params)
+        extra = []
+        if isinstance(head_mask, torch.Tensor) and head_mask.requires_grad:
+            # a head mask that requires grad: an input of the Function, which
+            # returns dL/d head_mask
+            opts.update(head_mask=head_mask.detach(), head_mask_input=True)
+            extra = [head_mask]
+        out, weights = _AttentionFunction.apply(core, opts, *tensors, *params, *extra)
         return out, (weights if need_weights else None)
