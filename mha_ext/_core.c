@@ -451,13 +451,14 @@ static PyMethodDef module_methods[] = {
      "The number of threads the library uses (default: the CPUs this process may use)."},
     {"_sdpa", (PyCFunction)(void (*)(void))sdpa_py, METH_VARARGS | METH_KEYWORDS,
      "_sdpa(q, k, v, *, masks=(), is_causal=False, scale=None, dropout=0.0, seed=0, "
-     "counter=0, need_weights=False, zero_rows=False, reference=False, window=None, layout=None)\n--\n\n"
+     "counter=0, need_weights=False, zero_rows=False, reference=False, window=None, layout=None, "
+     "head_mask=None)\n--\n\n"
      "Attention on projected heads (see _core_sdpa.c): (out, weights | None)."},
     {"_sdpa_backward", (PyCFunction)(void (*)(void))sdpa_backward_py,
      METH_VARARGS | METH_KEYWORDS,
      "_sdpa_backward(q, k, v, grad_output, *, masks=(), is_causal=False, scale=None, "
      "dropout=0.0, seed=0, counter=0, zero_rows=False, grad_weights=None, "
-     "reference=False, window=None, layout=None)\n--\n\n"
+     "reference=False, window=None, layout=None, head_mask=None)\n--\n\n"
      "The gradients of one _sdpa call: (grad_q, grad_k, grad_v)."},
     {NULL}
 };

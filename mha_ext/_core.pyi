@@ -44,7 +44,7 @@ def _sdpa(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *,
           masks: Sequence[_Mask] = ..., is_causal: _Causal = ..., scale: Optional[float] = ...,
           dropout: float = ..., seed: int = ..., counter: int = ..., need_weights: _Flag = ...,
           zero_rows: _Flag = ..., reference: _Flag = ..., window: _Window = ...,
-          layout: _Layout = ...,
+          layout: _Layout = ..., head_mask: Optional[npt.ArrayLike] = ...,
           ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
 def _sdpa_backward(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike,
                    grad_output: npt.ArrayLike, *, masks: Sequence[_Mask] = ...,
@@ -52,6 +52,7 @@ def _sdpa_backward(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike,
                    seed: int = ..., counter: int = ..., zero_rows: _Flag = ...,
                    grad_weights: Optional[npt.ArrayLike] = ..., reference: _Flag = ...,
                    window: _Window = ..., layout: _Layout = ...,
+                   head_mask: Optional[npt.ArrayLike] = ...,
                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
 class MultiHeadAttention:

@@ -364,6 +364,11 @@ typedef struct {
     int has_window;         /* a sliding window, as in mha_forward_args */
     int64_t window_left, window_right;
     mha_block_layout layout; /* keep == NULL: none; over (B, H, L, S) */
+    const void *head_mask;  /* NULL, or scalars of dtype over (B, H) at
+                               b*head_mask_stride[0] + h*head_mask_stride[1],
+                               as in mha_forward_args: multiplies head h's
+                               weights after dropout (and so its out) */
+    int64_t head_mask_stride[2];
 } mha_sdpa_args;
 
 /* The gradients of one mha_sdpa_forward call `fwd` (its out, weights

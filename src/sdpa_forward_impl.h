@@ -29,6 +29,9 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     at.rr = mha_rows_make(a->masks, a->n_masks, a->is_causal, a->L, a->S, a->zero_masked_rows);
     mha_rows_window(&at.rr, a->has_window, a->window_left, a->window_right, a->L, a->S);
     at.rr.lay = a->layout;
+    at.hmask = (const T *)a->head_mask;
+    at.hm_sb = a->head_mask_stride[0];
+    at.hm_sh = a->head_mask_stride[1];
     at.scale = (T)mha_score_scale(a->has_scale, a->scale, a->D);
     at.dropout = a->dropout;
     at.dropout_on = a->dropout > 0.0;

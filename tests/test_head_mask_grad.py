@@ -150,3 +150,73 @@ def test_head_mask_grad_needs_a_head_mask():
     with pytest.raises(TypeError, match="head_mask_grad"):
         m.backward(m.forward_train(x, head_mask=[1, 0]), np.ones_like(x),
                    head_mask_grad=[True])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hm_shape", ["H", "lead"])
+@pytest.mark.parametrize("case", ["plain", "gqa+causal", "layout+mask", "online"])
+def test_sdpa_head_mask_matches_torch(torch, dtype, hm_shape, case):
+    """mha_ext.scaled_dot_product_attention(head_mask=...) (issue 14 point
+    B): output, d query, d key, d value and dL/d head_mask equal torch
+    autograd on softmax(...)·m @ V, on tensors; the arrays path gives the
+    same output and leaves its inputs unchanged."""
+    F = torch.nn.functional
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hk, Lq, S, D = 2, 4, 2 if case == "gqa+causal" else 4, 7, 9, 8
+    if case == "online":
+        Lq, S = 130, 300
+    q = torch.randn(B, Hq, Lq, D, generator=g, dtype=dt, requires_grad=True)
+    k = torch.randn(B, Hk, S, D, generator=g, dtype=dt, requires_grad=True)
+    v = torch.randn(B, Hk, S, 5, generator=g, dtype=dt, requires_grad=True)
+    m_np = (np.array([1.0, 0.0, 0.5, 2.0]) if hm_shape == "H"
+            else np.array([[1.0, 0.0, 0.5, 2.0], [0.0, 1.0, 1.0, 0.25]])).astype(dtype)
+    kw, allow = {}, torch.ones(Lq, S, dtype=torch.bool)
+    if case == "gqa+causal":
+        kw.update(is_causal="lower_right", enable_gqa=True)
+        allow = torch.tensor(np.arange(S)[None, :] <= np.arange(Lq)[:, None] + S - Lq)
+    elif case in ("layout+mask", "online"):
+        lay = L.global_local(Lq, S, (3, 4) if case == "layout+mask" else (40, 50), width=1)
+        extra = torch.rand(Lq, S, generator=g) > 0.2
+        kw.update(layout=lay, attn_mask=extra)
+        allow = torch.tensor(lay.to_dense(Lq, S)) & extra
+    assert allow.any(-1).all()
+    m_ref = torch.tensor(m_np, requires_grad=True)
+    kr, vr = k, v
+    if Hk != Hq:
+        kr, vr = k.repeat_interleave(Hq // Hk, 1), v.repeat_interleave(Hq // Hk, 1)
+    sc = (q @ kr.transpose(-2, -1)) / math.sqrt(D)
+    a = torch.softmax(sc.masked_fill(~allow, -math.inf), -1)
+    mm = m_ref[None, :, None, None] if m_ref.dim() == 1 else m_ref[:, :, None, None]
+    want = (a * mm) @ vr
+    go = torch.randn(want.shape, generator=g, dtype=dt)
+    gw = torch.autograd.grad(want, (q, k, v, m_ref), go)
+    m_t = torch.tensor(m_np, requires_grad=True)
+    got = mha_ext.scaled_dot_product_attention(q, k, v, head_mask=m_t, **kw)
+    close(got.detach().numpy(), want.detach().numpy(), dtype, "output")
+    gg = torch.autograd.grad(got, (q, k, v, m_t), go)
+    for name, x, y in zip(("query", "key", "value", "head_mask"), gg, gw):
+        close(x.numpy(), y.numpy(), dtype, name)
+    npkw = {a_: (b.numpy() if isinstance(b, torch.Tensor) else b) for a_, b in kw.items()}
+    arrs = [x.detach().numpy().copy() for x in (q, k, v)]
+    arr = mha_ext.scaled_dot_product_attention(*arrs, head_mask=m_np, **npkw)
+    close(arr, want.detach().numpy(), dtype, "output on arrays")
+    for x, y in zip(arrs, (q, k, v)):
+        np.testing.assert_array_equal(x, y.detach().numpy())
+    # the C backward scales a copy of grad_output, never the caller's
+    from mha_ext import _core
+    go_np = go.numpy().copy()                 # contiguous, of the dtype: not copied by the binding
+    before = go_np.copy()
+    _core._sdpa_backward(*arrs, go_np, head_mask=np.broadcast_to(m_np, (B, Hq)))
+    np.testing.assert_array_equal(go_np, before)
+
+
+def test_sdpa_head_mask_errors():
+    x = np.zeros((2, 3, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="head_mask must have shape"):
+        mha_ext.scaled_dot_product_attention(x, x, x, head_mask=np.ones(2))
+    with pytest.raises(ValueError, match="finite"):
+        mha_ext.scaled_dot_product_attention(x, x, x, head_mask=[1.0, np.nan, 1.0])
+    from mha_ext import _core
+    with pytest.raises(ValueError, match="head_mask must have the shape"):
+        _core._sdpa(x, x, x, head_mask=np.ones((3, 2)))

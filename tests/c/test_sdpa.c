@@ -19,12 +19,13 @@ typedef struct {
     int lay;           /* 0 none, 1 a block layout per (B, H), 2 one broadcast,
                           3 a sparse one per (B, H): runs of skipped keys */
     int64_t qbs, kbs;  /*   its block sizes */
+    int hmask;         /* 0 none, 1 a head mask over (B, H), 2 over (H) broadcast */
 } opts;
 
 typedef struct {
     mha_sdpa_args a;
     int64_t nq, nk, nv, no, nw;
-    void *q, *k, *v, *G, *GW, *add;
+    void *q, *k, *v, *G, *GW, *add, *hm;
     uint8_t *blk, *keep;
     mha_mask masks[2];
 } problem;
@@ -82,6 +83,17 @@ static void problem_make(problem *pr, mha_dtype dt, int64_t B, int64_t H, int64_
     pr->a.dropout = o->p; pr->a.seed = 3; pr->a.counter = 11;
     pr->a.has_window = o->win;
     pr->a.window_left = o->wl; pr->a.window_right = o->wr;
+    pr->hm = rand_array(dt, B * H + 1, &s); /* (B, H): some heads off, some halved */
+    for (i = 0; i < B * H; i++) {
+        double x = i % 3 == 0 ? 0.0 : i % 3 == 1 ? 1.0 : 0.5;
+        if (dt == MHA_FLOAT32) ((float *)pr->hm)[i] = (float)x;
+        else ((double *)pr->hm)[i] = x;
+    }
+    if (o->hmask) {
+        pr->a.head_mask = pr->hm;
+        pr->a.head_mask_stride[0] = o->hmask == 1 ? H : 0;
+        pr->a.head_mask_stride[1] = 1;
+    }
     if (o->lay) pr->keep = layout_make(&pr->a.layout, B, H, L, S, o->qbs, o->kbs,
                                      o->lay == 3 ? 2 : o->lay == 1);
 }
@@ -89,7 +101,7 @@ static void problem_make(problem *pr, mha_dtype dt, int64_t B, int64_t H, int64_
 static void problem_free(problem *pr)
 {
     free(pr->q); free(pr->k); free(pr->v); free(pr->G); free(pr->GW); free(pr->add);
-    free(pr->blk); free(pr->keep);
+    free(pr->blk); free(pr->keep); free(pr->hm);
 }
 
 static void sdpa_case(mha_dtype dt, int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t S,
@@ -349,6 +361,7 @@ int main(void)
                 o.zero_rows = (k / 3) % 2;
                 o.gw = k % 5 < 2;
                 o.p = k % 6 == 4 ? 0.3 : 0.0;
+                o.hmask = (k + k / 3) % 3;
                 sdpa_case(dt, 2, 4, 2, 7, 5, 6, 3, o);
                 sdpa_case(dt, 2, 3, 1, 3, 9, 4, 7, o);
                 sdpa_case(dt, 2, 2, 2, 4, 0, 5, 3, o);
