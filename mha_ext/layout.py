@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._convert import as_array
+
 __all__ = ["BlockLayout", "local_blocks", "strided", "global_local", "bigbird"]
 
 
@@ -68,7 +70,7 @@ class BlockLayout:
     __slots__ = ("_keep", "q_block", "k_block")
 
     def __init__(self, keep, block_size):
-        k = np.asarray(keep)
+        k = as_array(keep, "keep")
         if k.dtype != np.bool_:
             raise TypeError(f"keep must be a bool array (True = the block is kept, computed), "
                             f"got dtype {k.dtype}")
@@ -136,7 +138,7 @@ class BlockLayout:
         """The layout keeping every block with at least one True of the
         elementwise kept mask `keep` (..., Sq, Sk) (True = visible): exact
         (to_dense gives keep back) when keep is constant on each block."""
-        k = np.asarray(keep)
+        k = as_array(keep, "keep")
         if k.dtype != np.bool_ or k.ndim < 2:
             raise TypeError("from_dense takes a bool array (..., Sq, Sk), True = visible")
         qb, kb = _block_size(block_size)
