@@ -28,10 +28,10 @@ class TinyModel(nn.Module):
         self.attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, seed=seed)
         self.head = nn.Linear(d_model, vocab)
 
-    def forward(self, tokens):
-        # tokens (B, L) -> logits (B, L, vocab)
+    def forward(self, tokens, head_mask=None):
+        # tokens (B, L) -> logits (B, L, vocab); head_mask (H,): 0 switches a head off
         x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
-        y, _ = self.attn(x, need_weights=False)
+        y, _ = self.attn(x, need_weights=False, head_mask=head_mask)
         return self.head(y)
 
 

@@ -98,14 +98,15 @@ else:
     from ._sdpa_api import scaled_dot_product_attention
     from .module import Linear, MultiHeadAttention
     from .cache import KVCache
-    from . import heads
+    from . import heads, layout
+    from .layout import BlockLayout
     from .explorer import Explorer, explore
     from .plot import plot_heads
     from .trace import Step, Trace, trace
 
     __all__ = ["MultiHeadAttention", "Linear", "KVCache", "Trace", "Step", "trace", "plot_heads",
                "explore", "Explorer", "heads", "scaled_dot_product_attention",
-               "set_num_threads", "get_num_threads", "__version__"]
+               "set_num_threads", "get_num_threads", "BlockLayout", "layout", "__version__"]
 
 def __getattr__(name):
     # mha_ext.compare needs torch: imported on first use only

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._convert import as_array, as_real, contiguous, flag
-from ._masks import masks as _masks
+from ._masks import block_layout, masks as _masks
 from .cache import KVCache
 
 # is_causal: the one spelling of the lower-right alignment in every API
@@ -44,6 +44,7 @@ class Call(NamedTuple):
     scale: float | None      # None: 1 / sqrt(Dk)
     window: tuple | None     # None, or (left, right), each int >= 0 or None
     head_mask: np.ndarray | None  # (B, H) of the module's dtype, finite
+    layout: tuple | None     # None, or (keep (1|B, 1|H, nqb, nkb) bool, q_block, k_block)
     cache: object = None     # None, or the KVCache (mha_ext.cache) the call extends
 
 
@@ -142,7 +143,7 @@ def _cache_check(mha, cache, key, value, is_causal):
 def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
             key_padding_mask=None, is_causal=False, need_weights=True,
             average_weights=False, masked_rows="nan", dtype=None, scale=None,
-            window=None, head_mask=None, cache=None) -> Call:
+            window=None, head_mask=None, layout=None, cache=None) -> Call:
     """A call's arguments checked and brought to the C side's form.  key
     defaults to query, value to key.  With dtype None the inputs are arrays
     as given (no copy for an ndarray; the C side converts); with a dtype they
@@ -152,6 +153,10 @@ def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
     causal as _cache_check says."""
     if cache is not None:
         is_causal = _cache_check(mha, cache, key, value, is_causal)
+        if layout is not None:  # its blocks count queries from the call's first
+            raise ValueError("layout= and cache= do not combine: a block layout's query "
+                             "blocks count from the call's first query, not from the "
+                             "cached positions; give the keys as a mask (attn_mask) instead")
     if dtype is None:
         convert = as_array
     else:
@@ -199,7 +204,8 @@ def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
     return Call(q3, k3, v3, ms, batched, causal(is_causal),
                 flag(need_weights, "need_weights"), flag(average_weights, "average_weights"),
                 masked_rows == "zero", score_scale(scale), sliding_window(window),
-                head_mask_array(head_mask, B, mha.n_heads, mha.dtype), cache)
+                head_mask_array(head_mask, B, mha.n_heads, mha.dtype),
+                block_layout(layout, B, mha.n_heads, Sq, Sk_all), cache)
 
 
 def shape_output(call, out, weights):
@@ -254,7 +260,8 @@ def c_forward(mha, call, reference=False):
         return mha._forward(call.query, call.key, call.value, masks=call.masks,
                             is_causal=call.is_causal, need_weights=call.need_weights,
                             zero_rows=call.zero_rows, reference=bool(reference),
-                            scale=call.scale, window=call.window, head_mask=call.head_mask)
+                            scale=call.scale, window=call.window, head_mask=call.head_mask,
+                            layout=call.layout)
     if not cache._busy.acquire(blocking=False):
         raise RuntimeError("this cache is in use by another call: one call at a time extends "
                            "a cache")
@@ -263,7 +270,7 @@ def c_forward(mha, call, reference=False):
                               is_causal=call.is_causal, need_weights=call.need_weights,
                               zero_rows=call.zero_rows, reference=bool(reference),
                               scale=call.scale, window=call.window, head_mask=call.head_mask,
-                              cache=cache._c_tuple())
+                              layout=call.layout, cache=cache._c_tuple())
         cache._length += call.key.shape[1]
     finally:
         cache._busy.release()
@@ -280,15 +287,15 @@ def c_forward_train(mha, call, block, dropout, counter, keep):
                               need_weights=call.need_weights, zero_rows=call.zero_rows,
                               dropout=dropout, counter=counter, save=keep >= 1,
                               save_p=keep == 2, scale=call.scale, window=call.window,
-                              head_mask=call.head_mask)
+                              head_mask=call.head_mask, layout=call.layout)
 
 
 def c_backward(mha, block, query, key, value, masks, is_causal, zero_rows, dropout,
                counter, grad_output, grad_weights, saved, scale=None, window=None,
-               head_mask=None):
+               head_mask=None, layout=None):
     """The backward of one c_forward_train call: (parameter gradient block,
     d query, d key, d value), the inputs' gradients 3-D."""
     return mha._backward(query, key, value, grad_output, params=block, masks=list(masks),
                          is_causal=is_causal, zero_rows=zero_rows, dropout=dropout,
                          counter=counter, grad_weights=grad_weights, saved=saved,
-                         scale=scale, window=window, head_mask=head_mask)
+                         scale=scale, window=window, head_mask=head_mask, layout=layout)

@@ -335,13 +335,13 @@ static PyGetSetDef mha_getset[] = {
 static PyMethodDef mha_methods[] = {
     {"_forward", (PyCFunction)(void (*)(void))mha_forward_py, METH_VARARGS | METH_KEYWORDS,
      "_forward($self, query, key, value, *, masks=(), is_causal=False, need_weights=True, "
-     "zero_rows=False, reference=False, scale=None, window=None, head_mask=None)\n--\n\n"
+     "zero_rows=False, reference=False, scale=None, window=None, head_mask=None, layout=None)\n--\n\n"
      "The C forward pass -> (output, weights | None); use the module's __call__ instead."},
     {"_forward_train", (PyCFunction)(void (*)(void))mha_forward_train_py,
      METH_VARARGS | METH_KEYWORDS,
      "_forward_train($self, query, key, value, *, params=None, masks=(), is_causal=False, "
      "need_weights=True, zero_rows=False, dropout=0.0, counter=0, save=True, save_p=False, "
-     "scale=None, window=None, head_mask=None)"
+     "scale=None, window=None, head_mask=None, layout=None)"
      "\n--\n\n"
      "The forward with explicit parameters and dropout stream -> (output, weights | None, "
      "saved | None, copies): saved (Q, K, V, ctx, P | None) for _backward, copies "
@@ -349,7 +349,7 @@ static PyMethodDef mha_methods[] = {
     {"_backward", (PyCFunction)(void (*)(void))mha_backward_py, METH_VARARGS | METH_KEYWORDS,
      "_backward($self, query, key, value, grad_output, *, params=None, masks=(), is_causal=False, "
      "zero_rows=False, dropout=0.0, counter=0, grad_weights=None, saved=None, scale=None, "
-     "window=None, head_mask=None)\n--\n\n"
+     "window=None, head_mask=None, layout=None)\n--\n\n"
      "The gradients (grad_params, grad_query, grad_key, grad_value) of _forward_train's "
      "call with the same arguments; use MultiHeadAttention.backward."},
     {"_block", (PyCFunction)mha_block, METH_NOARGS,
@@ -464,13 +464,14 @@ static PyMethodDef module_methods[] = {
      "The number of threads the library uses (default: the CPUs this process may use)."},
     {"_sdpa", (PyCFunction)(void (*)(void))sdpa_py, METH_VARARGS | METH_KEYWORDS,
      "_sdpa(q, k, v, *, masks=(), is_causal=False, scale=None, dropout=0.0, seed=0, "
-     "counter=0, need_weights=False, zero_rows=False, reference=False, window=None)\n--\n\n"
+     "counter=0, need_weights=False, zero_rows=False, reference=False, window=None, layout=None, "
+     "head_mask=None)\n--\n\n"
      "Attention on projected heads (see _core_sdpa.c): (out, weights | None)."},
     {"_sdpa_backward", (PyCFunction)(void (*)(void))sdpa_backward_py,
      METH_VARARGS | METH_KEYWORDS,
      "_sdpa_backward(q, k, v, grad_output, *, masks=(), is_causal=False, scale=None, "
      "dropout=0.0, seed=0, counter=0, zero_rows=False, grad_weights=None, "
-     "reference=False, window=None)\n--\n\n"
+     "reference=False, window=None, layout=None, head_mask=None)\n--\n\n"
      "The gradients of one _sdpa call: (grad_q, grad_k, grad_v)."},
     {NULL}
 };

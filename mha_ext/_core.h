@@ -134,6 +134,10 @@ int parse_scale(PyObject *obj, int *has, double *out);
  * arrays holding their data, arrs[0 .. *n) (new references) */
 int convert_masks(PyObject *seq, int typenum, const int64_t dim[4], mha_mask *masks,
                   PyArrayObject **arrs, int *n);
+/* layout: None or (keep, q_block, k_block), keep (1 or B, 1 or H, nqb, nkb)
+ * of bool or uint8, nonzero = kept, for a call of dim (B, H, Sq, Sk): into
+ * *ly, the data held by *arr (a new reference; NULL for None) */
+int parse_layout(PyObject *obj, const int64_t dim[4], mha_block_layout *ly, PyArrayObject **arr);
 int64_t physical_bytes(void);
 int add_bytes(int64_t *total, int64_t n, size_t size);
 void set_status_error(mha_status st, const char *what);
@@ -146,7 +150,7 @@ typedef struct {
     PyObject *query, *key, *value, *params, *masks;
     PyObject *is_causal, *need_weights, *zero_rows, *reference, *scale, *window;
     PyObject *dropout, *counter, *save, *save_p;
-    PyObject *grad_output, *grad_weights, *saved, *head_mask;
+    PyObject *grad_output, *grad_weights, *saved, *head_mask, *layout;
     PyObject *cache; /* None, or (K (B, Hkv, Dk, cap), V (B, Hkv, cap, Dk), length) */
 } call_objects;
 
@@ -160,6 +164,7 @@ struct call {
     PyArrayObject *query, *key, *value;
     PyArrayObject *grad_output, *grad_weights;
     PyArrayObject *head_mask;   /* (B, H), or NULL */
+    PyArrayObject *layout;      /* the block layout's kept flags, or NULL */
     PyArrayObject *saved[5];    /* Q, K, V, ctx, P (P may stay NULL) */
     PyArrayObject *cache[2];    /* the cache's K and V (written by the call), or NULL */
     PyArrayObject *mask_arr[MHA_MAX_MASKS];

@@ -18,6 +18,10 @@ _Flag = bool | int | np.bool_
 # is_causal: False, True (top-left) or "lower_right"
 # window: None, or (left, right), each an int >= 0 or None (unbounded)
 _Window = Optional[Tuple[Optional[int], Optional[int]]]
+# layout: None, or (keep, q_block, k_block): keep a 4-D bool or uint8 array
+# (1 or B, 1 or H, ceil(Sq / q_block), ceil(Sk / k_block)), nonzero = the
+# block is KEPT (computed); block sizes ints > 0
+_Layout = Optional[Tuple[npt.ArrayLike, int, int]]
 _Causal = _Flag | Literal["lower_right"]
 # (Q, K, V, ctx, P | None): Q (B, H, Sq, Dk), K (B, Hkv, Dk, Sk'), V (B, Hkv, Sk', Dk),
 # ctx (B, Sq, E), P (B, H, Sq, Sk'); Sk' = Sk + the extra keys of add_bias_kv
@@ -44,13 +48,15 @@ def _sdpa(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, *,
           masks: Sequence[_Mask] = ..., is_causal: _Causal = ..., scale: Optional[float] = ...,
           dropout: float = ..., seed: int = ..., counter: int = ..., need_weights: _Flag = ...,
           zero_rows: _Flag = ..., reference: _Flag = ..., window: _Window = ...,
+          layout: _Layout = ..., head_mask: Optional[npt.ArrayLike] = ...,
           ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
 def _sdpa_backward(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike,
                    grad_output: npt.ArrayLike, *, masks: Sequence[_Mask] = ...,
                    is_causal: _Causal = ..., scale: Optional[float] = ..., dropout: float = ...,
                    seed: int = ..., counter: int = ..., zero_rows: _Flag = ...,
                    grad_weights: Optional[npt.ArrayLike] = ..., reference: _Flag = ...,
-                   window: _Window = ...,
+                   window: _Window = ..., layout: _Layout = ...,
+                   head_mask: Optional[npt.ArrayLike] = ...,
                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
 class MultiHeadAttention:
@@ -96,6 +102,7 @@ class MultiHeadAttention:
                  need_weights: _Flag = ..., zero_rows: _Flag = ...,
                  reference: _Flag = ..., scale: Optional[float] = ...,
                  window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
+                 layout: _Layout = ...,
                  cache: Optional[_Cache] = ...,
                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
     def _forward_train(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
@@ -104,6 +111,7 @@ class MultiHeadAttention:
                        zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
                        save: _Flag = ..., save_p: _Flag = ..., scale: Optional[float] = ...,
                        window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
+                       layout: _Layout = ...,
                        ) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[_Saved], _Copies]: ...
     def _backward(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike,
                   grad_output: npt.ArrayLike, *, params: Optional[npt.ArrayLike] = ...,
@@ -112,6 +120,7 @@ class MultiHeadAttention:
                   grad_weights: Optional[npt.ArrayLike] = ...,
                   saved: Optional[_Saved] = ..., scale: Optional[float] = ...,
                   window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
+                  layout: _Layout = ...,
                   ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
     def _block(self) -> np.ndarray: ...
     def _layout(self) -> Tuple[Tuple[int, int], ...]: ...

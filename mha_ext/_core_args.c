@@ -603,6 +603,7 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
         if (o->masks && convert_masks(o->masks, typenum_of(self), dim, c->masks, c->mask_arr,
                                       &a->n_masks) < 0)
             goto fail;
+        if (parse_layout(o->layout, dim, &a->layout, &c->layout) < 0) goto fail;
     }
     a->query = PyArray_DATA(c->query);
     a->key = PyArray_DATA(c->key);
@@ -640,6 +641,7 @@ void call_clear(struct call *c)
     Py_CLEAR(c->grad_output);
     Py_CLEAR(c->grad_weights);
     Py_CLEAR(c->head_mask);
+    Py_CLEAR(c->layout);
     for (i = 0; i < 5; i++) Py_CLEAR(c->saved[i]);
     Py_CLEAR(c->cache[0]);
     Py_CLEAR(c->cache[1]);

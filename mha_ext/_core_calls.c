@@ -101,17 +101,17 @@ static PyObject *obj_or_none(PyArrayObject *a)
 PyObject *mha_forward_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "masks", "is_causal", "need_weights",
-                             "zero_rows", "reference", "scale", "window", "head_mask", "cache",
-                             NULL};
+                             "zero_rows", "reference", "scale", "window", "head_mask",
+                             "layout", "cache", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *out = NULL, *w = NULL;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOO:_forward", kwlist, &o.query,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOO:_forward", kwlist, &o.query,
                                      &o.key, &o.value, &o.masks, &o.is_causal, &o.need_weights,
                                      &o.zero_rows, &o.reference, &o.scale, &o.window,
-                                     &o.head_mask, &o.cache))
+                                     &o.head_mask, &o.layout, &o.cache))
         return NULL;
     if (call_parse(self, CALL_FORWARD, &o, &c) < 0) return NULL;
     {
@@ -137,18 +137,18 @@ PyObject *mha_forward_train_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "params", "masks", "is_causal",
                              "need_weights", "zero_rows", "dropout", "counter", "save",
-                             "save_p", "scale", "window", "head_mask", NULL};
+                             "save_p", "scale", "window", "head_mask", "layout", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *out = NULL, *w = NULL, *kept[5] = {NULL}, *copies[4] = {NULL};
     PyObject *saved = NULL, *copied = NULL, *result = NULL;
     int i;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOOOO:_forward_train", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOOOOO:_forward_train", kwlist,
                                      &o.query, &o.key, &o.value, &o.params, &o.masks,
                                      &o.is_causal, &o.need_weights, &o.zero_rows, &o.dropout,
                                      &o.counter, &o.save, &o.save_p, &o.scale, &o.window,
-                                     &o.head_mask))
+                                     &o.head_mask, &o.layout))
         return NULL;
     if (call_parse(self, CALL_FORWARD_TRAIN, &o, &c) < 0) return NULL;
     {
@@ -212,17 +212,17 @@ PyObject *mha_backward_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "grad_output", "params", "masks",
                              "is_causal", "zero_rows", "dropout", "counter", "grad_weights",
-                             "saved", "scale", "window", "head_mask", NULL};
+                             "saved", "scale", "window", "head_mask", "layout", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *gp = NULL, *gq = NULL, *gk = NULL, *gv = NULL;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOOO:_backward", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOOOO:_backward", kwlist,
                                      &o.query, &o.key, &o.value, &o.grad_output, &o.params,
                                      &o.masks, &o.is_causal, &o.zero_rows, &o.dropout,
                                      &o.counter, &o.grad_weights, &o.saved, &o.scale, &o.window,
-                                     &o.head_mask))
+                                     &o.head_mask, &o.layout))
         return NULL;
     if (call_parse(self, CALL_BACKWARD, &o, &c) < 0) return NULL;
     {

@@ -133,3 +133,65 @@ int parse_window(PyObject *obj, int *has, int64_t *left, int64_t *right)
     *has = 1;
     return 0;
 }
+
+/* layout: None (ly->keep = NULL) or a tuple (keep, q_block, k_block): keep
+ * a 4-D array of bool or uint8 (nonzero = the block is KEPT, computed) of
+ * shape (1 or B, 1 or H, ceil(Sq / q_block), ceil(Sk / k_block)), the
+ * block sizes ints > 0.  On success *arr holds the data (a new reference). */
+int parse_layout(PyObject *obj, const int64_t dim[4], mha_block_layout *ly, PyArrayObject **arr)
+{
+    PyArrayObject *a;
+    int64_t qb, kb, want[4];
+    int d;
+    memset(ly, 0, sizeof *ly);
+    *arr = NULL;
+    if (!obj || obj == Py_None) return 0;
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 3) {
+        PyErr_Format(PyExc_TypeError, "layout must be None or a tuple (keep, q_block, k_block), "
+                     "got %R", obj);
+        return -1;
+    }
+    if (positive_int(PyTuple_GET_ITEM(obj, 1), "layout's q_block", &qb) < 0 ||
+        positive_int(PyTuple_GET_ITEM(obj, 2), "layout's k_block", &kb) < 0)
+        return -1;
+    a = (PyArrayObject *)PyArray_FROM_O(PyTuple_GET_ITEM(obj, 0));
+    if (!a) return -1;
+    if (PyArray_TYPE(a) != NPY_BOOL && PyArray_TYPE(a) != NPY_UINT8) {
+        PyErr_SetString(PyExc_TypeError, "layout's keep must be an array of bool or uint8 "
+                        "(nonzero = the block is kept)");
+        Py_DECREF(a);
+        return -1;
+    }
+    want[0] = dim[0]; want[1] = dim[1];
+    want[2] = dim[2] / qb + (dim[2] % qb != 0);
+    want[3] = dim[3] / kb + (dim[3] % kb != 0);
+    for (d = 0; d < 4 && PyArray_NDIM(a) == 4; d++)
+        if (PyArray_DIM(a, d) != want[d] && !(d < 2 && PyArray_DIM(a, d) == 1)) break;
+    if (PyArray_NDIM(a) != 4 || d < 4) {
+        PyObject *s = shape_str(a);
+        if (s) {
+            PyErr_Format(PyExc_ValueError,
+                         "layout's keep of shape %U does not fit (1 or B, 1 or H, "
+                         "ceil(Sq / q_block), ceil(Sk / k_block)) = (%lld, %lld, %lld, %lld) "
+                         "for Sq %lld, Sk %lld, blocks (%lld, %lld)",
+                         s, (long long)want[0], (long long)want[1], (long long)want[2],
+                         (long long)want[3], (long long)dim[2], (long long)dim[3],
+                         (long long)qb, (long long)kb);
+            Py_DECREF(s);
+        }
+        Py_DECREF(a);
+        return -1;
+    }
+    Py_SETREF(a, (PyArrayObject *)PyArray_FROM_OTF((PyObject *)a, NPY_UINT8,
+                                                   NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST));
+    if (!a) return -1;
+    ly->keep = (const uint8_t *)PyArray_DATA(a);
+    ly->nqb = want[2];
+    ly->nkb = want[3];
+    ly->q_block = qb;
+    ly->k_block = kb;
+    ly->stride[0] = PyArray_DIM(a, 0) == 1 ? 0 : (int64_t)(PyArray_STRIDE(a, 0));
+    ly->stride[1] = PyArray_DIM(a, 1) == 1 ? 0 : (int64_t)(PyArray_STRIDE(a, 1));
+    *arr = a;
+    return 0;
+}

@@ -4,11 +4,12 @@
  *
  *   _sdpa(q, k, v, *, masks=(), is_causal=False, scale=None, dropout=0.0,
  *         seed=0, counter=0, need_weights=False, zero_rows=False,
- *         reference=False)
+ *         reference=False, window=None, layout=None, head_mask=None)
  *       -> (out (B, H, L, Dv), weights (B, H, L, S) | None)
  *   _sdpa_backward(q, k, v, grad_output, *, masks=(), is_causal=False,
  *                  scale=None, dropout=0.0, seed=0, counter=0,
- *                  zero_rows=False, grad_weights=None, reference=False)
+ *                  zero_rows=False, grad_weights=None, reference=False,
+ *                  window=None, layout=None, head_mask=None)
  *       -> (grad_q, grad_k, grad_v)
  *       the gradients of the _sdpa call with the same arguments.
  *
@@ -18,16 +19,22 @@
  * to it.  masks: (kind, array) pairs as for _forward, broadcast onto
  * (B, H, L, S); is_causal False, True (top-left) or "lower_right"; scale
  * None (1/sqrt(D)) or a real number; dropout p with the stream (seed,
- * counter).  reference: the core's plain reference instead.  No module, no
+ * counter).  window: None or (left, right); layout: None or (keep (1|B,
+ * 1|H, nqb, nkb) bool/uint8, nonzero = kept, q_block, k_block); head_mask:
+ * None or (B, H) finite factors of each head's weights after dropout.
+ * reference: the core's plain reference instead.  No module, no
  * lock: the call releases the GIL around the core, which polls for signals
  * on the main thread (Ctrl-C: KeyboardInterrupt). */
 #include "_core.h"
 
+#include <math.h>
 #include <string.h>
 
 typedef struct {
     mha_sdpa_backward_args ba; /* ba.fwd: the forward call */
     PyArrayObject *q, *k, *v, *grad_output, *grad_weights;
+    PyArrayObject *layout;     /* the block layout's kept flags, or NULL */
+    PyArrayObject *head_mask;  /* (B, H) of typenum, or NULL */
     PyArrayObject *mask_arr[MHA_MAX_MASKS];
     mha_mask masks[MHA_MAX_MASKS];
     int typenum, need_weights, reference;
@@ -41,6 +48,8 @@ static void sdpa_clear(sdpa_call *c)
     Py_CLEAR(c->v);
     Py_CLEAR(c->grad_output);
     Py_CLEAR(c->grad_weights);
+    Py_CLEAR(c->layout);
+    Py_CLEAR(c->head_mask);
     for (i = 0; i < MHA_MAX_MASKS; i++) Py_CLEAR(c->mask_arr[i]);
 }
 
@@ -73,7 +82,8 @@ static int same_dims(PyArrayObject *arr, const int64_t *want)
 /* The arguments common to both functions into c (and c->ba.fwd). */
 static int sdpa_parse(sdpa_call *c, PyObject *q, PyObject *k, PyObject *v, PyObject *masks,
                       PyObject *is_causal, PyObject *scale, PyObject *dropout, PyObject *seed,
-                      PyObject *counter, PyObject *zero_rows, PyObject *reference)
+                      PyObject *counter, PyObject *zero_rows, PyObject *reference,
+                      PyObject *layout, PyObject *head_mask)
 {
     mha_sdpa_args *a = &c->ba.fwd;
     PyArrayObject *q0;
@@ -148,6 +158,32 @@ static int sdpa_parse(sdpa_call *c, PyObject *q, PyObject *k, PyObject *v, PyObj
         if (masks && convert_masks(masks, c->typenum, dim, c->masks, c->mask_arr,
                                    &a->n_masks) < 0)
             return -1;
+        if (parse_layout(layout, dim, &a->layout, &c->layout) < 0) return -1;
+    }
+    if (head_mask && head_mask != Py_None) { /* (B, H), finite */
+        npy_intp i, n;
+        c->head_mask = (PyArrayObject *)PyArray_FROM_OTF(head_mask, c->typenum,
+                                                         NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+        if (!c->head_mask) return -1;
+        if (PyArray_NDIM(c->head_mask) != 2 || PyArray_DIM(c->head_mask, 0) != a->B ||
+            PyArray_DIM(c->head_mask, 1) != a->H) {
+            PyErr_Format(PyExc_ValueError, "head_mask must have the shape (B, H) = (%lld, %lld)",
+                         (long long)a->B, (long long)a->H);
+            return -1;
+        }
+        n = PyArray_SIZE(c->head_mask);
+        for (i = 0; i < n; i++) {
+            double x = c->typenum == NPY_FLOAT64
+                           ? ((const double *)PyArray_DATA(c->head_mask))[i]
+                           : (double)((const float *)PyArray_DATA(c->head_mask))[i];
+            if (!isfinite(x)) {
+                PyErr_SetString(PyExc_ValueError, "head_mask must hold finite numbers");
+                return -1;
+            }
+        }
+        a->head_mask = PyArray_DATA(c->head_mask);
+        a->head_mask_stride[0] = a->H;
+        a->head_mask_stride[1] = 1;
     }
     a->masks = c->masks;
     a->q = PyArray_DATA(c->q);
@@ -196,21 +232,23 @@ static PyArrayObject *new4(const sdpa_call *c, int64_t d0, int64_t d1, int64_t d
 PyObject *sdpa_py(PyObject *m, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"q", "k", "v", "masks", "is_causal", "scale", "dropout", "seed",
-                             "counter", "need_weights", "zero_rows", "reference", "window", NULL};
+                             "counter", "need_weights", "zero_rows", "reference", "window",
+                             "layout", "head_mask", NULL};
     PyObject *q, *k, *v, *masks = NULL, *causal = NULL, *scale = NULL, *p = NULL, *seed = NULL,
-             *counter = NULL, *need = NULL, *zero = NULL, *ref = NULL, *win = NULL, *result = NULL;
+             *counter = NULL, *need = NULL, *zero = NULL, *ref = NULL, *win = NULL, *result = NULL,
+             *lay = NULL, *hm = NULL;
     PyArrayObject *out = NULL, *w = NULL;
     sdpa_call c;
     mha_sdpa_args *a = &c.ba.fwd;
     (void)m;
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOO:_sdpa", kwlist, &q, &k, &v,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOOOO:_sdpa", kwlist, &q, &k, &v,
                                      &masks, &causal, &scale, &p, &seed, &counter, &need, &zero,
-                                     &ref, &win))
+                                     &ref, &win, &lay, &hm))
         return NULL;
     if ((need && parse_flag(need, "need_weights", &c.need_weights) < 0) ||
         parse_window(win, &a->has_window, &a->window_left, &a->window_right) < 0 ||
-        sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref) < 0)
+        sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref, lay, hm) < 0)
         goto fail;
     if (!(out = new4(&c, a->B, a->H, a->L, a->Dv))) goto fail;
     if (c.need_weights && !(w = new4(&c, a->B, a->H, a->L, a->S))) goto fail;
@@ -229,8 +267,8 @@ PyObject *sdpa_backward_py(PyObject *m, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"q", "k", "v", "grad_output", "masks", "is_causal", "scale",
                              "dropout", "seed", "counter", "zero_rows", "grad_weights",
-                             "reference", "window", NULL};
-    PyObject *q, *k, *v, *go, *win = NULL, *masks = NULL, *causal = NULL, *scale = NULL, *p = NULL,
+                             "reference", "window", "layout", "head_mask", NULL};
+    PyObject *q, *k, *v, *go, *win = NULL, *lay = NULL, *hm = NULL, *masks = NULL, *causal = NULL, *scale = NULL, *p = NULL,
              *seed = NULL, *counter = NULL, *zero = NULL, *gw = Py_None, *ref = NULL,
              *result = NULL;
     PyArrayObject *dq = NULL, *dk = NULL, *dv = NULL;
@@ -238,12 +276,12 @@ PyObject *sdpa_backward_py(PyObject *m, PyObject *args, PyObject *kwds)
     mha_sdpa_args *a = &c.ba.fwd;
     (void)m;
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOO:_sdpa_backward", kwlist, &q,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOOOO:_sdpa_backward", kwlist, &q,
                                      &k, &v, &go, &masks, &causal, &scale, &p, &seed, &counter,
-                                     &zero, &gw, &ref, &win))
+                                     &zero, &gw, &ref, &win, &lay, &hm))
         return NULL;
     if (parse_window(win, &a->has_window, &a->window_left, &a->window_right) < 0 ||
-        sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref) < 0)
+        sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref, lay, hm) < 0)
         goto fail;
     {
         const int64_t od[4] = {a->B, a->H, a->L, a->Dv}, wd[4] = {a->B, a->H, a->L, a->S};

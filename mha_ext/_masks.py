@@ -11,7 +11,7 @@ import numpy as np
 
 from ._convert import as_array
 
-__all__ = ["BLOCKING", "ADDITIVE", "masks"]
+__all__ = ["BLOCKING", "ADDITIVE", "masks", "block_layout"]
 
 BLOCKING, ADDITIVE = 0, 1
 
@@ -26,6 +26,19 @@ def masks(mask, attn_mask, key_padding_mask, batched, B, H, Sq, Sk):
     if key_padding_mask is not None:
         out.append(_padding_mask(key_padding_mask, batched, B, Sk))
     return out
+
+
+def block_layout(layout, B, H, Sq, Sk):
+    """layout checked: None, or a mha_ext.layout.BlockLayout fitting (B, H,
+    Sq, Sk), as the C side's (keep (1 or B, 1 or H, nqb, nkb) bool, q_block,
+    k_block).  A layout is never a mask: anything else is a TypeError."""
+    from .layout import BlockLayout
+    if layout is None:
+        return None
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be None or a mha_ext.layout.BlockLayout (True = the "
+                        f"block is kept), got {type(layout).__name__}")
+    return (layout.fitted(B, H, Sq, Sk), layout.q_block, layout.k_block)
 
 
 def _seed_mask(mask, batched, dims):

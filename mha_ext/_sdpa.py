@@ -20,8 +20,9 @@ import numpy as np
 from . import _core
 from ._calls import causal, score_scale
 from ._convert import as_real, flag
+from ._masks import block_layout
 
-__all__ = ["sdpa_arrays", "sdpa_forward", "sdpa_backward"]
+__all__ = ["sdpa_arrays", "sdpa_forward", "sdpa_backward", "sdpa_layout", "sdpa_head_mask"]
 
 
 def _dtype(*arrays):
@@ -115,20 +116,47 @@ def _seed(seed):
     return int(seed)
 
 
+def sdpa_layout(layout, q4, k4):
+    """layout (None or a mha_ext.layout.BlockLayout) checked against the call
+    of q4 (B, H, L, D), k4 (B, Hkv, S, D), in the C side's form."""
+    return block_layout(layout, q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2])
+
+
+def sdpa_head_mask(head_mask, q4, lead):
+    """head_mask checked: None, or real numbers of shape (Hq,) (every
+    batch) or the query's leading shape (..., Hq), as the C side's contiguous
+    (B, Hq) of q4's dtype; finite values only."""
+    if head_mask is None:
+        return None
+    m = as_real(head_mask, "head_mask")
+    B, H = q4.shape[:2]
+    lead = tuple(lead) if lead else (1,)
+    if m.shape not in ((H,), lead):
+        raise ValueError(f"head_mask must have shape (heads,) = ({H},) or the query's leading "
+                         f"shape {lead}, got {m.shape}")
+    m = np.array(np.broadcast_to(m, lead).reshape(B, H), dtype=q4.dtype, order="C", copy=True)
+    if not np.isfinite(m).all():
+        raise ValueError("head_mask must hold finite numbers")
+    return m
+
+
 def sdpa_forward(q4, k4, v4, masks, is_causal, scale, p, seed, need_weights=False,
-                 reference=False, window=None):
+                 reference=False, window=None, layout=None, head_mask=None):
     """_core._sdpa: (out (B, H, L, Ev), weights (B, H, L, S) or None).
     Rows with no visible key give 0, as torch's SDPA does.  window: None or
-    a pair checked by mha_ext._calls.sliding_window."""
+    a pair checked by mha_ext._calls.sliding_window; layout: None or
+    sdpa_layout's; head_mask: None or sdpa_head_mask's."""
     return _core._sdpa(q4, k4, v4, masks=masks, is_causal=is_causal, scale=scale,
                        dropout=p, seed=seed, counter=0, need_weights=need_weights,
-                       zero_rows=True, reference=reference, window=window)
+                       zero_rows=True, reference=reference, window=window, layout=layout,
+                       head_mask=head_mask)
 
 
 def sdpa_backward(q4, k4, v4, grad_out, masks, is_causal, scale, p, seed, reference=False,
-                  window=None):
+                  window=None, layout=None, head_mask=None):
     """_core._sdpa_backward: (dq, dk, dv) of the sdpa_forward call with the
     same arguments."""
     return _core._sdpa_backward(q4, k4, v4, grad_out, masks=masks, is_causal=is_causal,
                                 scale=scale, dropout=p, seed=seed, counter=0, zero_rows=True,
-                                reference=reference, window=window)
+                                reference=reference, window=window, layout=layout,
+                                head_mask=head_mask)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from ._convert import is_tensor, probability
 from ._calls import sliding_window
-from ._sdpa import _seed, sdpa_arrays, sdpa_forward
+from ._sdpa import _seed, sdpa_arrays, sdpa_forward, sdpa_head_mask, sdpa_layout
 
 __all__ = ["scaled_dot_product_attention"]
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *, seed=None,
-                                 window=None):
+                                 window=None, layout=None, head_mask=None):
     """torch.nn.functional.scaled_dot_product_attention, computed by mha_ext's C core.
 
         out = softmax(query @ keyᵀ · scale + mask) @ value
@@ -47,6 +47,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         sees keys j with i - left <= j <= i + right (None = unbounded on
         that side; the diagonal shifted by S - L with is_causal=
         "lower_right").  The C kernels skip the key blocks outside it.
+    layout: a mha_ext.layout.BlockLayout (a keyword of ours): block-sparse
+        attention, query block qb sees key block kb only where
+        layout.keep[..., qb, kb] is True (True = KEPT; shape (nqb, nkb),
+        (Hq, nqb, nkb) or (B, Hq, nqb, nkb) with B the leading dimensions
+        flattened).  The C kernels skip the key ranges it leaves empty.
+    head_mask: (Hq,) or the query's leading shape (..., Hq) (a keyword of
+        ours): finite factors multiplying each head's attention weights
+        after dropout, so its output (Hugging Face's head_mask: 0 switches a
+        head off).  A tensor that requires grad gets dL/d head_mask.
 
     A query with no visible key gives a zero output row (and zero
     gradients), as torch's SDPA does.
@@ -54,12 +63,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if any(is_tensor(x) for x in (query, key, value)):
         from ._sdpa_torch import sdpa_torch  # needs torch: imported on first use only
         return sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                          enable_gqa, seed, window)
+                          enable_gqa, seed, window, layout, head_mask)
     w = sliding_window(window)
     p = probability(dropout_p, "dropout_p")
     q4, k4, v4, masks, c, s, (lead, _), _ = sdpa_arrays(query, key, value, attn_mask,
                                                         is_causal, scale, enable_gqa)
-    out, _ = sdpa_forward(q4, k4, v4, masks, c, s, p, _seed(seed) if p > 0 else 0, window=w)
+    out, _ = sdpa_forward(q4, k4, v4, masks, c, s, p, _seed(seed) if p > 0 else 0, window=w,
+                          layout=sdpa_layout(layout, q4, k4),
+                          head_mask=sdpa_head_mask(head_mask, q4, lead))
     return out.reshape(lead + out.shape[2:])
 
 

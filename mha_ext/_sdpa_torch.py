@@ -25,17 +25,24 @@ _DTYPES = (torch.float32, torch.float64)
 
 
 class SDPAFunction(torch.autograd.Function):
-    """forward(plan, query, key, value) -> output; plan holds the arguments
-    in the C side's form except q, k, v (computed here from the tensors)."""
+    """forward(plan, query, key, value[, head_mask]) -> output; plan holds the
+    arguments in the C side's form except q, k, v (computed here from the
+    tensors) and the head mask (plan["head_mask"], or the fourth tensor when
+    it requires grad: then its gradient is returned too)."""
 
     @staticmethod
-    def forward(ctx, plan, query, key, value):
+    def forward(ctx, plan, query, key, value, *head_mask):
         q4, k4, v4, masks, c, s, (lead, lead_kv), dtype = _sdpa.sdpa_arrays(
             to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value"),
             plan["attn_mask"], plan["is_causal"], plan["scale"], plan["enable_gqa"])
+        lay = _sdpa.sdpa_layout(plan["layout"], q4, k4)
+        hm = head_mask[0] if head_mask else plan["head_mask"]
+        hm = None if hm is None else _sdpa.sdpa_head_mask(
+            to_numpy(hm, "head_mask") if isinstance(hm, torch.Tensor) else hm, q4, lead)
         out, _ = _sdpa.sdpa_forward(q4, k4, v4, masks, c, s, plan["p"], plan["seed"],
-                                    window=plan["window"])
-        ctx.args = (q4, k4, v4, masks, c, s, plan["p"], plan["seed"], plan["window"])
+                                    window=plan["window"], layout=lay, head_mask=hm)
+        ctx.args = (q4, k4, v4, masks, c, s, plan["p"], plan["seed"], plan["window"], lay, hm)
+        ctx.hm_shape = tuple(head_mask[0].shape) if head_mask else None
         ctx.leads = (lead, lead_kv, lead_kv)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.set_materialize_grads(False)
@@ -44,18 +51,26 @@ class SDPAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q4, k4, v4, masks, c, s, p, seed, window = ctx.args
+        q4, k4, v4, masks, c, s, p, seed, window, lay, hm = ctx.args
         need = ctx.needs_input_grad
         if grad_out is None:
-            return None, None, None, None
+            return (None,) * len(need)
         with torch.no_grad():
             go = np.ascontiguousarray(to_numpy(grad_out, "grad_output"),
                                       dtype=q4.dtype).reshape(q4.shape[:3] + v4.shape[3:])
             dq, dk, dv = _sdpa.sdpa_backward(q4, k4, v4, go, masks, c, s, p, seed,
-                                             window=window)
+                                             window=window, layout=lay, head_mask=hm)
             grads = [_unbroadcast(g, lead, shape) if need[1 + i] else None
                      for i, (g, lead, shape) in enumerate(zip((dq, dk, dv), ctx.leads,
                                                                ctx.shapes))]
+            if ctx.hm_shape is not None:
+                # out_bh = m[b, h]·(A·V)_bh: dL/dm = Σ dout · (A·V), A·V from the
+                # call without the head mask (the same dropout stream)
+                plain, _ = _sdpa.sdpa_forward(q4, k4, v4, masks, c, s, p, seed,
+                                              window=window, layout=lay)
+                g = np.einsum("bhld,bhld->bh", go, plain)
+                g = g.sum(axis=0) if len(ctx.hm_shape) == 1 else g.reshape(ctx.hm_shape)
+                grads.append(torch.from_numpy(np.ascontiguousarray(g)) if need[4] else None)
         if torch.is_grad_enabled():
             # create_graph=True: make a later differentiation of these fail loudly
             anchors = [t for t in ctx.saved_tensors if t.requires_grad]
@@ -83,7 +98,7 @@ def _unbroadcast(g, lead, shape):
 
 
 def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-               window=None):
+               window=None, layout=None, head_mask=None):
     """scaled_dot_product_attention on tensors (see mha_ext._sdpa)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -101,5 +116,8 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     p = probability(dropout_p, "dropout_p")
     plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                 p=p, seed=_sdpa._seed(seed) if p > 0 else 0,
-                window=_calls.sliding_window(window))
+                window=_calls.sliding_window(window), layout=layout, head_mask=head_mask)
+    if isinstance(head_mask, torch.Tensor) and head_mask.requires_grad:
+        plan["head_mask"] = None
+        return SDPAFunction.apply(plan, query, key, value, head_mask)
     return SDPAFunction.apply(plan, query, key, value)

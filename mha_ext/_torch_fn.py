@@ -48,10 +48,16 @@ class AttentionFunction(torch.autograd.Function):
     none), then bias_k, bias_v when the core has add_bias_kv, in the order
     of the C parameter block.  params beyond the core's block (bias_k,
     bias_v given to a core without add_bias_kv) are unused: their gradient
-    is zero.  weights is an empty tensor with need_weights=False."""
+    is zero.  With opts["head_mask_input"] True the last tensor is the head
+    mask (opts["head_mask"] its detached copy), which gets dL/d head_mask.
+    weights is an empty tensor with need_weights=False."""
 
     @staticmethod
     def forward(ctx, core, opts, query, key, value, *params):
+        ctx.hm_input = bool(opts.get("head_mask_input", False))
+        opts = {k: v for k, v in opts.items() if k != "head_mask_input"}
+        if ctx.hm_input:
+            params = params[:-1]
         used = params[:len(seed_keys(core))]
         block = to_numpy(torch.cat([p.detach().reshape(-1) for p in used]), "parameters")
         saved = _ag.forward_train(core, to_numpy(query, "query"), to_numpy(key, "key"),
@@ -91,14 +97,17 @@ def _gradients(ctx, grad_out, grad_weights):
     gw = None
     if grad_weights is not None and saved.weights is not None:
         gw = to_numpy(grad_weights, "grad_weights")
-    grads = _ag.backward(core, saved, go, gw)
+    grads = _ag.backward(core, saved, go, gw, head_mask_grad=ctx.hm_input)
     need = ctx.needs_input_grad
     inputs = [torch.from_numpy(grads[k]) if need[2 + i] else None
               for i, k in enumerate(("query", "key", "value"))]
     keys = [k for k in BLOCK_KEYS if k in grads]  # block order: bias_k, bias_v last
     params = [torch.from_numpy(np.ascontiguousarray(grads[k])) if need[5 + i] else None
               for i, k in enumerate(keys)]
-    unused = ctx.saved_tensors[3 + len(keys):]  # parameters outside the core's block
+    # parameters outside the core's block (the head mask is not saved)
+    unused = ctx.saved_tensors[3 + len(keys):]
     params += [torch.zeros_like(p) if need[5 + len(keys) + i] else None
                for i, p in enumerate(unused)]
+    if ctx.hm_input:
+        params.append(torch.from_numpy(grads["head_mask"]) if need[-1] else None)
     return inputs + params

@@ -279,7 +279,8 @@ class MultiheadAttention(nn.Module):
         return False
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
-                attn_mask=None, average_attn_weights=True, is_causal=False):
+                attn_mask=None, average_attn_weights=True, is_causal=False, *,
+                window=None, layout=None):
         """torch.nn.MultiheadAttention.forward, computed by mha_ext.
 
         query (L, B, E), key (S, B, kdim), value (S, B, vdim); (B, L, E) etc.
@@ -304,8 +305,15 @@ class MultiheadAttention(nn.Module):
         fused kernel, whose conditions are checked on the calling layer);
         on torch's SDPA path (need_weights=False otherwise) the row's output
         is out_proj.bias, as torch gives.
+
+        Keywords of ours (not torch's): window=(left, right), a sliding
+        window, and layout=, a mha_ext.layout.BlockLayout (block-sparse:
+        True = the block is kept), as in mha_ext.MultiHeadAttention's call;
+        both over the S given keys, never bias_k's or the zero key.
         """
         if query.is_nested:
+            if window is not None or layout is not None:
+                raise ValueError("window and layout are not taken with a nested query")
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
         fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask) \
@@ -337,8 +345,13 @@ class MultiheadAttention(nn.Module):
                     need_weights=bool(need_weights),
                     average_weights=bool(average_attn_weights),
                     masked_rows="nan" if need_weights or fast else "zero",
-                    dropout=float(self.dropout) if self.training else 0.0)
+                    dropout=float(self.dropout) if self.training else 0.0,
+                    window=window, layout=layout)
         if causal and (self.bias_k is not None or self.add_zero_attn):
+            if window is not None or layout is not None:
+                raise ValueError("window and layout are not taken with the is_causal hint "
+                                 "on torch's SDPA path with add_bias_kv or add_zero_attn "
+                                 "(its causal pattern covers the appended keys)")
             out, weights = self._causal_over_extra_keys(dtype, opts, q, k, v, params), None
         else:
             out, weights = AttentionFunction.apply(core, opts, q, k, v, *params)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _calls, _params
-from ._convert import contiguous, counter as _counter, probability
+from ._convert import contiguous, counter as _counter, flag, probability
 
 __all__ = ["ForwardContext", "forward_train", "backward"]
 
@@ -47,7 +47,7 @@ class ForwardContext:
     __slots__ = ("output", "weights", "dropout", "counter", "_params", "_query", "_key",
                  "_value", "_saved", "_masks", "_is_causal", "_zero_rows", "_batched",
                  "_need_weights", "_average_weights", "_seed", "_scale", "_window",
-                 "_head_mask")
+                 "_head_mask", "_head_mask_shape", "_layout")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -63,7 +63,7 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
                   key_padding_mask=None, is_causal=False, need_weights=True,
                   average_weights=False, masked_rows="nan", params=None, dropout=None,
                   dropout_counter=None, save_projections=True, scale=None,
-                  window=None, head_mask=None) -> ForwardContext:
+                  window=None, head_mask=None, layout=None) -> ForwardContext:
     """The forward pass of ``mha`` (a MultiHeadAttention), returning a
     :class:`ForwardContext` with ``.output`` and ``.weights`` (what the call
     returns) and what :func:`backward` needs.
@@ -83,7 +83,8 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
     # no copies here: the C forward copies the inputs as its projections read them
     call = _calls.prepare(mha, query, key, value, mask, attn_mask, key_padding_mask,
                           is_causal, need_weights, average_weights, masked_rows,
-                          dtype=mha.dtype, scale=scale, window=window, head_mask=head_mask)
+                          dtype=mha.dtype, scale=scale, window=window, head_mask=head_mask,
+                          layout=layout)
     # private copies: the backward must see the masks of this call
     masks = tuple((kind, np.array(m, copy=True)) for kind, m in call.masks)
     call = call._replace(masks=list(masks))
@@ -112,10 +113,13 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
                           _batched=call.batched, _need_weights=call.need_weights,
                           _average_weights=call.average_weights, _seed=mha.seed,
                           _scale=call.scale, _window=call.window,
-                          _head_mask=call.head_mask)
+                          _head_mask=call.head_mask, _layout=call.layout,
+                          _head_mask_shape=None if head_mask is None else
+                          tuple(getattr(head_mask, "shape", np.shape(head_mask))))
 
 
-def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
+def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None, *,
+             head_mask_grad=False) -> dict:
     """The gradients of a loss L from dL/d output (``grad_output``, the shape of
     ``ctx.output``) and optionally dL/d weights (``grad_weights``, the shape of
     ``ctx.weights``).
@@ -126,6 +130,14 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
     itself (self-attention), the gradient of that one array is the sum of the
     entries.  Rows whose every key was blocked give zero gradients with
     masked_rows="zero" and NaN ones with "nan" (their output is NaN).
+
+    head_mask_grad=True (with a forward_train call given a head_mask) adds
+    'head_mask': dL/d head_mask, shaped like the head_mask given ((H,):
+    summed over the batch).  For head (b, h) it is Σ_i dctx_i · (A·V)_i +
+    Σ_ij dL/dweights_ij · A_ij, A the head's weights after dropout before the
+    head mask (Michel et al.'s head-importance score); A·V and A come from
+    one more forward without the head mask (same stream), so this costs a
+    forward call.
     """
     if not isinstance(ctx, ForwardContext):
         raise TypeError(f"ctx must be the ForwardContext of forward_train, not "
@@ -154,11 +166,35 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None) -> dict:
     gp, gq, gk, gv = _calls.c_backward(mha, ctx._params, ctx._query, ctx._key, ctx._value,
                                        ctx._masks, ctx._is_causal, ctx._zero_rows,
                                        ctx.dropout, ctx.counter, go, gw, ctx._saved,
-                                       ctx._scale, ctx._window, ctx._head_mask)
+                                       ctx._scale, ctx._window, ctx._head_mask, ctx._layout)
     grads = _params.grads(mha, gp)
     if not ctx._batched:
         gq, gk, gv = gq[0], gk[0], gv[0]
     grads["query"] = gq
     grads["key"] = gk
     grads["value"] = gv
+    if flag(head_mask_grad, "head_mask_grad"):
+        if ctx._head_mask is None:
+            raise ValueError("head_mask_grad=True, but forward_train had no head_mask")
+        grads["head_mask"] = _head_mask_grad(mha, ctx, go, gw)
     return grads
+
+
+def _head_mask_grad(mha, ctx, go, gw):
+    # dL/dm[b, h] = Σ_i dctx[b, i, h] · (A·V)[b, i, h] + Σ_ij gw[b, h] · A[b, h]
+    # (ctx = concat_h m[b, h]·(A·V)_h, weights m·A); A·V and A recomputed
+    # without the head mask, with the same dropout stream
+    call = _calls.Call(ctx._query, ctx._key, ctx._value, list(ctx._masks), True,
+                       ctx._is_causal, gw is not None, False, ctx._zero_rows, ctx._scale,
+                       ctx._window, None, ctx._layout)
+    _, w, saved, _ = _calls.c_forward_train(mha, call, ctx._params, ctx.dropout, ctx.counter, 1)
+    B, Sq, E = ctx._query.shape
+    H = mha.n_heads
+    wo = _params.grads(mha, ctx._params)["W_o.weight"]           # out = ctx·W_oᵀ + b_o
+    dctx = (go @ wo).reshape(B, Sq, H, E // H)
+    g = np.einsum("bihd,bihd->bh", dctx, saved[3].reshape(B, Sq, H, E // H))
+    if gw is not None:
+        g = g + np.einsum("bhij,bhij->bh", gw, w)
+    if len(ctx._head_mask_shape) == 1:
+        g = g.sum(axis=0)
+    return np.ascontiguousarray(g, dtype=mha.dtype)

@@ -35,6 +35,7 @@ from . import trace as _trace
 from ._convert import as_array, as_real
 from ._params import IncompatibleKeys
 from .cache import KVCache
+from .layout import BlockLayout
 
 __all__ = ["MultiHeadAttention", "Linear"]
 
@@ -386,6 +387,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                 masked_rows: Literal["nan", "zero"] = "nan", scale: float | None = None,
                 window: tuple[int | None, int | None] | None = None,
                 head_mask: ArrayLike | None = None,
+                layout: BlockLayout | None = None,
                 cache: KVCache | None = None,
                 **unknown,
                 ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -418,6 +420,14 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             is_causal the right side is 0 anyway).  The kernels skip the key
             blocks outside it: no (Sq, Sk) mask is built.  Never blocks
             add_bias_kv's or add_zero_attn's keys.
+          layout: a mha_ext.layout.BlockLayout, block-sparse attention: query
+            block qb sees key block kb only where layout.keep[..., qb, kb] is
+            True (True = KEPT, the opposite polarity of the masks above).
+            Its shape must fit: ceil(Sq / q_block) x ceil(Sk / k_block)
+            blocks, per head (H, ...) or per batch and head (B, H, ...)
+            optional.  The kernels skip the key ranges whose blocks are
+            empty for a task of queries: no (Sq, Sk) mask is built.  Never
+            blocks add_bias_kv's or add_zero_attn's keys.
         head_mask: None, or (H,) or (B, H) finite factors multiplying each
           head's weights after dropout (Hugging Face's head_mask: 0 switches
           the head off, 1 keeps it); the weights returned are multiplied.
@@ -454,7 +464,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             self, query, key, value, mask, unknown, "forward")
         call = _calls.prepare(self, query, key, value, mask, attn_mask, key_padding_mask,
                               is_causal, need_weights, average_weights, masked_rows,
-                              scale=scale, window=window, head_mask=head_mask, cache=cache)
+                              scale=scale, window=window, head_mask=head_mask, layout=layout,
+                              cache=cache)
         out, weights = _calls.c_forward(self, call)
         out, weights = _calls.shape_output(call, out, weights)
         return (_habits.seq_first_output(out) if seq_first else out), weights
@@ -475,11 +486,14 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return _autograd.forward_train(self, query, key, value, mask, **kwargs)
 
     def backward(self, ctx, grad_output: ArrayLike,
-                 grad_weights: ArrayLike | None = None) -> dict[str, np.ndarray]:
+                 grad_weights: ArrayLike | None = None, *,
+                 head_mask_grad: bool = False) -> dict[str, np.ndarray]:
         """Gradients of the forward_train call that made ctx, from dL/d output
         (and optionally dL/d weights): a dict keyed like state_dict() plus
-        'query', 'key' and 'value' (see mha_ext.autograd.backward)."""
-        return _autograd.backward(self, ctx, grad_output, grad_weights)
+        'query', 'key' and 'value', and 'head_mask' with head_mask_grad=True
+        (see mha_ext.autograd.backward)."""
+        return _autograd.backward(self, ctx, grad_output, grad_weights,
+                                  head_mask_grad=head_mask_grad)
 
     def trace(self, query: ArrayLike, key: ArrayLike | None = None,
               value: ArrayLike | None = None, mask: ArrayLike | None = None, **kwargs):

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from ._convert import as_array
+from .layout import BlockLayout
 
 __all__ = ["plot_heads"]
 
@@ -59,6 +60,10 @@ def _blocked(weights, blocked, shape):
         return m if m.shape == shape else None      # not for averaged weights
     if blocked is None:
         return None
+    if isinstance(blocked, BlockLayout):            # its blocks not kept
+        b = ~blocked.to_dense(shape[-2], shape[-1])
+        b = b.reshape((1,) * (len(shape) - b.ndim) + b.shape) if b.ndim < len(shape) else b
+        return np.broadcast_to(b, shape)
     b = as_array(blocked, "blocked") != 0
     try:
         return np.broadcast_to(b, shape)
@@ -96,8 +101,10 @@ def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
                   causal mask) are as readable as row 0 (vmin/vmax then
                   apply to that ratio, 0 to 1 by default).
     blocked       True where a mask blocked the cell, broadcastable to the
-                  weights; taken from a Trace's masks when a Trace is given.
-                  Blocked cells are drawn hatched, not as weight 0.
+                  weights, or a mha_ext.layout.BlockLayout (its blocks not
+                  kept); taken from a Trace's masks (the layout's too) when a
+                  Trace is given.  Blocked cells are drawn hatched, not as
+                  weight 0.
 
     Rows that are NaN (a query with every key blocked) are drawn in grey.
     Long sequences get every k-th label (about 24 per axis).  Save the

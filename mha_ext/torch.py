@@ -63,10 +63,12 @@ class MultiHeadAttention(nn.Module):
     forward(query, key=None, value=None, mask=None, *, attn_mask=None,
             key_padding_mask=None, is_causal=False, need_weights=True,
             average_weights=False, masked_rows="nan", scale=None, window=None,
-            head_mask=None) -> (output, weights)
+            head_mask=None, layout=None) -> (output, weights)
     as mha_ext.MultiHeadAttention's call (is_causal True or "lower_right",
     scale None or a number, window None or a sliding window (left, right),
-    head_mask None or (H,) / (B, H) factors, no gradient), on (B, S, E) or (S, E) CPU tensors;
+    head_mask None or (H,) / (B, H) factors (a tensor that requires grad
+    gets dL/d head_mask), layout None or a
+    mha_ext.layout.BlockLayout), on (B, S, E) or (S, E) CPU tensors;
     weights is None with need_weights=False.  Gradients flow to query, key,
     value and every parameter.
     """
@@ -150,7 +152,7 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query, key=None, value=None, mask=None, *, attn_mask=None,
                 key_padding_mask=None, is_causal=False, need_weights=True,
                 average_weights=False, masked_rows="nan", scale=None, window=None,
-                head_mask=None, **unknown):
+                head_mask=None, layout=None, **unknown):
         if unknown:  # torch's names (average_attn_weights, ...) named with ours
             _habits.call_keywords(unknown, "forward")
         params = self._params()
@@ -176,6 +178,12 @@ class MultiHeadAttention(nn.Module):
                     is_causal=is_causal, need_weights=need_weights,
                     average_weights=average_weights, masked_rows=masked_rows,
                     dropout=core.dropout if self.training else 0.0, scale=scale,
-                    window=window, head_mask=head_mask)
-        out, weights = _AttentionFunction.apply(core, opts, *tensors, *params)
+                    window=window, head_mask=head_mask, layout=layout)
+        extra = []
+        if isinstance(head_mask, torch.Tensor) and head_mask.requires_grad:
+            # a head mask that requires grad: an input of the Function, which
+            # returns dL/d head_mask
+            opts.update(head_mask=head_mask.detach(), head_mask_input=True)
+            extra = [head_mask]
+        out, weights = _AttentionFunction.apply(core, opts, *tensors, *params, *extra)
         return out, (weights if need_weights else None)

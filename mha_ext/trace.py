@@ -33,7 +33,8 @@ import os
 
 import numpy as np
 
-from ._calls import sliding_window
+from ._calls import score_scale, sliding_window
+from ._masks import block_layout
 from ._convert import flag, to_numpy
 
 __all__ = ["Step", "Trace", "trace"]
@@ -330,8 +331,6 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     if getattr(module, "add_bias_kv", False) or getattr(module, "add_zero_attn", False):
         raise NotImplementedError("trace() does not show add_bias_kv's or add_zero_attn's "
                                   "extra keys yet: trace a module without them")
-    if kwargs.get("scale") is not None:
-        raise NotImplementedError("trace() shows the default scale only (no scale=)")
     cache = kwargs.get("cache")
     L0 = cache.length if cache is not None else 0  # keys cached before the call
     dtype = np.dtype(module.dtype)
@@ -425,9 +424,11 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
         add("K/V groups", f"query head h reads K/V head h // {G} (K, V → [B, H, Sk, Dk])",
             ("B", "H", "Sk", "Dk"), kh)
 
-    scale = dtype.type(1.0 / np.sqrt(Dk))
+    given = score_scale(kwargs.get("scale"))
+    scale = dtype.type(1.0 / np.sqrt(Dk) if given is None else given)
     raw = (qh @ kh.transpose(0, 1, 3, 2)) * scale
-    add("raw scores", "S = Q·Kᵀ / √Dk", ("B", "H", "Sq", "Sk"), raw)
+    add("raw scores", "S = Q·Kᵀ / √Dk" if given is None else f"S = Q·Kᵀ · {given:g}",
+        ("B", "H", "Sq", "Sk"), raw)
 
     # causality: top-left, or lower-right (a self-attention cache's rule:
     # query i of Sq sees keys j <= i + Sk - Sq)
@@ -540,9 +541,10 @@ def _masks(mask, kwargs, unbatched, B, H, Sq, Sk, dtype, causal=False, coff=0):
         else:
             add(kpm, "key_padding_mask")
 
+    where = "i" if coff == 0 else f"i + {coff}" if coff > 0 else f"i − {-coff}"
     if causal:
-        block(np.triu(np.ones((Sq, Sk), dtype=bool), k=1 + coff)[None, None],
-              f"j > i + {coff} (causal, lower right)" if coff else "j > i (causal)")
+        tri = np.triu(np.ones((Sq, Sk), dtype=bool), k=1 + coff)[None, None]
+        block(tri, f"j > {where} (causal" + (", lower right)" if coff else ")"))
 
     window = sliding_window(kwargs.get("window"))
     if window is not None:
@@ -552,10 +554,19 @@ def _masks(mask, kwargs, unbatched, B, H, Sq, Sk, dtype, causal=False, coff=0):
         words = []
         if left is not None:
             out |= d < -left
-            words.append(f"j < i − {left}")
+            words.append(f"j < {where} − {left}")
         if right is not None:
             out |= d > right
-            words.append(f"j > i + {right}")
+            words.append(f"j > {where} + {right}")
         block(out[None, None], " or ".join(words) + " (window)")
+
+    lay = kwargs.get("layout")
+    if lay is not None:
+        keep = block_layout(lay, 1 if unbatched else B, H, Sq, Sk)[0]
+        dense = ~lay.to_dense(Sq, Sk)                       # True = blocked
+        block(dense.reshape((1,) * (4 - dense.ndim) + dense.shape),
+              f"block (i // {lay.q_block}, j // {lay.k_block}) not kept (layout "
+              f"{keep.shape[-2]}×{keep.shape[-1]} blocks of {lay.q_block}×{lay.k_block}, "
+              f"density {lay.density:.2f})")
 
     return blocked, added, why_blocked, why_added

@@ -121,15 +121,16 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     }
     kend = SUF(att_kend)(at, i0, nq); /* later keys: blocked for all */
     kbeg = SUF(att_kbeg)(at, i0);     /* earlier keys: blocked for all */
+    if (at->skip) mha_lay_hull(&at->rr.lay, b, h, i0, nq, &kbeg, &kend); /* the layout's */
     if (kend <= kbeg) { /* every row of the block is blocked (lower-right with
-                           Sq > Sk, or an empty window) */
+                           Sq > Sk, an empty window or layout) */
         const T value = SUF(blocked_row_value)(&at->rr);
         SUF(fill_rows)(p_bh, nq, Sk, Sk, value);
         if (a_bh != p_bh) SUF(fill_rows)(a_bh, nq, Sk, Sk, value);
         SUF(fill_rows)(c_bh, nq, Dv, at->ldc, value);
         return;
     }
-    /* the keys before kbeg: 0 scores, which the window masks */
+    /* the keys before kbeg: 0 scores, which the window or the layout masks */
     if (kbeg > 0) SUF(fill_rows)(p_bh, nq, kbeg, Sk, (T)0);
     SUF(mha_gemm)(at->kern, 0, nq, kend - kbeg, Dk, q_bh, Dk, kt_bh + kbeg, at->kld, NULL,
                   p_bh + kbeg, Sk, 0, gs);
@@ -201,9 +202,19 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     kend = SUF(att_kend)(at, i0, nqh);
     /* blocks of keys anchored at key 0 (from the multiple of KB before the
      * first visible key): a row's running sums never depend on the block of
-     * queries it is in, nor on keys past its last visible one */
+     * queries it is in, nor on keys past its last visible one.  With a
+     * layout, a block no row of the task keeps is skipped: every row would
+     * see it blocked, which changes no sum (softmax_online_step) */
     for (j0 = SUF(att_kbeg)(at, i0) / KB * KB; j0 < kend; j0 += KB) {
-        int64_t nk = kend - j0 < KB ? kend - j0 : KB;
+        int64_t nk = kend - j0 < KB ? kend - j0 : KB, rs, re;
+        if (at->skip && at->rr.lay.keep) { /* grp is off with a layout: h0 is the head */
+            mha_lay_run(&at->rr.lay, b, h0, i0, nqh, j0, kend, &rs, &re);
+            if (rs >= kend) break;
+            if (rs >= j0 + nk) { /* on to the block of the next kept key */
+                j0 = rs / KB * KB - KB;
+                continue;
+            }
+        }
         SUF(mha_gemm)(at->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB, 0,
                       gs);
         for (r = 0; r < nq; r++) {
@@ -239,7 +250,7 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
     if (at->kld == 0) at->kld = at->Sk;
     /* grouped-query attention with few queries: one task per key/value head
      * (when that leaves a task for every thread) */
-    at->grp = !at->weights && !at->p_save && at->H > at->Hkv &&
+    at->grp = !at->weights && !at->p_save && at->H > at->Hkv && !at->rr.lay.keep &&
               at->Sq * (at->H / at->Hkv) <= ROWS && at->B * at->Hkv >= slots;
     if (at->grp)
         return mha_parallel_for(at->B * at->Hkv, slots, SUF(attend_online_task), at, ps);

@@ -58,7 +58,7 @@ typedef struct {
     T *ctx, *dctx;        /* (B, Sq, E) (ctx: only when not saved) */
     int64_t dc_sb, dc_sh, dc_ld; /* dctx's row i of head (b, h): b*dc_sb + h*dc_sh + i*dc_ld */
     int saved;            /* q, k, v, ctx are mha_forward_save's: never written */
-    int skip;             /* a window; K, V, dctx, grad_weights finite; no extra
+    int skip;             /* a window or layout; K, V, dctx, grad_weights finite; no extra
                              keys: each block of queries works on its keys
                              [ks, ke) only (bwd_range; causality alone keeps
                              the full rows, bit for bit as before windows) */
@@ -173,28 +173,7 @@ static int SUF(saved_row_blocked)(const SUF(bwd) *f, const T *p_r, const T *q_i,
     return SUF(row_max)(f->kern, &f->rr, f->scale, s, b, h, i, 0, f->Sk) == -(T)INFINITY;
 }
 
-/* The keys [*ks, *ke) the queries i0 .. i0+nq-1 may see (with f->skip;
- * else every key).  Outside, P is exactly 0 and, V, dctx and grad_weights
- * being finite, so is every term of the gradients: skipping them changes
- * nothing unless a row is NaN (then the block is redone on every key). */
-static void SUF(bwd_range)(const SUF(bwd) *f, int64_t i0, int64_t nq, int64_t *ks,
-                           int64_t *ke)
-{
-    const mha_rows *rr = &f->rr;
-    int64_t lo = 0, hi = f->Sk;
-    if (f->skip) {
-        if (rr->causal && i0 + nq + rr->coff < hi) hi = i0 + nq + rr->coff;
-        if (rr->window && rr->wr >= 0 && i0 + nq + rr->coff + rr->wr < hi)
-            hi = i0 + nq + rr->coff + rr->wr;
-        if (rr->window && rr->wl >= 0 && i0 + rr->coff - rr->wl > lo) lo = i0 + rr->coff - rr->wl;
-    }
-    if (hi <= lo) { /* every row blocked: the plain path handles the blocked rows */
-        lo = 0;
-        hi = f->Sk;
-    }
-    *ks = lo;
-    *ke = hi;
-}
+#include "bwd_keys_impl.h" /* bwd_range, bwd_run, bwd_zero */
 
 /* One (b, key/value head h'): for each query head h of its group, the
  * forward of the attention recomputed block by block of queries, each step
@@ -204,7 +183,8 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
     const SUF(bwd) *f = (const SUF(bwd) *)vf;
     const int64_t G = f->H / f->Hkv, b = task / f->Hkv, hkv = task % f->Hkv;
     const int64_t E = f->E, Sq = f->Sq, Sk = f->Sk, Dk = f->Dk, Dv = f->Dv;
-    int64_t i0, r, j, g, ks, ke, n, koff;
+    int64_t i0, r, j, g, ks, ke, n, rj, rs, re, nr;
+    int runs;
     /* Q_bh and V_bh: per head (kept by the forward) or columns of (B, S, E)
      * (recomputed); K_bh: transposed per head (Dk, Sk) or columns of K */
     const int hm = f->saved;
@@ -257,23 +237,36 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
             const T *a_blk = pb; /* A: P itself without dropout */
 
             /* the block's keys [ks, ks + n); every buffer below is read and
-             * written from column ks (koff: K_bh's first key) */
-            SUF(bwd_range)(f, i0, nq, &ks, &ke);
+             * written from column ks */
+            SUF(bwd_range)(f, b, h, i0, nq, &ks, &ke);
+            runs = f->skip && f->rr.lay.keep != NULL; /* the layout's runs of keys */
+            if (runs) { /* none: every row blocked, the plain path on every key */
+                SUF(bwd_run)(f, runs, b, h, i0, nq, ks, ke, &rs, &re);
+                runs = rs < ke;
+            }
         redo:
             n = ke - ks;
-            koff = hm ? ks : ks * Ekv;
-            /* forward: S = Q_bh·K_bhᵀ · scale; S = masked(S); P = softmax(S) */
-            if (!f->p_saved)
-                SUF(mha_gemm)(f->kern, !hm, nq, n, Dk, q_bh + i0 * ldq, ldq, k_bh + koff,
-                              hm ? Sk : Ekv, NULL, p + ks, Sk, 0, gs);
+            /* forward: S = Q_bh·K_bhᵀ · scale; S = masked(S); P = softmax(S)
+             * (between the runs: 0 scores, which the layout masks) */
+            if (!f->p_saved) {
+                if (runs) SUF(bwd_zero)(p + ks, nq, n, Sk);
+                for (rj = ks; rj < ke; rj = re) {
+                    SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
+                    if (rs >= ke) break;
+                    SUF(mha_gemm)(f->kern, !hm, nq, re - rs, Dk, q_bh + i0 * ldq, ldq,
+                                  k_bh + (hm ? rs : rs * Ekv), hm ? Sk : Ekv, NULL, p + rs, Sk, 0,
+                                  gs);
+                }
+            }
             for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: the same P */
                 blocked[r] = SUF(softmax_row)(f->kern, &f->rr, f->scale, p + r * Sk + ks, b, h,
                                               i0 + r, ks, n, n) < 0;
-            if (n < Sk) /* a NaN row must reach every key, as in the reference */
+            if (n < Sk || runs) /* a NaN row must reach every key, as in the reference */
                 for (r = 0; r < nq; r++)
                     if (pb[r * Sk + ks] != pb[r * Sk + ks]) {
                         ks = 0;
                         ke = Sk;
+                        runs = 0;
                         goto redo;
                     }
             for (r = 0; r < nq && f->p_saved && f->dropout_on; r++)
@@ -298,18 +291,29 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                 }
                 a_blk = d;
             }
-            /* forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx), unless kept */
-            if (!f->saved)
-                SUF(mha_gemm)(f->kern, 0, nq, Dv, n, a_blk + ks, Sk, v_bh + ks * ldv, ldv, NULL,
-                              c_bh + i0 * E, E, 0, gs);
+            /* over each run of keys [rs, re) (one run [ks, ke) without a layout):
+             * forward: ctx_bh = A·V_bh (for dW_o = d outᵀ·ctx), unless kept;
+             * backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh;
+             * ... and dA = dctx_bh·V_bhᵀ (0 between the runs) */
+            for (rj = ks, nr = 0; rj < ke; rj = re, nr++) {
+                SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
+                if (rs >= ke) break;
+                if (!f->saved)
+                    SUF(mha_gemm)(f->kern, 0, nq, Dv, re - rs, a_blk + rs, Sk, v_bh + rs * ldv,
+                                  ldv, NULL, c_bh + i0 * E, E, nr > 0, gs);
+                SUF(mha_gemm_tn)(f->kern, re - rs, Dv, nq, a_blk + rs, Sk,
+                                 dc_bh + i0 * f->dc_ld, f->dc_ld, dvs + rs * Dv, Dv, !first, gs);
+            }
+            if (runs) SUF(bwd_zero)(d + ks, nq, n, Sk); /* A (maybe d) read: now dA */
+            for (rj = ks; rj < ke; rj = re) {
+                SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
+                if (rs >= ke) break;
+                SUF(mha_gemm)(f->kern, 1, nq, re - rs, Dv, dc_bh + i0 * f->dc_ld, f->dc_ld,
+                              v_bh + rs * ldv, ldv, NULL, d + rs, Sk, 0, gs);
+            }
             for (r = 0; r < nq && f->hmask && !f->saved; r++)
                 f->kern->scale(c_bh + (i0 + r) * E, Dv, hmv);
-            /* backward of ctx_bh = A·V_bh: dV_bh += Aᵀ·dctx_bh */
-            SUF(mha_gemm_tn)(f->kern, n, Dv, nq, a_blk + ks, Sk, dc_bh + i0 * f->dc_ld, f->dc_ld,
-                             dvs + ks * Dv, Dv, !first, gs);
-            /* ... and dA = dctx_bh·V_bhᵀ, plus the gradient of the returned weights */
-            SUF(mha_gemm)(f->kern, 1, nq, n, Dv, dc_bh + i0 * f->dc_ld, f->dc_ld, v_bh + ks * ldv,
-                          ldv, NULL, d + ks, Sk, 0, gs);
+            /* plus the gradient of the returned weights */
             if (gw_bh)
                 for (r = 0; r < nq; r++)
                     for (j = ks; j < ke; j++) d[r * Sk + j] += hmv * gw_bh[(i0 + r) * Sk + j];
@@ -323,15 +327,20 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                  * and of S = ... · scale: the scale folded in */
                 f->kern->softmax_grad(pb + r * Sk + ks, d_r + ks, n, f->scale);
             }
-            /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh */
-            if (dq_bh) {
-                SUF(mha_gemm)(f->kern, hm, nq, Dk, n, d + ks, Sk, k_bh + koff, hm ? Sk : Ekv, NULL,
-                              dqs, Dk, 0, gs);
-                for (r = 0; r < nq; r++)
-                    memcpy(dq_bh + (i0 + r) * f->dq_ld, dqs + r * Dk, (size_t)Dk * sizeof(T));
+            /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh
+             * (dS is 0 between the runs) */
+            for (rj = ks, nr = 0; rj < ke; rj = re, nr++) {
+                SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
+                if (rs >= ke) break;
+                if (dq_bh)
+                    SUF(mha_gemm)(f->kern, hm, nq, Dk, re - rs, d + rs, Sk,
+                                  k_bh + (hm ? rs : rs * Ekv), hm ? Sk : Ekv, NULL, dqs, Dk, nr > 0,
+                                  gs);
+                SUF(mha_gemm_tn)(f->kern, re - rs, Dk, nq, d + rs, Sk, q_bh + i0 * ldq, ldq,
+                                 dks + rs * Dk, Dk, !first, gs);
             }
-            SUF(mha_gemm_tn)(f->kern, n, Dk, nq, d + ks, Sk, q_bh + i0 * ldq, ldq, dks + ks * Dk,
-                             Dk, !first, gs);
+            for (r = 0; r < nq && dq_bh; r++)
+                memcpy(dq_bh + (i0 + r) * f->dq_ld, dqs + r * Dk, (size_t)Dk * sizeof(T));
         }
         /* this head's share of the bias gradient of Q (db = Σ_rows dY),
          * summed while dQ_bh is still in cache; phase 4 adds the batches */
@@ -440,6 +449,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
                          a->fwd.zero_masked_rows);
     mha_rows_window(&f.rr, a->fwd.has_window, a->fwd.window_left, a->fwd.window_right,
                     a->fwd.Sq, a->fwd.Sk);
+    f.rr.lay = a->fwd.layout;
     f.B = a->fwd.B; f.Sq = a->fwd.Sq; f.Skg = a->fwd.Sk;
     Skx = f.Sk = a->fwd.Sk + sz.extra; /* every key: the given ones, then the extra ones */
     f.E = cfg->d_model; f.H = cfg->n_heads; f.Dk = f.Dv = f.E / f.H;
@@ -535,7 +545,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     MHA_TICK("backward 1 proj");
     /* a NaN or inf in K, V, dctx or the weights' gradient must reach every
      * key (0·NaN), as in the reference: no skipping then; nor with extra keys */
-    f.skip = f.rr.window && sz.extra == 0 && SUF(all_finite)(f.k, n_kv) &&
+    f.skip = (f.rr.window || f.rr.lay.keep) && sz.extra == 0 && SUF(all_finite)(f.k, n_kv) &&
              SUF(all_finite)(f.v, n_kv) && SUF(all_finite)(f.dctx, n_q) &&
              (!f.grad_weights || SUF(all_finite)(f.grad_weights, sz.n_weights));
 

@@ -238,6 +238,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
                           a->zero_masked_rows);
     mha_rows_window(&at.rr, a->has_window, a->window_left, a->window_right, a->Sq,
                     klen + a->Sk);
+    at.rr.lay = a->layout;
     at.scale = (T)mha_score_scale(a->has_scale, a->scale, at.Dk);
     at.dropout = a->dropout;
     at.dropout_on = a->dropout > 0.0;
@@ -343,11 +344,11 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
 
     /* a NaN or inf in V must reach every row (0·NaN), so no causal or
      * window skipping; nor past the extra keys, which nothing blocks */
-    at.skip = (a->is_causal || at.rr.window) && sz.extra == 0;
+    at.skip = (a->is_causal || at.rr.window || at.rr.lay.keep) && sz.extra == 0;
     {   /* causal alone: the keys up to the first query's last one are seen
          * by every row (never skipped), so only V's later rows matter (none
          * for one query, a decode step) */
-        int64_t lo = a->is_causal && !at.rr.window ? at.rr.coff + 1 : 0;
+        int64_t lo = a->is_causal && !at.rr.window && !at.rr.lay.keep ? at.rr.coff + 1 : 0;
         lo = lo < 0 ? 0 : lo > at.Sk ? at.Sk : lo;
         for (t = 0; t < B * Hkv && at.skip; t++) /* each head's keys (the cache's valid ones) */
             at.skip = SUF(all_finite)(vh + (t * at.kld + lo) * Dk, (at.Sk - lo) * Dk);

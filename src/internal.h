@@ -234,6 +234,8 @@ typedef struct {
     int window;            /* nonzero: key j < nmk is blocked unless
                               i + coff - wl <= j <= i + coff + wr */
     int64_t wl, wr;        /* < 0: unbounded on that side */
+    mha_block_layout lay;  /* lay.keep != NULL: key j < nmk of row (b, h, i) is
+                              blocked unless its block is kept (mha.h) */
 } mha_rows;
 static inline mha_rows mha_rows_make(const mha_mask *masks, int n_masks, int is_causal,
                                      int64_t Sq, int64_t Sk, int zero_masked_rows)
@@ -247,7 +249,67 @@ static inline mha_rows mha_rows_make(const mha_mask *masks, int n_masks, int is_
     rr.zero_masked_rows = zero_masked_rows;
     rr.window = 0;
     rr.wl = rr.wr = -1;
+    rr.lay.keep = NULL;
+    rr.lay.nqb = rr.lay.nkb = 0;
+    rr.lay.q_block = rr.lay.k_block = 1;
+    rr.lay.stride[0] = rr.lay.stride[1] = 0;
     return rr;
+}
+/* the kept flags (nkb) of the query block of row (b, h, i) of a layout */
+static inline const uint8_t *mha_lay_row(const mha_block_layout *ly, int64_t b, int64_t h,
+                                         int64_t i)
+{
+    return ly->keep + b * ly->stride[0] + h * ly->stride[1] + (i / ly->q_block) * ly->nkb;
+}
+/* 1 when key block kb is kept for some query of rows i0 .. i0+nq-1 of (b, h) */
+static inline int mha_lay_any(const mha_block_layout *ly, int64_t b, int64_t h, int64_t i0,
+                              int64_t nq, int64_t kb)
+{
+    int64_t qb;
+    const uint8_t *k0 = ly->keep + b * ly->stride[0] + h * ly->stride[1];
+    for (qb = i0 / ly->q_block; qb <= (i0 + nq - 1) / ly->q_block; qb++)
+        if (k0[qb * ly->nkb + kb]) return 1;
+    return 0;
+}
+/* The first run of keys [*rs, *re) at or after key j (< nk keys) whose
+ * blocks are kept for some query of rows i0 .. i0+nq-1 (nq > 0) of (b, h);
+ * *rs = *re = nk when there is none.  Without a layout: [j, nk). */
+static inline void mha_lay_run(const mha_block_layout *ly, int64_t b, int64_t h, int64_t i0,
+                               int64_t nq, int64_t j, int64_t nk, int64_t *rs, int64_t *re)
+{
+    int64_t kb, kbs = ly->k_block;
+    if (!ly->keep || j >= nk) {
+        *rs = j < nk ? j : nk;
+        *re = nk;
+        return;
+    }
+    for (kb = j / kbs; kb < ly->nkb && !mha_lay_any(ly, b, h, i0, nq, kb); kb++) {}
+    if (kb >= ly->nkb) {
+        *rs = *re = nk;
+        return;
+    }
+    *rs = kb * kbs > j ? kb * kbs : j;
+    for (kb++; kb < ly->nkb && mha_lay_any(ly, b, h, i0, nq, kb); kb++) {}
+    *re = kb * kbs < nk ? kb * kbs : nk;
+}
+/* The hull [*lo, *hi) of the keys kept for some query of rows i0 .. i0+nq-1
+ * (nq > 0) of (b, h), within [*lo, *hi) on entry (lo == hi: none) */
+static inline void mha_lay_hull(const mha_block_layout *ly, int64_t b, int64_t h, int64_t i0,
+                                int64_t nq, int64_t *lo, int64_t *hi)
+{
+    int64_t kb, kbs = ly->k_block, first = -1, last = -1;
+    if (!ly->keep || *lo >= *hi) return;
+    for (kb = *lo / kbs; kb < ly->nkb && kb * kbs < *hi; kb++)
+        if (mha_lay_any(ly, b, h, i0, nq, kb)) {
+            if (first < 0) first = kb;
+            last = kb;
+        }
+    if (first < 0) {
+        *hi = *lo;
+        return;
+    }
+    if (first * kbs > *lo) *lo = first * kbs;
+    if ((last + 1) * kbs < *hi) *hi = (last + 1) * kbs;
 }
 /* A call's sliding window into rr (mha_forward_args.has_window ...): the
  * bounds clamped to Sq + Sk (wider is the same window), so that i + coff +-

@@ -50,6 +50,27 @@ static mha_status check_masks(const mha_mask *masks, int n_masks, const int64_t 
     return MHA_OK;
 }
 
+/* a block layout (mha_block_layout) against a call of (B, H, Sq, Sk):
+ * positive block sizes, nqb and nkb exactly the blocks covering Sq and Sk,
+ * strides >= 0 whose offsets fit in int64_t */
+static mha_status check_layout(const mha_block_layout *ly, int64_t B, int64_t H, int64_t Sq,
+                               int64_t Sk)
+{
+    int64_t span, reach;
+    if (!ly->keep) return MHA_OK;
+    if (ly->q_block <= 0 || ly->k_block <= 0 || ly->stride[0] < 0 || ly->stride[1] < 0)
+        return MHA_ERR_ARG;
+    if (ly->nqb != Sq / ly->q_block + (Sq % ly->q_block != 0) ||
+        ly->nkb != Sk / ly->k_block + (Sk % ly->k_block != 0))
+        return MHA_ERR_ARG;
+    if (mha_mul(ly->nqb, ly->nkb, &span)) return MHA_ERR_OVERFLOW;
+    if (B > 0 && (mha_mul(ly->stride[0], B - 1, &reach) || mha_add(span, reach, &span)))
+        return MHA_ERR_OVERFLOW;
+    if (H > 0 && (mha_mul(ly->stride[1], H - 1, &reach) || mha_add(span, reach, &span)))
+        return MHA_ERR_OVERFLOW;
+    return MHA_OK;
+}
+
 static mha_status check_sizes(const mha_config *cfg, int64_t B, int64_t Sq, int64_t Sk,
                               mha_sizes *sz)
 {
@@ -121,9 +142,10 @@ mha_status mha_check_forward(const mha_config *cfg, const mha_params *p,
     }
     /* every mask offset b*s0 + h*s1 + i*s2 + j*s3 must fit in int64_t */
     {
-        const int64_t dim[4] = {a->B, H, a->Sq,
-                                a->cache_k ? a->cache_len + a->Sk : a->Sk};
-        return check_masks(a->masks, a->n_masks, dim);
+        const int64_t Skc = a->cache_k ? a->cache_len + a->Sk : a->Sk; /* every key */
+        const int64_t dim[4] = {a->B, H, a->Sq, Skc};
+        st = check_layout(&a->layout, a->B, H, a->Sq, Skc);
+        return st != MHA_OK ? st : check_masks(a->masks, a->n_masks, dim);
     }
 }
 
@@ -158,7 +180,8 @@ mha_status mha_check_sdpa(const mha_sdpa_args *a, int need_out, mha_sizes *sz)
         return MHA_ERR_ARG;
     {
         const int64_t dim[4] = {a->B, a->H, a->L, a->S};
-        return check_masks(a->masks, a->n_masks, dim);
+        const mha_status st = check_layout(&a->layout, a->B, a->H, a->L, a->S);
+        return st != MHA_OK ? st : check_masks(a->masks, a->n_masks, dim);
     }
 }
 

@@ -126,6 +126,24 @@ typedef struct {
 
 #define MHA_MAX_MASKS 8
 
+/* A block-sparse layout over the Sk given keys (never the extra ones):
+ * queries in blocks of q_block, keys in blocks of k_block (the last block of
+ * each may be partial).  keep == NULL: no layout.  Else block (qb, kb) of
+ * head (b, h) is kept (computed) iff
+ *   keep[b*stride[0] + h*stride[1] + qb*nkb + kb] != 0
+ * (strides in elements, >= 0; 0 broadcasts), with nqb = ceil(Sq / q_block)
+ * and nkb = ceil(Sk / k_block) exactly.  Polarity: nonzero = KEPT, unlike
+ * MHA_MASK_BLOCK's nonzero = blocked.  Key j of query i is blocked unless
+ * block (i / q_block, j / k_block) is kept (combined with masks, causality
+ * and the window); the fast paths skip the key ranges whose blocks are all
+ * empty for a whole task of queries. */
+typedef struct {
+    const uint8_t *keep;
+    int64_t nqb, nkb;        /* query blocks, key blocks */
+    int64_t q_block, k_block; /* > 0 */
+    int64_t stride[2];
+} mha_block_layout;
+
 /* A caller's "should this call stop?" question (for example: did the user
  * press Ctrl-C).  mha_forward, mha_forward_save, mha_backward,
  * mha_backward_saved (through fwd.poll), mha_sdpa_forward and
@@ -202,6 +220,7 @@ typedef struct {
      * those of the same row in one call over the whole sequence. */
     void *cache_k, *cache_v; /* both NULL: no cache */
     int64_t cache_cap, cache_len;
+    mha_block_layout layout; /* keep == NULL: none (see mha_block_layout) */
 } mha_forward_args;
 
 /* Hkv: cfg->n_kv_heads, or n_heads when that is 0. */
@@ -364,6 +383,12 @@ typedef struct {
     void *poll_ctx;
     int has_window;         /* a sliding window, as in mha_forward_args */
     int64_t window_left, window_right;
+    mha_block_layout layout; /* keep == NULL: none; over (B, H, L, S) */
+    const void *head_mask;  /* NULL, or scalars of dtype over (B, H) at
+                               b*head_mask_stride[0] + h*head_mask_stride[1],
+                               as in mha_forward_args: multiplies head h's
+                               weights after dropout (and so its out) */
+    int64_t head_mask_stride[2];
 } mha_sdpa_args;
 
 /* The gradients of one mha_sdpa_forward call `fwd` (its out, weights

@@ -34,7 +34,7 @@ static int SUF(ref_causal_blocks)(const mha_forward_args *a, int64_t i, int64_t 
 
 /* forward: the scores of query i (batch b, head h) against every key j <
  * Skx: s_j = q_i·k_j · scale, plus the additive masks, -inf where a
- * blocking mask, causality or the window blocks (never the extra keys
+ * blocking mask, causality, the window or the layout blocks (never the extra keys
  * j >= Sk).  q_i (Dk) is head h's slice of a query row; k_b (Skx, E) is
  * batch b's keys (E: Hkv*Dk), hk the key head of query head h.  The forward and the backward reference both call it. */
 static void SUF(ref_scores)(const mha_forward_args *a, const T *q_i, const T *k_b, int64_t E,
@@ -61,6 +61,10 @@ static void SUF(ref_scores)(const mha_forward_args *a, const T *q_i, const T *k_
                 s = -(T)INFINITY;
         }
         if (SUF(ref_causal_blocks)(a, i, j)) s = -(T)INFINITY;
+        if (a->layout.keep && j < a->Sk && /* the block layout: (i, j)'s block not kept */
+            !a->layout.keep[b * a->layout.stride[0] + h * a->layout.stride[1] +
+                            (i / a->layout.q_block) * a->layout.nkb + j / a->layout.k_block])
+            s = -(T)INFINITY;
         row[j] = s;
     }
 }

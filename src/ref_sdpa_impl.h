@@ -44,6 +44,10 @@ static int SUF(ref_sdpa_row)(const mha_sdpa_args *a, int64_t b, int64_t h, int64
             s = -(T)INFINITY;
         if (a->has_window && a->window_right >= 0 && j - (i + coff) > a->window_right)
             s = -(T)INFINITY;
+        if (a->layout.keep && /* the block layout: (i, j)'s block not kept */
+            !a->layout.keep[b * a->layout.stride[0] + h * a->layout.stride[1] +
+                            (i / a->layout.q_block) * a->layout.nkb + j / a->layout.k_block])
+            s = -(T)INFINITY;
         p[j] = s;
     }
     /* p = softmax(s) */
@@ -90,6 +94,9 @@ static mha_status SUF(sdpa_forward_ref)(const mha_sdpa_args *a)
                 const T *v_b = (const T *)a->v + (b * a->Hkv + hk) * S * Dv;
                 T *o = (T *)a->out + (bh * a->L + i) * Dv;
                 int blocked = SUF(ref_sdpa_row)(a, b, h, i, p, arow, keep);
+                for (j = 0; j < S && a->head_mask; j++) /* A = A · head_mask[b, h] */
+                    arow[j] *= ((const T *)a->head_mask)[b * a->head_mask_stride[0] +
+                                                         h * a->head_mask_stride[1]];
                 if (a->weights)
                     for (j = 0; j < S; j++) ((T *)a->weights)[(bh * a->L + i) * S + j] = arow[j];
                 /* out_i = Σ_j a_j v_j (a blocked row: NaN or 0; S == 0: 0) */
@@ -147,6 +154,9 @@ static mha_status SUF(sdpa_backward_ref)(const mha_sdpa_backward_args *ba)
                 T dot = 0;
                 /* forward: the row's p and a = dropout(p) */
                 int blocked = SUF(ref_sdpa_row)(a, b, h, i, p, arow, keep);
+                const T hm = a->head_mask ? ((const T *)a->head_mask)[
+                    b * a->head_mask_stride[0] + h * a->head_mask_stride[1]] : (T)1;
+                for (j = 0; j < S && a->head_mask; j++) arow[j] *= hm; /* a·m */
                 /* backward of out_i = Σ_j a_j v_j: dv_j += a_j dout_i,
                  * da_j = dout_i·v_j (plus d weights: the weights are a) */
                 for (j = 0; j < S; j++) {
@@ -157,7 +167,7 @@ static mha_status SUF(sdpa_backward_ref)(const mha_sdpa_backward_args *ba)
                     }
                     if (ba->grad_weights)
                         da += ((const T *)ba->grad_weights)[(bh * a->L + i) * S + j];
-                    drow[j] = da;
+                    drow[j] = a->head_mask ? da * hm : da; /* back through a·m */
                 }
                 if (blocked && a->zero_masked_rows) continue; /* p = 0: nothing flows */
                 /* backward of a_j = p_j · keep_j / (1 - p_drop) */

@@ -41,6 +41,7 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     f.rr = mha_rows_make(fa->masks, fa->n_masks, fa->is_causal, fa->L, fa->S,
                          fa->zero_masked_rows);
     mha_rows_window(&f.rr, fa->has_window, fa->window_left, fa->window_right, fa->L, fa->S);
+    f.rr.lay = fa->layout;
     f.B = fa->B; f.H = fa->H; f.Hkv = fa->Hkv;
     f.Sq = fa->L; f.Sk = f.Skg = fa->S;
     f.Dk = fa->D; f.Dv = fa->Dv;
@@ -70,7 +71,9 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     /* workspace: kt (B, Hkv, D, S); per slot P, D (QB, S), dq's block
      * (QB, D), dk (S, D), dv (S, Dv), then mha_gemm's packing */
     if (SUF(bwd_scratch_len)(&f) || mha_add(f.scratch_len, MHA_GEMM_SCRATCH, &t) || mha_mul(t, slots, &t) ||
-        mha_add(t, sz.n_key, &n_work) || mha_bytes(n_work, sizeof(T), &bytes))
+        mha_add(t, sz.n_key, &n_work) ||
+        (fa->head_mask && mha_add(n_work, sz.n_out, &n_work)) || /* dout times the head mask */
+        mha_bytes(n_work, sizeof(T), &bytes))
         return MHA_ERR_OVERFLOW;
     f.keep_len = f.dropout_on ? f.scratch_len : 0; /* >= (QB, S) bytes */
     if (mha_mul(f.keep_len, slots, &keep_total)) return MHA_ERR_OVERFLOW;
@@ -84,6 +87,13 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     f.k = work;
     f.scratch = work + sz.n_key;
     f.pack = f.scratch + f.scratch_len * slots;
+    if (fa->head_mask) { /* the task scales dctx by the head mask in place: a copy */
+        f.dctx = f.pack + MHA_GEMM_SCRATCH * slots;
+        memcpy(f.dctx, a->grad_out, (size_t)sz.n_out * sizeof(T));
+        f.hmask = (const T *)fa->head_mask;
+        f.hm_sb = fa->head_mask_stride[0];
+        f.hm_sh = fa->head_mask_stride[1];
+    }
 
     mha_poll_start(&ps, fa->poll, fa->poll_ctx);
     tr.k = (const T *)fa->k;
@@ -92,7 +102,7 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     tr.D = fa->D;
     if (mha_parallel_for(f.B * f.Hkv, slots, SUF(sdpa_transpose_task), &tr, &ps)) goto stopped;
     /* no skipping when a NaN or inf must reach every key (see bwd_range) */
-    f.skip = f.rr.window && SUF(all_finite)(f.k, sz.n_key) &&
+    f.skip = (f.rr.window || f.rr.lay.keep) && SUF(all_finite)(f.k, sz.n_key) &&
              SUF(all_finite)(f.v, sz.n_value) &&
              SUF(all_finite)(f.dctx, sz.n_out) &&
              (!f.grad_weights || SUF(all_finite)(f.grad_weights, sz.n_weights));

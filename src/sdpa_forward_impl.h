@@ -28,6 +28,10 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     at.Sq = a->L; at.Sk = a->S; at.Dk = a->D; at.Dv = a->Dv;
     at.rr = mha_rows_make(a->masks, a->n_masks, a->is_causal, a->L, a->S, a->zero_masked_rows);
     mha_rows_window(&at.rr, a->has_window, a->window_left, a->window_right, a->L, a->S);
+    at.rr.lay = a->layout;
+    at.hmask = (const T *)a->head_mask;
+    at.hm_sb = a->head_mask_stride[0];
+    at.hm_sh = a->head_mask_stride[1];
     at.scale = (T)mha_score_scale(a->has_scale, a->scale, a->D);
     at.dropout = a->dropout;
     at.dropout_on = a->dropout > 0.0;
@@ -64,7 +68,7 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     if (a->S > 0 && mha_parallel_for(a->B * a->Hkv, slots, SUF(sdpa_transpose_task), &tr, &ps))
         goto stopped;
     /* a NaN or inf in v must reach every row (0·NaN): no skipping */
-    at.skip = (a->is_causal || at.rr.window) && SUF(all_finite)(at.vh, sz.n_value);
+    at.skip = (a->is_causal || at.rr.window || at.rr.lay.keep) && SUF(all_finite)(at.vh, sz.n_value);
     if (SUF(attend)(&at, slots, &ps)) goto stopped;
     mha_work_free(work);
     return MHA_OK;

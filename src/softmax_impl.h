@@ -12,8 +12,9 @@
  * A row is (b, h, i): the scores of query i of head h in batch b against
  * the keys.  The rules, each in one place:
  *   masks       additive masks first, then -inf where a blocking mask,
- *               causality (key j > query i + coff) or the sliding window
- *               (j outside [i + coff - wl, i + coff + wr]) blocks (row_masks); keys
+ *               causality (key j > query i + coff), the sliding window
+ *               (j outside [i + coff - wl, i + coff + wr]) or the block
+ *               layout (block (i / q_block, j / k_block) not kept) blocks (row_masks); keys
  *               from rr->nmk on (add_bias_kv's and add_zero_attn's) are
  *               never blocked
  *   blocked     a row with no visible key is the blocked value: NaN, or 0
@@ -85,6 +86,16 @@ static inline void SUF(row_masks)(const mha_rows *rr, T *s, int64_t b, int64_t h
         for (j = 0; j < lo && j < n; j++) s[j] = -(T)INFINITY;
         for (j = hi < 0 ? 0 : hi; j < n; j++) s[j] = -(T)INFINITY;
     }
+    if (rr->lay.keep) { /* the block layout: keys of blocks not kept */
+        const uint8_t *kp = mha_lay_row(&rr->lay, b, h, i);
+        const int64_t kbs = rr->lay.k_block;
+        for (j = 0; j < n;) {
+            const int64_t kb = (j0 + j) / kbs, e = (kb + 1) * kbs - j0 < n ? (kb + 1) * kbs - j0 : n;
+            if (kp[kb]) j = e;
+            else
+                for (; j < e; j++) s[j] = -(T)INFINITY;
+        }
+    }
 }
 
 /* Scale the raw scores s[0..n) of row (b, h, i), keys j0.., by `scale`,
@@ -97,7 +108,7 @@ static inline T SUF(row_max)(const KT *kern, const mha_rows *rr, T scale, T *s,
 {
     T m;
     int64_t j;
-    if (rr->n_masks == 0 && !rr->causal && !rr->window) {
+    if (rr->n_masks == 0 && !rr->causal && !rr->window && !rr->lay.keep) {
         m = kern->scale_max(s, n, scale);
     } else {
         kern->scale(s, n, scale);

@@ -47,6 +47,11 @@ def workload():
     cplx = x.astype(np.complex64)
     big = np.broadcast_to(np.float32(0), (1, 2 ** 36, E))
     broken = ArrayRaises()
+    lay = mha_ext.layout.bigbird(6, 4, (2, 3), heads=H, random_blocks=1)
+    lay4 = mha_ext.layout.local_blocks(4, 4, (2, 3))
+    lay_bad = mha_ext.layout.BlockLayout(np.ones((2, 2), bool), 2)    # 6 // 2 -> 3 blocks
+    x4 = x.reshape(2, 1, 6, E).repeat(H, axis=1)[:, :, :4]           # (B, H, L = S = 4, E)
+    hm4 = np.array([1.0, 0.0, 0.5, 1.0])
     state = m.state_dict()
     bad_state = dict(state, **{"W_q.weight": np.zeros((E, E + 1))})
     watched = [x, x_swapped, x_view, kv, k5, v3, causal, add, pad, bad_mask, cplx, big, broken,
@@ -60,6 +65,11 @@ def workload():
         (lambda: m(x, kv, key_padding_mask=pad), None),
         (lambda: m64(x, k5, v3, key_padding_mask=pad), None),
         (lambda: m64(x[0], k5[0], v3[0], need_weights=False), None),
+        (lambda: m(x, kv, layout=lay, head_mask=[1.0, 0.0, 1.0, 0.5]), None),   # issue 14
+        (lambda: mha_ext.scaled_dot_product_attention(x4, x4, x4, layout=lay4, head_mask=hm4),
+         None),
+        (lambda: m(x, kv, layout=lay_bad), ValueError),
+        (lambda: m._forward(x, kv, kv, layout=(lay_bad.keep[None, None], 2, 2)), ValueError),
         (lambda: m(x[:, :0]), None),
         (lambda: m(x, kv[:, :0]), None),
         (lambda: m.load_state_dict(state), None),

@@ -16,7 +16,7 @@ def test_notebook_is_clean():
     nb = nbformat.read(str(NOTEBOOK), as_version=4)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert 4 <= len(code) <= 10
+    assert 4 <= len(code) <= 12
     for c in code:                          # stored without outputs
         assert c.outputs == [] and c.execution_count is None
 
@@ -59,7 +59,14 @@ def test_notebook_executes(tmp_path, monkeypatch):
     for question in ("previous", "mirror", "first"):
         assert re.search(r"head_mask: " + question + r" needs head\(s\) \[\d", text), question
     assert "only one head on:" in text
+    # issue 14: block-sparse layouts in the trace (its formula) and the plot
+    assert "BlockLayout(shape=(5, 5)" in text and "not kept (layout 5×5" in text
+    assert len(images) >= 3, "the block-sparse heatmaps were not displayed"
     if torch_here:
+        # issue 14: train_copy's heads switched off, and their head-mask gradient
+        assert re.search(r"train_copy: reverse needs head\(s\) \[", text)
+        assert re.search(r"head 3 off: accuracy [01]\.\d+ +only head 3 on: [01]\.\d+", text)
+        assert "head importance |dL/d head_mask|" in text
         assert "largest difference from torch" in text
     else:
         assert "torch is not installed" in text

@@ -71,8 +71,15 @@ def test_constructor_signature_is_torchs():
         [(p.name, p.default) for p in theirs.parameters.values()]
     ours = inspect.signature(MultiheadAttention.forward)
     theirs = inspect.signature(nn.MultiheadAttention.forward)
-    assert [(p.name, p.default, p.kind) for p in ours.parameters.values()] == \
-        [(p.name, p.default, p.kind) for p in theirs.parameters.values()]
+    # torch's parameters in torch's order and kinds; after them only keywords
+    # of ours (issue 14: window=, layout=), keyword-only and None by default,
+    # so that every torch call binds exactly as on torch's class
+    n = len(theirs.parameters)
+    mine = [(p.name, p.default, p.kind) for p in ours.parameters.values()]
+    assert mine[:n] == [(p.name, p.default, p.kind) for p in theirs.parameters.values()]
+    assert [(name, d, k) for name, d, k in mine[n:]] == \
+        [("window", None, inspect.Parameter.KEYWORD_ONLY),
+         ("layout", None, inspect.Parameter.KEYWORD_ONLY)]
 
 
 @pytest.mark.parametrize("kw", [{}, dict(kdim=3, vdim=5), dict(bias=False),

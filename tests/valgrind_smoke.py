@@ -79,6 +79,22 @@ def workload():
                 m.backward(ctx, **{"grad_output": np.ones((2, 6, 24)), **bad})
             except (TypeError, ValueError):
                 pass
+        # issue 14: block-sparse layouts (skipped runs of keys) and head masks,
+        # forward (both paths), backward, the SDPA twin; a layout that does not fit
+        lay = mha_ext.layout.bigbird(130, 130, (48, 20), heads=4, random_blocks=1)
+        xl = rng.standard_normal((1, 130, 24)).astype(dtype)
+        m(xl, layout=lay, is_causal=True)
+        m(xl, layout=lay, need_weights=False, head_mask=[1.0, 0.0, 0.5, 1.0])
+        ctx = m.forward_train(xl, layout=lay, head_mask=[1.0, 0.0, 0.5, 1.0], dropout=0.2)
+        m.backward(ctx, np.ones_like(ctx.output), head_mask_grad=True)
+        q4 = rng.standard_normal((1, 4, 130, 6)).astype(dtype)
+        mha_ext.scaled_dot_product_attention(q4, q4, q4, layout=lay, head_mask=[1, 0, 1, 2])
+        mha_ext._core._sdpa_backward(q4, q4, q4, q4, layout=(lay.fitted(1, 4, 130, 130), 48, 20),
+                                     head_mask=np.ones((1, 4)))
+        try:
+            m(x, layout=lay)
+        except ValueError:
+            pass
         m.eval()
         # issue 15: grouped-query attention, its backward, and a key/value cache
         g = mha_ext.MultiHeadAttention(24, 4, n_kv_heads=2, dtype=dtype, seed=3).eval()

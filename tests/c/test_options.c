@@ -18,6 +18,9 @@ typedef struct {
     int win;           /* a sliding window (wl, wr; < 0 unbounded) */
     int64_t wl, wr;
     int hmask;         /* 0 none, 1 a head mask over (B, H), 2 over (H) broadcast */
+    int lay;           /* 0 none, 1 a block layout per (B, H), 2 one broadcast,
+                          3 a sparse one per (B, H): runs of skipped keys */
+    int64_t qbs, kbs;  /*   its block sizes */
 } opts;
 
 typedef struct {
@@ -25,11 +28,33 @@ typedef struct {
     int64_t B, Sq, Sk, Skx, nq, nk, nv, nw, total;
     int64_t off[MHA_NPARAM], size[MHA_NPARAM];
     void *P, *query, *key, *value, *G, *GW, *add, *hm;
-    uint8_t *blk;
+    uint8_t *blk, *keep;
     mha_mask masks[2];
     mha_params p;
     mha_forward_args a;
 } problem;
+
+/* a block layout (issue 14) of q_block qbs, k_block kbs into *ly: per (B,
+ * H) (per_bh) or one (nqb, nkb) broadcast; about two thirds of the blocks
+ * kept, query block 1 empty (rows with no visible key) */
+static uint8_t *layout_make(mha_block_layout *ly, int64_t B, int64_t H, int64_t Sq, int64_t Sk,
+                            int64_t qbs, int64_t kbs, int per_bh)
+{
+    int64_t e, n, nqb = (Sq + qbs - 1) / qbs, nkb = (Sk + kbs - 1) / kbs;
+    uint8_t *keep;
+    n = (per_bh ? B * H : 1) * nqb * nkb;
+    keep = malloc((size_t)(n + 1));
+    for (e = 0; e < n; e++)
+        keep[e] = per_bh == 2 /* sparse: a quarter of the blocks and key block 0 */
+                      ? (uint8_t)(e % nkb == 0 || ((e % nkb) * 7 + e / nkb) % 4 == 0)
+                      : (uint8_t)((e * 5 + 1) % 3 != 0 && (nqb < 3 || (e / nkb) % nqb != 1));
+    ly->keep = keep;
+    ly->nqb = nqb; ly->nkb = nkb;
+    ly->q_block = qbs; ly->k_block = kbs;
+    ly->stride[0] = per_bh ? H * nqb * nkb : 0;
+    ly->stride[1] = per_bh ? nqb * nkb : 0;
+    return keep;
+}
 
 static void problem_make(problem *pr, mha_dtype dt, int64_t B, int64_t Sq, int64_t Sk, int64_t E,
                          int64_t H, int64_t Ek, int64_t Ev, const opts *o)
@@ -80,12 +105,14 @@ static void problem_make(problem *pr, mha_dtype dt, int64_t B, int64_t Sq, int64
     }
     pr->a.has_window = o->win;
     pr->a.window_left = o->wl; pr->a.window_right = o->wr;
+    if (o->lay) pr->keep = layout_make(&pr->a.layout, B, H, Sq, Sk, o->qbs, o->kbs,
+                                     o->lay == 3 ? 2 : o->lay == 1);
 }
 
 static void problem_free(problem *pr)
 {
     free(pr->P); free(pr->query); free(pr->key); free(pr->value); free(pr->G); free(pr->GW);
-    free(pr->add); free(pr->blk); free(pr->hm);
+    free(pr->add); free(pr->blk); free(pr->hm); free(pr->keep);
 }
 
 /* fast (mha_forward with and without weights, mha_forward_save, mha_backward,
@@ -328,6 +355,28 @@ static void test_status(void)
     p = pr.p;
     p.bias_k = NULL;
     CHECK(mha_forward(&pr.c, &p, &a) == MHA_ERR_ARG, "add_bias_kv without bias_k accepted");
+    {   /* block layouts (issue 14) that do not fit the call: Sq 3, Sk 4 */
+        uint8_t keep[64] = {0};
+        const int64_t bad[5][4] = {{2, 3, 2, 2}, {2, 2, 1, 2}, {1, 1, 0, 4}, {1, 1, 3, -4},
+                                   {4, 1, 1, 4}};
+        int k;
+        for (k = 0; k < 5; k++) {
+            a = pr.a;
+            a.out = out;
+            a.layout.keep = keep;
+            a.layout.nqb = bad[k][0]; a.layout.nkb = bad[k][1];
+            a.layout.q_block = bad[k][2]; a.layout.k_block = bad[k][3];
+            CHECK(mha_forward(&pr.c, &pr.p, &a) == MHA_ERR_ARG, "bad layout %d accepted", k);
+            CHECK(mha_forward_ref(&pr.c, &pr.p, &a) == MHA_ERR_ARG, "bad layout %d accepted", k);
+        }
+        a.layout.nqb = 2; a.layout.nkb = 1; a.layout.q_block = 2; a.layout.k_block = 4;
+        a.layout.stride[1] = -1;
+        CHECK(mha_forward(&pr.c, &pr.p, &a) == MHA_ERR_ARG, "negative layout stride accepted");
+        a.layout.stride[0] = a.layout.stride[1] = INT64_MAX / 2 + 1; /* offsets past int64 */
+        CHECK(mha_forward(&pr.c, &pr.p, &a) == MHA_ERR_OVERFLOW, "layout stride overflow");
+        a.layout.stride[0] = 0; a.layout.stride[1] = 2;
+        CHECK(mha_forward(&pr.c, &pr.p, &a) == MHA_OK, "a fitting layout refused");
+    }
     problem_free(&pr);
 }
 
@@ -391,6 +440,37 @@ int main(void)
                 if (k % 3 == 0) { /* several blocks: skipped key blocks */
                     o.wl = o.wl >= 0 ? 40 + o.wl : -1;
                     o.wr = o.wr >= 0 ? 7 + o.wr : -1;
+                    module_case(dt, 2, 130, 300, 16, 2, 16, 16, o);
+                    module_case(dt, 1, 300, 130, 16, 2, 16, 16, o);
+                }
+            }
+            for (k = 0; k < 18; k++) {
+                /* block layouts (issue 14): block sizes dividing S or not,
+                 * per head or broadcast, empty query blocks; with windows
+                 * and every other option */
+                static const int64_t bs[6][2] = {{2, 3}, {1, 1}, {4, 2}, {3, 100}, {32, 64}, {48, 37}};
+                opts o = {0};
+                o.lay = 1 + k % 2;
+                o.qbs = bs[k % 6][0]; o.kbs = bs[k % 6][1];
+                o.win = k % 4 == 3;
+                o.wl = 60; o.wr = k % 8 == 3 ? 0 : -1;
+                o.bias_kv = k % 5 == 1;
+                o.zero_attn = k % 7 == 2;
+                o.causal = k % 3;
+                o.has_scale = k % 4 == 3;
+                o.scale = 0.37;
+                o.masked = k % 2 == 0;
+                o.zero_rows = (k / 3) % 2;
+                o.gw = k % 5 < 2;
+                o.p = k % 6 == 4 ? 0.25 : 0.0;
+                o.hmask = (k + k / 3) % 3;
+                module_case(dt, 2, 7, 5, 6, 3, 5, 9, o);
+                module_case(dt, 2, 3, 9, 8, 2, 8, 8, o);
+                module_case(dt, 2, 3, 0, 6, 3, 5, 9, o);
+                module_case(dt, 2, 0, 4, 6, 3, 5, 9, o);
+                if (k % 6 >= 4 || k % 3 == 0) { /* several blocks: skipped key ranges */
+                    if (k % 6 < 4) { o.qbs = 40; o.kbs = 50; }
+                    if (k % 4 == 1) { o.lay = 3; o.qbs = 100; o.kbs = 20; } /* runs */
                     module_case(dt, 2, 130, 300, 16, 2, 16, 16, o);
                     module_case(dt, 1, 300, 130, 16, 2, 16, 16, o);
                 }

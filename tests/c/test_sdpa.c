@@ -16,15 +16,41 @@ typedef struct {
     double p;
     int win;           /* a sliding window (wl, wr; < 0 unbounded) */
     int64_t wl, wr;
+    int lay;           /* 0 none, 1 a block layout per (B, H), 2 one broadcast,
+                          3 a sparse one per (B, H): runs of skipped keys */
+    int64_t qbs, kbs;  /*   its block sizes */
+    int hmask;         /* 0 none, 1 a head mask over (B, H), 2 over (H) broadcast */
 } opts;
 
 typedef struct {
     mha_sdpa_args a;
     int64_t nq, nk, nv, no, nw;
-    void *q, *k, *v, *G, *GW, *add;
-    uint8_t *blk;
+    void *q, *k, *v, *G, *GW, *add, *hm;
+    uint8_t *blk, *keep;
     mha_mask masks[2];
 } problem;
+
+/* a block layout (issue 14) of q_block qbs, k_block kbs into *ly: per (B,
+ * H) (per_bh) or one (nqb, nkb) broadcast; about two thirds of the blocks
+ * kept, query block 1 empty (rows with no visible key) */
+static uint8_t *layout_make(mha_block_layout *ly, int64_t B, int64_t H, int64_t Sq, int64_t Sk,
+                            int64_t qbs, int64_t kbs, int per_bh)
+{
+    int64_t e, n, nqb = (Sq + qbs - 1) / qbs, nkb = (Sk + kbs - 1) / kbs;
+    uint8_t *keep;
+    n = (per_bh ? B * H : 1) * nqb * nkb;
+    keep = malloc((size_t)(n + 1));
+    for (e = 0; e < n; e++)
+        keep[e] = per_bh == 2 /* sparse: a quarter of the blocks and key block 0 */
+                      ? (uint8_t)(e % nkb == 0 || ((e % nkb) * 7 + e / nkb) % 4 == 0)
+                      : (uint8_t)((e * 5 + 1) % 3 != 0 && (nqb < 3 || (e / nkb) % nqb != 1));
+    ly->keep = keep;
+    ly->nqb = nqb; ly->nkb = nkb;
+    ly->q_block = qbs; ly->k_block = kbs;
+    ly->stride[0] = per_bh ? H * nqb * nkb : 0;
+    ly->stride[1] = per_bh ? nqb * nkb : 0;
+    return keep;
+}
 
 static void problem_make(problem *pr, mha_dtype dt, int64_t B, int64_t H, int64_t Hkv, int64_t L,
                          int64_t S, int64_t D, int64_t Dv, const opts *o)
@@ -57,12 +83,25 @@ static void problem_make(problem *pr, mha_dtype dt, int64_t B, int64_t H, int64_
     pr->a.dropout = o->p; pr->a.seed = 3; pr->a.counter = 11;
     pr->a.has_window = o->win;
     pr->a.window_left = o->wl; pr->a.window_right = o->wr;
+    pr->hm = rand_array(dt, B * H + 1, &s); /* (B, H): some heads off, some halved */
+    for (i = 0; i < B * H; i++) {
+        double x = i % 3 == 0 ? 0.0 : i % 3 == 1 ? 1.0 : 0.5;
+        if (dt == MHA_FLOAT32) ((float *)pr->hm)[i] = (float)x;
+        else ((double *)pr->hm)[i] = x;
+    }
+    if (o->hmask) {
+        pr->a.head_mask = pr->hm;
+        pr->a.head_mask_stride[0] = o->hmask == 1 ? H : 0;
+        pr->a.head_mask_stride[1] = 1;
+    }
+    if (o->lay) pr->keep = layout_make(&pr->a.layout, B, H, L, S, o->qbs, o->kbs,
+                                     o->lay == 3 ? 2 : o->lay == 1);
 }
 
 static void problem_free(problem *pr)
 {
     free(pr->q); free(pr->k); free(pr->v); free(pr->G); free(pr->GW); free(pr->add);
-    free(pr->blk);
+    free(pr->blk); free(pr->keep); free(pr->hm);
 }
 
 static void sdpa_case(mha_dtype dt, int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t S,
@@ -303,6 +342,32 @@ int main(void)
                 if (k % 3 == 0) { /* several blocks: skipped key blocks */
                     o.wl = o.wl >= 0 ? 40 + o.wl : -1;
                     o.wr = o.wr >= 0 ? 7 + o.wr : -1;
+                    sdpa_case(dt, 1, 4, 2, 130, 300, 16, 24, o);
+                    sdpa_case(dt, 1, 2, 2, 300, 130, 24, 8, o);
+                }
+            }
+            for (k = 0; k < 18; k++) {
+                /* block layouts (issue 14) with windows and every other option */
+                static const int64_t bs[6][2] = {{2, 3}, {1, 1}, {4, 2}, {3, 100}, {32, 64}, {48, 37}};
+                opts o = {0};
+                o.lay = 1 + k % 2;
+                o.qbs = bs[k % 6][0]; o.kbs = bs[k % 6][1];
+                o.win = k % 4 == 3;
+                o.wl = 60; o.wr = k % 8 == 3 ? 0 : -1;
+                o.causal = k % 3;
+                o.has_scale = k % 4 == 3;
+                o.scale = 0.41;
+                o.masked = k % 2 == 0;
+                o.zero_rows = (k / 3) % 2;
+                o.gw = k % 5 < 2;
+                o.p = k % 6 == 4 ? 0.3 : 0.0;
+                o.hmask = (k + k / 3) % 3;
+                sdpa_case(dt, 2, 4, 2, 7, 5, 6, 3, o);
+                sdpa_case(dt, 2, 3, 1, 3, 9, 4, 7, o);
+                sdpa_case(dt, 2, 2, 2, 4, 0, 5, 3, o);
+                if (k % 6 >= 4 || k % 3 == 0) { /* several blocks: skipped key ranges */
+                    if (k % 6 < 4) { o.qbs = 40; o.kbs = 50; }
+                    if (k % 4 == 1) { o.lay = 3; o.qbs = 100; o.kbs = 20; } /* runs */
                     sdpa_case(dt, 1, 4, 2, 130, 300, 16, 24, o);
                     sdpa_case(dt, 1, 2, 2, 300, 130, 24, 8, o);
                 }

@@ -170,6 +170,24 @@ def one_input(data):
         kw["average_weights"] = fz.flag()
     if fz.byte() < 50:
         kw["masked_rows"] = fz.pick(["nan", "zero", "zeros", None])
+    if fz.byte() < 60:                                # a block-sparse layout (issue 14)
+        qb, kb = fz.int(0, 5), fz.int(1, 12)
+        nqb, nkb = -(-Sq // max(qb, 1)), -(-Sk // kb)
+        keep = array(fz, shape_near(fz, fz.pick([(nqb, nkb), (H, nqb, nkb),
+                                                 lead + (H, nqb, nkb)])),
+                     fz.pick([np.bool_, np.bool_, np.uint8]), binary=True)
+        try:
+            kw["layout"] = mha_ext.layout.BlockLayout(keep, fz.pick([(qb, kb), qb, (qb,)]))
+        except ALLOWED:
+            pass
+        if fz.byte() < 40 and isinstance(keep, np.ndarray):   # the C method's own checks
+            k4 = keep.reshape((1,) * (4 - keep.ndim) + keep.shape) if keep.ndim <= 4 else keep
+            try:
+                m._forward(np.zeros((1, Sq, E)), np.zeros((1, Sk, m.kdim)),
+                           np.zeros((1, Sk, m.vdim)),
+                           layout=(k4 if fz.flag() else keep, qb, fz.pick([kb, -1, 2 ** 63])))
+            except ALLOWED:
+                pass
     if fz.byte() > 252:
         kw["atn_mask"] = None                         # a misspelled keyword
     if fz.byte() > 240:                               # a state dict, maybe broken
