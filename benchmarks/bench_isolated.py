@@ -289,13 +289,21 @@ def measure(lib, case, args, save=None):
 
 
 def cpu_model():
+    """The model name, its family and model numbers and the vector
+    extensions that matter here (from /proc/cpuinfo's first CPU)."""
+    info = {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break
+            k, _, v = line.partition(":")
+            info[k.strip()] = v.strip()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    ext = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return (f"{info.get('model name', platform.machine())} (family {info.get('cpu family', '?')}, "
+            f"model {info.get('model', '?')}; {' '.join(ext)})")
 
 
 def run_case(case, libs, args, tmp):
