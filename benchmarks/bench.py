@@ -2,6 +2,12 @@
 
     python benchmarks/bench.py [--threads 2] [--reps 30] [--json results.json]
                                [--cases tiny,medium,...] [--isa avx512]
+    python benchmarks/bench.py --isolated [--quick] ...   (bench_isolated.py)
+
+--isolated is the measure the README's table comes from: each library
+(mha_ext, torch, ONNX Runtime, JAX) alone in its own process, processes
+alternated, medians of medians (bench_isolated.py).  Without it, this file
+times torch and mha_ext interleaved in one process, as below.
 
 Both libraries run at the same thread count (torch.set_num_threads,
 mha_ext.set_num_threads), torch in eval and inference mode with
@@ -177,6 +183,11 @@ def peak_memory(threads):
 
 
 def main():
+    if "--isolated" in sys.argv[1:]:
+        # each library in its own process: bench_isolated.py (its own options)
+        import bench_isolated
+        bench_isolated.main([a for a in sys.argv[1:] if a != "--isolated"])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30, help="at least this many pairs of calls")
@@ -188,6 +199,10 @@ def main():
     ap.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active"],
                     help="OMP_WAIT_POLICY for torch's OpenMP threads (default passive)")
     ap.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--isolated", action="store_true",
+                    help="each library (torch, ONNX Runtime, JAX, mha_ext) alone in its own "
+                         "process: see bench_isolated.py, whose options then apply "
+                         "(python benchmarks/bench.py --isolated --help)")
     args = ap.parse_args()
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     if args.memory_child:
