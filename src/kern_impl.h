@@ -221,8 +221,9 @@ KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, cons
 
 /* C (m, n) = A (m, K)·B (n, K)ᵀ (+ bias), B read in place (no packing):
  * the projections of few rows (a decode step's token).  Each element is
- * summed exactly as the packed GEMM sums it (gemm_impl.h: per depth block
- * of DOT_KC, c = 0 then c = V_FMA(A[i][k], B[j][k], c) in k order; C = c,
+ * summed exactly as the packed GEMM sums it (gemm_impl.h and ukr: per depth
+ * block of DOT_KC, c = 0 then c = V_FMA(A[i][k], B[j][k], c) in k order, in
+ * float chains of UKR_KB steps joined in order; C = c,
  * or C + c for a later block or with accumulate; the bias added after the
  * last block), so a row's bits never depend on which of the two ran: the
  * lanes hold DOT_R rows of A (transposed once per block into at), and
@@ -252,10 +253,27 @@ KATTR static void SUF(dot)(int64_t m, int64_t n, int64_t K, const T *A, int64_t 
                     b[u] = B + (j0 + (u < nj ? u : nj - 1)) * ldb + pc;
                     c[u] = SUF(vset1)(0);
                 }
-                for (k = 0; k < kc; k++) {
-                    const VT a = SUF(vload)(at + k * VL);
+                {   /* float: chains of UKR_KB steps joined in order, as ukr sums */
+                    const int64_t kb = KDOUBLE ? kc : UKR_KB;
+                    int64_t k0;
+                    VT part[DOT_J];
+                    for (u = 0; u < DOT_J; u++) part[u] = SUF(vset1)(0);
+                    for (k0 = 0; k0 < kc; k0 += kb) {
+                        const int64_t k1 = kc - k0 < kb ? kc : k0 + kb;
+                        if (k0)
+                            for (u = 0; u < DOT_J; u++) {
+                                part[u] = part[u] + c[u];
+                                c[u] = SUF(vset1)(0);
+                            }
+                        for (k = k0; k < k1; k++) {
+                            const VT a = SUF(vload)(at + k * VL);
 #pragma GCC unroll 8
-                    for (u = 0; u < DOT_J; u++) c[u] = V_FMA(a, SUF(vset1)(b[u][k]), c[u]);
+                            for (u = 0; u < DOT_J; u++)
+                                c[u] = V_FMA(a, SUF(vset1)(b[u][k]), c[u]);
+                        }
+                    }
+                    if (kc > kb)
+                        for (u = 0; u < DOT_J; u++) c[u] = part[u] + c[u];
                 }
                 for (u = 0; u < nj; u++) {
                     SUF(vstore)(lane, c[u]);
