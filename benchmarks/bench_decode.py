@@ -1,7 +1,7 @@
 """Decoding with a key/value cache: one decode step (one new token per
 sequence) against a cache of 2048 keys, mha_ext vs torch and Hugging Face.
 
-    python benchmarks/bench_decode.py [--threads 2] [--min-time 3] [--json out.json]
+    python benchmarks/bench_decode.py [--threads 2] [--min-time 3] [--rounds 3] [--json out.json]
 
 Shape (issue 15): B 8, 2048 cached keys, E 1024, H 16, float32, with
 n_kv_heads 16 (plain multi-head) and 4 (grouped-query).  For each:
@@ -25,11 +25,13 @@ them are not what is timed).
 
 Reported: ms per step (median), the cache's bytes read per step (K and V of
 2049 keys: 2 · B · Hkv · 2049 · Dk · 4 bytes) over the step's time in GB/s
+(also the cache and the four weight matrices together, all a step must read)
 (and, for ours, over the attention's share alone: the step minus the same
 step with an empty cache, which is the projections' and the call's fixed
 cost), and that as a % of the machine's memory read bandwidth measured by a small
 C probe (read_probe.c next to this file, compiled at run time: each of
---threads threads sums its slice of a 512 MiB buffer); also a prefill
+--threads threads sums its slice of a 512 MiB buffer; run once per round,
+the median taken, as this machine's bandwidth varies); also a prefill
 (B 8, 256 tokens) through the cache against the plain causal call.
 Each implementation runs in its own process.  Timings on a shared machine
 are noisy: run it alone.
@@ -38,12 +40,14 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # an in-place build at the root, as the other benches
 B, L, E, H = 8, 2048, 1024, 16
 KV_HEADS = (16, 4)
 IMPLS = ("ours", "torch", "hf")
@@ -167,6 +171,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-time", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of probe + every process")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--kv-heads", default=",".join(map(str, KV_HEADS)))
     ap.add_argument("--json", default=None)
@@ -181,23 +186,48 @@ def main():
         res = globals()[f"child_{args.child}"](args.kv, args.min_time)
         print(json.dumps(res))
         return
-    bw = read_bandwidth(args.threads)
-    print(f"memory read bandwidth ({args.threads} threads, read_probe.c): "
-          f"{bw:.1f} GB/s" if bw else "memory read bandwidth: (probe unavailable)")
-    results = {"read_GBps": bw, "threads": args.threads, "cases": {}}
-    for Hkv in map(int, args.kv_heads.split(",")):
+    # rounds: the read probe, then each implementation in its own process,
+    # alternated; medians over the rounds (the probe's too: a shared
+    # machine's memory bandwidth varies from minute to minute)
+    kvs = list(map(int, args.kv_heads.split(",")))
+    impls = args.impls.split(",")
+    bws, runs = [], {(Hkv, impl): [] for Hkv in kvs for impl in impls}
+    for rnd in range(args.rounds):
+        b = read_bandwidth(args.threads)
+        if b:
+            bws.append(b)
+        for Hkv in kvs:
+            for impl in (impls if rnd % 2 == 0 else impls[::-1]):
+                r = run_child(impl, Hkv, args)
+                if r is not None:
+                    runs[(Hkv, impl)].append(r)
+    bw = statistics.median(bws) if bws else None
+    print(f"memory read bandwidth ({args.threads} threads, read_probe.c, median of "
+          f"{len(bws)}: {', '.join(f'{x:.1f}' for x in bws)}): {bw:.1f} GB/s" if bw else
+          "memory read bandwidth: (probe unavailable)")
+    results = {"read_GBps": bw, "read_GBps_rounds": bws, "threads": args.threads,
+               "rounds": args.rounds, "cases": {}}
+    for Hkv in kvs:
         cache_bytes = 2 * B * Hkv * (L + 1) * (E // H) * 4
+        weight_bytes = (2 * E * E + 2 * E * Hkv * (E // H)) * 4  # W_q, W_o; W_k, W_v
         print(f"\ndecode step: B {B}, {L} cached keys, E {E}, H {H}, n_kv_heads {Hkv} "
               f"(cache read per step {cache_bytes / 1e6:.1f} MB)")
         row = {}
-        for impl in args.impls.split(","):
-            r = run_child(impl, Hkv, args)
-            if r is None:
+        for impl in impls:
+            rs = runs[(Hkv, impl)]
+            if not rs:
                 continue
+            r = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
             ms = 1e3 * r["step_s"]
             gbps = cache_bytes / r["step_s"] / 1e9
             pct = f"{100 * gbps / bw:5.1f}% of read bandwidth" if bw else ""
-            print(f"  {impl:6s} {ms:8.3f} ms/step  {gbps:7.1f} GB/s  {pct}")
+            print(f"  {impl:6s} {ms:8.3f} ms/step  {gbps:7.1f} GB/s  {pct}   (rounds: "
+                  f"{', '.join('%.2f' % (1e3 * x['step_s']) for x in rs)} ms)")
+            # what the step must read in all: the cache and the four weight matrices
+            allb = cache_bytes + weight_bytes
+            pall = f" = {100 * allb / r['step_s'] / 1e9 / bw:.1f}% of read bandwidth" if bw else ""
+            print(f"  {'':6s} cache + weights ({allb / 1e6:.1f} MB) per step: "
+                  f"{allb / r['step_s'] / 1e9:.1f} GB/s{pall}")
             if "empty_s" in r and r["step_s"] > r["empty_s"]:
                 att = r["step_s"] - r["empty_s"]
                 r["attention_GBps"] = cache_bytes / att / 1e9
