@@ -35,7 +35,8 @@
 #define QB 128  /* queries per block inside one (b, h) task */
 #define RM 96  /* rows per product tile */
 #define RN 64   /* columns per product tile */
-#define RN_TN 1024 /* ... for TN: each MR-row panel of Aᵀ serves the whole tile */
+#define RM_TN 1024 /* ... for TN: B's packed strip (one per tile) serves every row, */
+#define RN_TN 64    /* and each MR-row panel of Aᵀ, read in place, one strip */
 #define TC 64   /* columns per column-sum task */
 
 /* colsum (C) = Σ_rows x for x (R, C), rows in order */
@@ -88,13 +89,13 @@ typedef struct {
 
 /* ------------------------------------------------------------ products */
 
-/* a product into the pass's list: RM x RN tiles (TN: RM x RN_TN) */
+/* a product into the pass's list: RM x RN tiles (TN: RM_TN x RN_TN) */
 static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const T *B,
                           int64_t ldb, const T *bias, T *C, int64_t ldc,
                           int64_t M, int64_t N, int64_t K)
 {
-    mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM,
-                     kind == MHA_TN ? RN_TN : RN);
+    mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K,
+                     kind == MHA_TN ? RM_TN : RM, kind == MHA_TN ? RN_TN : RN);
 }
 
 /* One tile of a product, through the forward's packed GEMM (gemm.c), which
@@ -175,6 +176,16 @@ static int SUF(saved_row_blocked)(const SUF(bwd) *f, const T *p_r, const T *q_i,
 
 #include "bwd_keys_impl.h" /* bwd_range, bwd_run, bwd_zero */
 
+/* y (C, R) = xᵀ for x (R, C), row stride ldx; 16 rows at a time, so that
+ * each store run is 16 long */
+static void SUF(transpose)(const T *x, int64_t R, int64_t C, int64_t ldx, T *y)
+{
+    int64_t r0, r, c;
+    for (r0 = 0; r0 < R; r0 += 16)
+        for (c = 0; c < C; c++)
+            for (r = r0; r < R && r < r0 + 16; r++) y[c * R + r] = x[r * ldx + c];
+}
+
 /* One (b, key/value head h'): for each query head h of its group, the
  * forward of the attention recomputed block by block of queries, each step
  * followed by its backward (the module without n_kv_heads: groups of one). */
@@ -204,7 +215,18 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
      * copies them out into the (B, S, E) rows: a product's output tiles
      * then stay in cache instead of missing on E-strided lines */
     T *dqs = d + QB * Sk, *dks = dqs + QB * Dk, *dvs = dks + Sk * Dk;
+    /* ... and V_bh transposed (Dv, Sk) and K_bh in the layout the saved one
+     * is not in (saved, Kᵀ: rows (Sk, Dk); else Kᵀ (Dk, Sk)), made once for
+     * the task: every product below then reads its B in place (a product
+     * with B transposed packed it again for each block of queries) */
+    T *vt = dvs + Sk * Dv, *kx = vt + Dv * Sk;
     uint8_t blocked[QB] = {0}; /* the block's rows with every key blocked */
+
+    SUF(transpose)(v_bh, Sk, Dv, ldv, vt);
+    if (hm)
+        SUF(transpose)(k_bh, Dk, Sk, Sk, kx);
+    else
+        SUF(transpose)(k_bh, Sk, Dk, Ekv, kx);
 
     if (f->skip) { /* blocks of queries touch only their keys' rows */
         memset(dks, 0, (size_t)(Sk * Dk) * sizeof(T));
@@ -253,9 +275,8 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                 for (rj = ks; rj < ke; rj = re) {
                     SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
                     if (rs >= ke) break;
-                    SUF(mha_gemm)(f->kern, !hm, nq, re - rs, Dk, q_bh + i0 * ldq, ldq,
-                                  k_bh + (hm ? rs : rs * Ekv), hm ? Sk : Ekv, NULL, p + rs, Sk, 0,
-                                  gs);
+                    SUF(mha_gemm)(f->kern, 0, nq, re - rs, Dk, q_bh + i0 * ldq, ldq,
+                                  (hm ? k_bh : kx) + rs, Sk, NULL, p + rs, Sk, 0, gs);
                 }
             }
             for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: the same P */
@@ -308,8 +329,8 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
             for (rj = ks; rj < ke; rj = re) {
                 SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
                 if (rs >= ke) break;
-                SUF(mha_gemm)(f->kern, 1, nq, re - rs, Dv, dc_bh + i0 * f->dc_ld, f->dc_ld,
-                              v_bh + rs * ldv, ldv, NULL, d + rs, Sk, 0, gs);
+                SUF(mha_gemm)(f->kern, 0, nq, re - rs, Dv, dc_bh + i0 * f->dc_ld, f->dc_ld,
+                              vt + rs, Sk, NULL, d + rs, Sk, 0, gs);
             }
             for (r = 0; r < nq && f->hmask && !f->saved; r++)
                 f->kern->scale(c_bh + (i0 + r) * E, Dv, hmv);
@@ -333,9 +354,9 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                 SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
                 if (rs >= ke) break;
                 if (dq_bh)
-                    SUF(mha_gemm)(f->kern, hm, nq, Dk, re - rs, d + rs, Sk,
-                                  k_bh + (hm ? rs : rs * Ekv), hm ? Sk : Ekv, NULL, dqs, Dk, nr > 0,
-                                  gs);
+                    SUF(mha_gemm)(f->kern, 0, nq, Dk, re - rs, d + rs, Sk,
+                                  hm ? kx + rs * Dk : k_bh + rs * Ekv, hm ? Dk : Ekv, NULL, dqs,
+                                  Dk, nr > 0, gs);
                 SUF(mha_gemm_tn)(f->kern, re - rs, Dk, nq, d + rs, Sk, q_bh + i0 * ldq, ldq,
                                  dks + rs * Dk, Dk, !first, gs);
             }
@@ -393,10 +414,11 @@ static void SUF(drop_extra)(const mha_config *cfg, T *dy, T *dbias, int64_t B, i
 }
 
 /* scalars per slot of the attention task's scratch: P, D (QB, Sk), dQ_bh's
- * block (QB, Dk), dK_bh (Sk, Dk) and dV_bh (Sk, Dv); nonzero on overflow */
+ * block (QB, Dk), dK_bh (Sk, Dk) and dV_bh (Sk, Dv), V_bhᵀ (Dv, Sk) and K_bh
+ * transposed (Sk, Dk); nonzero on overflow */
 static int SUF(bwd_scratch_len)(SUF(bwd) *f)
 {
-    return mha_mul(2 * QB + f->Dk + f->Dv, f->Sk, &f->scratch_len) ||
+    return mha_mul(2 * QB + 2 * (f->Dk + f->Dv), f->Sk, &f->scratch_len) ||
            mha_add(f->scratch_len, QB * f->Dk, &f->scratch_len);
 }
 
@@ -609,5 +631,6 @@ stopped: /* the poll asked to stop: the gradients are unspecified */
 #undef QB
 #undef RM
 #undef RN
+#undef RM_TN
 #undef RN_TN
 #undef TC

@@ -7,7 +7,11 @@
  * each MR-row panel of A, read in place (it stays in L1 across the panels
  * of B), run the ISA's micro-kernel over the NR-wide panels.
  * When op(B) = B (K, N) is row-major, a full NR strip is read in place
- * (ldbk = ldb) and only a ragged last strip is packed.
+ * (ldbk = ldb) and only a ragged last strip is packed; except under a
+ * transposed A (mha_gemm_tn), where B is packed too: there its rows are
+ * the long side's (tokens, a power-of-two stride apart that maps them onto
+ * few cache sets), and a strip packed once serves every row of a tall
+ * tile (the weight gradients: 17% faster at B 4, S 1024, E 1024 on Zen 4).
  *
  * mha_gemm_tn takes A transposed, A (K, M), read in place too: the
  * micro-kernel broadcasts element (i, k) from A[k*lda + i], MR neighbours
@@ -71,7 +75,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int64_t M, int64_t N, int6
                 int64_t nr = nc - jr < NR ? nc - jr : NR;
                 if (trans_b && nr == NR && kt->pack_bt)
                     kt->pack_bt(kc, B + (jc + jr) * ldb + pc, ldb, Bp + jr * kc);
-                else if (trans_b || nr < NR)
+                else if (trans_b || nr < NR || a_cs != 1)
                     SUF(pack_b)(trans_b, kc, nr, NR, B, ldb, pc, jc + jr, Bp + jr * kc);
             }
             for (ir = 0; ir < M; ir += MR) {
@@ -80,7 +84,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int64_t M, int64_t N, int6
                     int64_t nr = nc - jr < NR ? nc - jr : NR;
                     const T *bp = Bp + jr * kc;
                     int64_t ldbk = NR;
-                    if (!trans_b && nr == NR) {
+                    if (!trans_b && nr == NR && a_cs == 1) {
                         bp = B + pc * ldb + jc + jr;
                         ldbk = ldb;
                     }

@@ -26,6 +26,15 @@ typedef int32_t vi32x16 __attribute__((vector_size(64)));
 #define V_SET1(x) _mm512_set1_ps(x)
 #define VI vi32x16
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+/* single instructions for kern_impl.h's selects and exp's 2^n (the same
+ * bits: vmaxps returns its second operand for a NaN, as the default's
+ * select does; vscalefps rounds p·2^n once, as p·2^(n/2)·2^(n - n/2) does,
+ * whose first product is exact) */
+#define V_MAX(a, b) _mm512_max_ps(a, b)
+#define V_MIN(a, b) _mm512_min_ps(a, b)
+#define V_WHERE_LT(x, c, a, y) _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, c, _CMP_LT_OQ), a)
+#define V_WHERE_GT(x, c, a, y) _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, c, _CMP_GT_OQ), a)
+#define V_SCALEF(p, n) _mm512_scalef_ps(p, n)
 #define SUF(name) name##_f32_avx512
 #include "kern_impl.h"
 #undef V_FMA
@@ -40,6 +49,11 @@ typedef int64_t vi64x8 __attribute__((vector_size(64)));
 
 #define VI vi64x8
 #define V_FMA(a, b, c) _mm512_fmadd_pd(a, b, c)
+#define V_MAX(a, b) _mm512_max_pd(a, b)
+#define V_MIN(a, b) _mm512_min_pd(a, b)
+#define V_WHERE_LT(x, c, a, y) _mm512_mask_mov_pd(y, _mm512_cmp_pd_mask(x, c, _CMP_LT_OQ), a)
+#define V_WHERE_GT(x, c, a, y) _mm512_mask_mov_pd(y, _mm512_cmp_pd_mask(x, c, _CMP_GT_OQ), a)
+#define V_SCALEF(p, n) _mm512_scalef_pd(p, n)
 #define SUF(name) name##_f64_avx512
 #include "kern_impl.h"
 #undef V_FMA

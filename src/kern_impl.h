@@ -9,8 +9,15 @@
  *   MR, NRV, DOT_C   micro-kernel rows, vectors per row (NR = NRV*VL), and
  *                    (unused now) columns per step of the old dot kernel
  *   KATTR            the target attribute of every function here
- * T, KDOUBLE, VL, VT, VI, V_SET1 and SUF are undefined at the end of this
- * file; the rest stay the includer's.
+ * and may define, where the ISA has a single instruction for them (the
+ * results must be the same bits as the defaults'):
+ *   V_MAX(a, b)      a > b ? a : b lane by lane (b where a is NaN)
+ *   V_MIN(a, b)      a < b ? a : b lane by lane
+ *   V_WHERE_LT(x, c, a, y), V_WHERE_GT(x, c, a, y)
+ *                    a where x < c (x > c), else y
+ *   V_SCALEF(p, n)   p · 2^n, n integral in T, rounded once
+ * T, KDOUBLE, VL, VT, VI, V_SET1, SUF and those five are undefined at the
+ * end of this file; the rest stay the includer's.
  * Each instance defines ukr_S, dot_S, scale_max_S, max_S, exp_sum_S,
  * scale_S, exp_row_S and softmax_grad_S for its suffix S (f32_avx2,
  * f64_portable, ...), which the includer lists by name in its table.
@@ -29,8 +36,20 @@ KATTR static inline void SUF(vstore)(T *p, VT v) { __builtin_memcpy(p, &v, sizeo
 KATTR static inline VT SUF(vset1)(T x) { return V_SET1(x); }
 /* where m (all ones / zeros per lane): a, else b */
 KATTR static inline VT SUF(vselect)(VI m, VT a, VT b) { return (VT)((m & (VI)a) | (~m & (VI)b)); }
+#ifndef V_MAX
+#define V_MAX(a, b) SUF(vselect)((a) > (b), (a), (b))
+#endif
+#ifndef V_MIN
+#define V_MIN(a, b) SUF(vselect)((a) < (b), (a), (b))
+#endif
+#ifndef V_WHERE_LT
+#define V_WHERE_LT(x, c, a, y) SUF(vselect)((x) < (c), (a), (y))
+#endif
+#ifndef V_WHERE_GT
+#define V_WHERE_GT(x, c, a, y) SUF(vselect)((x) > (c), (a), (y))
+#endif
 /* the larger of x and m; m when x is NaN */
-KATTR static inline VT SUF(vmax)(VT x, VT m) { return SUF(vselect)(x > m, x, m); }
+KATTR static inline VT SUF(vmax)(VT x, VT m) { return V_MAX(x, m); }
 KATTR static inline T SUF(hsum)(VT v)
 {
     T s = v[0];
@@ -61,8 +80,8 @@ KATTR static inline VT SUF(vexp)(VT x)
     const T magic = 6755399441055744.0; /* 1.5 * 2^52 */
     const T lo = -745.2, hi = 709.79;
     const T c1 = 6.93145751953125E-1, c2 = 1.42860682030941723212E-6;
-    VT xc = SUF(vselect)(x > lo, x, SUF(vset1)(lo)); /* NaN -> lo too */
-    xc = SUF(vselect)(xc < hi, xc, SUF(vset1)(hi));
+    VT xc = V_MAX(x, SUF(vset1)(lo)); /* NaN -> lo too */
+    xc = V_MIN(xc, SUF(vset1)(hi));
     VT t = V_FMA(xc, SUF(vset1)(1.4426950408889634074), SUF(vset1)(magic));
     VT n = t - magic;
     VT r = V_FMA(n, SUF(vset1)(-c1), x);
@@ -81,15 +100,20 @@ KATTR static inline VT SUF(vexp)(VT x)
     p = V_FMA(p, r, SUF(vset1)(1.0 / 6.0));
     p = V_FMA(p, r, SUF(vset1)(0.5));
     p = V_FMA(p, r * r, r + 1.0);
+#ifdef V_SCALEF
+    VT y = V_SCALEF(p, n);
+#else
     VI ni = (VI)t - (int64_t)0x4338000000000000LL;
     VI n1 = ni >> 1, n2 = ni - n1;
     VT s1 = (VT)((n1 + 1023) << 52), s2 = (VT)((n2 + 1023) << 52);
+    VT y = p * s1 * s2;
+#endif
 #else
     const T magic = 12582912.0f; /* 1.5 * 2^23 */
     const T lo = -103.98f, hi = 88.73f;
     const T c1 = 0.693359375f, c2 = -2.12194440e-4f;
-    VT xc = SUF(vselect)(x > lo, x, SUF(vset1)(lo)); /* NaN -> lo too */
-    xc = SUF(vselect)(xc < hi, xc, SUF(vset1)(hi));
+    VT xc = V_MAX(x, SUF(vset1)(lo)); /* NaN -> lo too */
+    xc = V_MIN(xc, SUF(vset1)(hi));
     VT t = V_FMA(xc, SUF(vset1)(1.44269504088896341f), SUF(vset1)(magic));
     VT n = t - magic;
     VT r = V_FMA(n, SUF(vset1)(-c1), x);
@@ -102,13 +126,17 @@ KATTR static inline VT SUF(vexp)(VT x)
     p = V_FMA(p, r, SUF(vset1)(1.6666665459E-1f));
     p = V_FMA(p, r, SUF(vset1)(5.0000001201E-1f));
     p = V_FMA(p, r * r, r + 1.0f);
+#ifdef V_SCALEF
+    VT y = V_SCALEF(p, n);
+#else
     VI ni = (VI)t - 0x4B400000;
     VI n1 = ni >> 1, n2 = ni - n1;
     VT s1 = (VT)((n1 + 127) << 23), s2 = (VT)((n2 + 127) << 23);
-#endif
     VT y = p * s1 * s2;
-    y = SUF(vselect)(x < lo, SUF(vset1)(0), y);
-    y = SUF(vselect)(x > hi, SUF(vset1)((T)INFINITY), y);
+#endif
+#endif
+    y = V_WHERE_LT(x, SUF(vset1)(lo), SUF(vset1)(0), y);
+    y = V_WHERE_GT(x, SUF(vset1)(hi), SUF(vset1)((T)INFINITY), y);
     return y;
 }
 
@@ -384,3 +412,8 @@ KATTR static void SUF(softmax_grad)(const T *p, T *d, int64_t n, T c)
 #undef VI
 #undef V_SET1
 #undef SUF
+#undef V_MAX
+#undef V_MIN
+#undef V_WHERE_LT
+#undef V_WHERE_GT
+#undef V_SCALEF
