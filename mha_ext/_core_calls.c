@@ -17,8 +17,10 @@
  *       -> (output, weights | None, saved | None, copies)
  *       saved = (Q, K, V, ctx, P | None) for _backward (P with save_p),
  *       None without save; copies = (params | None, query, key, value),
- *       the forward's copies of its inputs and, when params is None, of
- *       the module's parameters (made under its lock).
+ *       the forward's copies of its inputs (key or value the very array of
+ *       an earlier one's copy when it was that input: self-attention copies
+ *       once) and, when params is None, of the module's parameters (made
+ *       under its lock).
  *   _backward(query, key, value, grad_output, *, params=None, masks=(),
  *             is_causal=False, zero_rows=False, dropout=0.0, counter=0,
  *             grad_weights=None, saved=None, scale=None)
@@ -167,12 +169,20 @@ PyObject *mha_forward_train_py(MHAObject *self, PyObject *args, PyObject *kwds)
         /* zeroed only when B * Sq == 0 leaves K and V unwritten */
         for (i = 0; i < n_kept; i++)
             if (!(kept[i] = new_array(&c, i == 3 ? 3 : 4, kd[i], B * Sq == 0))) goto fail;
-        /* the copies: every one is written by the forward */
+        /* the copies: every one is written by the forward; an input that is
+         * an earlier one (self-attention: query is key is value) shares
+         * that one's copy, made once */
         if (!c.params && !(copies[0] = new_array(&c, 1, pd, 0))) goto fail;
         for (i = 1; i < 4; i++) {
             PyArrayObject *in = i == 1 ? c.query : i == 2 ? c.key : c.value;
             const int64_t d[3] = {PyArray_DIM(in, 0), PyArray_DIM(in, 1), PyArray_DIM(in, 2)};
-            if (!(copies[i] = new_array(&c, 3, d, 0))) goto fail;
+            const int same = i > 1 && in == c.query ? 1 : i == 3 && in == c.key ? 2 : 0;
+            if (same) {
+                Py_INCREF(copies[same]);
+                copies[i] = copies[same];
+            } else if (!(copies[i] = new_array(&c, 3, d, 0))) {
+                goto fail;
+            }
         }
     }
     c.ba.fwd.out = PyArray_DATA(out);
@@ -186,8 +196,8 @@ PyObject *mha_forward_train_py(MHAObject *self, PyObject *args, PyObject *kwds)
     }
     c.cp.params = copies[0] ? PyArray_DATA(copies[0]) : NULL;
     c.cp.query = PyArray_DATA(copies[1]);
-    c.cp.key = PyArray_DATA(copies[2]);
-    c.cp.value = PyArray_DATA(copies[3]);
+    c.cp.key = copies[2] == copies[1] ? NULL : PyArray_DATA(copies[2]);
+    c.cp.value = copies[3] == copies[1] || copies[3] == copies[2] ? NULL : PyArray_DATA(copies[3]);
     if (call_run(&c) < 0) goto fail;
     if (c.save && !(saved = PyTuple_Pack(5, (PyObject *)kept[0], (PyObject *)kept[1],
                                          (PyObject *)kept[2], (PyObject *)kept[3],

@@ -329,7 +329,9 @@ mha_status mha_backward_ref(const mha_config *cfg, const mha_params *p,
  * mha_copies, for a caller that must keep the forward's inputs and
  * parameters against later writes (made by the projection tasks while
  * they read those inputs anyway: no second pass):
- *   query, key, value  copies of a->query, a->key, a->value
+ *   query, key, value  copies of a->query, a->key, a->value (each NULL: not
+ *                      copied; the binding copies an input that is the
+ *                      query once)
  *   params             a copy of the parameters, a block of mha_param_layout
  * mha_backward_saved is mha_backward that reads q, k, v, ctx (and p when
  * set) back instead of recomputing the three input projections, the context

@@ -463,6 +463,37 @@ def test_context_keeps_copies_of_the_inputs():
         np.testing.assert_array_equal(g1[name], g2[name], err_msg=name)
 
 
+@pytest.mark.parametrize("which", ["qkv", "qk", "kv"])
+def test_context_copies_an_aliased_input_once(which):
+    """Self-attention (query is key is value, or two of them the same
+    array) copies that array once: the context's copies are one array, not
+    the caller's, and writing into it after forward_train changes no
+    gradient (which equal those of three distinct equal arrays)."""
+    ours = make(16, 2, "float32")
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    y = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    q, k, v = {"qkv": (x, x, x), "qk": (x, x, y), "kv": (y, x, x)}[which]
+    g_out = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    originals = (q.copy(), k.copy(), v.copy())
+    ctx = ours.forward_train(q, k, v)
+    kept = (ctx._query, ctx._key, ctx._value)
+    for mine, copy in zip((q, k, v), kept):
+        assert not np.shares_memory(mine, copy)
+        np.testing.assert_array_equal(mine, copy)
+    same = {"qkv": [(0, 1), (0, 2)], "qk": [(0, 1)], "kv": [(1, 2)]}[which]
+    for i, j in same:
+        assert kept[i] is kept[j]
+    g1 = ours.backward(ctx, g_out)
+    x += 1.0
+    y += 1.0
+    g2 = ours.backward(ctx, g_out)
+    distinct = ours.backward(ours.forward_train(*originals), g_out)
+    for name in g1:
+        np.testing.assert_array_equal(g1[name], g2[name], err_msg=name)
+        np.testing.assert_array_equal(g1[name], distinct[name], err_msg=name)
+
+
 def test_errors():
     ours = make(8, 2, "float32")
     x = np.zeros((2, 3, 8), np.float32)
