@@ -16,8 +16,8 @@
 #define KT mha_kern_f32
 #define EXP expf
 #include "softmax_impl.h"
-#include "backward_impl.h"
 #include "transpose_impl.h"
+#include "backward_impl.h"
 #include "sdpa_backward_impl.h"
 #undef T
 #undef SUF
@@ -29,8 +29,8 @@
 #define KT mha_kern_f64
 #define EXP exp
 #include "softmax_impl.h"
-#include "backward_impl.h"
 #include "transpose_impl.h"
+#include "backward_impl.h"
 #include "sdpa_backward_impl.h"
 #undef T
 #undef SUF

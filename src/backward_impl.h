@@ -1,6 +1,7 @@
 /* backward_impl.h: the gradients of the forward pass (forward_impl.h), written
  * once for T = float and T = double (included twice by backward.c with T, SUF,
- * KT and EXP defined, after softmax_impl.h: the forward's softmax row).  Legend as in mha.h; dX is dL/dX.
+ * KT and EXP defined, after softmax_impl.h: the forward's softmax row, and
+ * transpose_impl.h).  Legend as in mha.h; dX is dL/dX.
  *
  * The forward, line by line, and the lines of the backward that undo it:
  *
@@ -87,74 +88,7 @@ typedef struct {
     int n_tr;
 } SUF(bwd);
 
-/* ------------------------------------------------------------ products */
-
-/* a product into the pass's list: RM x RN tiles (TN: RM_TN x RN_TN) */
-static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const T *B,
-                          int64_t ldb, const T *bias, T *C, int64_t ldc,
-                          int64_t M, int64_t N, int64_t K)
-{
-    mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K,
-                     kind == MHA_TN ? RM_TN : RM, kind == MHA_TN ? RN_TN : RN);
-}
-
-/* One tile of a product, through the forward's packed GEMM (gemm.c), which
- * packs B's panels (transposed for NT) into the slot's scratch. */
-static void SUF(prod_task)(void *vf, int64_t t, int slot)
-{
-    const SUF(bwd) *f = (const SUF(bwd) *)vf;
-    const mha_tile tl = mha_products_tile(&f->prods, t);
-    const mha_product *pr = &f->prods.p[tl.j];
-    SUF(mha_tile_gemm)(f->kern, pr, &tl, (T *)pr->C + tl.i0 * pr->ldc + tl.n0, pr->ldc, 0,
-                       f->pack + (int64_t)slot * MHA_GEMM_SCRATCH);
-}
-
-/* ------------------------------------------------------------ column sums */
-
-static void SUF(btr_add)(SUF(bwd) *f, const T *x, T *colsum, int64_t R, int64_t C)
-{
-    SUF(btr) *tr = &f->tr[f->n_tr++];
-    tr->x = x; tr->colsum = colsum;
-    tr->R = R; tr->C = C;
-    tr->tasks = (C + TC - 1) / TC;
-}
-
-static void SUF(btr_task)(void *vf, int64_t t, int slot)
-{
-    const SUF(bwd) *f = (const SUF(bwd) *)vf;
-    int j = 0;
-    int64_t r, c;
-    T sum[TC];
-    (void)slot;
-    while (t >= f->tr[j].tasks) t -= f->tr[j++].tasks;
-    const SUF(btr) *tr = &f->tr[j];
-    int64_t c0 = t * TC, nc = tr->C - c0 < TC ? tr->C - c0 : TC;
-    for (c = 0; c < nc; c++) sum[c] = 0;
-    for (r = 0; r < tr->R; r++) {
-        const T *x_r = tr->x + r * tr->C + c0;
-        for (c = 0; c < nc; c++) sum[c] += x_r[c];
-    }
-    for (c = 0; c < nc; c++) tr->colsum[c0 + c] = sum[c];
-}
-
-/* phase 4's tasks: the tiles of the products, then the column sums */
-static void SUF(grad_task)(void *vf, int64_t t, int slot)
-{
-    const SUF(bwd) *f = (const SUF(bwd) *)vf;
-    if (t < f->prods.tiles)
-        SUF(prod_task)(vf, t, slot);
-    else
-        SUF(btr_task)(vf, t - f->prods.tiles, slot);
-}
-
-/* out[c] = Σ_r x[r*ld + c] for c < C, rows in order */
-static void SUF(colsum)(const T *x, int64_t R, int64_t C, int64_t ld, T *out)
-{
-    int64_t r, c;
-    for (c = 0; c < C; c++) out[c] = 0;
-    for (r = 0; r < R; r++)
-        for (c = 0; c < C; c++) out[c] += x[r * ld + c];
-}
+#include "bwd_tasks_impl.h" /* prod_add, prod_task, btr_add, btr_task, grad_task, colsum */
 
 /* ------------------------------------------------------------ attention */
 
@@ -175,16 +109,6 @@ static int SUF(saved_row_blocked)(const SUF(bwd) *f, const T *p_r, const T *q_i,
 }
 
 #include "bwd_keys_impl.h" /* bwd_range, bwd_run, bwd_zero */
-
-/* y (C, R) = xᵀ for x (R, C), row stride ldx; 16 rows at a time, so that
- * each store run is 16 long */
-static void SUF(transpose)(const T *x, int64_t R, int64_t C, int64_t ldx, T *y)
-{
-    int64_t r0, r, c;
-    for (r0 = 0; r0 < R; r0 += 16)
-        for (c = 0; c < C; c++)
-            for (r = r0; r < R && r < r0 + 16; r++) y[c * R + r] = x[r * ldx + c];
-}
 
 /* One (b, key/value head h'): for each query head h of its group, the
  * forward of the attention recomputed block by block of queries, each step

@@ -1,8 +1,19 @@
-/* transpose_impl.h: K per head transposed, (B, Hkv, S, D) -> (B, Hkv, D, S),
- * the layout in which the attention's Q·Kᵀ reads K in place; written once
- * for T = float and T = double (included by forward.c and backward.c for
- * mha_sdpa_forward and mha_sdpa_backward).  Legend as in mha.h's SDPA
- * section. */
+/* transpose_impl.h: a strided transpose, and K per head transposed with it,
+ * (B, Hkv, S, D) -> (B, Hkv, D, S), the layout in which the attention's
+ * Q·Kᵀ reads K in place; written once for T = float and T = double
+ * (included by forward.c and backward.c: mha_sdpa_forward and
+ * mha_sdpa_backward, and the backward's attention task, which transposes
+ * K and V once per task).  Legend as in mha.h's SDPA section. */
+
+/* y (C, R) = xᵀ for x (R, C), row stride ldx; 16 rows at a time, so that
+ * each store run is 16 long */
+static void SUF(transpose)(const T *x, int64_t R, int64_t C, int64_t ldx, T *y)
+{
+    int64_t r0, r, c;
+    for (r0 = 0; r0 < R; r0 += 16)
+        for (c = 0; c < C; c++)
+            for (r = r0; r < R && r < r0 + 16; r++) y[c * R + r] = x[r * ldx + c];
+}
 
 typedef struct {
     const T *k;
@@ -14,13 +25,7 @@ typedef struct {
 static void SUF(sdpa_transpose_task)(void *ctx, int64_t t, int slot)
 {
     const SUF(sdpa_tr) *tr = (const SUF(sdpa_tr) *)ctx;
-    const int64_t S = tr->S, D = tr->D;
-    const T *k = tr->k + t * S * D;
-    T *kt = tr->kt + t * S * D;
-    int64_t s0, s, d;
     (void)slot;
-    for (s0 = 0; s0 < S; s0 += 16) /* 16 keys at a time: long store runs */
-        for (d = 0; d < D; d++)
-            for (s = s0; s < S && s < s0 + 16; s++) kt[d * S + s] = k[s * D + d];
+    SUF(transpose)(tr->k + t * tr->S * tr->D, tr->S, tr->D, tr->D, tr->kt + t * tr->S * tr->D);
 }
 

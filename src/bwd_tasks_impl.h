@@ -1,0 +1,74 @@
+/* bwd_tasks_impl.h: the backward's product tiles (prod_add, prod_task) and
+ * column sums (btr_add, btr_task, colsum), and phase 4's task over both
+ * (grad_task), written once for T = float and T = double; included by
+ * backward_impl.h after its SUF(bwd) struct and its tile sizes (RM, RN,
+ * RM_TN, RN_TN, TC). */
+
+/* ------------------------------------------------------------ products */
+
+/* a product into the pass's list: RM x RN tiles (TN: RM_TN x RN_TN) */
+static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const T *B,
+                          int64_t ldb, const T *bias, T *C, int64_t ldc,
+                          int64_t M, int64_t N, int64_t K)
+{
+    mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K,
+                     kind == MHA_TN ? RM_TN : RM, kind == MHA_TN ? RN_TN : RN);
+}
+
+/* One tile of a product, through the forward's packed GEMM (gemm.c), which
+ * packs B's panels (transposed for NT) into the slot's scratch. */
+static void SUF(prod_task)(void *vf, int64_t t, int slot)
+{
+    const SUF(bwd) *f = (const SUF(bwd) *)vf;
+    const mha_tile tl = mha_products_tile(&f->prods, t);
+    const mha_product *pr = &f->prods.p[tl.j];
+    SUF(mha_tile_gemm)(f->kern, pr, &tl, (T *)pr->C + tl.i0 * pr->ldc + tl.n0, pr->ldc, 0,
+                       f->pack + (int64_t)slot * MHA_GEMM_SCRATCH);
+}
+
+/* ------------------------------------------------------------ column sums */
+
+static void SUF(btr_add)(SUF(bwd) *f, const T *x, T *colsum, int64_t R, int64_t C)
+{
+    SUF(btr) *tr = &f->tr[f->n_tr++];
+    tr->x = x; tr->colsum = colsum;
+    tr->R = R; tr->C = C;
+    tr->tasks = (C + TC - 1) / TC;
+}
+
+static void SUF(btr_task)(void *vf, int64_t t, int slot)
+{
+    const SUF(bwd) *f = (const SUF(bwd) *)vf;
+    int j = 0;
+    int64_t r, c;
+    T sum[TC];
+    (void)slot;
+    while (t >= f->tr[j].tasks) t -= f->tr[j++].tasks;
+    const SUF(btr) *tr = &f->tr[j];
+    int64_t c0 = t * TC, nc = tr->C - c0 < TC ? tr->C - c0 : TC;
+    for (c = 0; c < nc; c++) sum[c] = 0;
+    for (r = 0; r < tr->R; r++) {
+        const T *x_r = tr->x + r * tr->C + c0;
+        for (c = 0; c < nc; c++) sum[c] += x_r[c];
+    }
+    for (c = 0; c < nc; c++) tr->colsum[c0 + c] = sum[c];
+}
+
+/* phase 4's tasks: the tiles of the products, then the column sums */
+static void SUF(grad_task)(void *vf, int64_t t, int slot)
+{
+    const SUF(bwd) *f = (const SUF(bwd) *)vf;
+    if (t < f->prods.tiles)
+        SUF(prod_task)(vf, t, slot);
+    else
+        SUF(btr_task)(vf, t - f->prods.tiles, slot);
+}
+
+/* out[c] = Σ_r x[r*ld + c] for c < C, rows in order */
+static void SUF(colsum)(const T *x, int64_t R, int64_t C, int64_t ld, T *out)
+{
+    int64_t r, c;
+    for (c = 0; c < C; c++) out[c] = 0;
+    for (r = 0; r < R; r++)
+        for (c = 0; c < C; c++) out[c] += x[r * ld + c];
+}
