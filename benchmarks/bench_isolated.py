@@ -306,6 +306,17 @@ def cpu_model():
             f"model {info.get('model', '?')}; {' '.join(ext)})")
 
 
+def mha_ext_cpu_info():
+    """mha_ext.cpu_info() from a child process (this one starts no pool)."""
+    r = subprocess.run([sys.executable, "-c", "import json, mha_ext; "
+                        "print(json.dumps(mha_ext.cpu_info()))"],
+                       capture_output=True, text=True, timeout=120)
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
 def run_case(case, libs, args, tmp):
     """{lib: median of round medians (s)}, {lib: max |out - torch's|}."""
     libs = [lib for lib in libs if applies(lib, case)]
@@ -379,6 +390,13 @@ def main(argv=None):
     if peak:
         print(f"FMA probe peak at {args.threads} threads: f32 {peak[0]:.1f} GFLOP/s, "
               f"f64 {peak[1]:.1f} GFLOP/s")
+    ci = mha_ext_cpu_info()
+    if ci:
+        print(f"mha_ext.cpu_info(): L1d {ci['l1d_bytes'] >> 10} KiB, L2 {ci['l2_bytes'] >> 10} KiB, "
+              f"L3 {ci['l3_bytes'] >> 10} KiB ({ci['cache_source']}); ISA {ci['isa']}, "
+              f"{ci['fma512_per_cycle']} 512-bit FMA/cycle (fma_ratio {ci['fma_ratio']:.2f}); "
+              f"GEMM KC {ci['gemm_kc']}, NC {ci['gemm_nc']['float32']} float32 / "
+              f"{ci['gemm_nc']['float64']} float64")
     print(f"each library in its own process, {args.rounds} rounds alternated, "
           f"medians of {args.reps}+ calls, median of the rounds; ratio = peer / mha_ext")
     peers = [lib for lib in libs if lib != "mha_ext"]
@@ -421,7 +439,7 @@ def main(argv=None):
                            threads=args.threads, versions=versions, rounds=args.rounds,
                            reps=args.reps,
                            peak_gflops=dict(f32=peak[0], f64=peak[1]) if peak else None,
-                           cases=rows), f, indent=2)
+                           cpu_info=ci, cases=rows), f, indent=2)
 
 
 if __name__ == "__main__":

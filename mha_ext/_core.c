@@ -451,11 +451,44 @@ static PyObject *isa_available(PyObject *m, PyObject *arg)
     return PyBool_FromLong(mha_isa_available(name));
 }
 
+/* cpu_info(): src/cpu.c's mha_get_cpu_info as a dict (the FMA probe runs
+ * without the GIL: a few milliseconds) */
+static PyObject *cpu_info(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    mha_cpu_info ci;
+    mha_status st;
+    (void)m;
+    Py_BEGIN_ALLOW_THREADS
+    st = mha_get_cpu_info(&ci);
+    Py_END_ALLOW_THREADS
+    if (st != MHA_OK) {
+        PyErr_SetString(PyExc_RuntimeError, "mha_get_cpu_info failed");
+        return NULL;
+    }
+    return Py_BuildValue("{s:s,s:L,s:L,s:L,s:s,s:i,s:i,s:d,s:L,s:{s:L,s:L},s:i}",
+                         "isa", mha_get_isa(), "l1d_bytes", (long long)ci.l1d_bytes,
+                         "l2_bytes", (long long)ci.l2_bytes, "l3_bytes", (long long)ci.l3_bytes,
+                         "cache_source", ci.cache_source, "fma_bits", ci.fma_bits,
+                         "fma512_per_cycle", ci.fma512_per_cycle, "fma_ratio", ci.fma_ratio,
+                         "gemm_kc", (long long)ci.gemm_kc, "gemm_nc", "float32",
+                         (long long)ci.gemm_nc_f32, "float64", (long long)ci.gemm_nc_f64,
+                         "threads", mha_get_num_threads());
+}
+
 static PyMethodDef module_methods[] = {
     {"_set_isa", set_isa, METH_O, "_set_isa(name, /)\n--\n\nUse the kernels of one instruction set."},
     {"_get_isa", get_isa, METH_NOARGS, "_get_isa()\n--\n\nThe instruction set of the kernels in use."},
     {"_isa_available", isa_available, METH_O,
      "_isa_available(name, /)\n--\n\nWhether this CPU and build can run that instruction set."},
+    {"cpu_info", cpu_info, METH_NOARGS,
+     "cpu_info()\n--\n\n"
+     "What the CPU reports and the blocking the library drew from it: a dict of isa, the\n"
+     "cache sizes (l1d_bytes, l2_bytes per core, l3_bytes shared; 0 unknown; cache_source\n"
+     "'cpuid', 'sysconf' or 'default'), fma_bits (vector FMA width of the ISA in use),\n"
+     "fma512_per_cycle (512-bit FMAs a core starts per cycle, measured from fma_ratio =\n"
+     "time of 256-bit / time of 512-bit FMAs: about 0.5 with one 512-bit unit, 1 with\n"
+     "two; 0 without AVX-512), gemm_kc and gemm_nc (the packed GEMM's block of B per\n"
+     "dtype: KC x NC scalars in half the L2) and threads.  The probe takes a few ms."},
     {"set_num_threads", set_num_threads, METH_O,
      "set_num_threads(n, /)\n--\n\n"
      "Use n threads (1 to 256) for the library's own parallel work."},

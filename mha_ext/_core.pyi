@@ -4,7 +4,7 @@ _core_sdpa.c).
 The underscored methods are the private protocol between the Python layer
 and the C binding: keyword arguments, each result of one fixed shape.
 """
-from typing import Any, Literal, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Literal, Optional, Sequence, Tuple, TypedDict, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +39,27 @@ def set_num_threads(n: int | np.integer[Any], /) -> None:
 
 def get_num_threads() -> int:
     """The number of threads the library uses (default: the CPUs this process may use)."""
+
+class _GemmNC(TypedDict):
+    float32: int
+    float64: int
+
+class _CpuInfo(TypedDict):
+    isa: str
+    l1d_bytes: int
+    l2_bytes: int
+    l3_bytes: int
+    cache_source: Literal["cpuid", "sysconf", "default"]
+    fma_bits: int
+    fma512_per_cycle: int
+    fma_ratio: float
+    gemm_kc: int
+    gemm_nc: _GemmNC
+    threads: int
+
+def cpu_info() -> _CpuInfo:
+    """What the CPU reports (cache sizes, FMA width, 512-bit FMAs per cycle
+    measured) and the blocking drawn from it; the probe takes a few ms."""
 
 def _set_isa(name: Literal["portable", "avx2", "avx512"], /) -> None: ...
 def _get_isa() -> str: ...

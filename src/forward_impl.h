@@ -124,7 +124,7 @@ static SUF(proj_extra) *SUF(add_proj)(SUF(fwd) *f, const T *x, const T *w, const
                                       int64_t M, int64_t N, int64_t K, int slots)
 {
     const int64_t rows = (M + RM - 1) / RM;
-    int64_t rn = MHA_GEMM_NC;
+    int64_t rn = mha_gemm_nc(sizeof(T));
     SUF(proj_extra) *ex = &f->extra[f->prods.n];
     while (rn > 64 && rows * ((N + rn - 1) / rn) < 4 * (int64_t)slots) rn /= 2;
     mha_products_add(&f->prods, MHA_NT, x, K, w, K, b, y, N, M, N, K, RM, rn);
@@ -269,12 +269,12 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     at.p_save = keep && sv->p ? (T *)sv->p : NULL;
 
     /* per slot: the GEMM's packing, then what one pass needs after it: a
-     * projection tile (at most RM rows and MHA_GEMM_NC columns), or the
+     * projection tile (at most RM rows and mha_gemm_nc columns), or the
      * attention's state (attend_impl.h) */
     {
         int64_t rows = B * (Sq > Sk ? Sq : Sk), tile, state;
         if (rows > RM) rows = RM;
-        tile = rows * (E < MHA_GEMM_NC ? E : MHA_GEMM_NC);
+        tile = rows * (E < mha_gemm_nc(sizeof(T)) ? E : mha_gemm_nc(sizeof(T)));
         if (SUF(att_state)(&at, &state)) return MHA_ERR_OVERFLOW;
         f.scratch_len = MHA_GEMM_SCRATCH + (tile > state ? tile : state);
     }

@@ -1,8 +1,8 @@
 /* gemm_impl.h: the matrix-multiply loop nest, written once for T = float and
  * T = double (included twice by gemm.c with T, SUF and KT defined).
  *
- * BLIS's structure: for each block of NC columns, for each block of KC of
- * the inner dimension, pack that (KC, NC) block of op(B) into NR-wide
+ * BLIS's structure: for each block of NC columns (mha_gemm_nc: from the
+ * L2), for each block of KC of the inner dimension, pack that (KC, NC) block of op(B) into NR-wide
  * panels (zero-padded: the micro-kernel always runs full tiles); then for
  * each MR-row panel of A, read in place (it stays in L1 across the panels
  * of B), run the ISA's micro-kernel over the NR-wide panels.
@@ -54,6 +54,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int64_t M, int64_t N, int6
                            const T *bias, T *C, int64_t ldc, int accumulate, T *scratch)
 {
     const int64_t MR = kt->mr, NR = kt->nr;
+    const int64_t NC = mha_gemm_nc(sizeof(T));
     T *Bp = scratch;
     int64_t jc, pc, jr, ir, i, j;
     if (M <= 0 || N <= 0) return;
@@ -65,8 +66,8 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int64_t M, int64_t N, int6
             }
         return;
     }
-    for (jc = 0; jc < N; jc += MHA_GEMM_NC) {
-        int64_t nc = N - jc < MHA_GEMM_NC ? N - jc : MHA_GEMM_NC;
+    for (jc = 0; jc < N; jc += NC) {
+        int64_t nc = N - jc < NC ? N - jc : NC;
         for (pc = 0; pc < K; pc += MHA_GEMM_KC) {
             int64_t kc = K - pc < MHA_GEMM_KC ? K - pc : MHA_GEMM_KC;
             int acc = accumulate || pc > 0;

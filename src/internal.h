@@ -123,9 +123,13 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
  *   mha_gemm's.
  * mha_gemm_small: the unpacked form for small M (trans_b only): dot
  *   products along K, nothing packed, no scratch. */
-#define MHA_GEMM_KC 512 /* depth of a packed block: 512 x 256 of op(B) (512 KiB f32) in L2 */
-#define MHA_GEMM_NC 256 /* a multiple of every micro-kernel's NR */
-#define MHA_GEMM_SCRATCH (MHA_GEMM_KC * MHA_GEMM_NC)
+#define MHA_GEMM_KC 512 /* depth of a packed block (fixed: it orders the sums) */
+#define MHA_GEMM_NC_MAX 512
+/* the packed block's columns for scalars of that size (cpu.c: from the L2,
+ * a multiple of 64, so of every micro-kernel's NR; fixed at first use) */
+int64_t mha_gemm_nc(size_t scalar);
+/* scratch for one mha_gemm (inside the T templates) */
+#define MHA_GEMM_SCRATCH (MHA_GEMM_KC * mha_gemm_nc(sizeof(T)))
 void mha_gemm_f32(const mha_kern_f32 *kt, int trans_b, int64_t M, int64_t N, int64_t K,
                   const float *A, int64_t lda, const float *B, int64_t ldb, const float *bias,
                   float *C, int64_t ldc, int accumulate, float *scratch);

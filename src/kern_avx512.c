@@ -133,9 +133,35 @@ static const mha_kern_f64 avx512_f64 = {
     .softmax_grad = softmax_grad_f64_avx512,
     .pack_bt = NULL,
 };
+
+/* kernels.h's FMA probe: n rounds of 24 independent FMA chains on 512-bit
+ * vectors (wide) or 256-bit ones; the sums go to out[0..16) (kept live) */
+KATTR static void fma_loop_avx512(int64_t n, int wide, float *out)
+{
+    int64_t r;
+    int i;
+    if (wide) {
+        __m512 acc[24], x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-3f);
+        for (i = 0; i < 24; i++) acc[i] = _mm512_set1_ps((float)i);
+        for (r = 0; r < n; r++)
+            for (i = 0; i < 24; i++) acc[i] = _mm512_fmadd_ps(acc[i], x, y);
+        for (i = 1; i < 24; i++) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+        _mm512_storeu_ps(out, acc[0]);
+    } else {
+        __m256 acc[24], x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(1e-3f);
+        for (i = 0; i < 24; i++) acc[i] = _mm256_set1_ps((float)i);
+        for (r = 0; r < n; r++)
+            for (i = 0; i < 24; i++) acc[i] = _mm256_fmadd_ps(acc[i], x, y);
+        for (i = 1; i < 24; i++) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+        _mm256_storeu_ps(out, acc[0]);
+    }
+}
+
 const mha_kern_f32 *const mha_kern_avx512_f32_p = &avx512_f32;
 const mha_kern_f64 *const mha_kern_avx512_f64_p = &avx512_f64;
+void (*const mha_fma_loop_avx512_p)(int64_t, int, float *) = fma_loop_avx512;
 #else
 const mha_kern_f32 *const mha_kern_avx512_f32_p = 0;
 const mha_kern_f64 *const mha_kern_avx512_f64_p = 0;
+void (*const mha_fma_loop_avx512_p)(int64_t, int, float *) = 0;
 #endif

@@ -73,6 +73,11 @@ extern const mha_kern_f32 mha_kern_portable_f32, *const mha_kern_avx2_f32_p,
 extern const mha_kern_f64 mha_kern_portable_f64, *const mha_kern_avx2_f64_p,
     *const mha_kern_avx512_f64_p;
 
+/* cpu.c's FMA probe (kern_avx512.c; NULL without it): n rounds of 24
+ * independent FMAs on 512-bit vectors (wide) or 256-bit ones, the sums to
+ * out[0..16) */
+extern void (*const mha_fma_loop_avx512_p)(int64_t n, int wide, float *out);
+
 /* the tables of the ISA in use (isa.c) */
 const mha_kern_f32 *mha_kern_get_f32(void);
 const mha_kern_f64 *mha_kern_get_f64(void);

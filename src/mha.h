@@ -272,6 +272,26 @@ const char *mha_get_isa(void);
 /* 1 when this CPU and build can run the named instruction set, else 0. */
 int mha_isa_available(const char *name);
 
+/* What the CPU reports and the blocking drawn from it (src/cpu.c).  Cache
+ * sizes in bytes (L1d and L2 per core, L3 shared; 0: unknown) from CPUID,
+ * else sysconf, else defaults (cache_source says which); fma_bits: the
+ * vector FMA width of the instruction set in use (512, 256; 0 portable);
+ * fma512_per_cycle: 512-bit FMAs a core starts per cycle, measured (a few
+ * ms, on each call) from fma_ratio = time(256-bit) / time(512-bit) of the
+ * same FMA count (0.5 on Zen 4, 1 with two 512-bit ports); 0 without
+ * AVX-512.  gemm_kc, gemm_nc_*: the packed GEMM's block of B, KC x NC
+ * scalars in half the L2 (MHA_EXT_GEMM_NC, a multiple of 64 in [64, 512],
+ * read once, overrides NC).  The blocking changes no result. */
+typedef struct {
+    int64_t l1d_bytes, l2_bytes, l3_bytes;
+    const char *cache_source; /* "cpuid", "sysconf" or "default" */
+    int fma_bits;
+    int fma512_per_cycle;
+    double fma_ratio;
+    int64_t gemm_kc, gemm_nc_f32, gemm_nc_f64;
+} mha_cpu_info;
+mha_status mha_get_cpu_info(mha_cpu_info *out);
+
 /* ---- backward ---------------------------------------------------------
  * The gradients of one forward call (src/backward.c, backward_impl.h).
  * Nothing of the forward is stored: the backward recomputes Q, K, V, the

@@ -53,6 +53,8 @@ cross, _ = gqa(np.zeros((2, 1, 8), np.float32), cache=memory)
 
 n: int = mha_ext.get_num_threads()
 mha_ext.set_num_threads(n)
+l2_bytes: int = mha_ext.cpu_info()["l2_bytes"]
+nc32: int = mha_ext.cpu_info()["gemm_nc"]["float32"]
 version: str = mha_ext.__version__
 
 
