@@ -45,15 +45,23 @@ def finishes(fn, limit=20):
 def run(code, timeout=90, extra=""):
     """Run PRELUDE + extra + code in a new interpreter; its stdout.  Fails on
     a timeout (a hang) or a nonzero exit."""
-    src = PRELUDE + extra + textwrap.dedent(code)
-    try:
-        r = subprocess.run([sys.executable, "-c", src], cwd=PKG_ROOT, capture_output=True,
-                           text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the pattern hung (no exit within {timeout} s); output so far:\n"
-                    f"{exc.stdout}\n{exc.stderr}")
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
-    return r.stdout
+    # a hang dumps every thread's Python stack to stderr and exits 1 shortly
+    # before the deadline, so that the failure shows where it waited
+    dump = (f"import faulthandler\n"
+            f"faulthandler.dump_traceback_later({max(timeout - 10, 5)}, exit=True)\n")
+    src = dump + PRELUDE + extra + textwrap.dedent(code)
+    with subprocess.Popen([sys.executable, "-c", src], cwd=PKG_ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"the pattern hung (no exit within {timeout} s); output so far:\n"
+                        f"{out}\n{err}")
+    assert "Timeout (" not in err, f"the pattern hung; the threads' stacks:\n{out}\n{err}"
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+    return out
 
 
 # ------------------------------------------------------------- defect 1
