@@ -34,8 +34,9 @@
  *      products in one pass. */
 
 #define QB 128  /* queries per block inside one (b, h) task */
-#define RM 96  /* rows per product tile */
-#define RN 64   /* columns per product tile */
+#define RM 1024 /* rows per NT / NN product tile: B packed once serves them all, */
+#define RM_S 96  /* unless that leaves under 4 tiles per thread: then 96 x 64 */
+#define RN_S 64  /* tiles, B read in place (medium: A's rows stay in L2) */
 #define RM_TN 1024 /* ... for TN: B's packed strip (one per tile) serves every row, */
 #define RN_TN 64    /* and each MR-row panel of Aᵀ, read in place, one strip */
 #define TC 64   /* columns per column-sum task */
@@ -554,7 +555,8 @@ stopped: /* the poll asked to stop: the gradients are unspecified */
 
 #undef QB
 #undef RM
-#undef RN
+#undef RM_S
+#undef RN_S
 #undef RM_TN
 #undef RN_TN
 #undef TC

@@ -124,9 +124,8 @@ static SUF(proj_extra) *SUF(add_proj)(SUF(fwd) *f, const T *x, const T *w, const
                                       int64_t M, int64_t N, int64_t K, int slots)
 {
     const int64_t rows = (M + RM - 1) / RM;
-    int64_t rn = mha_gemm_nc(sizeof(T));
+    const int64_t rn = mha_tile_cols(rows, N, mha_gemm_nc(sizeof(T)), slots);
     SUF(proj_extra) *ex = &f->extra[f->prods.n];
-    while (rn > 64 && rows * ((N + rn - 1) / rn) < 4 * (int64_t)slots) rn /= 2;
     mha_products_add(&f->prods, MHA_NT, x, K, w, K, b, y, N, M, N, K, RM, rn);
     memset(ex, 0, sizeof *ex);
     return ex;

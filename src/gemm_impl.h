@@ -7,7 +7,8 @@
  * each MR-row panel of A, read in place (it stays in L1 across the panels
  * of B), run the ISA's micro-kernel over the NR-wide panels.
  * When op(B) = B (K, N) is row-major, a full NR strip is read in place
- * (ldbk = ldb) and only a ragged last strip is packed; except under a
+ * (ldbk = ldb) and only a ragged last strip is packed (unless the product
+ * asks for packing: pack_all, a tile of many rows); except under a
  * transposed A (mha_gemm_tn), where B is packed too: there its rows are
  * the long side's (tokens, a power-of-two stride apart that maps them onto
  * few cache sets), and a strip packed once serves every row of a tall
@@ -49,7 +50,7 @@ static void SUF(pack_b)(int trans_b, int64_t kc, int64_t nr, int64_t NR, const T
 }
 
 /* The loop nest; element (i, k) of A at A[i*a_rs + k*a_cs] */
-static void SUF(gemm_nest)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
+static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, int64_t N, int64_t K,
                            const T *A, int64_t a_rs, int64_t a_cs, const T *B, int64_t ldb,
                            const T *bias, T *C, int64_t ldc, int accumulate, T *scratch)
 {
@@ -76,7 +77,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int64_t M, int64_t N, int6
                 int64_t nr = nc - jr < NR ? nc - jr : NR;
                 if (trans_b && nr == NR && kt->pack_bt)
                     kt->pack_bt(kc, B + (jc + jr) * ldb + pc, ldb, Bp + jr * kc);
-                else if (trans_b || nr < NR || a_cs != 1)
+                else if (trans_b || nr < NR || a_cs != 1 || pack_all)
                     SUF(pack_b)(trans_b, kc, nr, NR, B, ldb, pc, jc + jr, Bp + jr * kc);
             }
             for (ir = 0; ir < M; ir += MR) {
@@ -85,7 +86,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int64_t M, int64_t N, int6
                     int64_t nr = nc - jr < NR ? nc - jr : NR;
                     const T *bp = Bp + jr * kc;
                     int64_t ldbk = NR;
-                    if (!trans_b && nr == NR && a_cs == 1) {
+                    if (!trans_b && nr == NR && a_cs == 1 && !pack_all) {
                         bp = B + pc * ldb + jc + jr;
                         ldbk = ldb;
                     }
@@ -102,13 +103,14 @@ void SUF(mha_gemm)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
                    const T *A, int64_t lda, const T *B, int64_t ldb, const T *bias,
                    T *C, int64_t ldc, int accumulate, T *scratch)
 {
-    SUF(gemm_nest)(kt, trans_b, M, N, K, A, lda, 1, B, ldb, bias, C, ldc, accumulate, scratch);
+    SUF(gemm_nest)(kt, trans_b, 0, M, N, K, A, lda, 1, B, ldb, bias, C, ldc, accumulate,
+                   scratch);
 }
 
 void SUF(mha_gemm_tn)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A, int64_t lda,
                       const T *B, int64_t ldb, T *C, int64_t ldc, int accumulate, T *scratch)
 {
-    SUF(gemm_nest)(kt, 0, M, N, K, A, 1, lda, B, ldb, NULL, C, ldc, accumulate, scratch);
+    SUF(gemm_nest)(kt, 0, 0, M, N, K, A, 1, lda, B, ldb, NULL, C, ldc, accumulate, scratch);
 }
 
 void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A,
@@ -132,7 +134,7 @@ void SUF(mha_tile_gemm)(const KT *kt, const mha_product *pr, const mha_tile *tl,
                             B + tl->n0 * pr->ldb, pr->ldb, bias ? bias + tl->n0 : NULL, c, ldc,
                             0);
     else
-        SUF(mha_gemm)(kt, nt, tl->m, tl->n, pr->K, A + tl->i0 * pr->lda, pr->lda,
-                      B + (nt ? tl->n0 * pr->ldb : tl->n0), pr->ldb, bias ? bias + tl->n0 : NULL,
-                      c, ldc, 0, scratch);
+        SUF(gemm_nest)(kt, nt, pr->pack_b, tl->m, tl->n, pr->K, A + tl->i0 * pr->lda, pr->lda, 1,
+                       B + (nt ? tl->n0 * pr->ldb : tl->n0), pr->ldb, bias ? bias + tl->n0 : NULL,
+                       c, ldc, 0, scratch);
 }

@@ -166,6 +166,10 @@ typedef struct {
     void *C;
     int64_t lda, ldb, ldc, M, N, K;
     int64_t rm, rn, tiles_n, tiles;
+    int pack_b; /* pack op(B) where the loop nest would read it in place (NN):
+                   a block packed once serves the tile's rm rows, read
+                   contiguously instead of rows 4 KiB apart (B = W, whose
+                   rows cross a page each: 3% of a training step at large) */
 } mha_product;
 #define MHA_MAX_PRODUCTS 8
 typedef struct {
@@ -188,6 +192,7 @@ static inline mha_product *mha_products_add(mha_products *l, int kind, const voi
 {
     mha_product *pr = &l->p[l->n++];
     pr->kind = kind;
+    pr->pack_b = 0;
     pr->A = A; pr->lda = lda;
     pr->B = B; pr->ldb = ldb;
     pr->bias = bias;
@@ -198,6 +203,15 @@ static inline mha_product *mha_products_add(mha_products *l, int kind, const voi
     pr->tiles = M > 0 && N > 0 ? (M + rm - 1) / rm * pr->tiles_n : 0;
     l->tiles += pr->tiles;
     return pr;
+}
+
+/* Columns per tile of a product of `rows` row tiles and N columns: the
+ * packed GEMM's nc, halved (down to 64) while that leaves fewer than four
+ * tasks per thread */
+static inline int64_t mha_tile_cols(int64_t rows, int64_t N, int64_t nc, int slots)
+{
+    while (nc > 64 && rows * ((N + nc - 1) / nc) < 4 * (int64_t)slots) nc /= 2;
+    return nc;
 }
 
 /* the tile of task t (0 <= t < l->tiles) */
