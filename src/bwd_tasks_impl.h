@@ -19,7 +19,7 @@ static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const 
     const int64_t nc = mha_gemm_nc(sizeof(T));
     if (kind == MHA_TN)
         mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM_TN, RN_TN);
-    else if ((M + RM - 1) / RM * ((N + nc - 1) / nc) >= 4 * (int64_t)mha_get_num_threads())
+    else if (mha_tiles_enough((M + RM - 1) / RM, N, nc, mha_get_num_threads()))
         mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM, nc)
             ->pack_b = 1;
     else

@@ -271,9 +271,10 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
      * projection tile (at most RM rows and mha_gemm_nc columns), or the
      * attention's state (attend_impl.h) */
     {
+        const int64_t nc = mha_gemm_nc(sizeof(T));
         int64_t rows = B * (Sq > Sk ? Sq : Sk), tile, state;
         if (rows > RM) rows = RM;
-        tile = rows * (E < mha_gemm_nc(sizeof(T)) ? E : mha_gemm_nc(sizeof(T)));
+        tile = rows * (E < nc ? E : nc);
         if (SUF(att_state)(&at, &state)) return MHA_ERR_OVERFLOW;
         f.scratch_len = MHA_GEMM_SCRATCH + (tile > state ? tile : state);
     }

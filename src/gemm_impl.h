@@ -2,8 +2,9 @@
  * T = double (included twice by gemm.c with T, SUF and KT defined).
  *
  * BLIS's structure: for each block of NC columns (mha_gemm_nc: from the
- * L2), for each block of KC of the inner dimension, pack that (KC, NC) block of op(B) into NR-wide
- * panels (zero-padded: the micro-kernel always runs full tiles); then for
+ * L2), for each block of KC of the inner dimension, pack that (KC, NC)
+ * block of op(B) into NR-wide panels (zero-padded: the micro-kernel always
+ * runs full tiles); then for
  * each MR-row panel of A, read in place (it stays in L1 across the panels
  * of B), run the ISA's micro-kernel over the NR-wide panels.
  * When op(B) = B (K, N) is row-major, a full NR strip is read in place
@@ -50,8 +51,8 @@ static void SUF(pack_b)(int trans_b, int64_t kc, int64_t nr, int64_t NR, const T
 }
 
 /* The loop nest; element (i, k) of A at A[i*a_rs + k*a_cs] */
-static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, int64_t N, int64_t K,
-                           const T *A, int64_t a_rs, int64_t a_cs, const T *B, int64_t ldb,
+static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, int64_t N,
+                           int64_t K, const T *A, int64_t a_rs, int64_t a_cs, const T *B, int64_t ldb,
                            const T *bias, T *C, int64_t ldc, int accumulate, T *scratch)
 {
     const int64_t MR = kt->mr, NR = kt->nr;

@@ -205,12 +205,17 @@ static inline mha_product *mha_products_add(mha_products *l, int kind, const voi
     return pr;
 }
 
-/* Columns per tile of a product of `rows` row tiles and N columns: the
- * packed GEMM's nc, halved (down to 64) while that leaves fewer than four
- * tasks per thread */
+/* 1 when `rows` row tiles by N columns in tiles nc wide give every one of
+ * `slots` threads four tiles */
+static inline int mha_tiles_enough(int64_t rows, int64_t N, int64_t nc, int slots)
+{
+    return rows * ((N + nc - 1) / nc) >= 4 * (int64_t)slots;
+}
+/* Columns per tile of such a product: the packed GEMM's nc, halved (down to
+ * 64) while there are not enough tiles */
 static inline int64_t mha_tile_cols(int64_t rows, int64_t N, int64_t nc, int slots)
 {
-    while (nc > 64 && rows * ((N + nc - 1) / nc) < 4 * (int64_t)slots) nc /= 2;
+    while (nc > 64 && !mha_tiles_enough(rows, N, nc, slots)) nc /= 2;
     return nc;
 }
 

@@ -21,7 +21,10 @@ KC = 512
 
 
 def child(code, nc=None, timeout=300):
+    # two threads whatever the machine: the backward's choice between its two
+    # tilings (below) counts tiles per thread
     env = {k: v for k, v in os.environ.items() if k != "MHA_EXT_GEMM_NC"}
+    env["MHA_EXT_NUM_THREADS"] = "2"
     if nc is not None:
         env["MHA_EXT_GEMM_NC"] = nc
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
@@ -118,7 +121,11 @@ print(mha_ext.cpu_info()["gemm_nc"]["float32"], h.hexdigest())
 
 def test_blocking_changes_no_bits():
     # forward (with and without weights, causal or not) and backward, E 1088
-    # (N spans 3 to 17 column blocks), with NC from 64 to 512: the same bits
+    # (N spans 3 to 17 column blocks), with NC from 64 to 512: the same bits.
+    # With NC 64 (17 and 10 column tiles, >= 4 per thread) the backward's
+    # input gradients take the packed-W tiling (mha_product.pack_b), with
+    # the default NC the 96 x 64 tiles reading W in place: both paths, the
+    # same bits
     results = {nc: child(BITS, nc).split() for nc in ("64", "128", "320", "512")}
     default = child(BITS).split()
     for nc, (used, digest) in results.items():
