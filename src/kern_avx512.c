@@ -92,19 +92,24 @@ KATTR static inline void transpose16_f32(__m512 r[16])
 }
 
 /* kernels.h's pack_bt for NR = 64: 16 x 16 blocks through the registers,
- * the last kc % 16 columns one by one */
+ * the last kc % 16 columns one by one.  Each group of 16 rows of B is
+ * walked along k to its end before the next: 16 sequential streams, which
+ * the prefetchers follow (k outer read 64 rows' lines at a time, 2 KiB
+ * apart, at L3 latency: the packing was 22% of a call at B 2, S 10, E 512;
+ * that call 0.354 -> 0.322 ms) */
 KATTR static void pack_bt_f32_avx512(int64_t kc, const float *B, int64_t ldb, float *Bp)
 {
     const int64_t NR = NRV * 16;
     int64_t k0, cg, k, c;
     __m512 r[16];
     int i;
-    for (k0 = 0; k0 + 16 <= kc; k0 += 16)
-        for (cg = 0; cg < NR; cg += 16) {
+    for (cg = 0; cg < NR; cg += 16)
+        for (k0 = 0; k0 + 16 <= kc; k0 += 16) {
             for (i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(B + (cg + i) * ldb + k0);
             transpose16_f32(r);
             for (i = 0; i < 16; i++) _mm512_storeu_ps(Bp + (k0 + i) * NR + cg, r[i]);
         }
+    k0 = kc - kc % 16;
     for (k = k0; k < kc; k++)
         for (c = 0; c < NR; c++) Bp[k * NR + c] = B[c * ldb + k];
 }
@@ -140,19 +145,21 @@ KATTR static inline void transpose8_f64(__m512d r[8])
 
 /* kernels.h's pack_bt for NR = 32 doubles: 8 x 8 blocks through the
  * registers (the scalar packing was 3.6% of a float64 call at B 8, S 128,
- * E 512), the last kc % 8 columns one by one */
+ * E 512), rows of B in groups of 8 walked along k as for float, the last
+ * kc % 8 columns one by one */
 KATTR static void pack_bt_f64_avx512(int64_t kc, const double *B, int64_t ldb, double *Bp)
 {
     const int64_t NR = NRV * 8;
     int64_t k0, cg, k, c;
     __m512d r[8];
     int i;
-    for (k0 = 0; k0 + 8 <= kc; k0 += 8)
-        for (cg = 0; cg < NR; cg += 8) {
+    for (cg = 0; cg < NR; cg += 8)
+        for (k0 = 0; k0 + 8 <= kc; k0 += 8) {
             for (i = 0; i < 8; i++) r[i] = _mm512_loadu_pd(B + (cg + i) * ldb + k0);
             transpose8_f64(r);
             for (i = 0; i < 8; i++) _mm512_storeu_pd(Bp + (k0 + i) * NR + cg, r[i]);
         }
+    k0 = kc - kc % 8;
     for (k = k0; k < kc; k++)
         for (c = 0; c < NR; c++) Bp[k * NR + c] = B[c * ldb + k];
 }
