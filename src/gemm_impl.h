@@ -91,7 +91,9 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
                         bp = B + pc * ldb + jc + jr;
                         ldbk = ldb;
                     }
-                    kt->ukr(kc, A + ir * a_rs + pc * a_cs, a_rs, a_cs, bp, ldbk,
+                    /* few rows left: the half-height kernel */
+                    (mr <= kt->mr_tail ? kt->ukr_tail : kt->ukr)(
+                            kc, A + ir * a_rs + pc * a_cs, a_rs, a_cs, bp, ldbk,
                             C + ir * ldc + jc + jr, ldc, mr, nr, acc,
                             bias_kc ? bias_kc + jc + jr : NULL);
                 }

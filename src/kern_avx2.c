@@ -43,8 +43,9 @@ typedef int64_t vi64x4 __attribute__((vector_size(32)));
 #undef SUF
 
 static const mha_kern_f32 avx2_f32 = {
-    .name = "avx2", .mr = MR, .nr = NRV * 8,
+    .name = "avx2", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 8,
     .ukr = ukr_f32_avx2,
+    .ukr_tail = ukr_tail_f32_avx2,
     .dot = dot_f32_avx2,
     .scale_max = scale_max_f32_avx2,
     .max = max_f32_avx2,
@@ -55,8 +56,9 @@ static const mha_kern_f32 avx2_f32 = {
     .pack_bt = NULL,
 };
 static const mha_kern_f64 avx2_f64 = {
-    .name = "avx2", .mr = MR, .nr = NRV * 4,
+    .name = "avx2", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 4,
     .ukr = ukr_f64_avx2,
+    .ukr_tail = ukr_tail_f64_avx2,
     .dot = dot_f64_avx2,
     .scale_max = scale_max_f64_avx2,
     .max = max_f64_avx2,

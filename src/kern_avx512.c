@@ -165,8 +165,9 @@ KATTR static void pack_bt_f64_avx512(int64_t kc, const double *B, int64_t ldb, d
 }
 
 static const mha_kern_f32 avx512_f32 = {
-    .name = "avx512", .mr = MR, .nr = NRV * 16,
+    .name = "avx512", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 16,
     .ukr = ukr_f32_avx512,
+    .ukr_tail = ukr_tail_f32_avx512,
     .dot = dot_f32_avx512,
     .scale_max = scale_max_f32_avx512,
     .max = max_f32_avx512,
@@ -177,8 +178,9 @@ static const mha_kern_f32 avx512_f32 = {
     .pack_bt = pack_bt_f32_avx512,
 };
 static const mha_kern_f64 avx512_f64 = {
-    .name = "avx512", .mr = MR, .nr = NRV * 8,
+    .name = "avx512", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 8,
     .ukr = ukr_f64_avx512,
+    .ukr_tail = ukr_tail_f64_avx512,
     .dot = dot_f64_avx512,
     .scale_max = scale_max_f64_avx512,
     .max = max_f64_avx512,

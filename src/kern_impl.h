@@ -18,7 +18,7 @@
  *   V_SCALEF(p, n)   p · 2^n, n integral in T, rounded once
  * T, KDOUBLE, VL, VT, VI, V_SET1, SUF and those five are undefined at the
  * end of this file; the rest stay the includer's.
- * Each instance defines ukr_S, dot_S, scale_max_S, max_S, exp_sum_S,
+ * Each instance defines ukr_S, ukr_tail_S (ukr_impl.h), dot_S, scale_max_S, max_S, exp_sum_S,
  * scale_S, exp_row_S and softmax_grad_S for its suffix S (f32_avx2,
  * f64_portable, ...), which the includer lists by name in its table.
  * Semantics are documented in kernels.h.  Every loop order is fixed: a
@@ -146,106 +146,12 @@ KATTR static inline VT SUF(vexp)(VT x)
 #ifndef UKR_KB
 #define UKR_KB 128
 #endif
-KATTR static void SUF(ukr)(int64_t kc, const T *A, int64_t lda, int64_t ak, const T *Bp,
-                           int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,
-                           int accumulate, const T *bias)
-{
-    VT c[MR][NRV];
-    T part[MR][NRV * VL]; /* the sums of the kb-step chains before */
-    const T *ar[MR];
-    /* float: chains of UKR_KB steps; double: one chain (its error is far
-     * below any tolerance already, and it keeps its speed) */
-    const int64_t kb = KDOUBLE ? kc : UKR_KB;
-    int64_t k, ko, k0;
-    int r, v;
-    /* rows past mr repeat the last one: computed, never stored */
-#pragma GCC unroll 16
-    for (r = 0; r < MR; r++) ar[r] = A + (r < mr ? r : mr - 1) * lda;
-#pragma GCC unroll 16
-    for (r = 0; r < MR; r++)
-#pragma GCC unroll 4
-        for (v = 0; v < NRV; v++) c[r][v] = (VT){0};
-    if (kc > kb) __builtin_memset(part, 0, sizeof part);
-    for (k0 = 0, ko = 0; k0 < kc; k0 += kb) {
-        const int64_t k1 = kc - k0 < kb ? kc : k0 + kb;
-        /* every kb steps the partial sums join those of the steps before
-         * (in memory, in order) and start again from zero: each C element
-         * is a sum of kb-long chains, added in order, closer to the exact
-         * sum than one chain of kc (the order depends on k alone) */
-        if (k0) {
-#pragma GCC unroll 16
-            for (r = 0; r < MR; r++)
-#pragma GCC unroll 4
-                for (v = 0; v < NRV; v++) {
-                    SUF(vstore)(&part[r][v * VL], SUF(vload)(&part[r][v * VL]) + c[r][v]);
-                    c[r][v] = (VT){0};
-                }
-        }
-        for (k = k0; k < k1; k++, ko += ak) {
-            VT b[NRV];
-#pragma GCC unroll 4
-            for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);
-            /* the B panel's row UKR_PF steps ahead (it streams from L2; a
-             * prefetch past the panel's end is harmless: it never faults; the address
-             * is computed as an integer, no out-of-range pointer is formed) */
-#pragma GCC unroll 4
-            for (v = 0; v < NRV; v++)
-                __builtin_prefetch((const void *)((uintptr_t)(Bp + v * VL) +
-                                                  (uintptr_t)(UKR_PF * ldbk) * sizeof(T)));
-            /* A's lines ahead of use: a row-major A (ak == 1) reaches a new line
-             * of each row every 16 k (ask for the line after next); a transposed
-             * one (ak > 1) a new line every k (ask as early as for B's; its MR
-             * entries may straddle two lines) */
-            if (ak == 1 && (k & 15) == 0) {
-#pragma GCC unroll 16
-                for (r = 0; r < MR; r++)
-                    __builtin_prefetch((const void *)((uintptr_t)(ar[r] + ko) + 32 * sizeof(T)));
-            } else if (ak > 1) {
-                __builtin_prefetch((const void *)((uintptr_t)(ar[0] + ko) +
-                                                  (uintptr_t)(UKR_PF * ak) * sizeof(T)));
-                __builtin_prefetch((const void *)((uintptr_t)(ar[MR - 1] + ko) +
-                                                  (uintptr_t)(UKR_PF * ak) * sizeof(T)));
-            }
-#pragma GCC unroll 16
-            for (r = 0; r < MR; r++) {
-                VT a = SUF(vset1)(ar[r][ko]);
-#pragma GCC unroll 4
-                for (v = 0; v < NRV; v++) c[r][v] = V_FMA(a, b[v], c[r][v]);
-            }
-            Bp += ldbk;
-        }
-    }
-    if (kc > kb) {
-#pragma GCC unroll 16
-        for (r = 0; r < MR; r++)
-#pragma GCC unroll 4
-            for (v = 0; v < NRV; v++) c[r][v] = SUF(vload)(&part[r][v * VL]) + c[r][v];
-    }
-    if (mr == MR && nr == NR) {
-#pragma GCC unroll 16
-        for (r = 0; r < MR; r++)
-#pragma GCC unroll 4
-            for (v = 0; v < NRV; v++) {
-                T *cp = C + r * ldc + v * VL;
-                VT x = c[r][v];
-                if (accumulate) x = SUF(vload)(cp) + x;
-                if (bias) x = x + SUF(vload)(bias + v * VL);
-                SUF(vstore)(cp, x);
-            }
-    } else {
-        T tile[MR][NR];
-        int64_t i, j;
-        for (r = 0; r < MR; r++)
-            for (v = 0; v < NRV; v++) SUF(vstore)(&tile[r][v * VL], c[r][v]);
-        for (i = 0; i < mr; i++)
-            for (j = 0; j < nr; j++) {
-                T x = tile[i][j];
-                if (accumulate) x = C[i * ldc + j] + x;
-                if (bias) x = x + bias[j];
-                C[i * ldc + j] = x;
-            }
-    }
-}
+#define UKR_FN SUF(ukr)
+#define UMR MR
+#include "ukr_impl.h"
+#define UKR_FN SUF(ukr_tail)
+#define UMR (MR / 2)
+#include "ukr_impl.h"
 
 /* C (m, n) = A (m, K)·B (n, K)ᵀ (+ bias), B read in place (no packing):
  * the projections of few rows (a decode step's token).  Each element is

@@ -12,6 +12,8 @@
  *   Bp holds element (k, c) at Bp[k*ldbk + c] for c < NR: a packed panel
  *   (ldbk = NR, zero-padded) or, for a full strip, B itself (ldbk = ldb).
  *   accumulate: C += (else C is never read); bias (nr) added when not NULL.
+ * ukr_tail: the same for mr <= mr_tail (MR / 2) rows, in half the work (the
+ *   last row panel of a product whose M leaves few rows); the same bits.
  * dot: the unpacked small-M form of mha_gemm's C (m, n) = A (m, K)·B (n, K)ᵀ
  *   (+ bias, (+)=), every element the packed GEMM's bits (the same sums in
  *   the same order, depth blocks of MHA_GEMM_KC): rows of A in the lanes.
@@ -34,9 +36,12 @@
 /* the table for float */
 typedef struct {
     const char *name;
-    int mr, nr;
+    int mr, nr, mr_tail;
     void (*ukr)(int64_t kc, const float *A, int64_t lda, int64_t ak, const float *Bp, int64_t ldbk,
                 float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const float *bias);
+    void (*ukr_tail)(int64_t kc, const float *A, int64_t lda, int64_t ak, const float *Bp,
+                     int64_t ldbk, float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
+                     const float *bias);
     void (*dot)(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B,
                 int64_t ldb, const float *bias, float *C, int64_t ldc, int accumulate);
     float (*scale_max)(float *s, int64_t n, float c);
@@ -51,9 +56,12 @@ typedef struct {
 /* the same for double */
 typedef struct {
     const char *name;
-    int mr, nr;
+    int mr, nr, mr_tail;
     void (*ukr)(int64_t kc, const double *A, int64_t lda, int64_t ak, const double *Bp, int64_t ldbk,
                 double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const double *bias);
+    void (*ukr_tail)(int64_t kc, const double *A, int64_t lda, int64_t ak, const double *Bp,
+                     int64_t ldbk, double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
+                     const double *bias);
     void (*dot)(int64_t m, int64_t n, int64_t K, const double *A, int64_t lda, const double *B,
                 int64_t ldb, const double *bias, double *C, int64_t ldc, int accumulate);
     double (*scale_max)(double *s, int64_t n, double c);

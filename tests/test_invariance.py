@@ -99,3 +99,19 @@ def test_batch_invariance_thread_count(isa, E, H, S):
     for r in results[1:]:
         for a, b in zip(results[0], r):
             assert (a is None and b is None) or np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_batch_invariance_last_row_panel(isa, dtype):
+    # A product's last panel of rows takes the half-height micro-kernel
+    # when at most MR / 2 rows are left (ukr_tail, src/ukr_impl.h), the full
+    # one otherwise: prefixes of 19 .. 23 tokens of a 24-token causal call
+    # (above the dot kernel's 16 rows, so packed; a last panel of 1 .. 5
+    # rows) give the bits of those rows of the whole call.
+    m = MultiHeadAttention(320, 4, dtype=dtype, seed=6).eval()  # depth 320: 3 float chains
+    x = _data(1, 24, 320, dtype)
+    full, fw = m(x, is_causal=True)
+    for k in range(19, 24):
+        part, pw = m(x[:, :k], is_causal=True)
+        assert np.array_equal(part, full[:, :k]), (k, np.abs(part - full[:, :k]).max())
+        assert np.array_equal(pw, fw[:, :, :k, :k])
