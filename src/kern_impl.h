@@ -18,9 +18,10 @@
  *   V_SCALEF(p, n)   p · 2^n, n integral in T, rounded once
  * T, KDOUBLE, VL, VT, VI, V_SET1, SUF and those five are undefined at the
  * end of this file; the rest stay the includer's.
- * Each instance defines ukr_S, ukr_tail_S (ukr_impl.h), dot_S, scale_max_S, max_S, exp_sum_S,
- * scale_S, exp_row_S and softmax_grad_S for its suffix S (f32_avx2,
- * f64_portable, ...), which the includer lists by name in its table.
+ * Each instance defines ukr_S and ukr_tail_S (ukr_impl.h), dot_S,
+ * scale_max_S, max_S, exp_sum_S, scale_S, exp_row_S and softmax_grad_S for
+ * its suffix S (f32_avx2, f64_portable, ...), which the includer lists by
+ * name in its table.
  * Semantics are documented in kernels.h.  Every loop order is fixed: a
  * result never depends on threads or on which tile an element falls in. */
 

@@ -7,8 +7,8 @@
  * defines UKR_FN and UMR (undefined here at the end). */
 
 KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const T *Bp,
-                           int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,
-                           int accumulate, const T *bias)
+                         int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,
+                         int accumulate, const T *bias)
 {
     VT c[UMR][NRV];
     T part[UMR][NRV * VL]; /* the sums of the kb-step chains before */
