@@ -94,7 +94,7 @@ except ModuleNotFoundError as _exc:
                       if not k.startswith("__") or k in ("__all__", "__file__",
                                                           "__path__")})
 else:
-    from ._core import cpu_info, get_num_threads, set_num_threads
+    from ._core import cpu_info, get_num_threads, memory_info, release_memory, set_num_threads
     from ._sdpa_api import scaled_dot_product_attention
     from .module import Linear, MultiHeadAttention
     from .cache import KVCache
@@ -106,8 +106,8 @@ else:
 
     __all__ = ["MultiHeadAttention", "Linear", "KVCache", "Trace", "Step", "trace", "plot_heads",
                "explore", "Explorer", "heads", "scaled_dot_product_attention",
-               "set_num_threads", "get_num_threads", "cpu_info", "BlockLayout", "layout",
-               "__version__"]
+               "set_num_threads", "get_num_threads", "cpu_info", "memory_info",
+               "release_memory", "BlockLayout", "layout", "__version__"]
 
 def __getattr__(name):
     # mha_ext.compare needs torch: imported on first use only

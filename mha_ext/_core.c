@@ -475,6 +475,27 @@ static PyObject *cpu_info(PyObject *m, PyObject *Py_UNUSED(ignored))
                          "threads", mha_get_num_threads());
 }
 
+/* release_memory(): the output cache's blocks and the calling thread's
+ * workspace back to the system */
+static PyObject *release_memory(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    size_t bytes;
+    (void)m;
+    bytes = out_cache_release();
+    mha_release_workspace();
+    return PyLong_FromSize_t(bytes);
+}
+
+static PyObject *memory_info(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    size_t cached, limit;
+    int blocks;
+    (void)m;
+    out_cache_info(&cached, &blocks, &limit);
+    return Py_BuildValue("{s:n,s:i,s:n}", "cached_bytes", (Py_ssize_t)cached, "cached_blocks",
+                         blocks, "limit_bytes", (Py_ssize_t)limit);
+}
+
 static PyMethodDef module_methods[] = {
     {"_set_isa", set_isa, METH_O, "_set_isa(name, /)\n--\n\nUse the kernels of one instruction set."},
     {"_get_isa", get_isa, METH_NOARGS, "_get_isa()\n--\n\nThe instruction set of the kernels in use."},
@@ -489,6 +510,15 @@ static PyMethodDef module_methods[] = {
      "time of 256-bit / time of 512-bit FMAs: about 0.5 with one 512-bit unit, 1 with\n"
      "two; 0 without AVX-512), gemm_kc and gemm_nc (the packed GEMM's block of B per\n"
      "dtype: KC x NC scalars in half the L2) and threads.  The probe takes a few ms."},
+    {"release_memory", release_memory, METH_NOARGS,
+     "release_memory()\n--\n\n"
+     "Return the memory mha_ext keeps for reuse to the system: the cached blocks of freed\n"
+     "result arrays and the calling thread's workspace.  Returns the cached bytes freed."},
+    {"memory_info", memory_info, METH_NOARGS,
+     "memory_info()\n--\n\n"
+     "The output cache: a dict of cached_bytes and cached_blocks (freed result arrays'\n"
+     "memory kept for the next ones of about their size) and limit_bytes (the cache's\n"
+     "bound: MHA_EXT_CACHE_MB, else 1 GiB or an eighth of the memory; 0: off)."},
     {"set_num_threads", set_num_threads, METH_O,
      "set_num_threads(n, /)\n--\n\n"
      "Use n threads (1 to 256) for the library's own parallel work."},

@@ -11,6 +11,8 @@
  *                  _backward
  *   _core_sdpa.c   the module functions _sdpa and _sdpa_backward (attention
  *                  on projected heads: mha_sdpa_forward / mha_sdpa_backward)
+ *   _core_mem.c    the output cache: large result arrays reuse the memory
+ *                  of freed ones (a NumPy memory handler)
  *
  * One call's life: call_parse (arguments -> arrays of the module's dtype,
  * every check before anything large is allocated), the entry point
@@ -186,5 +188,12 @@ PyObject *mha_forward_train_py(MHAObject *self, PyObject *args, PyObject *kwds);
 PyObject *mha_backward_py(MHAObject *self, PyObject *args, PyObject *kwds);
 PyObject *sdpa_py(PyObject *m, PyObject *args, PyObject *kwds);
 PyObject *sdpa_backward_py(PyObject *m, PyObject *args, PyObject *kwds);
+
+/* ---------------------------------------------------------- the output cache
+ * (_core_mem.c) A new array (zeroed when `zero`) of nd dims and float32 or
+ * float64; one of 1 MiB or more gets memory from the cache of freed ones. */
+PyArrayObject *out_new_array(int nd, const npy_intp *dims, int typenum, int zero);
+size_t out_cache_release(void);  /* unmap every cached block: their bytes */
+void out_cache_info(size_t *cached, int *blocks, size_t *limit);
 
 #endif /* MHA_EXT_CORE_H */

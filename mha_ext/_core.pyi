@@ -61,6 +61,21 @@ def cpu_info() -> _CpuInfo:
     """What the CPU reports (cache sizes, FMA width, 512-bit FMAs per cycle
     measured) and the blocking drawn from it; the probe takes a few ms."""
 
+class _MemoryInfo(TypedDict):
+    cached_bytes: int
+    cached_blocks: int
+    limit_bytes: int
+
+def memory_info() -> _MemoryInfo:
+    """The output cache: the bytes and blocks of freed result arrays kept
+    for reuse, and its bound (MHA_EXT_CACHE_MB, else 1 GiB or an eighth of
+    the memory; 0: off)."""
+
+def release_memory() -> int:
+    """Return the memory mha_ext keeps for reuse to the system (the cached
+    blocks of freed result arrays and the calling thread's workspace); the
+    cached bytes freed."""
+
 def _set_isa(name: Literal["portable", "avx2", "avx512"], /) -> None: ...
 def _get_isa() -> str: ...
 def _isa_available(name: str, /) -> bool: ...

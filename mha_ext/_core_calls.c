@@ -91,8 +91,7 @@ static PyArrayObject *new_array(struct call *c, int nd, const int64_t *dims, int
     npy_intp d[4];
     int i;
     for (i = 0; i < nd; i++) d[i] = (npy_intp)dims[i];
-    return (PyArrayObject *)(zero ? PyArray_ZEROS(nd, d, typenum_of(c->self), 0)
-                                  : PyArray_SimpleNew(nd, d, typenum_of(c->self)));
+    return out_new_array(nd, d, typenum_of(c->self), zero);
 }
 
 static PyObject *obj_or_none(PyArrayObject *a)

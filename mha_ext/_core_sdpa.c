@@ -226,7 +226,7 @@ static int sdpa_run(sdpa_call *c, int backward)
 static PyArrayObject *new4(const sdpa_call *c, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
 {
     npy_intp d[4] = {(npy_intp)d0, (npy_intp)d1, (npy_intp)d2, (npy_intp)d3};
-    return (PyArrayObject *)PyArray_SimpleNew(4, d, c->typenum);
+    return out_new_array(4, d, c->typenum, 0);
 }
 
 PyObject *sdpa_py(PyObject *m, PyObject *args, PyObject *kwds)

@@ -55,6 +55,8 @@ n: int = mha_ext.get_num_threads()
 mha_ext.set_num_threads(n)
 l2_bytes: int = mha_ext.cpu_info()["l2_bytes"]
 nc32: int = mha_ext.cpu_info()["gemm_nc"]["float32"]
+cached: int = mha_ext.memory_info()["cached_bytes"]
+freed: int = mha_ext.release_memory()
 version: str = mha_ext.__version__
 
 
