@@ -60,9 +60,9 @@ typedef struct {
  *   yt[((b*H + h)*Dk + d)*Sl + s]  (16 rows of one batch at a time, so that
  *                                   each store run is long)
  * for row i0+r = b*S + s and column n0+c = h*Dk + d. */
-static void SUF(tile_to_heads)(const T *y, int64_t ldy, int64_t N, int64_t i0, int64_t m,
-                               int64_t n0, int64_t n, int64_t S, int64_t Sl, int64_t Dk,
-                               int64_t off, T *yh, T *yt)
+static void SUF(tile_to_heads)(const KT *kern, const T *y, int64_t ldy, int64_t N, int64_t i0,
+                               int64_t m, int64_t n0, int64_t n, int64_t S, int64_t Sl,
+                               int64_t Dk, int64_t off, T *yh, T *yt)
 {
     const int64_t H = N / Dk;
     int64_t r0, r1, r, c, c1;
@@ -71,7 +71,14 @@ static void SUF(tile_to_heads)(const T *y, int64_t ldy, int64_t N, int64_t i0, i
         r1 = i0 + m;
         if (r1 > (b + 1) * S) r1 = (b + 1) * S;
         if (r1 > r0 + 16) r1 = r0 + 16;
-        if (yt)
+        if (yt && kern->transpose) /* the rows' run inside each head at once */
+            for (c = n0; c < n0 + n; c = c1) {
+                c1 = (c / Dk + 1) * Dk;
+                if (c1 > n0 + n) c1 = n0 + n;
+                kern->transpose(r1 - r0, c1 - c, y + (r0 - i0) * ldy + c - n0, ldy,
+                                yt + ((b * H + c / Dk) * Dk + c % Dk) * Sl + s0, Sl);
+            }
+        else if (yt)
             for (c = n0; c < n0 + n; c++) {
                 T *dst = yt + ((b * H + c / Dk) * Dk + c % Dk) * Sl + s0;
                 for (r = r0; r < r1; r++) dst[r - r0] = y[(r - i0) * ldy + c - n0];
@@ -113,8 +120,8 @@ static void SUF(linear_task)(void *ctx, int64_t t, int slot)
     }
     SUF(mha_tile_gemm)(f->kern, jb, &tl, y, ldy, f->small, gs);
     if (ex->yh || ex->yt)
-        SUF(tile_to_heads)(y, ldy, jb->N, i0, m, n0, n, ex->S, ex->Sl, ex->Dk, ex->off, ex->yh,
-                           ex->yt);
+        SUF(tile_to_heads)(f->kern, y, ldy, jb->N, i0, m, n0, n, ex->S, ex->Sl, ex->Dk, ex->off,
+                           ex->yh, ex->yt);
 }
 
 /* A projection y (M, N) = x (M, K)·w (N, K)ᵀ + b into the pass's list, in

@@ -54,6 +54,7 @@ static const mha_kern_f32 avx2_f32 = {
     .exp = exp_row_f32_avx2,
     .softmax_grad = softmax_grad_f32_avx2,
     .pack_bt = NULL,
+    .transpose = NULL,
 };
 static const mha_kern_f64 avx2_f64 = {
     .name = "avx2", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 4,
@@ -67,6 +68,7 @@ static const mha_kern_f64 avx2_f64 = {
     .exp = exp_row_f64_avx2,
     .softmax_grad = softmax_grad_f64_avx2,
     .pack_bt = NULL,
+    .transpose = NULL,
 };
 const mha_kern_f32 *const mha_kern_avx2_f32_p = &avx2_f32;
 const mha_kern_f64 *const mha_kern_avx2_f64_p = &avx2_f64;

@@ -164,6 +164,48 @@ KATTR static void pack_bt_f64_avx512(int64_t kc, const double *B, int64_t ldb, d
         for (c = 0; c < NR; c++) Bp[k * NR + c] = B[c * ldb + k];
 }
 
+/* kernels.h's transpose, float: 16 x 16 blocks through the registers
+ * (16 rows of x walked along c, one store run of 16 per column), then
+ * the ragged columns and rows one by one */
+KATTR static void transpose_f32_avx512(int64_t R, int64_t C, const float *x, int64_t ldx,
+                                       float *y, int64_t ldy)
+{
+    int64_t r0, c0, r, c;
+    __m512 v[16];
+    int i;
+    for (r0 = 0; r0 + 16 <= R; r0 += 16) {
+        for (c0 = 0; c0 + 16 <= C; c0 += 16) {
+            for (i = 0; i < 16; i++) v[i] = _mm512_loadu_ps(x + (r0 + i) * ldx + c0);
+            transpose16_f32(v);
+            for (i = 0; i < 16; i++) _mm512_storeu_ps(y + (c0 + i) * ldy + r0, v[i]);
+        }
+        for (c = c0; c < C; c++)
+            for (r = r0; r < r0 + 16; r++) y[c * ldy + r] = x[r * ldx + c];
+    }
+    for (c = 0; c < C; c++)
+        for (r = r0; r < R; r++) y[c * ldy + r] = x[r * ldx + c];
+}
+
+/* the same for double: 8 x 8 blocks */
+KATTR static void transpose_f64_avx512(int64_t R, int64_t C, const double *x, int64_t ldx,
+                                       double *y, int64_t ldy)
+{
+    int64_t r0, c0, r, c;
+    __m512d v[8];
+    int i;
+    for (r0 = 0; r0 + 8 <= R; r0 += 8) {
+        for (c0 = 0; c0 + 8 <= C; c0 += 8) {
+            for (i = 0; i < 8; i++) v[i] = _mm512_loadu_pd(x + (r0 + i) * ldx + c0);
+            transpose8_f64(v);
+            for (i = 0; i < 8; i++) _mm512_storeu_pd(y + (c0 + i) * ldy + r0, v[i]);
+        }
+        for (c = c0; c < C; c++)
+            for (r = r0; r < r0 + 8; r++) y[c * ldy + r] = x[r * ldx + c];
+    }
+    for (c = 0; c < C; c++)
+        for (r = r0; r < R; r++) y[c * ldy + r] = x[r * ldx + c];
+}
+
 static const mha_kern_f32 avx512_f32 = {
     .name = "avx512", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 16,
     .ukr = ukr_f32_avx512,
@@ -176,6 +218,7 @@ static const mha_kern_f32 avx512_f32 = {
     .exp = exp_row_f32_avx512,
     .softmax_grad = softmax_grad_f32_avx512,
     .pack_bt = pack_bt_f32_avx512,
+    .transpose = transpose_f32_avx512,
 };
 static const mha_kern_f64 avx512_f64 = {
     .name = "avx512", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 8,
@@ -189,6 +232,7 @@ static const mha_kern_f64 avx512_f64 = {
     .exp = exp_row_f64_avx512,
     .softmax_grad = softmax_grad_f64_avx512,
     .pack_bt = pack_bt_f64_avx512,
+    .transpose = transpose_f64_avx512,
 };
 
 /* kernels.h's FMA probe: n rounds of 24 independent FMA chains on 512-bit

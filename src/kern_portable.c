@@ -50,6 +50,7 @@ const mha_kern_f32 mha_kern_portable_f32 = {
     .exp = exp_row_f32_portable,
     .softmax_grad = softmax_grad_f32_portable,
     .pack_bt = NULL,
+    .transpose = NULL,
 };
 const mha_kern_f64 mha_kern_portable_f64 = {
     .name = "portable", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 2,
@@ -63,4 +64,5 @@ const mha_kern_f64 mha_kern_portable_f64 = {
     .exp = exp_row_f64_portable,
     .softmax_grad = softmax_grad_f64_portable,
     .pack_bt = NULL,
+    .transpose = NULL,
 };

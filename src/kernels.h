@@ -27,7 +27,11 @@
  *              backward of a softmax row p, scaled by c
  * pack_bt: NULL, or a vector form of gemm's transposed packing for a full
  *   panel: Bp[k*NR + c] = B[c*ldb + k] for c < NR, k < kc (B (NR, kc) rows
- *   of op(B)ᵀ, read in place) */
+ *   of op(B)ᵀ, read in place)
+ * transpose: NULL, or a vector form of the strided transpose
+ *   y[c*ldy + r] = x[r*ldx + c] for r < R, c < C (K per head in the
+ *   forward's projections, the backward's and SDPA's K and V): a copy, the
+ *   same bits */
 #ifndef MHA_KERNELS_H
 #define MHA_KERNELS_H
 
@@ -51,6 +55,8 @@ typedef struct {
     void (*exp)(float *s, int64_t n);
     void (*softmax_grad)(const float *p, float *d, int64_t n, float c);
     void (*pack_bt)(int64_t kc, const float *B, int64_t ldb, float *Bp);
+    void (*transpose)(int64_t R, int64_t C, const float *x, int64_t ldx, float *y,
+                      int64_t ldy);
 } mha_kern_f32;
 
 /* the same for double */
@@ -71,6 +77,8 @@ typedef struct {
     void (*exp)(double *s, int64_t n);
     void (*softmax_grad)(const double *p, double *d, int64_t n, double c);
     void (*pack_bt)(int64_t kc, const double *B, int64_t ldb, double *Bp);
+    void (*transpose)(int64_t R, int64_t C, const double *x, int64_t ldx, double *y,
+                      int64_t ldy);
 } mha_kern_f64;
 
 enum { MHA_ISA_PORTABLE = 0, MHA_ISA_AVX2 = 1, MHA_ISA_AVX512 = 2, MHA_ISA_COUNT };

@@ -96,6 +96,7 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     }
 
     mha_poll_start(&ps, fa->poll, fa->poll_ctx);
+    tr.kern = f.kern;
     tr.k = (const T *)fa->k;
     tr.kt = work;
     tr.S = fa->S;

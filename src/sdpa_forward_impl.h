@@ -61,6 +61,7 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     at.scratch = work + sz.n_key;
 
     mha_poll_start(&ps, a->poll, a->poll_ctx);
+    tr.kern = at.kern;
     tr.k = (const T *)a->k;
     tr.kt = work;
     tr.S = a->S;

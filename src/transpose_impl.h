@@ -5,17 +5,22 @@
  * mha_sdpa_backward, and the backward's attention task, which transposes
  * K and V once per task).  Legend as in mha.h's SDPA section. */
 
-/* y (C, R) = xᵀ for x (R, C), row stride ldx; 16 rows at a time, so that
- * each store run is 16 long */
-static void SUF(transpose)(const T *x, int64_t R, int64_t C, int64_t ldx, T *y)
+/* y (C, R) = xᵀ for x (R, C), row stride ldx: the ISA's vector transpose
+ * (kernels.h), else 16 rows at a time, so that each store run is 16 long */
+static void SUF(transpose)(const KT *kern, const T *x, int64_t R, int64_t C, int64_t ldx, T *y)
 {
     int64_t r0, r, c;
+    if (kern->transpose) {
+        kern->transpose(R, C, x, ldx, y, R);
+        return;
+    }
     for (r0 = 0; r0 < R; r0 += 16)
         for (c = 0; c < C; c++)
             for (r = r0; r < R && r < r0 + 16; r++) y[c * R + r] = x[r * ldx + c];
 }
 
 typedef struct {
+    const KT *kern;
     const T *k;
     T *kt;
     int64_t S, D;
@@ -26,6 +31,6 @@ static void SUF(sdpa_transpose_task)(void *ctx, int64_t t, int slot)
 {
     const SUF(sdpa_tr) *tr = (const SUF(sdpa_tr) *)ctx;
     (void)slot;
-    SUF(transpose)(tr->k + t * tr->S * tr->D, tr->S, tr->D, tr->D, tr->kt + t * tr->S * tr->D);
+    SUF(transpose)(tr->kern, tr->k + t * tr->S * tr->D, tr->S, tr->D, tr->D, tr->kt + t * tr->S * tr->D);
 }
 
