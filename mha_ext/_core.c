@@ -1,10 +1,11 @@
 /* _core.c: the CPython/NumPy binding of the C core in src/: the module, its
  * functions, and the type (construction, parameter memory, attributes, the
  * write lock's methods).  The calls live in _core_calls.c, argument
- * conversion in _core_args.c, the lock in _core_lock.c (_core.h says what
- * they share).  Everything easier in Python (mask semantics, torch interop,
- * state dicts, traces) lives in mha_ext/module.py, which subclasses the
- * type defined here.
+ * conversion in _core_args.c and _core_parse.c, the lock in _core_lock.c,
+ * the output cache in _core_mem.c (_core.h says what they share).
+ * Everything easier in Python (mask semantics, torch interop, state dicts,
+ * traces) lives in mha_ext/module.py, which subclasses the type defined
+ * here.
  *
  * Legend: B batch, Sq/Sk query/key lengths, E d_model, H heads, Dk = E/H. */
 #define MHA_EXT_IMPORTS_NUMPY

@@ -4,8 +4,9 @@
  *                  parameter memory, attributes, the write lock's methods
  *   _core_lock.c   the parameter lock (readers, one re-entrant writer),
  *                  interruptible waits, fork safety, the signal poll
- *   _core_args.c   argument conversion (ints, flags, is_causal, scale, dtype,
- *                  dropout, seed, arrays) and call_parse / call_clear
+ *   _core_args.c   scalar arguments (ints, flags, is_causal, scale, dtype,
+ *                  dropout, seed), memory arithmetic, status errors
+ *   _core_parse.c  the call's arrays, call_parse / call_clear
  *   _core_masks.c  masks: (kind, array) pairs broadcast onto (B, H, Sq, Sk)
  *   _core_calls.c  call_run and the three calls: _forward, _forward_train,
  *                  _backward

@@ -1,6 +1,6 @@
 /* _core_masks.c: masks from Python to the core's mha_mask: (kind, array)
  * pairs converted and broadcast (NumPy's rules) onto (B, H, Sq, Sk), for
- * the module's calls (_core_args.c) and _sdpa (_core_sdpa.c).  Every error
+ * the module's calls (_core_parse.c) and _sdpa (_core_sdpa.c).  Every error
  * names what was wrong. */
 #include "_core.h"
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-# the binding is mha_ext/_core*.c (_core.c, _core_args.c, _core_calls.c, _core_lock.c)
+# the binding is mha_ext/_core*.c (_core.c, _core_args.c, _core_parse.c, _core_calls.c, ...)
 OURS = re.compile(r"_core\.cpython|_core\.so|\bmha_\w+|src/\w+\.[ch]|\b_core\w*\.[ch]\b")
 
 
