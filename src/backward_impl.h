@@ -147,11 +147,11 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
     T *vt = dvs + Sk * Dv, *kx = vt + Dv * Sk;
     uint8_t blocked[QB] = {0}; /* the block's rows with every key blocked */
 
-    SUF(transpose)(f->kern, v_bh, Sk, Dv, ldv, vt);
+    SUF(transpose)(f->kern, v_bh, Sk, Dv, ldv, vt, Sk);
     if (hm)
-        SUF(transpose)(f->kern, k_bh, Dk, Sk, Sk, kx);
+        SUF(transpose)(f->kern, k_bh, Dk, Sk, Sk, kx, Dk);
     else
-        SUF(transpose)(f->kern, k_bh, Sk, Dk, Ekv, kx);
+        SUF(transpose)(f->kern, k_bh, Sk, Dk, Ekv, kx, Sk);
 
     if (f->skip) { /* blocks of queries touch only their keys' rows */
         memset(dks, 0, (size_t)(Sk * Dk) * sizeof(T));

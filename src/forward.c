@@ -17,8 +17,8 @@
 #define EXP expf
 #include "softmax_impl.h"
 #include "attend_impl.h"
-#include "forward_impl.h"
 #include "transpose_impl.h"
+#include "forward_impl.h"
 #include "sdpa_forward_impl.h"
 #undef T
 #undef SUF
@@ -31,8 +31,8 @@
 #define EXP exp
 #include "softmax_impl.h"
 #include "attend_impl.h"
-#include "forward_impl.h"
 #include "transpose_impl.h"
+#include "forward_impl.h"
 #include "sdpa_forward_impl.h"
 #undef T
 #undef SUF

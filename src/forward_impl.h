@@ -1,7 +1,8 @@
 /* forward_impl.h: the threaded forward pass, written once for T = float and
  * T = double (included twice by forward.c with T, SUF, KT and EXP defined, after
- * softmax_impl.h: the softmax row it shares with the backward, and
- * attend_impl.h: the attention tasks it shares with mha_sdpa_forward).
+ * softmax_impl.h: the softmax row it shares with the backward,
+ * attend_impl.h: the attention tasks it shares with mha_sdpa_forward, and
+ * transpose_impl.h: the strided transpose that scatters K per head).
  *
  *   Q = query·W_qᵀ + b_q        kept per head: qh (B, H, Sq, Dk)
  *   K = key·W_kᵀ + b_k          kept per head, transposed: kt (B, H, Dk, Sk')
@@ -71,17 +72,12 @@ static void SUF(tile_to_heads)(const KT *kern, const T *y, int64_t ldy, int64_t 
         r1 = i0 + m;
         if (r1 > (b + 1) * S) r1 = (b + 1) * S;
         if (r1 > r0 + 16) r1 = r0 + 16;
-        if (yt && kern->transpose) /* the rows' run inside each head at once */
+        if (yt) /* the rows' run inside each head at once */
             for (c = n0; c < n0 + n; c = c1) {
                 c1 = (c / Dk + 1) * Dk;
                 if (c1 > n0 + n) c1 = n0 + n;
-                kern->transpose(r1 - r0, c1 - c, y + (r0 - i0) * ldy + c - n0, ldy,
-                                yt + ((b * H + c / Dk) * Dk + c % Dk) * Sl + s0, Sl);
-            }
-        else if (yt)
-            for (c = n0; c < n0 + n; c++) {
-                T *dst = yt + ((b * H + c / Dk) * Dk + c % Dk) * Sl + s0;
-                for (r = r0; r < r1; r++) dst[r - r0] = y[(r - i0) * ldy + c - n0];
+                SUF(transpose)(kern, y + (r0 - i0) * ldy + c - n0, r1 - r0, c1 - c, ldy,
+                               yt + ((b * H + c / Dk) * Dk + c % Dk) * Sl + s0, Sl);
             }
         if (yh)
             for (r = r0; r < r1; r++)
