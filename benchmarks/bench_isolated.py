@@ -323,8 +323,9 @@ def mha_ext_cpu_info():
 
 def round_ratios(rounds, peer, ours="mha_ext"):
     """peer / ours within each round where both measured (a round runs the
-    two minutes apart at most, under the same load): their spread says how
-    far the machine moved a ratio, which the median of the rounds hides."""
+    two libraries back to back, under the same load), from run_case's lists
+    of round medians (None: the worker failed): their spread says how far
+    the machine moved a ratio, which the median of the rounds hides."""
     return [p / o for p, o in zip(rounds.get(peer, []), rounds.get(ours, []))
             if p is not None and o]
 
@@ -446,7 +447,7 @@ def main(argv=None):
                 else:
                     cells.append(f"{'—':>13} | {'—':>6}")
             dmax = max(diffs.values()) if diffs else float("nan")
-            rr = round_ratios(per_round, "torch")
+            rr = row["round_ratio"].get("torch")
             band = f"{min(rr):.2f}-{max(rr):.2f}x" if rr else "—"
             print(f"| {case:<22} | {ours * 1e3 if ours else float('nan'):10.3f} | "
                   + " | ".join(cells) + f" | {pct:5.1f}% | {dmax:8.1e} | {band:>15} |",

@@ -1,0 +1,32 @@
+"""benchmarks/bench_isolated.py's per-round ratios: the torch-per-round
+column pairs each peer's round median with ours from the same round."""
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench_isolated():
+    path = os.path.join(ROOT, "benchmarks", "bench_isolated.py")
+    spec = importlib.util.spec_from_file_location("bench_isolated", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_round_ratios_pair_the_same_round(bench_isolated):
+    rounds = {"mha_ext": [1.0, 2.0, 4.0], "torch": [1.5, 2.0, 2.0]}
+    assert bench_isolated.round_ratios(rounds, "torch") == [1.5, 1.0, 0.5]
+
+
+def test_round_ratios_skip_a_failed_round_without_shifting(bench_isolated):
+    # a failed worker keeps its round's place: the rounds after it stay paired
+    rounds = {"mha_ext": [1.0, None, 4.0], "torch": [None, 3.0, 2.0]}
+    assert bench_isolated.round_ratios(rounds, "torch") == [0.5]
+
+
+def test_round_ratios_of_a_peer_that_never_ran(bench_isolated):
+    assert bench_isolated.round_ratios({"mha_ext": [1.0]}, "ort") == []
