@@ -124,3 +124,26 @@ def test_build_without_a_compiler_says_so(tmp_path):
     assert "needs a working C compiler" in proc.stderr, proc.stderr[-3000:]
     assert "no-such-cc" in proc.stderr
     assert not list((repo / "mha_ext").glob("_core*.so"))
+
+
+@needs_source
+def test_explorer_assets_are_package_data_without_warnings(tmp_path):
+    """mha_ext/_html (the explorer's JavaScript and CSS) is declared as a
+    package of data: build_py copies it into the build, and setuptools
+    does not print its 'Package would be ignored' warning at every
+    `pip install .` (a newcomer's first sight of the project)."""
+    _setuptools()
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.so", "*.egg-info", "__pycache__"))
+    out = tmp_path / "lib"
+    proc = subprocess.run([sys.executable, "setup.py", "build_py", "-d", str(out)],
+                          cwd=str(repo), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout + proc.stderr
+    assert "would be ignored" not in text and "absent from the `packages`" not in text, \
+        text[-3000:]
+    for name in ("explorer.js", "explorer.css"):
+        assert (out / "mha_ext" / "_html" / name).is_file(), name
+    assert (out / "mha_ext" / "_core.pyi").is_file()
+    assert (out / "mha_ext" / "py.typed").is_file()
