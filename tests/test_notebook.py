@@ -1,5 +1,6 @@
 """examples/tour.ipynb executes from top to bottom (nbclient), so it never rots."""
 
+import json
 import os
 import re
 from pathlib import Path
@@ -19,6 +20,14 @@ def test_notebook_is_clean():
     assert 4 <= len(code) <= 12
     for c in code:                          # stored without outputs
         assert c.outputs == [] and c.execution_count is None
+    # every cell has its own id, in the file itself: nbformat.read fills in
+    # a missing one with a warning that future nbformat versions make an
+    # error (nbformat 4.5 requires ids)
+    raw = json.loads(NOTEBOOK.read_text())
+    assert (raw["nbformat"], raw["nbformat_minor"]) >= (4, 5)
+    ids = [c.get("id") for c in raw["cells"]]
+    assert None not in ids, [i for i, x in enumerate(ids) if x is None]
+    assert len(set(ids)) == len(ids), ids
 
 
 def test_notebook_executes(tmp_path, monkeypatch):
