@@ -39,6 +39,15 @@ def _setuptools():
         pytest.skip(f"setuptools>=77 is needed, got {setuptools.__version__}")
 
 
+def _repo_copy(tmp_path):
+    """A copy of the source tree without git or build products, to build in
+    (an sdist writes mha_ext.egg-info, build_ext a .so)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.so", "*.egg-info", "__pycache__"))
+    return repo
+
+
 def _installed_dist():
     """The distribution whose files hold the imported mha_ext, or None (an
     in-place build)."""
@@ -72,9 +81,7 @@ def test_version_has_one_source():
 @needs_source
 def test_sdist_holds_what_the_tests_read(tmp_path):
     _setuptools()
-    repo = tmp_path / "repo"          # a copy: the sdist writes mha_ext.egg-info
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
-        ".git", "build", "dist", "*.so", "*.egg-info", "__pycache__"))
+    repo = _repo_copy(tmp_path)
     proc = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)],
                           cwd=str(repo), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -113,9 +120,7 @@ def test_build_without_a_compiler_says_so(tmp_path):
     """No C compiler: the build stops with a message that says a C compiler
     is needed, not with the compiler's own error."""
     _setuptools()
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
-        ".git", "build", "*.so", "*.egg-info", "__pycache__"))
+    repo = _repo_copy(tmp_path)
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"))
     env.pop("MHA_EXT_CFLAGS", None)
     proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"],
@@ -133,9 +138,7 @@ def test_explorer_assets_are_package_data_without_warnings(tmp_path):
     does not print its 'Package would be ignored' warning at every
     `pip install .` (a newcomer's first sight of the project)."""
     _setuptools()
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
-        ".git", "build", "dist", "*.so", "*.egg-info", "__pycache__"))
+    repo = _repo_copy(tmp_path)
     out = tmp_path / "lib"
     proc = subprocess.run([sys.executable, "setup.py", "build_py", "-d", str(out)],
                           cwd=str(repo), capture_output=True, text=True, timeout=300)
