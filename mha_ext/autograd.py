@@ -10,9 +10,10 @@ Nothing is kept in the module between the two calls: ``ctx`` (a
 masks and the dropout stream (probability and counter) of the forward, and
 the forward's projections Q, K, V (per head, as the attention reads them:
 (B, H, Sq, Dk), K transposed (B, H, Dk, Sk), (B, H, Sk, Dk)) and its context
-before W_o (B, Sq, E) and, when it is no larger than those four together, the
-softmax P (B, H, Sq, Sk); ``save_projections=False`` drops them to save
-memory, and the backward then recomputes them.  The backward recomputes the
+before W_o (B, Sq, E) and, when it is no larger than those four together (or
+at most four times as large and within a quarter of the output cache's limit,
+``memory_info()``), the softmax P (B, H, Sq, Sk); ``save_projections=False``
+drops them to save memory, and the backward then recomputes them.  The backward recomputes the
 rest in C (the softmax block by block when P was not kept, the replayed
 dropout mask).  The copies of the inputs and parameters are made in C by
 the forward's projection tasks as they read them.  So several forwards may be in flight
@@ -77,8 +78,10 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
         call does) or the ``counter`` of an earlier context: replays its mask.
       save_projections: keep Q, K, V and the context (4 arrays of B·S·E)
         in the context, and the softmax P (B, H, Sq, Sk) when it is no larger
-        than those four, so that the backward need not recompute them
-        (default); False keeps only the inputs and the backward recomputes.
+        than those four, or at most four times as large and within a quarter
+        of the output cache's limit (``mha_ext.memory_info()``), so that the
+        backward need not recompute them (default); False keeps only the
+        inputs and the backward recomputes.
     """
     # no copies here: the C forward copies the inputs as its projections read them
     call = _calls.prepare(mha, query, key, value, mask, attn_mask, key_padding_mask,

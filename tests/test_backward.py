@@ -382,13 +382,47 @@ def test_backward_uses_the_forward_parameters():
         np.testing.assert_array_equal(g1[name], g2[name])
 
 
+def p_kept(heads, B, Sq, Sk, E, itemsize):
+    """docs' rule (README, forward_train): P is kept when H·Sq·Sk <=
+    2·E·(Sq + Sk), or when it is at most 4 times that and its bytes at most
+    a quarter of the output cache's limit"""
+    p, four = heads * Sq * Sk, 2 * E * (Sq + Sk)
+    limit = mha_ext.memory_info()["limit_bytes"]
+    return p <= four or (p <= 4 * four and 4 * B * p * itemsize <= limit)
+
+
+@pytest.mark.parametrize("cache_mb, keeps", [("", True), ("0", False), ("1", False),
+                                             ("64", True)])
+def test_p_kept_within_a_quarter_of_the_cache(cache_mb, keeps):
+    """P four times the size of Q, K, V and ctx (H 4, Sq 70, Sk 90, E 64,
+    B 3, float64: 2.4 MB) is kept only while it is at most a quarter of the
+    output cache's limit (MHA_EXT_CACHE_MB: 0 turns the cache off, 1 MiB is
+    too small, 64 MiB and the default 1 GiB hold it)"""
+    code = ("import numpy as np, mha_ext\n"
+            "m = mha_ext.MultiHeadAttention(64, 4, dtype='float64')\n"
+            "q = np.ones((3, 70, 64)); k = np.ones((3, 90, 64))\n"
+            "print(m.forward_train(q, k, k)._saved[4] is not None,"
+            " mha_ext.memory_info()['limit_bytes'])\n")
+    env = dict(os.environ, MHA_EXT_CACHE_MB=cache_mb)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    kept, limit = out.stdout.split()
+    if limit == "0" and cache_mb != "0":  # a sanitizer build: the cache is always off
+        keeps = False
+    assert kept == str(keeps), (cache_mb, limit)
+
+
 @pytest.mark.parametrize("need_weights", [True, False])
-@pytest.mark.parametrize("heads, keeps_p", [(4, False), (2, True)])
+@pytest.mark.parametrize("heads", [16, 4, 2])
 @pytest.mark.parametrize("masked_rows", ["nan", "zero"])
-def test_saved_projections_match_recomputing(need_weights, heads, keeps_p, masked_rows):
+def test_saved_projections_match_recomputing(need_weights, heads, masked_rows):
     """forward_train keeps Q, K, V and the context by default, and the softmax
     P when it is no larger than those four (H·Sq·Sk <= 2·E·(Sq + Sk): here
-    4·70·90 > 2·64·160 >= 2·70·90); the backward reads them.
+    2·70·90 <= 2·64·160), or at most four times as large within a quarter of
+    the output cache's limit (4·70·90; with the cache off, as in a sanitizer
+    build, not kept), never when larger (16·70·90 > 4·2·64·160); the
+    backward reads them.
     save_projections=False recomputes them instead: the gradients agree to
     rounding, and calling backward twice on one ctx gives the same gradients
     (the kept arrays are only read).  Dropout, a mask and a fully blocked
@@ -407,6 +441,8 @@ def test_saved_projections_match_recomputing(need_weights, heads, keeps_p, maske
     fresh = ours.forward_train(q, k, v, save_projections=False, **opts)
     assert kept._saved is not None and fresh._saved is None
     # (Q, K, V, ctx, P | None): P kept only when no larger than the four
+    keeps_p = p_kept(heads, 3, 70, 90, 64, 8)
+    assert keeps_p == (heads == 2 or (heads == 4 and mha_ext.memory_info()["limit_bytes"] > 0))
     assert len(kept._saved) == 5 and (kept._saved[4] is not None) == keeps_p
     Q, K, V, C = kept._saved[:4]  # per head: (B, H, Sq, Dk), (B, H, Dk, Sk), (B, H, Sk, Dk)
     assert Q.shape == (3, heads, 70, 64 // heads) and K.shape == (3, heads, 64 // heads, 90)
