@@ -13,9 +13,9 @@ the forward's projections Q, K, V (per head, as the attention reads them:
 before W_o (B, Sq, E) and, when it is no larger than those four together (or
 at most four times as large and within a quarter of the output cache's limit,
 ``memory_info()``), the softmax P (B, H, Sq, Sk); ``save_projections=False``
-drops them to save memory, and the backward then recomputes them.  The backward recomputes the
-rest in C (the softmax block by block when P was not kept, the replayed
-dropout mask).  The copies of the inputs and parameters are made in C by
+drops them to save memory, and the backward then recomputes them.  The
+backward recomputes the rest in C (the softmax block by block when P was
+not kept, the replayed dropout mask).  The copies of the inputs and parameters are made in C by
 the forward's projection tasks as they read them.  So several forwards may be in flight
 at once, from any number of threads, and each backward differentiates
 exactly the forward that made its ``ctx``, even if the module's parameters

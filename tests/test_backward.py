@@ -382,15 +382,6 @@ def test_backward_uses_the_forward_parameters():
         np.testing.assert_array_equal(g1[name], g2[name])
 
 
-def p_kept(heads, B, Sq, Sk, E, itemsize):
-    """docs' rule (README, forward_train): P is kept when H·Sq·Sk <=
-    2·E·(Sq + Sk), or when it is at most 4 times that and its bytes at most
-    a quarter of the output cache's limit"""
-    p, four = heads * Sq * Sk, 2 * E * (Sq + Sk)
-    limit = mha_ext.memory_info()["limit_bytes"]
-    return p <= four or (p <= 4 * four and 4 * B * p * itemsize <= limit)
-
-
 @pytest.mark.parametrize("cache_mb, keeps", [("", True), ("0", False), ("1", False),
                                              ("64", True)])
 def test_p_kept_within_a_quarter_of_the_cache(cache_mb, keeps):
@@ -441,8 +432,10 @@ def test_saved_projections_match_recomputing(need_weights, heads, masked_rows):
     fresh = ours.forward_train(q, k, v, save_projections=False, **opts)
     assert kept._saved is not None and fresh._saved is None
     # (Q, K, V, ctx, P | None): P kept only when no larger than the four
-    keeps_p = p_kept(heads, 3, 70, 90, 64, 8)
-    assert keeps_p == (heads == 2 or (heads == 4 and mha_ext.memory_info()["limit_bytes"] > 0))
+    # H 4: P is 3·4·70·90 float64 (1.2 times the four), kept while 4 times its
+    # bytes fit the output cache's limit
+    keeps_p = heads == 2 or (heads == 4 and
+                             4 * 3 * 4 * 70 * 90 * 8 <= mha_ext.memory_info()["limit_bytes"])
     assert len(kept._saved) == 5 and (kept._saved[4] is not None) == keeps_p
     Q, K, V, C = kept._saved[:4]  # per head: (B, H, Sq, Dk), (B, H, Dk, Sk), (B, H, Sk, Dk)
     assert Q.shape == (3, heads, 70, 64 // heads) and K.shape == (3, heads, 64 // heads, 90)
