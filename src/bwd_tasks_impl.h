@@ -17,8 +17,9 @@ static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const 
                           int64_t M, int64_t N, int64_t K)
 {
     const int64_t nc = mha_gemm_nc(sizeof(T));
-    if (kind == MHA_TN)
-        mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM_TN, RN_TN);
+    if (kind == MHA_TN) /* a narrow kernel packs Aᵀ (gemm_impl.h): wider tiles share it */
+        mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM_TN,
+                         f->kern->nr * (int64_t)sizeof(T) <= 64 ? 4 * RN_TN : RN_TN);
     else if (mha_tiles_enough((M + RM - 1) / RM, N, nc, mha_get_num_threads()))
         mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM, nc)
             ->pack_b = 1;

@@ -18,7 +18,9 @@
  * mha_gemm_tn takes A transposed, A (K, M), read in place too: the
  * micro-kernel broadcasts element (i, k) from A[k*lda + i], MR neighbours
  * per k (the weight gradients dW = dYᵀ·X and the attention's dV = Aᵀ·dctx
- * without a transposed copy of the left side).
+ * without a transposed copy of the left side); on a narrow kernel (NR
+ * scalars in one cache line: AVX2) A's panels are packed instead,
+ * MHA_GEMM_AT_PANELS at a time (see pack_at below).
  *
  * Each C element is summed in the same order whatever the tiling of the
  * caller: k = 0, 1, ... inside a KC block, blocks added to C in order, the
@@ -58,6 +60,14 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
     const int64_t MR = kt->mr, NR = kt->nr;
     const int64_t NC = mha_gemm_nc(sizeof(T));
     T *Bp = scratch;
+    /* a transposed A (the TN products) on a narrow kernel (one cache line
+     * of B per step: AVX2) is packed panel by panel: read in place, each
+     * step of k reads a line of A (4 KiB apart: one L1 set) for MR values
+     * (on AVX2 the TN products ran at a third of the peak).  The wide
+     * kernels read it in place (faster there, measured: Zen 4) */
+    const int pack_at = a_rs == 1 && a_cs > 1 && NR * (int64_t)sizeof(T) <= 64 &&
+                        MR <= MHA_GEMM_MR_MAX;
+    T *Ap = scratch + MHA_GEMM_KC * NC; /* MHA_GEMM_SCRATCH's room for it */
     int64_t jc, pc, jr, ir, i, j;
     if (M <= 0 || N <= 0) return;
     if (K <= 0) { /* an empty sum: C = 0 (or unchanged), plus the bias */
@@ -83,6 +93,30 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
             }
             for (ir = 0; ir < M; ir += MR) {
                 int64_t mr = M - ir < MR ? M - ir : MR;
+                const T *ap = A + ir * a_rs + pc * a_cs;
+                int64_t ars = a_rs, acs = a_cs;
+                if (pack_at) { /* Aᵀ's panels, (kc, MR) each, MHA_GEMM_AT_PANELS
+                                  at a time: each line of A read once */
+                    const int64_t p = (ir / MR) % MHA_GEMM_AT_PANELS;
+                    if (p == 0) {
+                        const int64_t rows = M - ir < MHA_GEMM_AT_PANELS * MR
+                                                 ? M - ir : MHA_GEMM_AT_PANELS * MR;
+                        const int64_t np = (rows + MR - 1) / MR;
+                        int64_t k, q, r;
+                        for (k = 0; k < kc; k++) {
+                            const T *a_k = A + ir + (pc + k) * a_cs;
+                            T *d = Ap + k * MR;
+                            for (q = 0; q < np; q++, d += kc * MR, a_k += MR) {
+                                const int64_t n = rows - q * MR < MR ? rows - q * MR : MR;
+                                for (r = 0; r < n; r++) d[r] = a_k[r];
+                                for (; r < MR; r++) d[r] = a_k[n - 1]; /* past M: the last row */
+                            }
+                        }
+                    }
+                    ap = Ap + p * kc * MR;
+                    ars = 1;
+                    acs = MR;
+                }
                 for (jr = 0; jr < nc; jr += NR) {
                     int64_t nr = nc - jr < NR ? nc - jr : NR;
                     const T *bp = Bp + jr * kc;
@@ -93,7 +127,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
                     }
                     /* few rows left: the half-height kernel */
                     (mr <= kt->mr_tail ? kt->ukr_tail : kt->ukr)(
-                            kc, A + ir * a_rs + pc * a_cs, a_rs, a_cs, bp, ldbk,
+                            kc, ap, ars, acs, bp, ldbk,
                             C + ir * ldc + jc + jr, ldc, mr, nr, acc,
                             bias_kc ? bias_kc + jc + jr : NULL);
                 }

@@ -129,7 +129,10 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
  * a multiple of 64, so of every micro-kernel's NR; fixed at first use) */
 int64_t mha_gemm_nc(size_t scalar);
 /* scratch for one mha_gemm (inside the T templates) */
-#define MHA_GEMM_SCRATCH (MHA_GEMM_KC * mha_gemm_nc(sizeof(T)))
+#define MHA_GEMM_SCRATCH \
+    (MHA_GEMM_KC * (mha_gemm_nc(sizeof(T)) + MHA_GEMM_AT_PANELS * MHA_GEMM_MR_MAX))
+#define MHA_GEMM_MR_MAX 8    /* rows of a packed panel of Aᵀ at most (kernels.h's mr) */
+#define MHA_GEMM_AT_PANELS 8 /* panels of Aᵀ packed at once (gemm_impl.h) */
 void mha_gemm_f32(const mha_kern_f32 *kt, int trans_b, int64_t M, int64_t N, int64_t K,
                   const float *A, int64_t lda, const float *B, int64_t ldb, const float *bias,
                   float *C, int64_t ldc, int accumulate, float *scratch);

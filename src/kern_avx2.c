@@ -14,6 +14,7 @@
 #define MR 6
 #define NRV 2
 #define DOT_C 2
+#define UKR_UNROLL 4 /* ukr_impl.h's unrolled loop (two 256-bit FMA pipes) */
 
 #define T float
 #define KDOUBLE 0
@@ -23,6 +24,9 @@ typedef int32_t vi32x8 __attribute__((vector_size(32)));
 #define V_SET1(x) _mm256_set1_ps(x)
 #define VI vi32x8
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+/* c = a*b + c in c's register: GCC, free to pick the form, makes a or b the
+ * destination and then moves the accumulators around the unrolled loop */
+#define UKR_FMA_ACC(c, a, b) __asm__("vfmadd231ps %2, %1, %0" : "+x"(c) : "x"(a), "x"(b))
 #define SUF(name) name##_f32_avx2
 #include "kern_impl.h"
 #undef V_FMA
@@ -36,7 +40,9 @@ typedef int64_t vi64x4 __attribute__((vector_size(32)));
 #define V_SET1(x) _mm256_set1_pd(x)
 
 #define VI vi64x4
+#undef UKR_FMA_ACC
 #define V_FMA(a, b, c) _mm256_fmadd_pd(a, b, c)
+#define UKR_FMA_ACC(c, a, b) __asm__("vfmadd231pd %2, %1, %0" : "+x"(c) : "x"(a), "x"(b))
 #define SUF(name) name##_f64_avx2
 #include "kern_impl.h"
 #undef V_FMA

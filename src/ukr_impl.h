@@ -28,6 +28,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
     if (kc > kb) __builtin_memset(part, 0, sizeof part);
     for (k0 = 0, ko = 0; k0 < kc; k0 += kb) {
         const int64_t k1 = kc - k0 < kb ? kc : k0 + kb;
+        k = k0;
         /* every kb steps the partial sums join those of the steps before
          * (in memory, in order) and start again from zero: each C element
          * is a sum of kb-long chains, added in order, closer to the exact
@@ -41,7 +42,73 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
                     c[r][v] = (VT){0};
                 }
         }
-        for (k = k0; k < k1; k++, ko += ak) {
+#ifdef UKR_UNROLL
+        /* all UMR rows real, A row-major (ak 1) or a packed panel (lda 1,
+         * ak UMR: gemm_impl.h's Aᵀ), B's rows close together: the same FMAs
+         * in the same order per element, UKR_UNROLL steps of k per pass,
+         * A's element (r, k) at a base plus constants (row-major: two bases,
+         * rows 0-2 and 3-5, plus one or two row strides), so that a step
+         * costs its loads and FMAs and almost no pointer arithmetic (on a
+         * core with two 256-bit FMA pipes the generic loop below spends as
+         * many instructions on bookkeeping as on FMAs).  Measured: faster
+         * there with B packed or V's rows of one head, slower with B's rows
+         * far apart (Kᵀ read in place), which keep the generic loop. */
+        if (mr == UMR && ldbk <= 4 * NR && (ak == 1 || (lda == 1 && ak == UMR))) {
+            VT cc[UMR][NRV]; /* the accumulators, in this block's registers */
+            const int64_t L = ak == 1 ? lda * (int64_t)sizeof(T) : 0;
+            const char *a0 = (const char *)(A + ko), *a3 = a0 + (UMR > 3 ? 3 * L : 0);
+#pragma GCC unroll 16
+            for (r = 0; r < UMR; r++)
+#pragma GCC unroll 4
+                for (v = 0; v < NRV; v++) cc[r][v] = c[r][v];
+/* UKR_PASS(addr, astep): one pass of UKR_UNROLL steps, addr(r, u) the
+ * address of A's element (r, k + u), astep the bytes A's bases advance */
+#define UKR_PASS(ADDR, ASTEP)                                                              \
+    do {                                                                                   \
+        int u;                                                                             \
+        _Pragma("GCC unroll 8")                                                            \
+        for (u = 0; u < UKR_UNROLL; u++) {                                                 \
+            VT b[NRV];                                                                     \
+            _Pragma("GCC unroll 4")                                                        \
+            for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);                      \
+            /* B's row UKR_PF steps ahead: its first line (a packed panel                  \
+             * streams in order, which the hardware follows too) */                        \
+            __builtin_prefetch((const void *)((uintptr_t)Bp +                              \
+                                              (uintptr_t)(UKR_PF * ldbk) * sizeof(T)));    \
+            _Pragma("GCC unroll 16")                                                       \
+            for (r = 0; r < UMR; r++) {                                                    \
+                VT a = SUF(vset1)(*(const T *)(ADDR));                                     \
+                _Pragma("GCC unroll 4")                                                    \
+                for (v = 0; v < NRV; v++) UKR_FMA_ACC(cc[r][v], a, b[v]);                  \
+            }                                                                              \
+            Bp += ldbk;                                                                    \
+        }                                                                                  \
+        a0 += (ASTEP);                                                                     \
+        a3 += (ASTEP);                                                                     \
+    } while (0)
+            if (ak == 1) {
+                for (; k + UKR_UNROLL <= k1; k += UKR_UNROLL) {
+                    if ((k & 15) == 0) { /* A's rows: the line after next */
+#pragma GCC unroll 16
+                        for (r = 0; r < UMR; r++)
+                            __builtin_prefetch((r < 3 ? a0 : a3) + (r % 3) * L + 32 * sizeof(T));
+                    }
+                    UKR_PASS((r < 3 ? a0 : a3) + (r % 3) * L + u * sizeof(T),
+                             UKR_UNROLL * sizeof(T));
+                }
+            } else { /* the packed panel streams in order from L1 */
+                for (; k + UKR_UNROLL <= k1; k += UKR_UNROLL)
+                    UKR_PASS(a0 + (r + u * UMR) * sizeof(T), UKR_UNROLL * UMR * sizeof(T));
+            }
+#undef UKR_PASS
+#pragma GCC unroll 16
+            for (r = 0; r < UMR; r++)
+#pragma GCC unroll 4
+                for (v = 0; v < NRV; v++) c[r][v] = cc[r][v];
+            ko = k * ak;
+        }
+#endif
+        for (; k < k1; k++, ko += ak) {
             VT b[NRV];
 #pragma GCC unroll 4
             for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);
