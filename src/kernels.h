@@ -11,7 +11,11 @@
  *   kernel runs along N;
  *   Bp holds element (k, c) at Bp[k*ldbk + c] for c < NR: a packed panel
  *   (ldbk = NR, zero-padded) or, for a full strip, B itself (ldbk = ldb).
- *   accumulate: C += (else C is never read); bias (nr) added when not NULL.
+ *   accumulate: C += (else C is never read); bias (nr) added when not NULL;
+ *   pin: NULL, or the partial sums of this depth block's earlier steps as
+ *   an earlier call wrote them (C then a MR x NR tile, ldc NR, no
+ *   accumulate, no bias): the call goes on from them, the same bits as one
+ *   call over the whole block (ukr_impl.h).
  * ukr_tail: the same for mr <= mr_tail (MR / 2) rows, in half the work (the
  *   last row panel of a product whose M leaves few rows); the same bits.
  * dot: the unpacked small-M form of mha_gemm's C (m, n) = A (m, K)·B (n, K)ᵀ
@@ -42,10 +46,11 @@ typedef struct {
     const char *name;
     int mr, nr, mr_tail;
     void (*ukr)(int64_t kc, const float *A, int64_t lda, int64_t ak, const float *Bp, int64_t ldbk,
-                float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const float *bias);
+                float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const float *bias,
+                const float *pin);
     void (*ukr_tail)(int64_t kc, const float *A, int64_t lda, int64_t ak, const float *Bp,
                      int64_t ldbk, float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
-                     const float *bias);
+                     const float *bias, const float *pin);
     void (*dot)(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B,
                 int64_t ldb, const float *bias, float *C, int64_t ldc, int accumulate);
     float (*scale_max)(float *s, int64_t n, float c);
@@ -64,10 +69,11 @@ typedef struct {
     const char *name;
     int mr, nr, mr_tail;
     void (*ukr)(int64_t kc, const double *A, int64_t lda, int64_t ak, const double *Bp, int64_t ldbk,
-                double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const double *bias);
+                double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const double *bias,
+                const double *pin);
     void (*ukr_tail)(int64_t kc, const double *A, int64_t lda, int64_t ak, const double *Bp,
                      int64_t ldbk, double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
-                     const double *bias);
+                     const double *bias, const double *pin);
     void (*dot)(int64_t m, int64_t n, int64_t K, const double *A, int64_t lda, const double *B,
                 int64_t ldb, const double *bias, double *C, int64_t ldc, int accumulate);
     double (*scale_max)(double *s, int64_t n, double c);

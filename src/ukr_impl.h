@@ -4,11 +4,19 @@
  * last panel of few rows: at M = 20 rows and MR = 6, the 2 left over took a
  * full 6-row pass).  Each C element's sum is the same code whatever UMR: a
  * row's bits do not depend on the kernel that computed it.  The includer
- * defines UKR_FN and UMR (undefined here at the end). */
+ * defines UKR_FN and UMR (undefined here at the end).
+ *
+ * pin: NULL, or the state an earlier call left for the first steps of the
+ * same depth block (gemm_impl.h's sub-blocks: that call wrote its result
+ * to a UMR x NR tile, ldc NR, nothing accumulated, no bias): this call
+ * goes on from it as if it had run those steps itself, so the sums keep
+ * their order and bits.  float: the joined chains (part below; the
+ * sub-block starts on a chain boundary, a multiple of UKR_KB); double: the
+ * one chain itself. */
 
 KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const T *Bp,
                          int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,
-                         int accumulate, const T *bias)
+                         int accumulate, const T *bias, const T *pin)
 {
     VT c[UMR][NRV];
     T part[UMR][NRV * VL]; /* the sums of the kb-step chains before */
@@ -24,8 +32,16 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #pragma GCC unroll 16
     for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
-        for (v = 0; v < NRV; v++) c[r][v] = (VT){0};
-    if (kc > kb) __builtin_memset(part, 0, sizeof part);
+        for (v = 0; v < NRV; v++)
+            c[r][v] = KDOUBLE && pin ? SUF(vload)(pin + r * NR + v * VL) : (VT){0};
+    if (pin && !KDOUBLE) {
+#pragma GCC unroll 16
+        for (r = 0; r < UMR; r++)
+#pragma GCC unroll 4
+            for (v = 0; v < NRV; v++)
+                SUF(vstore)(&part[r][v * VL], SUF(vload)(pin + r * NR + v * VL));
+    } else if (kc > kb)
+        __builtin_memset(part, 0, sizeof part);
     for (k0 = 0, ko = 0; k0 < kc; k0 += kb) {
         const int64_t k1 = kc - k0 < kb ? kc : k0 + kb;
         k = k0;
@@ -142,7 +158,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
             Bp += ldbk;
         }
     }
-    if (kc > kb) {
+    if (kc > kb || (pin && !KDOUBLE)) {
 #pragma GCC unroll 16
         for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
