@@ -158,6 +158,33 @@ def test_grads_match_torch_seed_module(dtype, masked):
     assert_grads(grads, want, dtype, f"seed module {dtype}")
 
 
+@pytest.mark.parametrize("isa", [n for n in ("portable", "avx2", "avx512")
+                                 if mha_ext._core._isa_available(n)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_deep_weight_gradients_match_torch(isa, dtype):
+    """The weight gradients dW = dYᵀ·X sum over the B·Sq rows: at B 3,
+    S 300 a depth of 900, two blocks of 512 and 388, which the 256-bit and
+    portable kernels run in sub-blocks of 256, each going on from the one
+    before's partial sums (gemm_impl.h's gemm_nest_nb); E 40 leaves ragged
+    panels.  Against torch autograd on every ISA this CPU has."""
+    torch = need_torch()
+    before = mha_ext._core._get_isa()
+    mha_ext._core._set_isa(isa)
+    try:
+        ours = make(40, 2, dtype, seed=5)
+        rng = np.random.default_rng(7)
+        q, k, v = inputs(rng, 3, 300, 300, 40, dtype)
+        g_out = rng.standard_normal((3, 300, 40)).astype(dtype)
+        ctx = ours.forward_train(q, k, v, need_weights=False)
+        grads = ours.backward(ctx, g_out)
+    finally:
+        mha_ext._core._set_isa(before)
+    state = {n: np.asarray(a) for n, a in ours.state_dict().items()}
+    out, want = torch_reference(torch, state, 2, q, k, v, grad_out=g_out)
+    assert rel_err(ctx.output, out) <= TOL[dtype]
+    assert_grads(grads, want, dtype, f"deep products {isa} {dtype}")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_cross_attention_kdim_vdim_and_torch_masks(dtype):
     """Sq != Sk, kdim and vdim, a float attn_mask (with -inf), a bool
