@@ -20,7 +20,9 @@
  * per k (the weight gradients dW = dYᵀ·X and the attention's dV = Aᵀ·dctx
  * without a transposed copy of the left side); on a narrow kernel (NR
  * scalars in one cache line: AVX2) A's panels are packed instead,
- * MHA_GEMM_AT_PANELS at a time (see pack_at below).
+ * MHA_GEMM_AT_PANELS at a time (see pack_at below), and past a depth of
+ * MHA_GEMM_KS the product takes gemm_nest_nb, BLIS's own order, with the
+ * same sums.
  *
  * Each C element is summed in the same order whatever the tiling of the
  * caller: k = 0, 1, ... inside a KC block, blocks added to C in order, the
