@@ -11,16 +11,23 @@
  * B 4, S 1024, E 1024 a training step 3% faster than 96 x 64 tiles reading
  * W in place), when that gives every thread 4 tiles; else (medium and
  * smaller) RM_S x RN_S tiles reading B in place, whose rows of A stay in
- * L2 across the column tiles */
+ * L2 across the column tiles.  But where a narrow kernel would pack an NN
+ * product's B anyway (rows a multiple of 2 KiB apart: gemm_impl.h's
+ * pack_far; W at E 512, 1024, ...), each small tile would pack its own
+ * (K, 64) block of W again: there two tiles per thread are enough (Zen 3,
+ * training step at B 8, S 128, E 512: the input gradients 5% faster) */
 static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const T *B,
                           int64_t ldb, const T *bias, T *C, int64_t ldc,
                           int64_t M, int64_t N, int64_t K)
 {
-    const int64_t nc = mha_gemm_nc(sizeof(T));
+    const int64_t nc = mha_gemm_nc(sizeof(T)), rows = (M + RM - 1) / RM;
+    const int narrow = f->kern->nr * (int64_t)sizeof(T) <= 64, slots = mha_get_num_threads();
     if (kind == MHA_TN) /* a narrow kernel packs Aᵀ (gemm_impl.h): wider tiles share it */
         mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM_TN,
-                         f->kern->nr * (int64_t)sizeof(T) <= 64 ? 4 * RN_TN : RN_TN);
-    else if (mha_tiles_enough((M + RM - 1) / RM, N, nc, mha_get_num_threads()))
+                         narrow ? 4 * RN_TN : RN_TN);
+    else if (mha_tiles_enough(rows, N, nc, slots) ||
+             (kind == MHA_NN && narrow && ldb * (int64_t)sizeof(T) % 2048 == 0 &&
+              rows * ((N + nc - 1) / nc) >= 2 * (int64_t)slots))
         mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM, nc)
             ->pack_b = 1;
     else

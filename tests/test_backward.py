@@ -185,6 +185,36 @@ def test_deep_weight_gradients_match_torch(isa, dtype):
     assert_grads(grads, want, dtype, f"deep products {isa} {dtype}")
 
 
+@pytest.mark.parametrize("isa", [n for n in ("portable", "avx2", "avx512")
+                                 if mha_ext._core._isa_available(n)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_packed_weight_input_gradients_match_torch(isa, dtype):
+    """The input gradients dX = dY·W where W's rows lie 2 KiB apart (E 512
+    float32, E 256 float64): the narrow kernels pack W's blocks (asking for
+    its rows ahead of the copy) in tiles of every row by a packed block's
+    columns, two per thread at 2 threads (bwd_tasks_impl.h's prod_add).
+    Against torch autograd on every ISA this CPU has."""
+    torch = need_torch()
+    E = 512 if dtype == "float32" else 256
+    before, threads = mha_ext._core._get_isa(), mha_ext.get_num_threads()
+    mha_ext._core._set_isa(isa)
+    mha_ext.set_num_threads(2)
+    try:
+        ours = make(E, 4, dtype, seed=6)
+        rng = np.random.default_rng(8)
+        q, k, v = inputs(rng, 2, 40, 40, E, dtype)
+        g_out = rng.standard_normal((2, 40, E)).astype(dtype)
+        ctx = ours.forward_train(q, k, v, need_weights=False)
+        grads = ours.backward(ctx, g_out)
+    finally:
+        mha_ext._core._set_isa(before)
+        mha_ext.set_num_threads(threads)
+    state = {n: np.asarray(a) for n, a in ours.state_dict().items()}
+    out, want = torch_reference(torch, state, 4, q, k, v, grad_out=g_out)
+    assert rel_err(ctx.output, out) <= TOL[dtype]
+    assert_grads(grads, want, dtype, f"packed W {isa} {dtype}")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_cross_attention_kdim_vdim_and_torch_masks(dtype):
     """Sq != Sk, kdim and vdim, a float attn_mask (with -inf), a bool
