@@ -21,12 +21,12 @@ static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const 
                           int64_t M, int64_t N, int64_t K)
 {
     const int64_t nc = mha_gemm_nc(sizeof(T)), rows = (M + RM - 1) / RM;
-    const int narrow = f->kern->nr * (int64_t)sizeof(T) <= 64, slots = mha_get_num_threads();
+    const int narrow = mha_gemm_narrow(f->kern->nr, sizeof(T)), slots = mha_get_num_threads();
     if (kind == MHA_TN) /* a narrow kernel packs Aᵀ (gemm_impl.h): wider tiles share it */
         mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM_TN,
                          narrow ? 4 * RN_TN : RN_TN);
     else if (mha_tiles_enough(rows, N, nc, slots) ||
-             (kind == MHA_NN && narrow && ldb * (int64_t)sizeof(T) % 2048 == 0 &&
+             (kind == MHA_NN && mha_gemm_far_rows(f->kern->nr, ldb, sizeof(T)) &&
               rows * ((N + nc - 1) / nc) >= 2 * (int64_t)slots))
         mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM, nc)
             ->pack_b = 1;

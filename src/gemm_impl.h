@@ -34,14 +34,15 @@
  * (1024, 64) with K 128: 1.39-1.53x faster with A cold, 0.94-0.96x with
  * A in cache */
 #define PFK 8
-/* and a row-major B's rows PFB rows ahead when packed on a narrow kernel
- * (one line per row of a panel, rows ldb apart: no stream the hardware
- * follows).  Zen 3, one core, TN (512, 256) with K 1024 (a weight gradient
- * at medium): 1.03-1.07x */
+/* and a row-major B's rows PFB rows ahead when packed on a narrow kernel,
+ * rows at least 1 KiB apart (one line per row of a panel: no stream the
+ * hardware follows).  Zen 3, one core, TN (512, 256) with K 1024 (a weight
+ * gradient at medium): 1.08-1.10x; NN (1024, 256) with K 1024: 1.035x */
 #define PFB 16
 
 /* op(B) panel: Bp[k*NR + c] = op(B)(pc + k, j + c), zero for c >= nr; a
- * row-major B's row pc + k + pf asked for with row pc + k (pf 0: not) */
+ * row-major B's row pc + k + pf asked for with row pc + k (pf 0, or rows
+ * under 1 KiB apart, which the hardware follows: not) */
 static void SUF(pack_b)(int trans_b, int64_t kc, int64_t nr, int64_t NR, const T *B,
                         int64_t ldb, int64_t pc, int64_t j, T *Bp, int64_t pf)
 {
@@ -61,7 +62,10 @@ static void SUF(pack_b)(int trans_b, int64_t kc, int64_t nr, int64_t NR, const T
     } else { /* B is (K, N): row pc + k, column j + c */
         for (k = 0; k < kc; k++) {
             const T *b = B + (pc + k) * ldb + j;
-            if (pf && ldb * (int64_t)sizeof(T) >= 1024) __builtin_prefetch((const void *)((uintptr_t)b + (uintptr_t)(pf * ldb) * sizeof(T)));
+            if (pf && ldb * (int64_t)sizeof(T) >= 1024) /* unswitched by gcc: an offset
+                                                          hoisted by hand ran 2-3% slower */
+                __builtin_prefetch(
+                        (const void *)((uintptr_t)b + (uintptr_t)(pf * ldb) * sizeof(T)));
             for (c = 0; c < nr; c++) Bp[k * NR + c] = b[c];
             for (; c < NR; c++) Bp[k * NR + c] = 0;
         }
@@ -155,8 +159,8 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
      * step of k reads a line of A (4 KiB apart: one L1 set) for MR values
      * (on AVX2 the TN products ran at a third of the peak).  The wide
      * kernels read it in place (faster there, measured: Zen 4) */
-    const int pack_at = a_rs == 1 && a_cs > 1 && NR * (int64_t)sizeof(T) <= 64 &&
-                        MR <= MHA_GEMM_MR_MAX;
+    const int narrow = mha_gemm_narrow(NR, sizeof(T));
+    const int pack_at = a_rs == 1 && a_cs > 1 && narrow && MR <= MHA_GEMM_MR_MAX;
     T *Ap = scratch + MHA_GEMM_KC * NC; /* MHA_GEMM_SCRATCH's room for it */
     /* and on such a kernel a row-major B whose rows lie a multiple of
      * 2 KiB apart (Kᵀ or Vᵀ of a head at Sk 512, 1024, ...: a new line
@@ -165,8 +169,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
      * unrolled loop.  Zen 3, (48, 1024)·(64, 1024): 40-50 -> 42-61 GFLOP/s
      * a core, (128, 1024): 39-44 -> 67; rows 1.5 KiB or 512 B apart ran
      * faster in place (76 against 64) and stay so */
-    const int pack_far = !trans_b && a_cs == 1 && NR * (int64_t)sizeof(T) <= 64 &&
-                         ldb * (int64_t)sizeof(T) % 2048 == 0;
+    const int pack_far = !trans_b && a_cs == 1 && mha_gemm_far_rows(NR, ldb, sizeof(T));
     pack_all = pack_all || pack_far;
     int64_t jc, pc, jr, ir, i, j;
     if (M <= 0 || N <= 0) return;
@@ -178,7 +181,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
             }
         return;
     }
-    if (a_rs == 1 && a_cs > 1 && !trans_b && !bias && NR * (int64_t)sizeof(T) <= 64 &&
+    if (a_rs == 1 && a_cs > 1 && !trans_b && !bias && narrow &&
         MR <= MHA_GEMM_MR_MAX && K > MHA_GEMM_KS) { /* see gemm_nest_nb */
         SUF(gemm_nest_nb)(kt, M, N, K, A, a_cs, B, ldb, C, ldc, accumulate, scratch);
         return;
@@ -195,7 +198,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
                     kt->pack_bt(kc, B + (jc + jr) * ldb + pc, ldb, Bp + jr * kc);
                 else if (trans_b || nr < NR || a_cs != 1 || pack_all)
                     SUF(pack_b)(trans_b, kc, nr, NR, B, ldb, pc, jc + jr, Bp + jr * kc,
-                                NR * (int64_t)sizeof(T) <= 64 ? PFB : 0);
+                                narrow ? PFB : 0);
             }
             for (ir = 0; ir < M; ir += MR) {
                 int64_t mr = M - ir < MR ? M - ir : MR;

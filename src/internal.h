@@ -215,6 +215,18 @@ static inline mha_product *mha_products_add(mha_products *l, int kind, const voi
 
 /* 1 when `rows` row tiles by N columns in tiles nc wide give every one of
  * `slots` threads four tiles */
+/* A narrow GEMM kernel: NR scalars in one cache line (AVX2, portable);
+ * gemm_impl.h packs differently for it */
+static inline int mha_gemm_narrow(int64_t nr, size_t scalar)
+{
+    return nr * (int64_t)scalar <= 64;
+}
+/* ... which packs a row-major B whose rows lie a multiple of 2 KiB apart
+ * (gemm_impl.h's pack_far) rather than read it in place */
+static inline int mha_gemm_far_rows(int64_t nr, int64_t ldb, size_t scalar)
+{
+    return mha_gemm_narrow(nr, scalar) && ldb * (int64_t)scalar % 2048 == 0;
+}
 static inline int mha_tiles_enough(int64_t rows, int64_t N, int64_t nc, int slots)
 {
     return rows * ((N + nc - 1) / nc) >= 4 * (int64_t)slots;
