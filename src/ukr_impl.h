@@ -14,6 +14,13 @@
  * sub-block starts on a chain boundary, a multiple of UKR_KB); double: the
  * one chain itself. */
 
+/* A row-major A's row reaches a new 64-byte line every UKR_LINE steps of k
+ * (16 floats, 8 doubles), and each line is asked for two lines ahead.
+ * Asked for every 16 steps for doubles too (every other line), the float64
+ * projection ran 4-7% slower: Zen 3, one core, (1024, 1536) with K 512,
+ * the two alternated call by call */
+#define UKR_LINE (64 / (int64_t)sizeof(T))
+
 KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const T *Bp,
                          int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,
                          int accumulate, const T *bias, const T *pin)
@@ -66,10 +73,18 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
          * rows 0-2 and 3-5, plus one or two row strides), so that a step
          * costs its loads and FMAs and almost no pointer arithmetic (on a
          * core with two 256-bit FMA pipes the generic loop below spends as
-         * many instructions on bookkeeping as on FMAs).  Measured: faster
-         * there with B packed or V's rows of one head, slower with B's rows
-         * far apart (Kᵀ read in place), which keep the generic loop. */
-        if (mr == UMR && ldbk <= 4 * NR && (ak == 1 || (lda == 1 && ak == UMR))) {
+         * many instructions on bookkeeping as on FMAs).  B's rows at most
+         * 4 KiB apart (packed, V's rows of a head, Kᵀ's at Sk 128 or 384, a
+         * weight's at E 768; B's rows a multiple of 2 KiB apart are packed
+         * on AVX2, gemm_impl.h's pack_far).  Zen 3, one core, the two loops
+         * alternated call by call: (48, 64) with K 256 (P·V), B's rows
+         * 512 B to 4 KiB apart, 1.24-1.37x (float and double); (48, 256)
+         * with K 64 (Kᵀ at Sk 384) 1.18-1.27x; (512, 768) with K 768
+         * 1.05-1.20x; rows 6 KiB apart 0.84-0.99x, so the generic loop
+         * stays past 4 KiB.  (The limit was 4·NR scalars: 256 B, which
+         * left double's V and float's Kᵀ at Sk 128 on the generic loop.) */
+        if (mr == UMR && ldbk <= 4096 / (int64_t)sizeof(T) &&
+            (ak == 1 || (lda == 1 && ak == UMR))) {
             VT cc[UMR][NRV]; /* the accumulators, in this block's registers */
             const int64_t L = ak == 1 ? lda * (int64_t)sizeof(T) : 0;
             const char *a0 = (const char *)(A + ko), *a3 = a0 + (UMR > 3 ? 3 * L : 0);
@@ -104,10 +119,10 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
     } while (0)
             if (ak == 1) {
                 for (; k + UKR_UNROLL <= k1; k += UKR_UNROLL) {
-                    if ((k & 15) == 0) { /* A's rows: the line after next */
+                    if ((k & (UKR_LINE - 1)) == 0) { /* A's rows: the line after next */
 #pragma GCC unroll 16
                         for (r = 0; r < UMR; r++)
-                            __builtin_prefetch((r < 3 ? a0 : a3) + (r % 3) * L + 32 * sizeof(T));
+                            __builtin_prefetch((r < 3 ? a0 : a3) + (r % 3) * L + 128);
                     }
                     UKR_PASS((r < 3 ? a0 : a3) + (r % 3) * L + u * sizeof(T),
                              UKR_UNROLL * sizeof(T));
@@ -136,13 +151,13 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
                 __builtin_prefetch((const void *)((uintptr_t)(Bp + v * VL) +
                                                   (uintptr_t)(UKR_PF * ldbk) * sizeof(T)));
             /* A's lines ahead of use: a row-major A (ak == 1) reaches a new line
-             * of each row every 16 k (ask for the line after next); a transposed
-             * one (ak > 1) a new line every k (ask as early as for B's; its UMR
-             * entries may straddle two lines) */
-            if (ak == 1 && (k & 15) == 0) {
+             * of each row every UKR_LINE k (ask for the line after next); a
+             * transposed one (ak > 1) a new line every k (ask as early as for
+             * B's; its UMR entries may straddle two lines) */
+            if (ak == 1 && (k & (UKR_LINE - 1)) == 0) {
 #pragma GCC unroll 16
                 for (r = 0; r < UMR; r++)
-                    __builtin_prefetch((const void *)((uintptr_t)(ar[r] + ko) + 32 * sizeof(T)));
+                    __builtin_prefetch((const void *)((uintptr_t)(ar[r] + ko) + 128));
             } else if (ak > 1) {
                 __builtin_prefetch((const void *)((uintptr_t)(ar[0] + ko) +
                                                   (uintptr_t)(UKR_PF * ak) * sizeof(T)));
@@ -192,3 +207,4 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 
 #undef UKR_FN
 #undef UMR
+#undef UKR_LINE
