@@ -82,7 +82,12 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
          * with K 64 (Kᵀ at Sk 384) 1.18-1.27x; (512, 768) with K 768
          * 1.05-1.20x; rows 6 KiB apart 0.84-0.99x, so the generic loop
          * stays past 4 KiB.  (The limit was 4·NR scalars: 256 B, which
-         * left double's V and float's Kᵀ at Sk 128 on the generic loop.) */
+         * left double's V and float's Kᵀ at Sk 128 on the generic loop.)
+         * Keep the limit a constant count of scalars: written as bytes,
+         * ldbk * sizeof(T) <= 4096, the same test made gcc 12 move loop
+         * bounds to the stack and copy accumulators in the double kernel's
+         * unrolled loop, 1.17-1.40x slower (the code below compiles to the
+         * fast variant's instructions, a disassembly diff of 0 lines). */
         if (mr == UMR && ldbk <= 4096 / (int64_t)sizeof(T) &&
             (ak == 1 || (lda == 1 && ak == UMR))) {
             VT cc[UMR][NRV]; /* the accumulators, in this block's registers */
