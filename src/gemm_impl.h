@@ -72,6 +72,26 @@ static void SUF(pack_b)(int trans_b, int64_t kc, int64_t nr, int64_t NR, const T
     }
 }
 
+/* Row k of a transposed A's block (mc of its columns, from a_k) into its
+ * np panels of MR, element r of panel q at d[q*stride + r]; columns past mc
+ * repeat the last.  AVX2's MR of 6 copies whole panels at a fixed size (two
+ * moves each: a 16- and an 8-byte one for float; the loop on a run-time
+ * MR of 6 spent three moves and its own counting on each) */
+static inline void SUF(pack_at_row)(T *d, const T *a_k, int64_t mc, int64_t np, int64_t MR,
+                                    int64_t stride)
+{
+    int64_t q = 0, r;
+    if (MR == 6)
+        for (; q * 6 + 6 <= mc; q++) memcpy(d + q * stride, a_k + q * 6, 6 * sizeof(T));
+    for (; q < np; q++) {
+        T *dq = d + q * stride;
+        const T *aq = a_k + q * MR;
+        const int64_t n = mc - q * MR < MR ? mc - q * MR : MR;
+        for (r = 0; r < n; r++) dq[r] = aq[r];
+        for (; r < MR; r++) dq[r] = aq[n - 1];
+    }
+}
+
 /* The narrow kernels' nest (NR scalars in one cache line: AVX2, portable)
  * for a transposed A (mha_gemm_tn) deeper than MHA_GEMM_KS: BLIS's order.
  * The nest below keeps an MR-row panel of A in L1 and streams the (KC, NR)
@@ -94,7 +114,7 @@ static void SUF(gemm_nest_nb)(const KT *kt, int64_t M, int64_t N, int64_t K, con
     const int64_t MC = MHA_GEMM_NB_PANELS * MR;
     T *Bp = scratch, *Ap = Bp + MHA_GEMM_KC * NC;
     T *Pp = Ap + MHA_GEMM_KC * MHA_GEMM_NB_PANELS * MHA_GEMM_MR_MAX; /* (NC/NR, panels) tiles */
-    int64_t jc, pc, jr, ic, q, s0, k, r, o;
+    int64_t jc, pc, jr, ic, q, s0, k, o;
     for (jc = 0; jc < N; jc += NC) {
         const int64_t nc = N - jc < NC ? N - jc : NC;
         for (pc = 0; pc < K; pc += MHA_GEMM_KC) {
@@ -113,12 +133,7 @@ static void SUF(gemm_nest_nb)(const KT *kt, int64_t M, int64_t N, int64_t K, con
                     for (o = 0; o < mc; o += 64 / (int64_t)sizeof(T))
                         __builtin_prefetch((const void *)((uintptr_t)(a_k + o) +
                                                           (uintptr_t)(PFK * lda) * sizeof(T)));
-                    for (q = 0; q < np; q++) {
-                        T *d = Ap + (q * kc + k) * MR;
-                        const int64_t n = mc - q * MR < MR ? mc - q * MR : MR;
-                        for (r = 0; r < n; r++) d[r] = a_k[q * MR + r];
-                        for (; r < MR; r++) d[r] = a_k[q * MR + n - 1];
-                    }
+                    SUF(pack_at_row)(Ap + k * MR, a_k, mc, np, MR, kc * MR);
                 }
                 for (s0 = 0; s0 < kc; s0 += MHA_GEMM_KS) {
                     const int64_t ks = kc - s0 < MHA_GEMM_KS ? kc - s0 : MHA_GEMM_KS;
@@ -211,7 +226,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
                         const int64_t rows = M - ir < MHA_GEMM_AT_PANELS * MR
                                                  ? M - ir : MHA_GEMM_AT_PANELS * MR;
                         const int64_t np = (rows + MR - 1) / MR;
-                        int64_t k, q, r;
+                        int64_t k;
                         for (k = 0; k < kc; k++) {
                             const T *a_k = A + ir + (pc + k) * a_cs;
                             T *d = Ap + k * MR;
@@ -219,11 +234,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
                             for (o = 0; o < rows; o += 64 / (int64_t)sizeof(T))
                                 __builtin_prefetch((const void *)((uintptr_t)(a_k + o) +
                                                                   (uintptr_t)(PFK * a_cs) * sizeof(T)));
-                            for (q = 0; q < np; q++, d += kc * MR, a_k += MR) {
-                                const int64_t n = rows - q * MR < MR ? rows - q * MR : MR;
-                                for (r = 0; r < n; r++) d[r] = a_k[r];
-                                for (; r < MR; r++) d[r] = a_k[n - 1]; /* past M: the last row */
-                            }
+                            SUF(pack_at_row)(d, a_k, rows, np, MR, kc * MR);
                         }
                     }
                     ap = Ap + p * kc * MR;

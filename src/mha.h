@@ -255,10 +255,11 @@ void mha_set_num_threads(int n);
 int mha_get_num_threads(void);
 
 /* Each thread that calls mha_forward or mha_backward with a workspace of
- * 32 MiB or more (large shapes: 67 MiB at B 4, S 1024, E 1024 on two
- * threads) keeps the largest such block for its next call, rather than
- * page-faulting fresh memory every call.  The block is freed when the
- * thread exits, or now by mha_release_workspace (for the calling thread). */
+ * 128 KiB or more (67 MiB at B 4, S 1024, E 1024 on two threads) keeps the
+ * largest such block for its next call, rather than page-faulting fresh
+ * memory every call (on Linux one of 2 MiB or more is mapped in huge
+ * pages).  The block is freed when the thread exits, or now by
+ * mha_release_workspace (for the calling thread). */
 void mha_release_workspace(void);
 
 /* The instruction set of mha_forward's kernels: "portable", "avx2" (AVX2 +
