@@ -81,14 +81,16 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
          * 512 B to 4 KiB apart, 1.24-1.37x (float and double); (48, 256)
          * with K 64 (Kᵀ at Sk 384) 1.18-1.27x; (512, 768) with K 768
          * 1.05-1.20x; rows 6 KiB apart 0.84-0.99x, so the generic loop
-         * stays past 4 KiB.  (The limit was 4·NR scalars: 256 B, which
-         * left double's V and float's Kᵀ at Sk 128 on the generic loop.)
+         * stays past 4 KiB and a line (the forward's workspace sets Kᵀ's
+         * rows 4 KiB + 64 B apart at Sk 1024: forward_impl.h).  (The
+         * limit was 4·NR scalars: 256 B, which left double's V and
+         * float's Kᵀ at Sk 128 on the generic loop.)
          * Keep the limit a constant count of scalars: written as bytes,
          * ldbk * sizeof(T) <= 4096, the same test made gcc 12 move loop
          * bounds to the stack and copy accumulators in the double kernel's
          * unrolled loop, 1.17-1.40x slower (the code below compiles to the
          * fast variant's instructions, a disassembly diff of 0 lines). */
-        if (mr == UMR && ldbk <= 4096 / (int64_t)sizeof(T) &&
+        if (mr == UMR && ldbk <= 4160 / (int64_t)sizeof(T) &&
             (ak == 1 || (lda == 1 && ak == UMR))) {
             VT cc[UMR][NRV]; /* the accumulators, in this block's registers */
             const int64_t L = ak == 1 ? lda * (int64_t)sizeof(T) : 0;
