@@ -26,9 +26,10 @@ typedef struct {
     int64_t B, H, Hkv, Sq, Sk, Dk, Dv; /* Sk: every key, the extra ones too */
     int64_t kld;          /* K's and V's rows per head in memory (>= Sk: a
                              cache's capacity); 0: Sk */
+    int64_t vld;          /* V's, when not kld (SDPA's Kᵀ set a line apart); 0: kld */
     const T *qh;          /* Q per head: (B, H, Sq, Dk) */
     const T *kt;          /* K per head, transposed: (B, Hkv, Dk, kld) */
-    const T *vh;          /* V per head: (B, Hkv, kld, Dv) */
+    const T *vh;          /* V per head: (B, Hkv, vld, Dv) */
     T *ctx;               /* row i of head (b, h): ctx + b*cs_b + h*cs_h + i*ldc, Dv wide */
     int64_t cs_b, cs_h, ldc;
     T *weights;           /* NULL, or (B, H, Sq, Sk) */
@@ -106,7 +107,7 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, kend, kbeg;
     const T *q_bh = at->qh + (bh * at->Sq + i0) * Dk;          /* (nq, Dk) */
     const T *kt_bh = at->kt + bkv * Dk * at->kld;              /* (Dk, Sk), ld kld */
-    const T *v_bh = at->vh + bkv * at->kld * Dv;               /* (Sk, Dv) */
+    const T *v_bh = at->vh + bkv * at->vld * Dv;               /* (Sk, Dv) */
     T *c_bh = at->ctx + b * at->cs_b + h * at->cs_h + i0 * at->ldc; /* (nq, Dv), ld ldc */
     T *gs = at->scratch + (int64_t)slot * at->scratch_len;
     T *p_bh = (at->p_save ? at->p_save : at->weights) + (bh * at->Sq + i0) * Sk; /* (nq, Sk) */
@@ -188,7 +189,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     }
     const T *q_bh = at->qh + ((b * at->H + h0) * at->Sq + i0) * Dk; /* (nq, Dk) */
     const T *kt_bh = at->kt + bkv * Dk * at->kld;    /* (Dk, Sk), ld kld */
-    const T *v_bh = at->vh + bkv * at->kld * Dv;     /* (Sk, Dv) */
+    const T *v_bh = at->vh + bkv * at->vld * Dv;     /* (Sk, Dv) */
     T *gs = at->scratch + (int64_t)slot * at->scratch_len; /* GEMM packing */
     T *s = gs + MHA_GEMM_SCRATCH;                          /* (QB, KB) */
     T *mx = s + QB * KB;                                   /* (QB) running max */
@@ -248,6 +249,7 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
 {
     at->n_qblk = (at->Sq + QB - 1) / QB;
     if (at->kld == 0) at->kld = at->Sk;
+    if (at->vld == 0) at->vld = at->kld;
     /* grouped-query attention with few queries: one task per key/value head
      * (when that leaves a task for every thread) */
     at->grp = !at->weights && !at->p_save && at->H > at->Hkv && !at->rr.lay.keep &&

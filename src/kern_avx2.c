@@ -24,6 +24,13 @@ typedef int32_t vi32x8 __attribute__((vector_size(32)));
 #define V_SET1(x) _mm256_set1_ps(x)
 #define VI vi32x8
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+/* kern_impl.h's selections as single instructions (vmaxps returns its second
+ * operand where either is NaN or both are zero: a > b ? a : b exactly; the
+ * generic and/andnot/or form cost four) */
+#define V_MAX(a, b) _mm256_max_ps(a, b)
+#define V_MIN(a, b) _mm256_min_ps(a, b)
+#define V_WHERE_LT(x, c, a, y) _mm256_blendv_ps(y, a, _mm256_cmp_ps(x, c, _CMP_LT_OQ))
+#define V_WHERE_GT(x, c, a, y) _mm256_blendv_ps(y, a, _mm256_cmp_ps(x, c, _CMP_GT_OQ))
 /* c = a*b + c in c's register: GCC, free to pick the form, makes a or b the
  * destination and then moves the accumulators around the unrolled loop */
 #define UKR_FMA_ACC(c, a, b) __asm__("vfmadd231ps %2, %1, %0" : "+x"(c) : "x"(a), "x"(b))
@@ -42,6 +49,10 @@ typedef int64_t vi64x4 __attribute__((vector_size(32)));
 #define VI vi64x4
 #undef UKR_FMA_ACC
 #define V_FMA(a, b, c) _mm256_fmadd_pd(a, b, c)
+#define V_MAX(a, b) _mm256_max_pd(a, b)
+#define V_MIN(a, b) _mm256_min_pd(a, b)
+#define V_WHERE_LT(x, c, a, y) _mm256_blendv_pd(y, a, _mm256_cmp_pd(x, c, _CMP_LT_OQ))
+#define V_WHERE_GT(x, c, a, y) _mm256_blendv_pd(y, a, _mm256_cmp_pd(x, c, _CMP_GT_OQ))
 #define UKR_FMA_ACC(c, a, b) __asm__("vfmadd231pd %2, %1, %0" : "+x"(c) : "x"(a), "x"(b))
 #define SUF(name) name##_f64_avx2
 #include "kern_impl.h"

@@ -4,7 +4,9 @@
  * same softmax row, the same pool).  Legend as in mha.h's SDPA section.
  *
  *   kt (B, Hkv, D, S) = k transposed per head (Q·Kᵀ reads it in place, as
- *                       the module's attention reads its K)
+ *                       the module's attention reads its K; rows a line
+ *                       more apart when S's would lie a multiple of 2 KiB
+ *                       apart, as forward_impl.h's)
  *   per (b, h, block of queries), h' = h / (H / Hkv):
  *     S = q_bh·kt_bh' · scale, masked, softmax, dropout;  out_bh = S·v_bh' */
 
@@ -14,7 +16,7 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     SUF(att) at;
     SUF(sdpa_tr) tr;
     mha_poll_state ps;
-    int64_t n_work, state, t;
+    int64_t n_work, state, t, n_kt;
     size_t bytes;
     int slots;
     T *work;
@@ -45,6 +47,14 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     at.cs_h = a->L * a->Dv;
     at.ldc = a->Dv;
 
+    /* kt's rows: a line further apart than S when S's would lie a multiple
+     * of 2 KiB apart (as forward_impl.h's; V stays the caller's) */
+    at.kld = at.Sk;
+    if (mha_gemm_far_rows(at.kern->nr, at.Sk, sizeof(T))) at.kld = at.Sk + 64 / (int64_t)sizeof(T);
+    at.vld = at.Sk;
+    if (mha_mul(a->B * a->Hkv, a->D, &n_kt) || mha_mul(n_kt, at.kld, &n_kt))
+        return MHA_ERR_OVERFLOW;
+
     slots = mha_get_num_threads();
     if (2.0 * (double)a->B * (double)a->H * (double)a->L * (double)a->S *
             (double)(a->D + a->Dv) < 2e6)
@@ -52,13 +62,13 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     /* workspace: kt (B, Hkv, D, S), then per slot the GEMM's packing and the
      * task's state */
     if (SUF(att_state)(&at, &state) || mha_add(state, MHA_GEMM_SCRATCH, &at.scratch_len) ||
-        mha_mul(at.scratch_len, slots, &t) || mha_add(t, sz.n_key, &n_work) ||
+        mha_mul(at.scratch_len, slots, &t) || mha_add(t, n_kt, &n_work) ||
         mha_bytes(n_work, sizeof(T), &bytes))
         return MHA_ERR_OVERFLOW;
     work = (T *)mha_work_alloc(bytes);
     if (!work) return MHA_ERR_NOMEM;
     at.kt = work;
-    at.scratch = work + sz.n_key;
+    at.scratch = work + n_kt;
 
     mha_poll_start(&ps, a->poll, a->poll_ctx);
     tr.kern = at.kern;
@@ -66,6 +76,7 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     tr.kt = work;
     tr.S = a->S;
     tr.D = a->D;
+    tr.ld = at.kld;
     if (a->S > 0 && mha_parallel_for(a->B * a->Hkv, slots, SUF(sdpa_transpose_task), &tr, &ps))
         goto stopped;
     /* a NaN or inf in v must reach every row (0·NaN): no skipping */
