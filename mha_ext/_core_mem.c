@@ -30,6 +30,7 @@
  * mha_ext.release_memory() unmaps every cached block.  In a sanitizer build
  * the cache is off, so that ASan checks the outputs' bounds as malloc's. */
 #include "_core.h"
+#include "hugemap.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -159,24 +160,13 @@ static void cache_put(char *raw, size_t len)
     for (i = 0; i < nv; i++) munmap(victims[i].raw, victims[i].len);
 }
 
-/* a fresh mapping of len bytes (a multiple of the page); from OUT_HUGE on,
- * aligned to 2 MiB and asked for in huge pages */
+/* a fresh mapping of len bytes (a multiple of the page): from OUT_HUGE on,
+ * at a 2 MiB boundary and asked for in huge pages (src/hugemap.h) */
 static char *out_map(size_t len)
 {
     char *p;
-#ifdef MADV_HUGEPAGE
-    if (len >= OUT_HUGE && len <= (size_t)-1 - OUT_HUGE) {
-        char *a;
-        p = (char *)mmap(NULL, len + OUT_HUGE, PROT_READ | PROT_WRITE,
-                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (p == (char *)MAP_FAILED) return NULL;
-        /* the aligned len bytes inside; the rest back */
-        a = (char *)(((uintptr_t)p + OUT_HUGE - 1) & ~(uintptr_t)(OUT_HUGE - 1));
-        if (a > p) munmap(p, (size_t)(a - p));
-        munmap(a + len, (size_t)(p + OUT_HUGE - a));
-        madvise(a, len, MADV_HUGEPAGE); /* a hint: its failure changes nothing */
-        return a;
-    }
+#if MHA_HUGEMAP
+    if (len >= OUT_HUGE) return (char *)mha_huge_map(len);
 #endif
     p = (char *)mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     return p == (char *)MAP_FAILED ? NULL : p;

@@ -6,12 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hugemap.h"
 #include "internal.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
-#endif
-#if defined(__linux__)
-#include <sys/mman.h>
 #endif
 
 void *mha_alloc(size_t bytes)
@@ -36,10 +34,9 @@ void mha_free(void *p) { free(p); }
  * are malloc's, which reuses them).  A block has a 64-byte header holding
  * its capacity.  Without a thread key (creation failed) nothing is cached.
  *
- * Blocks of MHA_WORK_HUGE or more are mapped here, aligned to 2 MiB and
- * asked for in huge pages (MADV_HUGEPAGE: the kernel's default is
- * "madvise", so malloc's blocks get 4 KiB pages).  Q, K, V and the context
- * are scattered per head through them, a TLB miss on most 4 KiB pages:
+ * Blocks of 2 MiB or more are mapped at a 2 MiB boundary and asked for in
+ * huge pages (hugemap.h).  Q, K, V and the context are scattered per head
+ * through them, a TLB miss on most 4 KiB pages:
  * Zen 3, B 8, S 128, E 512 (the 8 MiB workspace), builds alternated
  * process by process, the Q, K, V projections 12.1 -> 10.2 ms, the
  * attention 3.4 -> 2.9 ms, the call 19.2 -> 16.8 ms.  The cache's lower
@@ -49,7 +46,6 @@ void mha_free(void *p) { free(p); }
  * mapped workspace raised.  A sanitizer build maps nothing here, so that
  * ASan checks the workspace's bounds as malloc's. */
 #define MHA_WORK_CACHE_MIN ((size_t)128 << 10)
-#define MHA_WORK_HUGE ((size_t)2 << 20)
 #if defined(__SANITIZE_ADDRESS__)
 #define MHA_WORK_SANITIZED 1
 #elif defined(__has_feature)
@@ -57,7 +53,7 @@ void mha_free(void *p) { free(p); }
 #define MHA_WORK_SANITIZED 1
 #endif
 #endif
-#if defined(__linux__) && defined(MADV_HUGEPAGE) && !defined(MHA_WORK_SANITIZED)
+#if MHA_HUGEMAP && !defined(MHA_WORK_SANITIZED)
 #define MHA_WORK_MAP 1
 #else
 #define MHA_WORK_MAP 0
@@ -73,19 +69,9 @@ static void *block_alloc(size_t bytes)
 {
     void *raw = NULL;
 #if MHA_WORK_MAP
-    if (bytes >= MHA_WORK_HUGE) {
-        const size_t len = (bytes + MHA_WORK_HUGE - 1) & ~(MHA_WORK_HUGE - 1);
-        char *p, *a;
-        if (len < bytes || len > SIZE_MAX - MHA_WORK_HUGE) return NULL;
-        p = (char *)mmap(NULL, len + MHA_WORK_HUGE, PROT_READ | PROT_WRITE,
-                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (p == (char *)MAP_FAILED) return NULL;
-        /* the aligned len bytes inside; the rest back */
-        a = (char *)(((uintptr_t)p + MHA_WORK_HUGE - 1) & ~(uintptr_t)(MHA_WORK_HUGE - 1));
-        if (a > p) munmap(p, (size_t)(a - p));
-        munmap(a + len, (size_t)(p + MHA_WORK_HUGE - a));
-        madvise(a, len, MADV_HUGEPAGE); /* a hint: its failure changes nothing */
-        return a;
+    if (bytes >= MHA_HUGE_BYTES) { /* whole huge pages */
+        const size_t len = (bytes + MHA_HUGE_BYTES - 1) & ~(MHA_HUGE_BYTES - 1);
+        return len < bytes ? NULL : mha_huge_map(len);
     }
 #endif
     return posix_memalign(&raw, 64, bytes) == 0 ? raw : NULL;
@@ -95,8 +81,8 @@ static void block_free(void *raw, size_t bytes)
 {
     if (!raw) return;
 #if MHA_WORK_MAP
-    if (bytes >= MHA_WORK_HUGE) {
-        munmap(raw, (bytes + MHA_WORK_HUGE - 1) & ~(MHA_WORK_HUGE - 1));
+    if (bytes >= MHA_HUGE_BYTES) {
+        munmap(raw, (bytes + MHA_HUGE_BYTES - 1) & ~(MHA_HUGE_BYTES - 1));
         return;
     }
 #endif
@@ -174,7 +160,7 @@ void *mha_work_alloc(size_t bytes)
     mha_work_cache *c;
     void *raw = NULL;
     size_t cap = (bytes + 63) / 64 * 64;
-    if (cap < bytes || cap > SIZE_MAX - 2 * MHA_WORK_HUGE) return NULL;
+    if (cap < bytes || cap > SIZE_MAX - ((size_t)4 << 20)) return NULL;
     c = cap >= MHA_WORK_CACHE_MIN ? work_cache(1) : NULL;
     if (c && c->raw) {
         if (c->cap >= cap) { /* the cached block is big enough: take it */
