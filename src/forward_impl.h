@@ -291,7 +291,8 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     /* workspace: qh and ctx (B, Sq, E) scalars, kt and vh (B, Sk', Ekv),
      * unless the caller keeps them (or the cache holds K and V); then the
      * slots' scratch */
-    if (mha_mul(B * at.kld, Ekv, &t) || mha_mul(t, keep || cached ? 0 : 2, &t) ||
+    if (mha_mul(B, at.kld, &t) || mha_mul(t, Ekv, &t) ||
+        mha_mul(t, keep || cached ? 0 : 2, &t) ||
         mha_add(t, keep ? 0 : 2 * sz.n_out, &n_work) ||
         mha_mul(f.scratch_len, slots, &n_scratch) || mha_add(n_work, n_scratch, &n_work))
         return MHA_ERR_OVERFLOW;
