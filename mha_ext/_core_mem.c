@@ -40,21 +40,11 @@
 #define OUT_MIN ((size_t)1 << 20) /* smaller arrays: NumPy's own allocator */
 #define OUT_HDR 64                /* bytes before the data: the block's header */
 #define OUT_FREE_MIN ((size_t)32 << 20) /* cached blocks from here on: MADV_FREE */
-#define OUT_HUGE ((size_t)2 << 20) /* blocks from here on: 2 MiB aligned, huge pages */
 #define OUT_SLOTS 32              /* blocks the cache holds at most */
 #define OUT_MAGIC_MAP 0x6d68616d61700001ULL /* "mhamap": a mapped block */
 #define OUT_MAGIC_HEAP 0x6d68616d61700002ULL /* a malloc'd one (realloc's small side) */
 
-#if defined(__SANITIZE_ADDRESS__)
-#define OUT_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define OUT_SANITIZED 1
-#endif
-#endif
-#ifndef OUT_SANITIZED
-#define OUT_SANITIZED 0
-#endif
+#define OUT_SANITIZED MHA_SANITIZED /* hugemap.h's: the cache is off under ASan */
 
 typedef struct {
     size_t len;      /* the mapping's bytes (header included), or malloc's */
@@ -160,13 +150,13 @@ static void cache_put(char *raw, size_t len)
     for (i = 0; i < nv; i++) munmap(victims[i].raw, victims[i].len);
 }
 
-/* a fresh mapping of len bytes (a multiple of the page): from OUT_HUGE on,
- * at a 2 MiB boundary and asked for in huge pages (src/hugemap.h) */
+/* a fresh mapping of len bytes (a multiple of the page): from 2 MiB on, at
+ * a 2 MiB boundary and asked for in huge pages (src/hugemap.h) */
 static char *out_map(size_t len)
 {
     char *p;
 #if MHA_HUGEMAP
-    if (len >= OUT_HUGE) return (char *)mha_huge_map(len);
+    if (len >= MHA_HUGE_BYTES) return (char *)mha_huge_map(len);
 #endif
     p = (char *)mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     return p == (char *)MAP_FAILED ? NULL : p;

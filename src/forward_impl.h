@@ -233,13 +233,10 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     Skx = a->Sk + sz.extra; /* every key: the given ones, then the extra ones */
     at.Sk = klen + Skx;     /* ... after the cached ones */
     at.kld = cached ? a->cache_cap : at.Sk; /* K's, V's rows per head in memory */
-    /* in the workspace, Kᵀ's rows a multiple of 2 KiB apart (Sk 512, 1024,
-     * ... on a narrow kernel) are set a line further apart: S = Q·Kᵀ then
-     * reads them in place instead of packing them for every block of
-     * queries (gemm_impl.h's pack_far).  Zen 3, B 4, S 1024, E 1024,
-     * builds alternated process by process: the attention 149.9 -> 141.8 ms */
-    if (!cached && !keep && sz.extra == 0 && mha_gemm_far_rows(f.kern->nr, at.Sk, sizeof(T)))
-        at.kld = at.Sk + 64 / (int64_t)sizeof(T);
+    /* in the workspace, Kᵀ's rows as mha_kt_ld spaces them (Zen 3, B 4,
+     * S 1024, E 1024, builds alternated process by process: the attention
+     * 149.9 -> 141.8 ms) */
+    if (!cached && !keep && sz.extra == 0) at.kld = mha_kt_ld(f.kern->nr, at.Sk, sizeof(T));
     at.H = cfg->n_heads;
     at.Hkv = Hkv;
     at.Dk = at.Dv = cfg->d_model / cfg->n_heads;

@@ -3,8 +3,9 @@
  * (mha_ext/_core_mem.c) from 2 MiB on.  Linux's default for transparent huge
  * pages is "madvise": malloc's blocks get 4 KiB pages, and Q, K, V and the
  * context scattered per head through them miss the TLB on most pages.
- * MHA_HUGEMAP is 0 where there is no MADV_HUGEPAGE (callers then allocate as
- * before). */
+ * MHA_HUGEMAP is 0 where there is no MADV_HUGEPAGE, and in a sanitizer build
+ * (MHA_SANITIZED: ASan then checks the workspaces' bounds as malloc's);
+ * callers then allocate as before. */
 #ifndef MHA_HUGEMAP_H
 #define MHA_HUGEMAP_H
 
@@ -14,7 +15,18 @@
 #include <sys/mman.h>
 #endif
 
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
+#if defined(__SANITIZE_ADDRESS__)
+#define MHA_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MHA_SANITIZED 1
+#endif
+#endif
+#ifndef MHA_SANITIZED
+#define MHA_SANITIZED 0
+#endif
+
+#if defined(__linux__) && defined(MADV_HUGEPAGE) && !MHA_SANITIZED
 #define MHA_HUGEMAP 1
 #define MHA_HUGE_BYTES ((size_t)2 << 20)
 

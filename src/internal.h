@@ -227,6 +227,14 @@ static inline int mha_gemm_far_rows(int64_t nr, int64_t ldb, size_t scalar)
 {
     return mha_gemm_narrow(nr, scalar) && ldb * (int64_t)scalar % 2048 == 0;
 }
+/* The rows of a Kᵀ the attention reads as a GEMM's B (Sk keys a row): Sk,
+ * or a line more when Sk's rows would lie a multiple of 2 KiB apart, so that
+ * S = Q·Kᵀ reads them in place instead of packing them for every block of
+ * queries (forward_impl.h's workspace, sdpa_forward_impl.h's kt) */
+static inline int64_t mha_kt_ld(int64_t nr, int64_t Sk, size_t scalar)
+{
+    return mha_gemm_far_rows(nr, Sk, scalar) ? Sk + 64 / (int64_t)scalar : Sk;
+}
 static inline int mha_tiles_enough(int64_t rows, int64_t N, int64_t nc, int slots)
 {
     return rows * ((N + nc - 1) / nc) >= 4 * (int64_t)slots;

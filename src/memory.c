@@ -43,21 +43,8 @@ void mha_free(void *p) { free(p); }
  * bound, 128 KiB (glibc's first mmap threshold), keeps the forward's
  * scratch of a training step in a block already faulted in; malloc's
  * reuse of it depended on the mmap threshold that freeing the backward's
- * mapped workspace raised.  A sanitizer build maps nothing here, so that
- * ASan checks the workspace's bounds as malloc's. */
+ * mapped workspace raised.  A sanitizer build maps nothing (hugemap.h). */
 #define MHA_WORK_CACHE_MIN ((size_t)128 << 10)
-#if defined(__SANITIZE_ADDRESS__)
-#define MHA_WORK_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define MHA_WORK_SANITIZED 1
-#endif
-#endif
-#if MHA_HUGEMAP && !defined(MHA_WORK_SANITIZED)
-#define MHA_WORK_MAP 1
-#else
-#define MHA_WORK_MAP 0
-#endif
 
 typedef struct {
     void *raw;
@@ -68,7 +55,7 @@ typedef struct {
 static void *block_alloc(size_t bytes)
 {
     void *raw = NULL;
-#if MHA_WORK_MAP
+#if MHA_HUGEMAP
     if (bytes >= MHA_HUGE_BYTES) { /* whole huge pages */
         const size_t len = (bytes + MHA_HUGE_BYTES - 1) & ~(MHA_HUGE_BYTES - 1);
         return len < bytes ? NULL : mha_huge_map(len);
@@ -80,7 +67,7 @@ static void *block_alloc(size_t bytes)
 static void block_free(void *raw, size_t bytes)
 {
     if (!raw) return;
-#if MHA_WORK_MAP
+#if MHA_HUGEMAP
     if (bytes >= MHA_HUGE_BYTES) {
         munmap(raw, (bytes + MHA_HUGE_BYTES - 1) & ~(MHA_HUGE_BYTES - 1));
         return;

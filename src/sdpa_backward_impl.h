@@ -101,7 +101,7 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     tr.kt = work;
     tr.S = fa->S;
     tr.D = fa->D;
-    tr.ld = 0;
+    tr.ld = fa->S;
     if (mha_parallel_for(f.B * f.Hkv, slots, SUF(sdpa_transpose_task), &tr, &ps)) goto stopped;
     /* no skipping when a NaN or inf must reach every key (see bwd_range) */
     f.skip = (f.rr.window || f.rr.lay.keep) && SUF(all_finite)(f.k, sz.n_key) &&

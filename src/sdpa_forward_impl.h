@@ -47,10 +47,8 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     at.cs_h = a->L * a->Dv;
     at.ldc = a->Dv;
 
-    /* kt's rows: a line further apart than S when S's would lie a multiple
-     * of 2 KiB apart (as forward_impl.h's; V stays the caller's) */
-    at.kld = at.Sk;
-    if (mha_gemm_far_rows(at.kern->nr, at.Sk, sizeof(T))) at.kld = at.Sk + 64 / (int64_t)sizeof(T);
+    /* kt's rows (mha_kt_ld); V's are the caller's, S apart */
+    at.kld = mha_kt_ld(at.kern->nr, at.Sk, sizeof(T));
     at.vld = at.Sk;
     if (mha_mul(a->B * a->Hkv, a->D, &n_kt) || mha_mul(n_kt, at.kld, &n_kt))
         return MHA_ERR_OVERFLOW;

@@ -27,16 +27,15 @@ typedef struct {
     const T *k;
     T *kt;
     int64_t S, D;
-    int64_t ld; /* kt's rows: S, or more (sdpa_forward_impl.h); 0: S */
+    int64_t ld; /* kt's rows lie ld apart (>= S) */
 } SUF(sdpa_tr);
 
 /* one (b, h') of k (S, D) into kt (D, S), rows ld apart */
 static void SUF(sdpa_transpose_task)(void *ctx, int64_t t, int slot)
 {
     const SUF(sdpa_tr) *tr = (const SUF(sdpa_tr) *)ctx;
-    const int64_t ld = tr->ld ? tr->ld : tr->S;
     (void)slot;
     SUF(transpose)(tr->kern, tr->k + t * tr->S * tr->D, tr->S, tr->D, tr->D,
-                   tr->kt + t * ld * tr->D, ld);
+                   tr->kt + t * tr->ld * tr->D, tr->ld);
 }
 
