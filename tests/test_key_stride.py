@@ -1,0 +1,75 @@
+"""Keys whose transposed rows get a padded stride, against torch.
+
+When Sk keys of Kᵀ would lie a multiple of 2 KiB apart (512 float32 keys, 256
+float64 ones) on a narrow kernel (AVX2, portable), the module's forward and
+the SDPA entry point lay Kᵀ out a line further apart (internal.h's
+mha_kt_ld) and SDPA then reads V with its own stride (attend_impl.h's vld).
+The other tests use fewer keys, so only these reach that layout; a stride
+mixed up between K and V gives wrong numbers here.  Each ISA the machine has
+runs (AVX-512 keeps the plain stride: the comparison holds there too).
+"""
+import numpy as np
+import pytest
+
+from _support import require_torch
+
+import mha_ext
+from mha_ext import _core
+
+ISAS = [name for name in ("portable", "avx2", "avx512") if _core._isa_available(name)]
+TOL = {"float32": 2e-5, "float64": 1e-10}
+KEYS = {"float32": 512, "float64": 256}  # 2 KiB of one row of Kᵀ
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return require_torch()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    before = _core._get_isa()
+    _core._set_isa(request.param)
+    yield request.param
+    _core._set_isa(before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("keys", ["one", "two"], ids=["S-2KiB", "S-4KiB"])
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_module_forward(torch, isa, dtype, keys, need_weights, causal):
+    S = KEYS[dtype] * (1 if keys == "one" else 2)
+    E, H, B = 32, 2, 2
+    tdt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    tm = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=tdt).eval()
+    x = torch.randn(B, S, E, dtype=tdt)
+    mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1) if causal else None
+    with torch.inference_mode():
+        want, want_w = tm(x, x, x, attn_mask=mask, need_weights=need_weights,
+                          average_attn_weights=False)
+    ours = mha_ext.MultiHeadAttention.from_torch(tm).eval()
+    xn = x.numpy()
+    out, w = ours(xn, xn, xn, is_causal=causal, need_weights=need_weights)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(out, want.numpy(), atol=tol, rtol=tol)
+    if need_weights:
+        np.testing.assert_allclose(w, want_w.numpy(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa(torch, isa, dtype, hq, hkv, causal):
+    S, L, D, Dv = KEYS[dtype], 37, 16, 8  # Dv != D: V's rows differ from Kᵀ's
+    g = torch.Generator().manual_seed(1)
+    tdt = getattr(torch, dtype)
+    q = torch.randn(2, hq, L, D, generator=g, dtype=tdt)
+    k = torch.randn(2, hkv, S, D, generator=g, dtype=tdt)
+    v = torch.randn(2, hkv, S, Dv, generator=g, dtype=tdt)
+    kw = dict(is_causal=causal, enable_gqa=hq != hkv)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw).numpy()
+    got = mha_ext.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), **kw)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
