@@ -66,6 +66,31 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
                 }
         }
 #ifdef UKR_UNROLL
+/* UKR_PASS(addr, astep): one pass of UKR_UNROLL steps, addr(r, u) the
+ * address of A's element (r, k + u), astep the bytes A's bases advance */
+#define UKR_PASS(ADDR, ASTEP)                                                              \
+    do {                                                                                   \
+        int u;                                                                             \
+        _Pragma("GCC unroll 8")                                                            \
+        for (u = 0; u < UKR_UNROLL; u++) {                                                 \
+            VT b[NRV];                                                                     \
+            _Pragma("GCC unroll 4")                                                        \
+            for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);                      \
+            /* B's row UKR_PF steps ahead: its first line (a packed panel                  \
+             * streams in order, which the hardware follows too) */                        \
+            __builtin_prefetch((const void *)((uintptr_t)Bp +                              \
+                                              (uintptr_t)(UKR_PF * ldbk) * sizeof(T)));    \
+            _Pragma("GCC unroll 16")                                                       \
+            for (r = 0; r < UMR; r++) {                                                    \
+                VT a = SUF(vset1)(*(const T *)(ADDR));                                     \
+                _Pragma("GCC unroll 4")                                                    \
+                for (v = 0; v < NRV; v++) UKR_FMA_ACC(cc[r][v], a, b[v]);                  \
+            }                                                                              \
+            Bp += ldbk;                                                                    \
+        }                                                                                  \
+        a0 += (ASTEP);                                                                     \
+        a3 += (ASTEP);                                                                     \
+    } while (0)
         /* all UMR rows real, A row-major (ak 1) or a packed panel (lda 1,
          * ak UMR: gemm_impl.h's Aᵀ), B's rows close together: the same FMAs
          * in the same order per element, UKR_UNROLL steps of k per pass,
@@ -99,31 +124,6 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
             for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
                 for (v = 0; v < NRV; v++) cc[r][v] = c[r][v];
-/* UKR_PASS(addr, astep): one pass of UKR_UNROLL steps, addr(r, u) the
- * address of A's element (r, k + u), astep the bytes A's bases advance */
-#define UKR_PASS(ADDR, ASTEP)                                                              \
-    do {                                                                                   \
-        int u;                                                                             \
-        _Pragma("GCC unroll 8")                                                            \
-        for (u = 0; u < UKR_UNROLL; u++) {                                                 \
-            VT b[NRV];                                                                     \
-            _Pragma("GCC unroll 4")                                                        \
-            for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);                      \
-            /* B's row UKR_PF steps ahead: its first line (a packed panel                  \
-             * streams in order, which the hardware follows too) */                        \
-            __builtin_prefetch((const void *)((uintptr_t)Bp +                              \
-                                              (uintptr_t)(UKR_PF * ldbk) * sizeof(T)));    \
-            _Pragma("GCC unroll 16")                                                       \
-            for (r = 0; r < UMR; r++) {                                                    \
-                VT a = SUF(vset1)(*(const T *)(ADDR));                                     \
-                _Pragma("GCC unroll 4")                                                    \
-                for (v = 0; v < NRV; v++) UKR_FMA_ACC(cc[r][v], a, b[v]);                  \
-            }                                                                              \
-            Bp += ldbk;                                                                    \
-        }                                                                                  \
-        a0 += (ASTEP);                                                                     \
-        a3 += (ASTEP);                                                                     \
-    } while (0)
             if (ak == 1) {
                 for (; k + UKR_UNROLL <= k1; k += UKR_UNROLL) {
                     if ((k & (UKR_LINE - 1)) == 0) { /* A's rows: the line after next */
@@ -138,13 +138,51 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
                 for (; k + UKR_UNROLL <= k1; k += UKR_UNROLL)
                     UKR_PASS(a0 + (r + u * UMR) * sizeof(T), UKR_UNROLL * UMR * sizeof(T));
             }
-#undef UKR_PASS
 #pragma GCC unroll 16
             for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
                 for (v = 0; v < NRV; v++) c[r][v] = cc[r][v];
             ko = k * ak;
         }
+#if !KDOUBLE
+        else if (ak == 1 && ldbk <= 4160 / (int64_t)sizeof(T)) {
+            /* fewer rows than UMR (a product's last panel: at M = 20 and MR
+             * 6 the last 2 rows, on the half-height kernel): the same loop,
+             * rows past mr repeating the last as ar[] does, each row at its
+             * own offset (the loop above keeps its constants).  Zen 3, one
+             * core, (mr, 64) with K 512, B in place, the two alternated call
+             * by call: mr 1, 2, 4, 5 1.02-1.05x on a quiet machine, 1.10-1.55x
+             * while the other vCPU is busy; the generic loop below spends
+             * more instructions per FMA.  Not for double: its kernels' code
+             * stays as it was (see the limit's note above) */
+            VT cc[UMR][NRV];
+            const int64_t L = lda * (int64_t)sizeof(T);
+            const int64_t O1 = mr > 1 ? L : 0, O2 = mr > 2 ? 2 * L : O1;
+            const int64_t H1 = mr > 4 ? L : 0, H2 = mr > 5 ? 2 * L : H1;
+            const char *a0 = (const char *)(A + ko);
+            const char *a3 = a0 + (UMR > 3 ? (mr > 3 ? 3 : mr - 1) * L : 0);
+#define UKR_ROW(r) ((r) < 3 ? a0 + ((r) == 0 ? 0 : (r) == 1 ? O1 : O2) \
+                            : a3 + ((r) == 3 ? 0 : (r) == 4 ? H1 : H2))
+#pragma GCC unroll 16
+            for (r = 0; r < UMR; r++)
+#pragma GCC unroll 4
+                for (v = 0; v < NRV; v++) cc[r][v] = c[r][v];
+            for (; k + UKR_UNROLL <= k1; k += UKR_UNROLL) {
+                if ((k & (UKR_LINE - 1)) == 0) {
+#pragma GCC unroll 16
+                    for (r = 0; r < UMR; r++) __builtin_prefetch(UKR_ROW(r) + 128);
+                }
+                UKR_PASS(UKR_ROW(r) + u * sizeof(T), UKR_UNROLL * sizeof(T));
+            }
+#undef UKR_ROW
+#pragma GCC unroll 16
+            for (r = 0; r < UMR; r++)
+#pragma GCC unroll 4
+                for (v = 0; v < NRV; v++) c[r][v] = cc[r][v];
+            ko = k;
+        }
+#endif
+#undef UKR_PASS
 #endif
         for (; k < k1; k++, ko += ak) {
             VT b[NRV];
