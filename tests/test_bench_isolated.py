@@ -1,5 +1,6 @@
-"""benchmarks/bench_isolated.py's per-round ratios: the torch-per-round
-column pairs each peer's round median with ours from the same round."""
+"""benchmarks/bench_isolated.py's per-round ratios (the torch-per-round
+column pairs each peer's round median with ours from the same round) and
+its peak (the highest of the FMA probe's runs)."""
 import importlib.util
 import os
 
@@ -30,3 +31,10 @@ def test_round_ratios_skip_a_failed_round_without_shifting(bench_isolated):
 
 def test_round_ratios_of_a_peer_that_never_ran(bench_isolated):
     assert bench_isolated.round_ratios({"mha_ext": [1.0]}, "ort") == []
+
+
+def test_best_probe_takes_each_precision_highest(bench_isolated):
+    # a probe run under load (the second) must not set the peak; f32 and
+    # f64 each take their own highest run
+    assert bench_isolated.best_probe([(180.0, 88.0), (94.9, 47.7), (176.0, 90.5)]) == (180.0, 90.5)
+    assert bench_isolated.best_probe([]) is None
