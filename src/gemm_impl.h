@@ -21,7 +21,7 @@
  * without a transposed copy of the left side); on a narrow kernel (NR
  * scalars in one cache line: AVX2) A's panels are packed instead,
  * MHA_GEMM_AT_PANELS at a time (see pack_at below), and past a depth of
- * MHA_GEMM_KS the product takes gemm_nest_nb, BLIS's own order, with the
+ * MHA_GEMM_NB_K the product takes gemm_nest_nb, BLIS's own order, with the
  * same sums.
  *
  * Each C element is summed in the same order whatever the tiling of the
@@ -93,19 +93,22 @@ static inline void SUF(pack_at_row)(T *d, const T *a_k, int64_t mc, int64_t np, 
 }
 
 /* The narrow kernels' nest (NR scalars in one cache line: AVX2, portable)
- * for a transposed A (mha_gemm_tn) deeper than MHA_GEMM_KS: BLIS's order.
+ * for a transposed A (mha_gemm_tn) deeper than MHA_GEMM_NB_K: BLIS's order.
  * The nest below keeps an MR-row panel of A in L1 and streams the (KC, NR)
  * panels of B from L2, repacking Aᵀ for every block of NC columns; here Aᵀ
  * is packed once per depth block, MHA_GEMM_NB_PANELS panels at a time (an
  * (MC, kc) block that stays in L2, its rows asked for PFK rows ahead), B's
- * block is 2·NC wide, and each (KS, NR) sub-panel of B (16 KiB on AVX2)
- * stays in L1 while the MC rows' panels stream past it.  The depth block
- * is still KC: a sub-block's micro-kernel call writes its partial sums to
- * the tile's slot in Pp and the next one goes on from them (ukr's pin), so
- * every element is summed in the same order as below, to the bit.
+ * block is 2·NC wide, and each (kc, NR) panel of B meets the MC rows'
+ * panels one after the other.  Every element is summed in the same order
+ * as below, to the bit.
  * Zen 3, one core, the weight gradients' tile (1024, 256) with K 4096, the
  * two nests alternated call by call in one process: 1.19-1.63x the median
- * GFLOP/s of the nest below (best 57-64 against 34-50). */
+ * GFLOP/s of the nest below (best 57-64 against 34-50).  The depth block
+ * was once split into sub-blocks of 256 (B's sub-panel, 16 KiB, kept in
+ * L1; the kernel went on from a sub-block's partial sums): one call over
+ * the whole block is 1.03-1.08x faster on every tile tried ((512, 256) K
+ * 1024, (1024, 256) K 4096, (768, 256) K 6144; the same bits), a training
+ * step's weight and input gradients at B 8, S 128, E 512 37.8 -> 35.8 ms. */
 static void SUF(gemm_nest_nb)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A,
                               int64_t lda, const T *B, int64_t ldb, T *C, int64_t ldc,
                               int accumulate, T *scratch)
@@ -113,8 +116,7 @@ static void SUF(gemm_nest_nb)(const KT *kt, int64_t M, int64_t N, int64_t K, con
     const int64_t MR = kt->mr, NR = kt->nr, NC = 2 * mha_gemm_nc(sizeof(T));
     const int64_t MC = MHA_GEMM_NB_PANELS * MR;
     T *Bp = scratch, *Ap = Bp + MHA_GEMM_KC * NC;
-    T *Pp = Ap + MHA_GEMM_KC * MHA_GEMM_NB_PANELS * MHA_GEMM_MR_MAX; /* (NC/NR, panels) tiles */
-    int64_t jc, pc, jr, ic, q, s0, k, o;
+    int64_t jc, pc, jr, ic, q, k, o;
     for (jc = 0; jc < N; jc += NC) {
         const int64_t nc = N - jc < NC ? N - jc : NC;
         for (pc = 0; pc < K; pc += MHA_GEMM_KC) {
@@ -135,25 +137,13 @@ static void SUF(gemm_nest_nb)(const KT *kt, int64_t M, int64_t N, int64_t K, con
                                                           (uintptr_t)(PFK * lda) * sizeof(T)));
                     SUF(pack_at_row)(Ap + k * MR, a_k, mc, np, MR, kc * MR);
                 }
-                for (s0 = 0; s0 < kc; s0 += MHA_GEMM_KS) {
-                    const int64_t ks = kc - s0 < MHA_GEMM_KS ? kc - s0 : MHA_GEMM_KS;
-                    const int last = s0 + ks >= kc;
-                    for (jr = 0; jr < nc; jr += NR) {
-                        const int64_t nr = nc - jr < NR ? nc - jr : NR;
-                        const T *bp = Bp + jr * kc + s0 * NR;
-                        for (q = 0; q < np; q++) {
-                            const int64_t ir = ic + q * MR, mr = M - ir < MR ? M - ir : MR;
-                            const int tail = mr <= kt->mr_tail;
-                            T *pt = Pp + ((jr / NR) * MHA_GEMM_NB_PANELS + q) * MR * NR;
-                            /* not the last sub-block: the whole (UMR, NR) tile
-                             * of partial sums into pt (rows and columns past
-                             * C's are computed anyway, never stored in C) */
-                            (tail ? kt->ukr_tail : kt->ukr)(
-                                    ks, Ap + (q * kc + s0) * MR, 1, MR, bp, NR,
-                                    last ? C + ir * ldc + jc + jr : pt, last ? ldc : NR,
-                                    last ? mr : tail ? kt->mr_tail : MR, last ? nr : NR,
-                                    last && acc, NULL, s0 ? pt : NULL);
-                        }
+                for (jr = 0; jr < nc; jr += NR) {
+                    const int64_t nr = nc - jr < NR ? nc - jr : NR;
+                    for (q = 0; q < np; q++) {
+                        const int64_t ir = ic + q * MR, mr = M - ir < MR ? M - ir : MR;
+                        (mr <= kt->mr_tail ? kt->ukr_tail : kt->ukr)(
+                                kc, Ap + q * kc * MR, 1, MR, Bp + jr * kc, NR,
+                                C + ir * ldc + jc + jr, ldc, mr, nr, acc, NULL, NULL);
                     }
                 }
             }
@@ -197,7 +187,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
         return;
     }
     if (a_rs == 1 && a_cs > 1 && !trans_b && !bias && narrow &&
-        MR <= MHA_GEMM_MR_MAX && K > MHA_GEMM_KS) { /* see gemm_nest_nb */
+        MR <= MHA_GEMM_MR_MAX && K > MHA_GEMM_NB_K) { /* see gemm_nest_nb */
         SUF(gemm_nest_nb)(kt, M, N, K, A, a_cs, B, ldb, C, ldc, accumulate, scratch);
         return;
     }

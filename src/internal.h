@@ -128,16 +128,16 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
 /* the packed block's columns for scalars of that size (cpu.c: from the L2,
  * a multiple of 64, so of every micro-kernel's NR; fixed at first use) */
 int64_t mha_gemm_nc(size_t scalar);
-/* scratch for one mha_gemm (inside the T templates) */
-#define MHA_GEMM_SCRATCH                                                                  \
-    (MHA_GEMM_KC * (2 * mha_gemm_nc(sizeof(T)) + MHA_GEMM_NB_PANELS * MHA_GEMM_MR_MAX) + \
-     MHA_GEMM_NB_PANELS * MHA_GEMM_MR_MAX * 2 * mha_gemm_nc(sizeof(T)))
+/* scratch for one mha_gemm (inside the T templates): B's packed block (KC,
+ * up to 2·NC), then Aᵀ's packed panels */
+#define MHA_GEMM_SCRATCH \
+    (MHA_GEMM_KC * (2 * mha_gemm_nc(sizeof(T)) + MHA_GEMM_NB_PANELS * MHA_GEMM_MR_MAX))
 #define MHA_GEMM_MR_MAX 8    /* rows of a packed panel of Aᵀ at most (kernels.h's mr) */
 #define MHA_GEMM_AT_PANELS 8 /* panels of Aᵀ packed at once (gemm_impl.h) */
-/* gemm_impl.h's gemm_nest_nb: panels of Aᵀ packed at once, and the
- * sub-block of a depth block (a multiple of ukr's float chains, UKR_KB) */
+/* gemm_impl.h's gemm_nest_nb: panels of Aᵀ packed at once, and the depth
+ * past which a transposed A takes it */
 #define MHA_GEMM_NB_PANELS 16
-#define MHA_GEMM_KS 256
+#define MHA_GEMM_NB_K 256
 void mha_gemm_f32(const mha_kern_f32 *kt, int trans_b, int64_t M, int64_t N, int64_t K,
                   const float *A, int64_t lda, const float *B, int64_t ldb, const float *bias,
                   float *C, int64_t ldc, int accumulate, float *scratch);

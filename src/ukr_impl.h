@@ -7,7 +7,8 @@
  * defines UKR_FN and UMR (undefined here at the end).
  *
  * pin: NULL, or the state an earlier call left for the first steps of the
- * same depth block (gemm_impl.h's sub-blocks: that call wrote its result
+ * same depth block (once gemm_impl.h's sub-blocks; unused now, see
+ * kernels.h: that call wrote its result
  * to a UMR x NR tile, ldc NR, nothing accumulated, no bias): this call
  * goes on from it as if it had run those steps itself, so the sums keep
  * their order and bits.  float: the joined chains (part below; the
