@@ -106,9 +106,10 @@ static inline void SUF(pack_at_row)(T *d, const T *a_k, int64_t mc, int64_t np, 
  * GFLOP/s of the nest below (best 57-64 against 34-50).  The depth block
  * was once split into sub-blocks of 256 (B's sub-panel, 16 KiB, kept in
  * L1; the kernel went on from a sub-block's partial sums): one call over
- * the whole block is 1.03-1.08x faster on every tile tried ((512, 256) K
+ * the whole block is 1.06-1.09x faster on every tile tried ((512, 256) K
  * 1024, (1024, 256) K 4096, (768, 256) K 6144; the same bits), a training
- * step's weight and input gradients at B 8, S 128, E 512 37.8 -> 35.8 ms. */
+ * step's weight and input gradients at B 8, S 128, E 512 34.1 -> 32.5 ms
+ * (builds alternated process by process). */
 static void SUF(gemm_nest_nb)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A,
                               int64_t lda, const T *B, int64_t ldb, T *C, int64_t ldc,
                               int accumulate, T *scratch)
