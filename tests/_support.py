@@ -11,9 +11,14 @@ from pathlib import Path
 import pytest
 
 import mha_ext
+from mha_ext import _core
 
 # the folder holding the mha_ext package the tests imported
 PKG_ROOT = str(Path(mha_ext.__file__).resolve().parent.parent)
+
+# the instruction sets whose kernels this CPU can run (conftest.py's `isa`
+# fixture runs a test on each)
+ISAS = [name for name in ("portable", "avx2", "avx512") if _core._isa_available(name)]
 
 
 def required(name):

@@ -3,6 +3,8 @@
 Shape legend (as everywhere in the project): B batch, Sq query length,
 Sk key length, E = d_model, H = n_heads, Dk = E / H.
 
+* ``isa``: runs a test once on each instruction set's kernels this CPU has
+  (portable, avx2, avx512), switched with ``_core._set_isa`` and restored.
 * ``torch`` / ``require_torch()``: torch is the reference.  Without it the
   parity tests are skipped on a developer machine, but they *fail* when the
   ``CI`` environment variable is set, so CI can never pass by skipping them.
@@ -56,6 +58,22 @@ from _support import require_torch  # noqa: E402  (skip locally, fail in CI)
 @pytest.fixture(scope="session")
 def torch():
     return require_torch()
+
+
+# --------------------------------------------------------------------------
+# isa: the test once per instruction set this CPU runs (_support.ISAS)
+# --------------------------------------------------------------------------
+
+from _support import ISAS  # noqa: E402
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    from mha_ext import _core
+    before = _core._get_isa()
+    _core._set_isa(request.param)
+    yield request.param
+    _core._set_isa(before)
 
 
 # --------------------------------------------------------------------------

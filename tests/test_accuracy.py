@@ -13,17 +13,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import mha_ext  # noqa: E402
-from mha_ext import _core  # noqa: E402
-
-ISAS = [name for name in ("portable", "avx2", "avx512") if _core._isa_available(name)]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _core._get_isa()
-    _core._set_isa(request.param)
-    yield request.param
-    _core._set_isa(before)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["medium", "causal-medium"])

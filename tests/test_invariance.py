@@ -15,19 +15,10 @@ import numpy as np
 import pytest
 
 import mha_ext
-from mha_ext import MultiHeadAttention, _core
+from mha_ext import MultiHeadAttention
 
-ISAS = [name for name in ("portable", "avx2", "avx512") if _core._isa_available(name)]
 SHAPES = [(64, 4, 10), (64, 1, 3), (96, 8, 17), (512, 8, 10), (512, 8, 130),
           (1088, 8, 6)]  # E, H, S (1088: two depth blocks of the projections)
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _core._get_isa()
-    _core._set_isa(request.param)
-    yield request.param
-    _core._set_isa(before)
 
 
 def _data(B, S, E, dtype, seed=0):

@@ -12,19 +12,11 @@ import numpy as np
 import pytest
 
 import mha_ext
+from _support import ISAS
 from mha_ext import _core
 
 EDGE = [1, 7, 15, 17, 33, 63, 65, 127, 129]
-ISAS = [name for name in ("portable", "avx2", "avx512") if _core._isa_available(name)]
 TOL = {"float32": 2e-5, "float64": 1e-12}
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _core._get_isa()
-    _core._set_isa(request.param)
-    yield request.param
-    _core._set_isa(before)
 
 
 def make(E, H, dtype="float32", kdim=None, vdim=None, seed=0):

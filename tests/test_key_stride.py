@@ -11,27 +11,10 @@ runs (AVX-512 keeps the plain stride: the comparison holds there too).
 import numpy as np
 import pytest
 
-from _support import require_torch
-
 import mha_ext
-from mha_ext import _core
 
-ISAS = [name for name in ("portable", "avx2", "avx512") if _core._isa_available(name)]
 TOL = {"float32": 2e-5, "float64": 1e-10}
 KEYS = {"float32": 512, "float64": 256}  # 2 KiB of one row of Kᵀ
-
-
-@pytest.fixture(scope="module")
-def torch():
-    return require_torch()
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _core._get_isa()
-    _core._set_isa(request.param)
-    yield request.param
-    _core._set_isa(before)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -20,19 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mha_ext
-from mha_ext import MultiHeadAttention, _core
+from mha_ext import MultiHeadAttention
 from mha_ext.cache import KVCache
 
-ISAS = [name for name in ("portable", "avx2", "avx512") if _core._isa_available(name)]
 SHAPES = [(64, 1, 1), (64, 4, 4), (64, 4, 2), (64, 4, 1), (512, 8, 8), (512, 8, 2)]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _core._get_isa()
-    _core._set_isa(request.param)
-    yield request.param
-    _core._set_isa(before)
 
 
 def _module(E, H, Hkv, dtype, seed=1, **kw):
