@@ -306,6 +306,12 @@ def test_a_new_thread_with_a_dead_writers_ident_still_waits():
 # ------------------------------------------------------------- defect 6
 
 INTERRUPT = """
+# Python installs its Ctrl-C handler only when SIGINT is not ignored at
+# start-up; a test run started in the background of a non-interactive shell
+# (or under nohup) passes SIGINT on ignored, and the signal would then be
+# dropped: install the handler an interactive session has
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 def interrupt_after(delay, sent):
     def fire():
         time.sleep(delay)
