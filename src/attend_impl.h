@@ -43,11 +43,22 @@ typedef struct {
     int dropout_on;
     const T *hmask;       /* NULL, or the head mask: (b, h) at b*hm_sb + h*hm_sh */
     int64_t hm_sb, hm_sh;
+    int stream;           /* P and the weights formed in the slot's scratch and
+                             streamed out (they exceed the caches) */
     int skip;             /* V finite, no extra keys: skip the keys causality
                              and the window block (att_kbeg, att_kend) */
     int grp;              /* tasks per (b, key/value head), rows the group's */
     int64_t n_qblk;
 } SUF(att);
+
+/* P or the weights past 32 MiB: formed in the slot's scratch and streamed
+ * out (attend_stream) */
+static int SUF(att_streams)(const SUF(att) *at)
+{
+    return (at->weights || at->p_save) &&
+           (double)at->B * (double)at->H * (double)at->Sq * (double)at->Sk * (double)sizeof(T) >
+                   32.0 * 1048576.0;
+}
 
 /* scalars of per-slot state (after the packing) a task of `at` needs */
 static int SUF(att_state)(const SUF(att) *at, int64_t *state)
@@ -55,7 +66,8 @@ static int SUF(att_state)(const SUF(att) *at, int64_t *state)
     *state = 0;
     if (!at->weights && !at->p_save)
         return mha_mul(QB, at->Dv, state) || mha_add(*state, QB * KB + 2 * QB, state);
-    if (at->p_save && !at->weights && at->dropout_on) return mha_mul(QB, at->Sk, state);
+    if (SUF(att_streams)(at) || (at->p_save && !at->weights && at->dropout_on))
+        return mha_mul(QB, at->Sk, state);
     return 0;
 }
 
@@ -91,6 +103,54 @@ static void SUF(dropout_row)(const SUF(att) *at, T *w, int64_t n, uint64_t idx)
     for (j = 0; j < n; j++)
         w[j] = mha_dropout_keep(at->drop_key, idx + (uint64_t)j, at->dropout)
                    ? w[j] * at->drop_scale : (T)0;
+}
+
+/* attend_weights_task's block (kbeg < kend) with P formed in the slot's
+ * scratch: P copied out to mha_saved's with stores that bypass the caches,
+ * A = dropout(P) formed there, A·V from there, then (m·)A streamed to the
+ * weights.  The destinations are written once and not read back, so no
+ * line of them is read from memory first (as a store into the array
+ * itself reads each line) nor held in the caches. */
+static void SUF(attend_stream)(const SUF(att) *at, int64_t t, int slot, int64_t kbeg,
+                               int64_t kend)
+{
+    int64_t bh = t / at->n_qblk, b = bh / at->H, h = bh % at->H;
+    int64_t bkv = b * at->Hkv + h / (at->H / at->Hkv);
+    int64_t i0 = (t % at->n_qblk) * QB, nq = at->Sq - i0 < QB ? at->Sq - i0 : QB;
+    int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r;
+    const T *q_bh = at->qh + (bh * at->Sq + i0) * Dk;
+    const T *kt_bh = at->kt + bkv * Dk * at->kld;
+    const T *v_bh = at->vh + bkv * at->vld * Dv;
+    T *c_bh = at->ctx + b * at->cs_b + h * at->cs_h + i0 * at->ldc;
+    T *gs = at->scratch + (int64_t)slot * at->scratch_len;
+    T *sb = gs + MHA_GEMM_SCRATCH; /* (nq, Sk) */
+    const size_t bytes = (size_t)(nq * Sk) * sizeof(T);
+    const int64_t off = (bh * at->Sq + i0) * Sk;
+    if (kbeg > 0) SUF(fill_rows)(sb, nq, kbeg, Sk, (T)0);
+    SUF(mha_gemm)(at->kern, 0, nq, kend - kbeg, Dk, q_bh, Dk, kt_bh + kbeg, at->kld, NULL,
+                  sb + kbeg, Sk, 0, gs);
+    int64_t ne_r[QB];
+    for (r = 0; r < nq; r++)
+        ne_r[r] = SUF(softmax_row)(at->kern, &at->rr, at->scale, sb + r * Sk, b, h, i0 + r, 0,
+                                   kend, Sk);
+    if (at->p_save) mha_copy_stream(at->p_save + off, sb, bytes);
+    if (at->dropout_on)
+        for (r = 0; r < nq; r++)
+            if (ne_r[r] >= 0)
+                SUF(dropout_row)(at, sb + r * Sk, ne_r[r],
+                                 ((uint64_t)bh * (uint64_t)at->Sq + (uint64_t)(i0 + r)) *
+                                     (uint64_t)Sk);
+    kbeg -= kbeg % MHA_GEMM_KC;
+    SUF(mha_gemm)(at->kern, 0, nq, Dv, kend - kbeg, sb + kbeg, Sk, v_bh + kbeg * Dv, Dv, NULL,
+                  c_bh, at->ldc, 0, gs);
+    if (at->hmask) {
+        const T m = at->hmask[b * at->hm_sb + h * at->hm_sh];
+        for (r = 0; r < nq; r++) {
+            at->kern->scale(c_bh + r * at->ldc, Dv, m);
+            if (at->weights) at->kern->scale(sb + r * Sk, Sk, m);
+        }
+    }
+    if (at->weights) mha_copy_stream(at->weights + off, sb, bytes);
 }
 
 /* Attention with the weights written: task = (b, h, block of queries).
@@ -129,6 +189,10 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
         SUF(fill_rows)(p_bh, nq, Sk, Sk, value);
         if (a_bh != p_bh) SUF(fill_rows)(a_bh, nq, Sk, Sk, value);
         SUF(fill_rows)(c_bh, nq, Dv, at->ldc, value);
+        return;
+    }
+    if (at->stream) {
+        SUF(attend_stream)(at, t, slot, kbeg, kend);
         return;
     }
     /* the keys before kbeg: 0 scores, which the window or the layout masks */
@@ -252,6 +316,7 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
     if (at->vld == 0) at->vld = at->kld;
     /* grouped-query attention with few queries: one task per key/value head
      * (when that leaves a task for every thread) */
+    at->stream = SUF(att_streams)(at);
     at->grp = !at->weights && !at->p_save && at->H > at->Hkv && !at->rr.lay.keep &&
               at->Sq * (at->H / at->Hkv) <= ROWS && at->B * at->Hkv >= slots;
     if (at->grp)
