@@ -44,7 +44,7 @@ typedef struct {
     const T *hmask;       /* NULL, or the head mask: (b, h) at b*hm_sb + h*hm_sh */
     int64_t hm_sb, hm_sh;
     int stream;           /* P and the weights formed in the slot's scratch and
-                             streamed out (they exceed the caches) */
+                             streamed out (attend_weights_task) */
     int skip;             /* V finite, no extra keys: skip the keys causality
                              and the window block (att_kbeg, att_kend) */
     int grp;              /* tasks per (b, key/value head), rows the group's */
@@ -52,7 +52,7 @@ typedef struct {
 } SUF(att);
 
 /* P or the weights past 32 MiB: formed in the slot's scratch and streamed
- * out (attend_stream) */
+ * out (attend_weights_task) */
 static int SUF(att_streams)(const SUF(att) *at)
 {
     return (at->weights || at->p_save) &&
@@ -105,59 +105,28 @@ static void SUF(dropout_row)(const SUF(att) *at, T *w, int64_t n, uint64_t idx)
                    ? w[j] * at->drop_scale : (T)0;
 }
 
-/* attend_weights_task's block (kbeg < kend) with P formed in the slot's
- * scratch: P copied out to mha_saved's with stores that bypass the caches,
- * A = dropout(P) formed there, A·V from there, then (m·)A streamed to the
- * weights.  The destinations are written once and not read back, so no
- * line of them is read from memory first (as a store into the array
- * itself reads each line) nor held in the caches. */
-static void SUF(attend_stream)(const SUF(att) *at, int64_t t, int slot, int64_t kbeg,
-                               int64_t kend)
+/* Row r of the block's A from its P (rows Sk apart): a copy when they
+ * differ, then the dropout (none on a row with every key blocked, ne < 0) */
+static void SUF(a_row)(const SUF(att) *at, const T *p_bh, T *a_bh, int64_t r, int64_t ne,
+                       int64_t bh, int64_t i0)
 {
-    int64_t bh = t / at->n_qblk, b = bh / at->H, h = bh % at->H;
-    int64_t bkv = b * at->Hkv + h / (at->H / at->Hkv);
-    int64_t i0 = (t % at->n_qblk) * QB, nq = at->Sq - i0 < QB ? at->Sq - i0 : QB;
-    int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r;
-    const T *q_bh = at->qh + (bh * at->Sq + i0) * Dk;
-    const T *kt_bh = at->kt + bkv * Dk * at->kld;
-    const T *v_bh = at->vh + bkv * at->vld * Dv;
-    T *c_bh = at->ctx + b * at->cs_b + h * at->cs_h + i0 * at->ldc;
-    T *gs = at->scratch + (int64_t)slot * at->scratch_len;
-    T *sb = gs + MHA_GEMM_SCRATCH; /* (nq, Sk) */
-    const size_t bytes = (size_t)(nq * Sk) * sizeof(T);
-    const int64_t off = (bh * at->Sq + i0) * Sk;
-    if (kbeg > 0) SUF(fill_rows)(sb, nq, kbeg, Sk, (T)0);
-    SUF(mha_gemm)(at->kern, 0, nq, kend - kbeg, Dk, q_bh, Dk, kt_bh + kbeg, at->kld, NULL,
-                  sb + kbeg, Sk, 0, gs);
-    int64_t ne_r[QB];
-    for (r = 0; r < nq; r++)
-        ne_r[r] = SUF(softmax_row)(at->kern, &at->rr, at->scale, sb + r * Sk, b, h, i0 + r, 0,
-                                   kend, Sk);
-    if (at->p_save) mha_copy_stream(at->p_save + off, sb, bytes);
-    if (at->dropout_on)
-        for (r = 0; r < nq; r++)
-            if (ne_r[r] >= 0)
-                SUF(dropout_row)(at, sb + r * Sk, ne_r[r],
-                                 ((uint64_t)bh * (uint64_t)at->Sq + (uint64_t)(i0 + r)) *
-                                     (uint64_t)Sk);
-    kbeg -= kbeg % MHA_GEMM_KC;
-    SUF(mha_gemm)(at->kern, 0, nq, Dv, kend - kbeg, sb + kbeg, Sk, v_bh + kbeg * Dv, Dv, NULL,
-                  c_bh, at->ldc, 0, gs);
-    if (at->hmask) {
-        const T m = at->hmask[b * at->hm_sb + h * at->hm_sh];
-        for (r = 0; r < nq; r++) {
-            at->kern->scale(c_bh + r * at->ldc, Dv, m);
-            if (at->weights) at->kern->scale(sb + r * Sk, Sk, m);
-        }
-    }
-    if (at->weights) mha_copy_stream(at->weights + off, sb, bytes);
+    const int64_t Sk = at->Sk;
+    if (a_bh != p_bh) memcpy(a_bh + r * Sk, p_bh + r * Sk, (size_t)Sk * sizeof(T));
+    if (at->dropout_on && ne >= 0)
+        SUF(dropout_row)(at, a_bh + r * Sk, ne,
+                         ((uint64_t)bh * (uint64_t)at->Sq + (uint64_t)(i0 + r)) * (uint64_t)Sk);
 }
 
 /* Attention with the weights written: task = (b, h, block of queries).
  * P (the softmax) is formed in the weights array itself, or in mha_saved's
  * P when that is kept; A = dropout(P), what multiplies V, is then the
  * weights array, P itself (no dropout, no weights asked for) or a scratch
- * block of the slot (dropout, no weights). */
+ * block of the slot (dropout, no weights).  Past 32 MiB (at->stream) P and
+ * A are both formed in that scratch block, which stays in L2, and copied
+ * out with stores that bypass the caches: P before its dropout, the
+ * weights (m·A) once the block is done.  The destinations are then
+ * written once and never read, so no line of them is first read from
+ * memory (as a store into the array itself reads each line). */
 static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
 {
     const SUF(att) *at = (const SUF(att) *)ctx;
@@ -172,6 +141,8 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
     T *gs = at->scratch + (int64_t)slot * at->scratch_len;
     T *p_bh = (at->p_save ? at->p_save : at->weights) + (bh * at->Sq + i0) * Sk; /* (nq, Sk) */
     T *a_bh = p_bh;                                                             /* (nq, Sk) */
+    T *p_out = NULL, *w_out = NULL; /* with at->stream: where P and the weights go */
+    int64_t ne[QB];
     if (at->p_save && at->weights)
         a_bh = at->weights + (bh * at->Sq + i0) * Sk;
     else if (at->p_save && at->dropout_on)
@@ -192,23 +163,22 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
         return;
     }
     if (at->stream) {
-        SUF(attend_stream)(at, t, slot, kbeg, kend);
-        return;
+        p_out = at->p_save ? p_bh : NULL;
+        w_out = at->weights ? at->weights + (bh * at->Sq + i0) * Sk : NULL;
+        p_bh = a_bh = gs + MHA_GEMM_SCRATCH;
     }
     /* the keys before kbeg: 0 scores, which the window or the layout masks */
     if (kbeg > 0) SUF(fill_rows)(p_bh, nq, kbeg, Sk, (T)0);
     SUF(mha_gemm)(at->kern, 0, nq, kend - kbeg, Dk, q_bh, Dk, kt_bh + kbeg, at->kld, NULL,
                   p_bh + kbeg, Sk, 0, gs);
-    for (r = 0; r < nq; r++) {
-        T *w = p_bh + r * Sk;
-        const int64_t i = i0 + r;
-        /* P = softmax(masked S · scale); ne < 0: every key blocked */
-        const int64_t ne = SUF(softmax_row)(at->kern, &at->rr, at->scale, w, b, h, i, 0, kend,
-                                                  Sk);
-        if (a_bh != p_bh) memcpy(a_bh + r * Sk, w, (size_t)Sk * sizeof(T));
-        if (at->dropout_on && ne >= 0) /* a blocked row: no dropout either */
-            SUF(dropout_row)(at, a_bh + r * Sk, ne,
-                             ((uint64_t)bh * (uint64_t)at->Sq + (uint64_t)i) * (uint64_t)Sk);
+    for (r = 0; r < nq; r++) { /* P = softmax(masked S · scale); ne < 0: every key blocked */
+        ne[r] = SUF(softmax_row)(at->kern, &at->rr, at->scale, p_bh + r * Sk, b, h, i0 + r, 0,
+                                 kend, Sk);
+        if (!p_out) SUF(a_row)(at, p_bh, a_bh, r, ne[r], bh, i0);
+    }
+    if (p_out) { /* P leaves before its dropout, the block in one streamed copy */
+        mha_copy_stream(p_out, p_bh, (size_t)(nq * Sk) * sizeof(T));
+        for (r = 0; r < nq; r++) SUF(a_row)(at, p_bh, a_bh, r, ne[r], bh, i0);
     }
     /* A·V from a multiple of the GEMM's depth block (A is 0 before kbeg):
      * a row's sums then never depend on the block of queries it is in */
@@ -219,9 +189,10 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
         const T m = at->hmask[b * at->hm_sb + h * at->hm_sh];
         for (r = 0; r < nq; r++) {
             at->kern->scale(c_bh + r * at->ldc, Dv, m);
-            if (at->weights) at->kern->scale(at->weights + (bh * at->Sq + i0 + r) * Sk, Sk, m);
+            if (at->weights) at->kern->scale(a_bh + r * Sk, Sk, m); /* A is the weights */
         }
     }
+    if (w_out) mha_copy_stream(w_out, a_bh, (size_t)(nq * Sk) * sizeof(T));
 }
 
 /* Attention without weights: an online softmax over blocks of KB keys.

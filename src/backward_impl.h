@@ -43,6 +43,8 @@
                     Zen 4, one core each with both busy, the weight gradients'
                     (1024, 128) tiles with K 4096 ran at 95-98 GFLOP/s, 90-92 at
                     (1024, 64), 92-95 at (1024, 256) */
+#define RN_TN_AT 256 /* ... on a narrow kernel, which packs Aᵀ (gemm_impl.h): wider
+                        tiles share each packed block */
 #define TC 64   /* columns per column-sum task */
 
 /* colsum (C) = Σ_rows x for x (R, C), rows in order */
@@ -563,4 +565,5 @@ stopped: /* the poll asked to stop: the gradients are unspecified */
 #undef RN_S
 #undef RM_TN
 #undef RN_TN
+#undef RN_TN_AT
 #undef TC

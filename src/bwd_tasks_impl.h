@@ -2,7 +2,7 @@
  * column sums (btr_add, btr_task, colsum), and phase 4's task over both
  * (grad_task), written once for T = float and T = double; included by
  * backward_impl.h after its SUF(bwd) struct and its tile sizes (RM, RM_S,
- * RN_S, RM_TN, RN_TN, TC). */
+ * RN_S, RM_TN, RN_TN, RN_TN_AT, TC). */
 
 /* ------------------------------------------------------------ products */
 
@@ -24,7 +24,7 @@ static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const 
     const int narrow = mha_gemm_narrow(f->kern->nr, sizeof(T)), slots = mha_get_num_threads();
     if (kind == MHA_TN) /* a narrow kernel packs Aᵀ (gemm_impl.h): wider tiles share it */
         mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM_TN,
-                         narrow ? 256 : RN_TN);
+                         narrow ? RN_TN_AT : RN_TN);
     else if (mha_tiles_enough(rows, N, nc, slots) ||
              (kind == MHA_NN && mha_gemm_far_rows(f->kern->nr, ldb, sizeof(T)) &&
               rows * ((N + nc - 1) / nc) >= 2 * (int64_t)slots))

@@ -1,7 +1,8 @@
 """Weights and the saved softmax P past 32 MiB (src/attend_impl.h,
-attend_stream): there each block of queries forms S, P, the dropout and the
-head mask's scale in a scratch block that stays in the cache, and copies P
-and the weights out with stores that bypass the caches.  Below 32 MiB they
+attend_weights_task with at->stream): there each block of queries forms S,
+P, the dropout and the head mask's scale in a scratch block that stays in
+the cache, and copies P and the weights out with stores that bypass the
+caches.  Below 32 MiB they
 are formed in the arrays themselves.
 
 The two ways do the same arithmetic in the same order, so a row must come
