@@ -12,9 +12,10 @@
  * multiplies by V: no second (Sq, Sk) buffer.  Without, an online softmax
  * runs over blocks of KB keys in per-thread scratch of (QB, KB): no (Sq, Sk)
  * buffer at all.  Causal and sliding windows: keys outside the block's
- * visible range are never computed (skip; not when V holds a NaN or inf,
- * which must still reach every row as 0·NaN does in the reference, nor
- * with extra keys). */
+ * visible range are never computed, and P·V takes each run of rows only
+ * up to its last visible key (skip, av_runs; not when V holds a NaN or
+ * inf, which must still reach every row as 0·NaN does in the reference,
+ * nor with extra keys). */
 
 #define QB 48        /* queries per attention task: a multiple of every kernel's MR (6, 6, 4) */
 #define KB 256       /* keys per block of the online softmax */
@@ -117,6 +118,44 @@ static void SUF(a_row)(const SUF(att) *at, const T *p_bh, T *a_bh, int64_t r, in
                          ((uint64_t)bh * (uint64_t)at->Sq + (uint64_t)(i0 + r)) * (uint64_t)Sk);
 }
 
+/* c (+)= A·V for a task's nq rows: A (nq, nk), rows lda apart, V (nk, Dv).
+ * With V finite (at->skip), row r of A is 0 past its first ne[r] entries
+ * (ne[r] < 0: ne_blocked), so each run of rows takes only the keys up to
+ * its last entry that may be nonzero (causality's triangle), in chunks of
+ * CH rows, a run of chunks with the same count in one call; the keys left
+ * out would add exact zeros to the sums.  Otherwise (a NaN or inf in V
+ * must reach every row, as 0·NaN) every row takes all nk keys. */
+static void SUF(av_runs)(const SUF(att) *at, int64_t nq, int64_t nk, const T *a, int64_t lda,
+                         const int64_t *ne, int64_t ne_blocked, const T *v, T *c, int64_t ldc,
+                         int accumulate, T *gs)
+{
+    const int64_t CH = 2 * at->kern->mr, Dv = at->Dv;
+    int64_t r0, r1, r;
+    if (!at->skip) {
+        SUF(mha_gemm)(at->kern, 0, nq, Dv, nk, a, lda, v, Dv, NULL, c, ldc, accumulate, gs);
+        return;
+    }
+    for (r0 = 0; r0 < nq; r0 = r1) {
+        int64_t kc = -1;
+        for (r1 = r0; r1 < nq;) {
+            const int64_t e = r1 + CH < nq ? r1 + CH : nq;
+            int64_t kn = 0;
+            for (r = r1; r < e; r++) {
+                const int64_t k = ne[r] < 0 ? ne_blocked : ne[r];
+                if (k > kn) kn = k < nk ? k : nk;
+            }
+            if (kc >= 0 && kn != kc) break;
+            kc = kn;
+            r1 = e;
+        }
+        if (kc > 0)
+            SUF(mha_gemm)(at->kern, 0, r1 - r0, Dv, kc, a + r0 * lda, lda, v, Dv, NULL,
+                          c + r0 * ldc, ldc, accumulate, gs);
+        else if (!accumulate)
+            SUF(fill_rows)(c + r0 * ldc, r1 - r0, Dv, ldc, (T)0);
+    }
+}
+
 /* Attention with the weights written: task = (b, h, block of queries).
  * P (the softmax) is formed in the weights array itself, or in mha_saved's
  * P when that is kept; A = dropout(P), what multiplies V, is then the
@@ -181,10 +220,13 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
         for (r = 0; r < nq; r++) SUF(a_row)(at, p_bh, a_bh, r, ne[r], bh, i0);
     }
     /* A·V from a multiple of the GEMM's depth block (A is 0 before kbeg):
-     * a row's sums then never depend on the block of queries it is in */
+     * a row's sums then never depend on the block of queries it is in.  A
+     * blocked row (its value, NaN or 0, everywhere) takes every key */
     kbeg -= kbeg % MHA_GEMM_KC;
-    SUF(mha_gemm)(at->kern, 0, nq, Dv, kend - kbeg, a_bh + kbeg, Sk, v_bh + kbeg * Dv, Dv, NULL,
-                  c_bh, at->ldc, 0, gs);
+    for (r = 0; r < nq; r++)
+        if (ne[r] >= 0) ne[r] -= kbeg;
+    SUF(av_runs)(at, nq, kend - kbeg, a_bh + kbeg, Sk, ne, kend - kbeg, v_bh + kbeg * Dv, c_bh,
+                 at->ldc, 0, gs);
     if (at->hmask) { /* the head mask m: weights m·A, context (m·A)·V = m·(A·V) */
         const T m = at->hmask[b * at->hm_sb + h * at->hm_sh];
         for (r = 0; r < nq; r++) {
@@ -206,7 +248,9 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     const SUF(att) *at = (const SUF(att) *)ctx;
     const int64_t G = at->H / at->Hkv;
     int64_t b, h0, bkv, i0, nq, nqh; /* nqh: rows per query head in the task */
+    const int64_t NR = at->kern->nr;
     int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, j0, d, kend;
+    int64_t ne[QB > ROWS ? QB : ROWS]; /* per row: the block's entries that may be nonzero */
     if (at->grp) {
         bkv = t;
         b = t / at->Hkv;
@@ -251,20 +295,27 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
                 continue;
             }
         }
-        SUF(mha_gemm)(at->kern, 0, nq, nk, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB, 0,
+        /* S in whole panels of the kernel's width where there are keys
+         * for them (a part panel is packed first; the extra scores are
+         * never read) */
+        int64_t ns = (nk + NR - 1) / NR * NR;
+        if (ns > Sk - j0) ns = Sk - j0;
+        if (ns > KB) ns = KB;
+        SUF(mha_gemm)(at->kern, 0, nq, ns, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB, 0,
                       gs);
         for (r = 0; r < nq; r++) {
             T *srow = s + r * KB, alpha;
             const int64_t h = h0 + r / nqh, i = i0 + r % nqh, bh = b * at->H + h;
-            const int64_t ne = SUF(softmax_online_step)(at->kern, &at->rr, at->scale, srow, b, h,
-                                                        i, j0, nk, &mx[r], &l[r], &alpha);
-            if (ne < 0) continue; /* nothing visible in this block */
+            ne[r] = SUF(softmax_online_step)(at->kern, &at->rr, at->scale, srow, b, h, i, j0, nk,
+                                             &mx[r], &l[r], &alpha);
+            if (ne[r] < 0) continue; /* nothing visible in this block */
             if (at->dropout_on)
-                SUF(dropout_row)(at, srow, ne, ((uint64_t)bh * (uint64_t)at->Sq + (uint64_t)i) *
-                                                   (uint64_t)Sk + (uint64_t)j0);
+                SUF(dropout_row)(at, srow, ne[r], ((uint64_t)bh * (uint64_t)at->Sq +
+                                                   (uint64_t)i) * (uint64_t)Sk + (uint64_t)j0);
             if (alpha != (T)1) at->kern->scale(acc + r * Dv, Dv, alpha);
         }
-        SUF(mha_gemm)(at->kern, 0, nq, Dv, nk, s, KB, v_bh + j0 * Dv, Dv, NULL, acc, Dv, 1, gs);
+        /* a row with nothing visible here adds nothing (its s is 0) */
+        SUF(av_runs)(at, nq, nk, s, KB, ne, 0, v_bh + j0 * Dv, acc, Dv, 1, gs);
     }
     for (r = 0; r < nq; r++) {
         const int64_t h = h0 + r / nqh, i = i0 + r % nqh;

@@ -99,7 +99,9 @@ static inline void SUF(row_masks)(const mha_rows *rr, T *s, int64_t b, int64_t h
 }
 
 /* Scale the raw scores s[0..n) of row (b, h, i), keys j0.., by `scale`,
- * mask them, and return their maximum: -inf when every key is blocked, NaN
+ * mask them, and return their maximum (with causality the only mask, the
+ * keys past the diagonal are neither scaled nor set to -inf: the callers
+ * zero them by the same rule): -inf when every key is blocked, NaN
  * when a score is NaN and no other key is visible (then the reference's
  * row is all NaN too; otherwise a NaN score turns the sum, hence the whole
  * row, into NaN). */
@@ -108,8 +110,16 @@ static inline T SUF(row_max)(const KT *kern, const mha_rows *rr, T scale, T *s,
 {
     T m;
     int64_t j;
-    if (rr->n_masks == 0 && !rr->causal && !rr->window && !rr->lay.keep) {
-        m = kern->scale_max(s, n, scale);
+    if (rr->n_masks == 0 && !rr->window && !rr->lay.keep &&
+        (!rr->causal || rr->nmk >= j0 + n)) {
+        /* no mask but causality (and no extra key in range): the keys past
+         * the diagonal are left unscaled and unread (every caller zeroes
+         * them, softmax_row and softmax_online_step from the same rule) */
+        if (rr->causal) {
+            j = i + rr->coff + 1 - j0; /* the first blocked key, relative to j0 */
+            n = j < 0 ? 0 : j < n ? j : n;
+        }
+        m = n > 0 ? kern->scale_max(s, n, scale) : -(T)INFINITY;
     } else {
         kern->scale(s, n, scale);
         SUF(row_masks)(rr, s, b, h, i, j0, n);
