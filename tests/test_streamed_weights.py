@@ -3,7 +3,10 @@ attend_weights_task with at->stream): there each block of queries forms S,
 P, the dropout and the head mask's scale in a scratch block that stays in
 the cache, and copies P and the weights out with stores that bypass the
 caches.  Below 32 MiB they
-are formed in the arrays themselves.
+are formed in the arrays themselves, except the weights alone (P not kept),
+which are streamed at every size (att_streams): where a case keeps no P,
+both of its calls stream and the comparison below checks the rows' bits
+across query counts; where it keeps P, it compares the two ways.
 
 The two ways do the same arithmetic in the same order, so a row must come
 out with the same bits either way: each case runs a call past 32 MiB and the
