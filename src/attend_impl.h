@@ -62,7 +62,7 @@ typedef struct {
 static int SUF(att_streams)(const SUF(att) *at)
 {
     if (at->weights && !at->p_save) return 1;
-    return (at->weights || at->p_save) &&
+    return at->p_save &&
            (double)at->B * (double)at->H * (double)at->Sq * (double)at->Sk * (double)sizeof(T) >
                    32.0 * 1048576.0;
 }

@@ -7,7 +7,7 @@
  * shares nothing with the fast path but the inputs.
  *
  * Instances: all_finite_f32/_f64, row_masks_f32/_f64, row_max_f32/_f64, softmax_row_f32/_f64,
- * softmax_online_step_f32/_f64, blocked_row_value_f32/_f64.
+ * softmax_online_step_f32/_f64, blocked_row_value_f32/_f64, causal_visible_f32/_f64.
  *
  * A row is (b, h, i): the scores of query i of head h in batch b against
  * the keys.  The rules, each in one place:
@@ -43,6 +43,15 @@ static inline T SUF(blocked_row_value)(const mha_rows *rr)
     return rr->zero_masked_rows ? (T)0 : (T)NAN;
 }
 
+/* Of keys j0 .. j0+n-1, how many lead before causality's first blocked
+ * key for query i (0 .. n; the caller checks rr->causal, and that no extra
+ * key, never blocked, lies in the range) */
+static inline int64_t SUF(causal_visible)(const mha_rows *rr, int64_t i, int64_t j0, int64_t n)
+{
+    const int64_t j = i + rr->coff + 1 - j0;
+    return j < 0 ? 0 : j < n ? j : n;
+}
+
 /* s[0..n) are the scaled scores of row (b, h, i) for keys j0 .. j0+n-1:
  * add the additive masks, then set -inf where any blocking mask or the
  * causal rule blocks. */
@@ -75,8 +84,7 @@ static inline void SUF(row_masks)(const mha_rows *rr, T *s, int64_t b, int64_t h
             if (d[j * st]) s[j] = -(T)INFINITY;
     }
     if (rr->causal) {
-        j = i + rr->coff + 1 - j0; /* the first blocked key of this row, relative to j0 */
-        for (j = j < 0 ? 0 : j; j < n; j++) s[j] = -(T)INFINITY;
+        for (j = SUF(causal_visible)(rr, i, j0, n); j < n; j++) s[j] = -(T)INFINITY;
     }
     if (rr->window) {
         /* the window's first visible key, and the first blocked one after it,
@@ -115,10 +123,7 @@ static inline T SUF(row_max)(const KT *kern, const mha_rows *rr, T scale, T *s,
         /* no mask but causality (and no extra key in range): the keys past
          * the diagonal are left unscaled and unread (every caller zeroes
          * them, softmax_row and softmax_online_step from the same rule) */
-        if (rr->causal) {
-            j = i + rr->coff + 1 - j0; /* the first blocked key, relative to j0 */
-            n = j < 0 ? 0 : j < n ? j : n;
-        }
+        if (rr->causal) n = SUF(causal_visible)(rr, i, j0, n);
         m = n > 0 ? kern->scale_max(s, n, scale) : -(T)INFINITY;
     } else {
         kern->scale(s, n, scale);
@@ -149,8 +154,8 @@ static inline int64_t SUF(softmax_row)(const KT *kern, const mha_rows *rr, T sca
         for (j = 0; j < n; j++) s[j] = value;
         return -1;
     }
-    if (rr->causal && rr->nmk >= j0 + kend && i + rr->coff + 1 - j0 < ne)
-        ne = i + rr->coff + 1 - j0; /* the rest are exact zeros (> 0: a visible key) */
+    if (rr->causal && rr->nmk >= j0 + kend) /* the rest are exact zeros (> 0: a visible key) */
+        ne = SUF(causal_visible)(rr, i, j0, ne);
     sum = kern->exp_sum(s, ne, m);
     if (sum != sum) { /* a NaN score: the reference's whole row is NaN */
         for (j = 0; j < n; j++) s[j] = (T)NAN;
@@ -181,8 +186,8 @@ static inline int64_t SUF(softmax_online_step)(const KT *kern, const mha_rows *r
     }
     mnew = (bm != bm || *mx != *mx) ? (T)NAN : bm > *mx ? bm : *mx;
     *alpha = EXP(*mx - mnew);
-    if (rr->causal && rr->nmk >= j0 + nk && i + rr->coff + 1 - j0 < ne)
-        ne = i + rr->coff + 1 - j0; /* > 0: the block has a visible key */
+    if (rr->causal && rr->nmk >= j0 + nk) /* > 0: the block has a visible key */
+        ne = SUF(causal_visible)(rr, i, j0, ne);
     sum = kern->exp_sum(s, ne, mnew);
     for (j = ne; j < nk; j++) s[j] = 0;
     *l = *l * *alpha + sum;
