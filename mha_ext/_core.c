@@ -466,13 +466,14 @@ static PyObject *cpu_info(PyObject *m, PyObject *Py_UNUSED(ignored))
         PyErr_SetString(PyExc_RuntimeError, "mha_get_cpu_info failed");
         return NULL;
     }
-    return Py_BuildValue("{s:s,s:L,s:L,s:L,s:s,s:i,s:i,s:d,s:L,s:{s:L,s:L},s:i}",
+    return Py_BuildValue("{s:s,s:L,s:L,s:L,s:s,s:i,s:i,s:d,s:L,s:{s:L,s:L},s:{s:i,s:i},s:i}",
                          "isa", mha_get_isa(), "l1d_bytes", (long long)ci.l1d_bytes,
                          "l2_bytes", (long long)ci.l2_bytes, "l3_bytes", (long long)ci.l3_bytes,
                          "cache_source", ci.cache_source, "fma_bits", ci.fma_bits,
                          "fma512_per_cycle", ci.fma512_per_cycle, "fma_ratio", ci.fma_ratio,
                          "gemm_kc", (long long)ci.gemm_kc, "gemm_nc", "float32",
                          (long long)ci.gemm_nc_f32, "float64", (long long)ci.gemm_nc_f64,
+                         "tn_pack", "float32", ci.tn_pack_f32, "float64", ci.tn_pack_f64,
                          "threads", mha_get_num_threads());
 }
 
@@ -510,7 +511,10 @@ static PyMethodDef module_methods[] = {
      "fma512_per_cycle (512-bit FMAs a core starts per cycle, measured from fma_ratio =\n"
      "time of 256-bit / time of 512-bit FMAs: about 0.5 with one 512-bit unit, 1 with\n"
      "two; 0 without AVX-512), gemm_kc and gemm_nc (the packed GEMM's block of B per\n"
-     "dtype: KC x NC scalars in half the L2) and threads.  The probe takes a few ms."},
+     "dtype: KC x NC scalars in half the L2), tn_pack (per dtype, 1 when the weight\n"
+     "gradients' transposed-A products pack A, 0 when they read it in place: measured at\n"
+     "first use on AVX-512, MHA_EXT_TN_PACK=0/1 overrides) and threads.  The probes take\n"
+     "a few ms."},
     {"release_memory", release_memory, METH_NOARGS,
      "release_memory()\n--\n\n"
      "Return the memory mha_ext keeps for reuse to the system: the cached blocks of freed\n"

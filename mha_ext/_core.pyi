@@ -44,6 +44,10 @@ class _GemmNC(TypedDict):
     float32: int
     float64: int
 
+class _TnPack(TypedDict):
+    float32: int
+    float64: int
+
 class _CpuInfo(TypedDict):
     isa: str
     l1d_bytes: int
@@ -55,11 +59,14 @@ class _CpuInfo(TypedDict):
     fma_ratio: float
     gemm_kc: int
     gemm_nc: _GemmNC
+    tn_pack: _TnPack
     threads: int
 
 def cpu_info() -> _CpuInfo:
     """What the CPU reports (cache sizes, FMA width, 512-bit FMAs per cycle
-    measured) and the blocking drawn from it; the probe takes a few ms."""
+    measured) and the blocking drawn from it (the packed GEMM's NC; tn_pack:
+    whether the weight gradients' products pack Aᵀ, measured at first use);
+    the probes take a few ms."""
 
 class _MemoryInfo(TypedDict):
     cached_bytes: int

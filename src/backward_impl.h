@@ -29,9 +29,9 @@
  *      transposed copies);
  *   3. (in phase 4's pass) the bias gradients: the column sums of d out, and
  *      the batches' sums of phase 2's;
- *   4. the weight gradients (dW = dYᵀ·X: mha_gemm_tn packs dYᵀ's panels, no
- *      transposed copy) and the input gradients, all tiles of all seven
- *      products in one pass. */
+ *   4. the weight gradients (dW = dYᵀ·X: mha_gemm_tn reads dYᵀ in place
+ *      or packs its panels, mha_tn_pack; no transposed copy) and the input
+ *      gradients, all tiles of all seven products in one pass. */
 
 #define QB 128  /* queries per block inside one (b, h) task */
 #define RM 1024 /* rows per NT / NN product tile: B packed once serves them all, */
@@ -43,8 +43,8 @@
                     Zen 4, one core each with both busy, the weight gradients'
                     (1024, 128) tiles with K 4096 ran at 95-98 GFLOP/s, 90-92 at
                     (1024, 64), 92-95 at (1024, 256) */
-#define RN_TN_AT 256 /* ... on a narrow kernel, which packs Aᵀ (gemm_impl.h): wider
-                        tiles share each packed block */
+#define RN_TN_AT 256 /* ... where Aᵀ is packed (a narrow kernel, or mha_tn_pack's
+                        choice): wider tiles share each packed block */
 #define TC 64   /* columns per column-sum task */
 
 /* colsum (C) = Σ_rows x for x (R, C), rows in order */
@@ -409,6 +409,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     f.Hkv = mha_kv_heads(cfg); f.Ekv = f.Hkv * f.Dk;
     f.scale = (T)mha_score_scale(a->fwd.has_scale, a->fwd.scale, f.Dk);
     f.kern = SUF(mha_kern_get)();
+    (void)SUF(mha_tn_pack)(f.kern); /* measured here, before the passes, if not yet */
     f.dropout = a->fwd.dropout;
     f.dropout_on = a->fwd.dropout > 0.0;
     f.drop_scale = a->fwd.dropout < 1.0 ? (T)(1.0 / (1.0 - a->fwd.dropout)) : (T)0;

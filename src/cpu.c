@@ -164,6 +164,8 @@ mha_status mha_get_cpu_info(mha_cpu_info *out)
     out->gemm_kc = MHA_GEMM_KC;
     out->gemm_nc_f32 = mha_gemm_nc(sizeof(float));
     out->gemm_nc_f64 = mha_gemm_nc(sizeof(double));
+    out->tn_pack_f32 = mha_tn_pack_f32(mha_kern_get_f32());
+    out->tn_pack_f64 = mha_tn_pack_f64(mha_kern_get_f64());
     out->fma512_per_cycle = 0;
     if (mha_isa_available("avx512") && mha_fma_loop_avx512_p) {
         /* 2e5 rounds of 24 FMAs: ~5 M FMAs, ~1.5 ms per width on Zen 4 */

@@ -1,7 +1,10 @@
 /* gemm.c: matrix multiply for the projections and the attention tiles: the
  * loop nest and packing (gemm_impl.h) around the micro-kernels of the ISA
  * in use (kern_*.c, picked in isa.c), for float and double. */
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "internal.h"
 

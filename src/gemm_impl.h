@@ -19,7 +19,8 @@
  * micro-kernel broadcasts element (i, k) from A[k*lda + i], MR neighbours
  * per k (the weight gradients dW = dYᵀ·X and the attention's dV = Aᵀ·dctx
  * without a transposed copy of the left side); on a narrow kernel (NR
- * scalars in one cache line: AVX2) A's panels are packed instead,
+ * scalars in one cache line: AVX2), and on a wide one where mha_tn_pack
+ * measured it faster (tn_probe below), A's panels are packed instead,
  * MHA_GEMM_AT_PANELS at a time (see pack_at below), and past a depth of
  * MHA_GEMM_NB_K the product takes gemm_nest_nb, BLIS's own order, with the
  * same sums.
@@ -152,10 +153,12 @@ static void SUF(gemm_nest_nb)(const KT *kt, int64_t M, int64_t N, int64_t K, con
     }
 }
 
-/* The loop nest; element (i, k) of A at A[i*a_rs + k*a_cs] */
+/* The loop nest; element (i, k) of A at A[i*a_rs + k*a_cs]; at_pack: a
+ * transposed A (a_rs 1) is packed (mha_tn_pack), else read in place */
 static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, int64_t N,
                            int64_t K, const T *A, int64_t a_rs, int64_t a_cs, const T *B, int64_t ldb,
-                           const T *bias, T *C, int64_t ldc, int accumulate, T *scratch)
+                           const T *bias, T *C, int64_t ldc, int accumulate, T *scratch,
+                           int at_pack)
 {
     const int64_t MR = kt->mr, NR = kt->nr;
     const int64_t NC = mha_gemm_nc(sizeof(T));
@@ -163,10 +166,11 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
     /* a transposed A (the TN products) on a narrow kernel (one cache line
      * of B per step: AVX2) is packed panel by panel: read in place, each
      * step of k reads a line of A (4 KiB apart: one L1 set) for MR values
-     * (on AVX2 the TN products ran at a third of the peak).  The wide
-     * kernels read it in place (faster there, measured: Zen 4) */
+     * (on AVX2 the TN products ran at a third of the peak).  A wide kernel
+     * packs it or reads it in place as mha_tn_pack measured faster (in
+     * place on Zen 4) */
     const int narrow = mha_gemm_narrow(NR, sizeof(T));
-    const int pack_at = a_rs == 1 && a_cs > 1 && narrow && MR <= MHA_GEMM_MR_MAX;
+    const int pack_at = a_rs == 1 && a_cs > 1 && at_pack && MR <= MHA_GEMM_MR_MAX;
     T *Ap = scratch + MHA_GEMM_KC * NC; /* MHA_GEMM_SCRATCH's room for it */
     /* and on such a kernel a row-major B whose rows lie a multiple of
      * 2 KiB apart (Kᵀ or Vᵀ of a head at Sk 512, 1024, ...: a new line
@@ -187,8 +191,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
             }
         return;
     }
-    if (a_rs == 1 && a_cs > 1 && !trans_b && !bias && narrow &&
-        MR <= MHA_GEMM_MR_MAX && K > MHA_GEMM_NB_K) { /* see gemm_nest_nb */
+    if (pack_at && !trans_b && !bias && K > MHA_GEMM_NB_K) { /* see gemm_nest_nb */
         SUF(gemm_nest_nb)(kt, M, N, K, A, a_cs, B, ldb, C, ldc, accumulate, scratch);
         return;
     }
@@ -256,13 +259,14 @@ void SUF(mha_gemm)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
                    T *C, int64_t ldc, int accumulate, T *scratch)
 {
     SUF(gemm_nest)(kt, trans_b, 0, M, N, K, A, lda, 1, B, ldb, bias, C, ldc, accumulate,
-                   scratch);
+                   scratch, 0);
 }
 
 void SUF(mha_gemm_tn)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A, int64_t lda,
                       const T *B, int64_t ldb, T *C, int64_t ldc, int accumulate, T *scratch)
 {
-    SUF(gemm_nest)(kt, 0, 0, M, N, K, A, 1, lda, B, ldb, NULL, C, ldc, accumulate, scratch);
+    SUF(gemm_nest)(kt, 0, 0, M, N, K, A, 1, lda, B, ldb, NULL, C, ldc, accumulate, scratch,
+                   SUF(mha_tn_pack)(kt));
 }
 
 void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A,
@@ -270,6 +274,76 @@ void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T 
                          int64_t ldc, int accumulate)
 {
     kt->dot(M, N, K, A, lda, B, ldb, bias, C, ldc, accumulate);
+}
+
+/* mha_tn_pack's measurement (internal.h): a weight gradient's tile in
+ * small, C (TNP_M, 2·NR) = Aᵀ·B with K = TNP_K and A's rows TNP_LDA scalars
+ * apart (as at E 1024: 4 KiB for float, 8 for double; a power-of-two
+ * stride, which maps the rows onto few cache sets), run with Aᵀ read in
+ * place and packed, alternated, six times each; the first of each warms
+ * up.  Packing wins when its fastest run is under 95% of the other's (a
+ * tie keeps the in-place read: no copy).  Zen 4, one core: in place 90%
+ * of the peak, packed 81% (float; double 87% and 77%).  A few ms, once. */
+#define TNP_M 96
+#define TNP_K 1024
+#define TNP_LDA 1024
+static double SUF(tn_seconds)(const KT *kt, int at_pack, const T *A, const T *B, T *C,
+                              T *scratch)
+{
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    SUF(gemm_nest)(kt, 0, 0, TNP_M, 2 * kt->nr, TNP_K, A, 1, TNP_LDA, B, 2 * kt->nr, NULL, C,
+                   2 * kt->nr, 0, scratch, at_pack);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+}
+
+static int SUF(tn_probe)(const KT *kt)
+{
+    const int64_t N = 2 * kt->nr;
+    T *A = (T *)mha_alloc((size_t)(TNP_K * TNP_LDA) * sizeof(T));
+    T *B = (T *)mha_alloc((size_t)(TNP_K * N) * sizeof(T));
+    T *C = (T *)mha_alloc((size_t)(TNP_M * N) * sizeof(T));
+    T *scratch = (T *)mha_alloc((size_t)MHA_GEMM_SCRATCH * sizeof(T));
+    double best[2] = {1e30, 1e30};
+    int64_t i, k;
+    int rep, mode, packed = 0;
+    if (A && B && C && scratch) {
+        for (k = 0; k < TNP_K; k++) {
+            for (i = 0; i < TNP_M; i++) A[k * TNP_LDA + i] = (T)((k * 7 + i) % 13) * (T)0.125;
+            for (i = 0; i < N; i++) B[k * N + i] = (T)((k * 5 + i) % 11) * (T)0.25;
+        }
+        for (rep = 0; rep < 6; rep++)
+            for (mode = 0; mode < 2; mode++) {
+                const double t = SUF(tn_seconds)(kt, mode, A, B, C, scratch);
+                if (rep > 0 && t < best[mode]) best[mode] = t;
+            }
+        packed = best[1] < 0.95 * best[0];
+    }
+    mha_free(A);
+    mha_free(B);
+    mha_free(C);
+    mha_free(scratch);
+    return packed;
+}
+#undef TNP_M
+#undef TNP_K
+#undef TNP_LDA
+
+int SUF(mha_tn_pack)(const KT *kt)
+{
+    static atomic_int choice = -1; /* -1: not chosen yet */
+    int v = atomic_load_explicit(&choice, memory_order_relaxed), expected = -1;
+    const char *env;
+    if (mha_gemm_narrow(kt->nr, sizeof(T))) return 1;
+    if (v >= 0) return v;
+    env = getenv("MHA_EXT_TN_PACK");
+    if (env && (env[0] == '0' || env[0] == '1') && env[1] == '\0')
+        v = env[0] - '0';
+    else
+        v = SUF(tn_probe)(kt);
+    atomic_compare_exchange_strong(&choice, &expected, v);
+    return atomic_load(&choice);
 }
 
 /* internal.h's mha_tile_gemm: one tile of a product of the task list */
@@ -288,5 +362,5 @@ void SUF(mha_tile_gemm)(const KT *kt, const mha_product *pr, const mha_tile *tl,
     else
         SUF(gemm_nest)(kt, nt, pr->pack_b, tl->m, tl->n, pr->K, A + tl->i0 * pr->lda, pr->lda, 1,
                        B + (nt ? tl->n0 * pr->ldb : tl->n0), pr->ldb, bias ? bias + tl->n0 : NULL,
-                       c, ldc, 0, scratch);
+                       c, ldc, 0, scratch, 0);
 }

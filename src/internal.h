@@ -119,8 +119,14 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
  * mha_gemm: the packed loop nest around kt->ukr, one thread; scratch holds
  *   MHA_GEMM_SCRATCH scalars.
  * mha_gemm_tn: C (M, N) (+)= Aᵀ·B for A (K, M) and B (K, N), no bias: the
- *   same loop nest, Aᵀ read in place (column by column); scratch as
- *   mha_gemm's.
+ *   same loop nest, Aᵀ read in place (column by column) or packed panel by
+ *   panel, as mha_tn_pack says; scratch as mha_gemm's.
+ * mha_tn_pack: 1 when mha_gemm_tn packs Aᵀ, 0 when it reads it in place.
+ *   A narrow kernel (AVX2, portable) always packs; for a wide one the
+ *   choice is measured at first use (gemm_impl.h's tn_probe: a weight
+ *   gradient's tile in small, both ways) and kept; the environment
+ *   variable MHA_EXT_TN_PACK (0 or 1, read then) sets it instead.  Every
+ *   element is summed in the same order either way: no result changes.
  * mha_gemm_small: the unpacked form for small M (trans_b only): dot
  *   products along K, nothing packed, no scratch. */
 #define MHA_GEMM_KC 512 /* depth of a packed block (fixed: it orders the sums) */
@@ -150,6 +156,8 @@ void mha_gemm_tn_f32(const mha_kern_f32 *kt, int64_t M, int64_t N, int64_t K, co
 void mha_gemm_tn_f64(const mha_kern_f64 *kt, int64_t M, int64_t N, int64_t K, const double *A,
                      int64_t lda, const double *B, int64_t ldb, double *C, int64_t ldc,
                      int accumulate, double *scratch);
+int mha_tn_pack_f32(const mha_kern_f32 *kt);
+int mha_tn_pack_f64(const mha_kern_f64 *kt);
 void mha_gemm_small_f32(const mha_kern_f32 *kt, int64_t M, int64_t N, int64_t K,
                         const float *A, int64_t lda, const float *B, int64_t ldb,
                         const float *bias, float *C, int64_t ldc, int accumulate);

@@ -282,7 +282,11 @@ int mha_isa_available(const char *name);
  * same FMA count (0.5 on Zen 4, 1 with two 512-bit ports); 0 without
  * AVX-512.  gemm_kc, gemm_nc_*: the packed GEMM's block of B, KC x NC
  * scalars in half the L2 (MHA_EXT_GEMM_NC, a multiple of 64 in [64, 512],
- * read once, overrides NC).  The blocking changes no result. */
+ * read once, overrides NC).  tn_pack_*: 1 when the transposed-A products
+ * (the weight gradients) pack Aᵀ, 0 when they read it in place: packed
+ * on AVX2 and portable kernels; on AVX-512 whichever a probe of a few ms
+ * at first use measured faster (MHA_EXT_TN_PACK, 0 or 1, read then,
+ * overrides).  The blocking and tn_pack change no result. */
 typedef struct {
     int64_t l1d_bytes, l2_bytes, l3_bytes;
     const char *cache_source; /* "cpuid", "sysconf" or "default" */
@@ -290,6 +294,7 @@ typedef struct {
     int fma512_per_cycle;
     double fma_ratio;
     int64_t gemm_kc, gemm_nc_f32, gemm_nc_f64;
+    int tn_pack_f32, tn_pack_f64;
 } mha_cpu_info;
 mha_status mha_get_cpu_info(mha_cpu_info *out);
 

@@ -48,6 +48,7 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     f.E = 0; /* no (B, S, E) layouts: every array is per head */
     f.scale = (T)mha_score_scale(fa->has_scale, fa->scale, fa->D);
     f.kern = SUF(mha_kern_get)();
+    (void)SUF(mha_tn_pack)(f.kern); /* measured here, before the passes, if not yet */
     f.dropout = fa->dropout;
     f.dropout_on = fa->dropout > 0.0;
     f.drop_scale = fa->dropout < 1.0 ? (T)(1.0 / (1.0 - fa->dropout)) : (T)0;

@@ -20,13 +20,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KC = 512
 
 
-def child(code, nc=None, timeout=300):
+def child(code, nc=None, timeout=300, tn=None):
     # two threads whatever the machine: the backward's choice between its two
     # tilings (below) counts tiles per thread
-    env = {k: v for k, v in os.environ.items() if k != "MHA_EXT_GEMM_NC"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MHA_EXT_GEMM_NC", "MHA_EXT_TN_PACK")}
     env["MHA_EXT_NUM_THREADS"] = "2"
     if nc is not None:
         env["MHA_EXT_GEMM_NC"] = nc
+    if tn is not None:
+        env["MHA_EXT_TN_PACK"] = tn
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr
@@ -47,7 +50,12 @@ def nc_rule(l2, size):
 def test_cpu_info_fields():
     info = mha_ext.cpu_info()
     assert set(info) == {"isa", "l1d_bytes", "l2_bytes", "l3_bytes", "cache_source", "fma_bits",
-                         "fma512_per_cycle", "fma_ratio", "gemm_kc", "gemm_nc", "threads"}
+                         "fma512_per_cycle", "fma_ratio", "gemm_kc", "gemm_nc", "tn_pack",
+                         "threads"}
+    assert set(info["tn_pack"]) == {"float32", "float64"}
+    assert set(info["tn_pack"].values()) <= {0, 1}
+    if info["isa"] != "avx512":  # the narrow kernels always pack Aᵀ
+        assert info["tn_pack"] == {"float32": 1, "float64": 1}
     assert info["isa"] == _core._get_isa()
     assert info["cache_source"] in ("cpuid", "sysconf", "default")
     assert 4096 <= info["l1d_bytes"] < info["l2_bytes"]
@@ -131,3 +139,34 @@ def test_blocking_changes_no_bits():
     for nc, (used, digest) in results.items():
         assert used == nc
         assert digest == default[1], f"MHA_EXT_GEMM_NC={nc} changed the results"
+
+
+TN = "import mha_ext; d = mha_ext.cpu_info()['tn_pack']; print(d['float32'], d['float64'])"
+
+
+def wide():
+    return _core._get_isa() == "avx512"
+
+
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_env_sets_tn_pack(value):
+    # MHA_EXT_TN_PACK replaces the first-use measurement; a narrow kernel
+    # packs whatever it says
+    want = value if wide() else "1"
+    assert child(TN, tn=value).split() == [want, want]
+
+
+def test_tn_pack_changes_no_bits():
+    # the weight gradients' TN products (and the attention backward's dV,
+    # dK) with Aᵀ read in place and packed: the same bits, as the measured
+    # default gives.  BITS's backwards reach both packed forms: depth B·S =
+    # 120 (panels packed as the nest goes) and 600 (past MHA_GEMM_NB_K:
+    # gemm_nest_nb).  On a narrow kernel both runs pack: the test then only
+    # checks the override is harmless
+    code = BITS.replace('mha_ext.cpu_info()["gemm_nc"]["float32"]',
+                        'mha_ext.cpu_info()["tn_pack"]["float64"]')
+    runs = {tn: child(code, tn=tn).split() for tn in ("0", "1")}
+    default = child(code).split()
+    for tn, (used, digest) in runs.items():
+        assert used == (tn if wide() else "1")
+        assert digest == default[1], f"MHA_EXT_TN_PACK={tn} changed the results"
