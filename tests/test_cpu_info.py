@@ -1,10 +1,11 @@
 """mha_ext.cpu_info() (issue 17): the cache sizes the CPU reports, the FMA
-width and 512-bit FMA units, and the blocking drawn from them (src/cpu.c);
-and the guarantee that makes the run-time choice safe: the blocking changes
-no bit of any result.
+width and 512-bit FMA units, the blocking drawn from them (src/cpu.c) and
+the weight gradients' way of reading Aᵀ measured at first use (tn_pack,
+gemm_impl.h); and the guarantee that makes the run-time choices safe:
+neither changes a bit of any result.
 
-The blocking is fixed at first use (MHA_EXT_GEMM_NC overrides it), so each
-choice runs in a fresh interpreter.
+Both are fixed at first use (MHA_EXT_GEMM_NC and MHA_EXT_TN_PACK override
+them), so each choice runs in a fresh interpreter.
 """
 import os
 import subprocess
