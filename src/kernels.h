@@ -28,7 +28,8 @@
  * Row kernels for the softmax, over s[0..n):
  *   scale_max: s *= c, returns the largest non-NaN entry (-inf if none)
  *   max:       the largest non-NaN entry (-inf if none)
- *   exp_sum:   s = exp(s - m), returns the sum (NaN in, NaN out; -inf -> 0)
+ *   exp_sum:   s = exp(s - m), returns the sum (NaN in, NaN out; -inf -> 0);
+ *              m at least every non-NaN s[j] (the row's maximum)
  *   scale:     s *= c
  *   exp:       s = exp(s), the vector exp (<= 2 ulp for normal results)
  *   softmax_grad: d = p (d - Σ_j p_j d_j) c over p[0..n), d[0..n): the
