@@ -236,12 +236,22 @@ static inline int mha_gemm_far_rows(int64_t nr, int64_t ldb, size_t scalar)
     return mha_gemm_narrow(nr, scalar) && ldb * (int64_t)scalar % 2048 == 0;
 }
 /* The rows of a Kᵀ the attention reads as a GEMM's B (Sk keys a row): Sk,
- * or a line more when Sk's rows would lie a multiple of 2 KiB apart, so that
- * S = Q·Kᵀ reads them in place instead of packing them for every block of
- * queries (forward_impl.h's workspace, sdpa_forward_impl.h's kt) */
+ * or a line more (forward_impl.h's workspace, sdpa_forward_impl.h's kt)
+ * - on a narrow kernel when Sk's rows would lie a multiple of 2 KiB apart,
+ *   so that S = Q·Kᵀ reads them in place instead of packing them for every
+ *   block of queries;
+ * - on a wide one when they would lie a multiple of 4 KiB apart (Sk 1024,
+ *   2048, 4096 floats): each step of k then reads its lines from the same
+ *   few L1 sets (4 KiB of L1 a way), and the lines asked for ahead evict
+ *   each other before use.  Zen 5, one core, S (48, 256) = Q·Kᵀ with K 64
+ *   (Dk), B's rows 1024 floats apart: 198-202 GFLOP/s, 1040 apart 220-222
+ *   (512, 768: 219-223); double 512 apart 101-103, 520 apart 114; B 1,
+ *   S 4096, E 1024, H 16, two threads, alternated: 284-290 -> 271-274 ms */
 static inline int64_t mha_kt_ld(int64_t nr, int64_t Sk, size_t scalar)
 {
-    return mha_gemm_far_rows(nr, Sk, scalar) ? Sk + 64 / (int64_t)scalar : Sk;
+    const int far = mha_gemm_narrow(nr, scalar) ? mha_gemm_far_rows(nr, Sk, scalar)
+                                                : Sk * (int64_t)scalar % 4096 == 0;
+    return far ? Sk + 64 / (int64_t)scalar : Sk;
 }
 static inline int mha_tiles_enough(int64_t rows, int64_t N, int64_t nc, int slots)
 {

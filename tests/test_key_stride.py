@@ -1,12 +1,14 @@
 """Keys whose transposed rows get a padded stride, against torch.
 
 When Sk keys of Kᵀ would lie a multiple of 2 KiB apart (512 float32 keys, 256
-float64 ones) on a narrow kernel (AVX2, portable), the module's forward and
-the SDPA entry point lay Kᵀ out a line further apart (internal.h's
-mha_kt_ld) and SDPA then reads V with its own stride (attend_impl.h's vld).
-The other tests use fewer keys, so only these reach that layout; a stride
-mixed up between K and V gives wrong numbers here.  Each ISA the machine has
-runs (AVX-512 keeps the plain stride: the comparison holds there too).
+float64 ones) on a narrow kernel (AVX2, portable), or a multiple of 4 KiB on
+a wide one (AVX-512: 1024 float32 keys, 512 float64 ones), the module's
+forward and the SDPA entry point lay Kᵀ out a line further apart
+(internal.h's mha_kt_ld) and SDPA then reads V with its own stride
+(attend_impl.h's vld).  The other tests use fewer keys, so only these reach
+that layout; a stride mixed up between K and V gives wrong numbers here.
+Each ISA the machine has runs, at 2 KiB and at 4 KiB (the plain stride on
+AVX-512 at 2 KiB: the comparison holds there too).
 """
 import numpy as np
 import pytest
@@ -44,8 +46,10 @@ def test_module_forward(torch, isa, dtype, keys, need_weights, causal):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sdpa(torch, isa, dtype, hq, hkv, causal):
-    S, L, D, Dv = KEYS[dtype], 37, 16, 8  # Dv != D: V's rows differ from Kᵀ's
+@pytest.mark.parametrize("keys", ["one", "two"], ids=["S-2KiB", "S-4KiB"])
+def test_sdpa(torch, isa, dtype, hq, hkv, causal, keys):
+    S = KEYS[dtype] * (1 if keys == "one" else 2)
+    L, D, Dv = 37, 16, 8  # Dv != D: V's rows differ from Kᵀ's
     g = torch.Generator().manual_seed(1)
     tdt = getattr(torch, dtype)
     q = torch.randn(2, hq, L, D, generator=g, dtype=tdt)
