@@ -5,6 +5,7 @@ counts of every input unchanged.
 Legend: B batch, Sq/Sk lengths, E = d_model, H = n_heads.
 """
 import gc
+import mmap
 import os
 import sys
 
@@ -147,10 +148,15 @@ def test_module_objects_are_freed():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm")
 def test_rss_helper_sees_allocations():
-    # 64 MiB: above glibc's largest mmap threshold (32 MiB), so always fresh
-    # pages; an 8 MiB block may be served from memory already resident in
-    # the heap (freed by an earlier test) and then adds nothing to RSS
+    # 64 MiB of fresh anonymous pages, mapped here and written: a block from
+    # malloc (numpy's) may be served from memory already resident in the
+    # heap, freed by an earlier test, and then adds nothing to RSS (seen
+    # with np.ones of 64 MiB, above glibc's largest mmap threshold, after
+    # the rest of the suite)
+    size = 64 * 1024 * 1024
     before = rss_bytes()
-    block = np.ones(64 * 1024 * 1024, np.uint8)
+    block = mmap.mmap(-1, size)
+    for off in range(0, size, 4096):  # a byte on every page
+        block[off] = 1
     assert rss_bytes() - before > 32 * 1024 * 1024
-    del block
+    block.close()
