@@ -18,7 +18,11 @@
  * nor with extra keys). */
 
 #define QB 48        /* queries per attention task: a multiple of every kernel's MR (6, 6, 4) */
-#define KB 256       /* keys per block of the online softmax */
+#define KB 512       /* keys per block of the online softmax: Zen 5, B 1, S 4096,
+                        E 1024, H 16, two threads, alternated: 256 -> 512 keys
+                        263-268 -> 250-262 ms (the running max and sum
+                        updated, the context rescaled, half as often); B 4,
+                        S 1024: 121-124 -> 121-122; at S 128 and 384 the same */
 #define ROWS 48      /* grouped-query tasks: at most this many rows (G * Sq) */
 
 typedef struct {
