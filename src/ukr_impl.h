@@ -87,6 +87,10 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
                 __builtin_prefetch((const void *)((uintptr_t)C +
                                                   (uintptr_t)(r * ldc + v * VL) * sizeof(T)),
                                    0, 2);
+    /* B's prefetch (the loop below): the step from which it asks for the
+     * next panel, and its offset from Bp there */
+    const int64_t ksw = kc > UKR_PF ? kc - UKR_PF : 0;
+    const int64_t dnx = ldbk > NR ? NR - ksw * ldbk : UKR_PF * ldbk;
     for (k0 = 0, ko = 0; k0 < kc; k0 += kb) {
         const int64_t k1 = kc - k0 < kb ? kc : k0 + kb;
         k = k0;
@@ -226,43 +230,64 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #endif
 #undef UKR_PASS
 #endif
-        for (; k < k1; k++, ko += ak) {
-            VT b[NRV];
+        while (k < k1) {
+            /* the B panel's row UKR_PF steps ahead (it streams from L2), and
+             * over the panel's last UKR_PF steps, where that row would lie
+             * past the panel, an in-place B's next panel (NR columns on: the
+             * call gemm_impl.h makes next, along the same rows) from its first
+             * row: dpf, B's prefetch offset from Bp, is one constant over each
+             * of the two stretches.  (A packed panel's next follows in memory:
+             * its offset does not change.)  A prefetch past the matrix is
+             * harmless: it never faults; the address is computed as an
+             * integer, no out-of-range pointer is formed.  Zen 5, one core,
+             * builds alternated process by process, medians: S = Q·Kᵀ over 48
+             * queries and 512 keys at a time, K 64, Kᵀ's rows 4112 floats
+             * apart (long's heads) 203.5 -> 213.4 GFLOP/s; with P·V after it
+             * at Sk 384 (BERT's) 201.0 -> 206.3, P·V unchanged; an input
+             * gradient (1024, 512) with K 512, B in place, 226.4 -> 230.5
+             * (237.9 -> 236.7 in a second pair).  A packed B, whose
+             * prefetch addresses do not change: BERT's projection loop
+             * 226.5 -> 227.8, but (1024, 1536) with K 512 236 -> 229 and
+             * 230 -> 226 (that harness spreads over 225-239 run to run).
+             * Module, two threads: long (B 1, S 4096, E 1024) 262.7 ->
+             * 259.4 ms and 270.4 -> 265.2; BERT, large, medium within 1%.
+             * The same bits. */
+            const int64_t ke = k < ksw && ksw < k1 ? ksw : k1;
+            const uintptr_t dpf = (uintptr_t)(k < ksw ? UKR_PF * ldbk : dnx) * sizeof(T);
+            for (; k < ke; k++, ko += ak) {
+                VT b[NRV];
 #pragma GCC unroll 4
-            for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);
-            /* the B panel's row UKR_PF steps ahead (it streams from L2; a
-             * prefetch past the panel's end is harmless: it never faults; the address
-             * is computed as an integer, no out-of-range pointer is formed) */
+                for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);
 #pragma GCC unroll 4
-            for (v = 0; v < NRV; v++)
-                __builtin_prefetch((const void *)((uintptr_t)(Bp + v * VL) +
-                                                  (uintptr_t)(UKR_PF * ldbk) * sizeof(T)));
-            /* A's lines ahead of use: a row-major A (ak == 1) reaches a new line
-             * of each row every UKR_LINE k (ask for the line after next); a
-             * transposed one (ak > 1) a new line every k (ask as early as for
-             * B's; its UMR entries may straddle two lines) */
-            if (ak == 1 && (k & (UKR_LINE - 1)) == 0) {
-#pragma GCC unroll 16
-                for (r = 0; r < UMR; r++)
-                    __builtin_prefetch((const void *)((uintptr_t)(ar[r] + ko) + 128));
-                if (mr == UMR) /* the next panel's rows: this line (see above) */
+                for (v = 0; v < NRV; v++)
+                    __builtin_prefetch((const void *)((uintptr_t)(Bp + v * VL) + dpf));
+                /* A's lines ahead of use: a row-major A (ak == 1) reaches a new line
+                 * of each row every UKR_LINE k (ask for the line after next); a
+                 * transposed one (ak > 1) a new line every k (ask as early as for
+                 * B's; its UMR entries may straddle two lines) */
+                if (ak == 1 && (k & (UKR_LINE - 1)) == 0) {
 #pragma GCC unroll 16
                     for (r = 0; r < UMR; r++)
-                        __builtin_prefetch((const void *)((uintptr_t)(ar[r] + ko) +
-                                                          (uintptr_t)(UMR * lda) * sizeof(T)));
-            } else if (ak > 1) {
-                __builtin_prefetch((const void *)((uintptr_t)(ar[0] + ko) +
-                                                  (uintptr_t)(UKR_PF * ak) * sizeof(T)));
-                __builtin_prefetch((const void *)((uintptr_t)(ar[UMR - 1] + ko) +
-                                                  (uintptr_t)(UKR_PF * ak) * sizeof(T)));
-            }
+                        __builtin_prefetch((const void *)((uintptr_t)(ar[r] + ko) + 128));
+                    if (mr == UMR) /* the next panel's rows: this line (see above) */
 #pragma GCC unroll 16
-            for (r = 0; r < UMR; r++) {
-                VT a = SUF(vset1)(ar[r][ko]);
+                        for (r = 0; r < UMR; r++)
+                            __builtin_prefetch((const void *)((uintptr_t)(ar[r] + ko) +
+                                                              (uintptr_t)(UMR * lda) * sizeof(T)));
+                } else if (ak > 1) {
+                    __builtin_prefetch((const void *)((uintptr_t)(ar[0] + ko) +
+                                                      (uintptr_t)(UKR_PF * ak) * sizeof(T)));
+                    __builtin_prefetch((const void *)((uintptr_t)(ar[UMR - 1] + ko) +
+                                                      (uintptr_t)(UKR_PF * ak) * sizeof(T)));
+                }
+#pragma GCC unroll 16
+                for (r = 0; r < UMR; r++) {
+                    VT a = SUF(vset1)(ar[r][ko]);
 #pragma GCC unroll 4
-                for (v = 0; v < NRV; v++) c[r][v] = V_FMA(a, b[v], c[r][v]);
+                    for (v = 0; v < NRV; v++) c[r][v] = V_FMA(a, b[v], c[r][v]);
+                }
+                Bp += ldbk;
             }
-            Bp += ldbk;
         }
     }
     if (kc > kb || (pin && !KDOUBLE)) {
