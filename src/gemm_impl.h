@@ -143,7 +143,8 @@ static void SUF(gemm_nest_nb)(const KT *kt, int64_t M, int64_t N, int64_t K, con
                     const int64_t nr = nc - jr < NR ? nc - jr : NR;
                     for (q = 0; q < np; q++) {
                         const int64_t ir = ic + q * MR, mr = M - ir < MR ? M - ir : MR;
-                        (mr <= kt->mr_tail ? kt->ukr_tail : kt->ukr)(
+                        (nr <= kt->nr_narrow ? kt->ukr_narrow
+                         : mr <= kt->mr_tail ? kt->ukr_tail : kt->ukr)(
                                 kc, Ap + q * kc * MR, 1, MR, Bp + jr * kc, NR,
                                 C + ir * ldc + jc + jr, ldc, mr, nr, acc, NULL, NULL);
                     }
@@ -243,8 +244,10 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
                         bp = B + pc * ldb + jc + jr;
                         ldbk = ldb;
                     }
-                    /* few rows left: the half-height kernel */
-                    (mr <= kt->mr_tail ? kt->ukr_tail : kt->ukr)(
+                    /* few columns left: the one-vector kernel; few rows:
+                     * the half-height one */
+                    (nr <= kt->nr_narrow ? kt->ukr_narrow
+                     : mr <= kt->mr_tail ? kt->ukr_tail : kt->ukr)(
                             kc, ap, ars, acs, bp, ldbk,
                             C + ir * ldc + jc + jr, ldc, mr, nr, acc,
                             bias_kc ? bias_kc + jc + jr : NULL, NULL);

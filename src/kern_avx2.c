@@ -162,9 +162,10 @@ TRANSPOSE_AVX2(transpose_f64_avx2, double, 4, __m256d, _mm256_loadu_pd, _mm256_s
 #undef TRANSPOSE_AVX2
 
 static const mha_kern_f32 avx2_f32 = {
-    .name = "avx2", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 8,
+    .name = "avx2", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 8, .nr_narrow = 8,
     .ukr = ukr_f32_avx2,
     .ukr_tail = ukr_tail_f32_avx2,
+    .ukr_narrow = ukr_narrow_f32_avx2,
     .dot = dot_f32_avx2,
     .scale_max = scale_max_f32_avx2,
     .max = max_f32_avx2,
@@ -176,9 +177,10 @@ static const mha_kern_f32 avx2_f32 = {
     .transpose = transpose_f32_avx2,
 };
 static const mha_kern_f64 avx2_f64 = {
-    .name = "avx2", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 4,
+    .name = "avx2", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 4, .nr_narrow = 4,
     .ukr = ukr_f64_avx2,
     .ukr_tail = ukr_tail_f64_avx2,
+    .ukr_narrow = ukr_narrow_f64_avx2,
     .dot = dot_f64_avx2,
     .scale_max = scale_max_f64_avx2,
     .max = max_f64_avx2,

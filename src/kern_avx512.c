@@ -35,6 +35,8 @@ typedef int32_t vi32x16 __attribute__((vector_size(64)));
 #define V_WHERE_LT(x, c, a, y) _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, c, _CMP_LT_OQ), a)
 #define V_WHERE_GT(x, c, a, y) _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, c, _CMP_GT_OQ), a)
 #define V_SCALEF(p, n) _mm512_scalef_ps(p, n)
+#define V_LOADN(p, n, f) _mm512_mask_loadu_ps(_mm512_set1_ps(f), (__mmask16)((1u << (n)) - 1), p)
+#define V_STOREN(p, x, n) _mm512_mask_storeu_ps(p, (__mmask16)((1u << (n)) - 1), x)
 #define SUF(name) name##_f32_avx512
 #include "kern_impl.h"
 #undef V_FMA
@@ -54,6 +56,8 @@ typedef int64_t vi64x8 __attribute__((vector_size(64)));
 #define V_WHERE_LT(x, c, a, y) _mm512_mask_mov_pd(y, _mm512_cmp_pd_mask(x, c, _CMP_LT_OQ), a)
 #define V_WHERE_GT(x, c, a, y) _mm512_mask_mov_pd(y, _mm512_cmp_pd_mask(x, c, _CMP_GT_OQ), a)
 #define V_SCALEF(p, n) _mm512_scalef_pd(p, n)
+#define V_LOADN(p, n, f) _mm512_mask_loadu_pd(_mm512_set1_pd(f), (__mmask8)((1u << (n)) - 1), p)
+#define V_STOREN(p, x, n) _mm512_mask_storeu_pd(p, (__mmask8)((1u << (n)) - 1), x)
 #define SUF(name) name##_f64_avx512
 #include "kern_impl.h"
 #undef V_FMA
@@ -207,9 +211,10 @@ KATTR static void transpose_f64_avx512(int64_t R, int64_t C, const double *x, in
 }
 
 static const mha_kern_f32 avx512_f32 = {
-    .name = "avx512", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 16,
+    .name = "avx512", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 16, .nr_narrow = 16,
     .ukr = ukr_f32_avx512,
     .ukr_tail = ukr_tail_f32_avx512,
+    .ukr_narrow = ukr_narrow_f32_avx512,
     .dot = dot_f32_avx512,
     .scale_max = scale_max_f32_avx512,
     .max = max_f32_avx512,
@@ -221,9 +226,10 @@ static const mha_kern_f32 avx512_f32 = {
     .transpose = transpose_f32_avx512,
 };
 static const mha_kern_f64 avx512_f64 = {
-    .name = "avx512", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 8,
+    .name = "avx512", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 8, .nr_narrow = 8,
     .ukr = ukr_f64_avx512,
     .ukr_tail = ukr_tail_f64_avx512,
+    .ukr_narrow = ukr_narrow_f64_avx512,
     .dot = dot_f64_avx512,
     .scale_max = scale_max_f64_avx512,
     .max = max_f64_avx512,

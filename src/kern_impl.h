@@ -16,9 +16,13 @@
  *   V_WHERE_LT(x, c, a, y), V_WHERE_GT(x, c, a, y)
  *                    a where x < c (x > c), else y
  *   V_SCALEF(p, n)   p · 2^n, n integral in T, rounded once
- * T, KDOUBLE, VL, VT, VI, V_SET1, SUF and those five are undefined at the
+ *   V_LOADN(p, n, f), V_STOREN(p, x, n)
+ *                    the first n < VL lanes from p, the rest f; x's first n
+ *                    lanes to p, nothing past them (a row's last part
+ *                    vector without a copy through a buffer)
+ * T, KDOUBLE, VL, VT, VI, V_SET1, SUF and those seven are undefined at the
  * end of this file; the rest stay the includer's.
- * Each instance defines ukr_S and ukr_tail_S (ukr_impl.h), dot_S,
+ * Each instance defines ukr_S, ukr_tail_S and ukr_narrow_S (ukr_impl.h), dot_S,
  * scale_max_S, max_S, exp_sum_S, scale_S, exp_row_S and softmax_grad_S for
  * its suffix S (f32_avx2, f64_portable, ...), which the includer lists by
  * name in its table.
@@ -181,9 +185,15 @@ KATTR static inline VT SUF(vexp_neg)(VT x)
 #endif
 #define UKR_FN SUF(ukr)
 #define UMR MR
+#define UNRV NRV
 #include "ukr_impl.h"
 #define UKR_FN SUF(ukr_tail)
 #define UMR (MR / 2)
+#define UNRV NRV
+#include "ukr_impl.h"
+#define UKR_FN SUF(ukr_narrow)
+#define UMR MR
+#define UNRV 1
 #include "ukr_impl.h"
 
 /* C (m, n) = A (m, K)·B (n, K)ᵀ (+ bias), B read in place (no packing):
@@ -296,6 +306,11 @@ KATTR static T SUF(exp_sum)(T *s, int64_t n, T m)
         vs = vs + x;
     }
     if (j < n) { /* the tail through one padded vector: exp(-inf) adds 0 */
+#ifdef V_LOADN
+        VT x = SUF(vexp_neg)(V_LOADN(s + j, n - j, -(T)INFINITY) - vmv);
+        V_STOREN(s + j, x, n - j);
+        vs = vs + x;
+#else
         T tmp[VL];
         int64_t t;
         for (t = 0; t < VL; t++) tmp[t] = j + t < n ? s[j + t] : -(T)INFINITY;
@@ -303,6 +318,7 @@ KATTR static T SUF(exp_sum)(T *s, int64_t n, T m)
         SUF(vstore)(tmp, x);
         for (t = 0; j + t < n; t++) s[j + t] = tmp[t];
         vs = vs + x;
+#endif
     }
     return SUF(hsum)(vs);
 }
@@ -356,3 +372,5 @@ KATTR static void SUF(softmax_grad)(const T *p, T *d, int64_t n, T c)
 #undef V_WHERE_LT
 #undef V_WHERE_GT
 #undef V_SCALEF
+#undef V_LOADN
+#undef V_STOREN

@@ -39,9 +39,10 @@ typedef int64_t vi64x2 __attribute__((vector_size(16)));
 #include "kern_impl.h"
 
 const mha_kern_f32 mha_kern_portable_f32 = {
-    .name = "portable", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 4,
+    .name = "portable", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 4, .nr_narrow = 4,
     .ukr = ukr_f32_portable,
     .ukr_tail = ukr_tail_f32_portable,
+    .ukr_narrow = ukr_narrow_f32_portable,
     .dot = dot_f32_portable,
     .scale_max = scale_max_f32_portable,
     .max = max_f32_portable,
@@ -53,9 +54,10 @@ const mha_kern_f32 mha_kern_portable_f32 = {
     .transpose = NULL,
 };
 const mha_kern_f64 mha_kern_portable_f64 = {
-    .name = "portable", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 2,
+    .name = "portable", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 2, .nr_narrow = 2,
     .ukr = ukr_f64_portable,
     .ukr_tail = ukr_tail_f64_portable,
+    .ukr_narrow = ukr_narrow_f64_portable,
     .dot = dot_f64_portable,
     .scale_max = scale_max_f64_portable,
     .max = max_f64_portable,

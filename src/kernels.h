@@ -22,6 +22,9 @@
  *   in two runs).
  * ukr_tail: the same for mr <= mr_tail (MR / 2) rows, in half the work (the
  *   last row panel of a product whose M leaves few rows); the same bits.
+ * ukr_narrow: the same for nr <= nr_narrow (one vector) columns, in
+ *   1/NRV of the work (a panel of few columns: S = Q·Kᵀ over few keys, the
+ *   last panel of a product whose N leaves few); the same bits.
  * dot: the unpacked small-M form of mha_gemm's C (m, n) = A (m, K)·B (n, K)ᵀ
  *   (+ bias, (+)=), every element the packed GEMM's bits (the same sums in
  *   the same order, depth blocks of MHA_GEMM_KC): rows of A in the lanes.
@@ -49,11 +52,14 @@
 /* the table for float */
 typedef struct {
     const char *name;
-    int mr, nr, mr_tail;
+    int mr, nr, mr_tail, nr_narrow;
     void (*ukr)(int64_t kc, const float *A, int64_t lda, int64_t ak, const float *Bp, int64_t ldbk,
                 float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const float *bias,
                 const float *pin);
     void (*ukr_tail)(int64_t kc, const float *A, int64_t lda, int64_t ak, const float *Bp,
+                     int64_t ldbk, float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
+                     const float *bias, const float *pin);
+    void (*ukr_narrow)(int64_t kc, const float *A, int64_t lda, int64_t ak, const float *Bp,
                      int64_t ldbk, float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
                      const float *bias, const float *pin);
     void (*dot)(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B,
@@ -72,11 +78,14 @@ typedef struct {
 /* the same for double */
 typedef struct {
     const char *name;
-    int mr, nr, mr_tail;
+    int mr, nr, mr_tail, nr_narrow;
     void (*ukr)(int64_t kc, const double *A, int64_t lda, int64_t ak, const double *Bp, int64_t ldbk,
                 double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const double *bias,
                 const double *pin);
     void (*ukr_tail)(int64_t kc, const double *A, int64_t lda, int64_t ak, const double *Bp,
+                     int64_t ldbk, double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
+                     const double *bias, const double *pin);
+    void (*ukr_narrow)(int64_t kc, const double *A, int64_t lda, int64_t ak, const double *Bp,
                      int64_t ldbk, double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
                      const double *bias, const double *pin);
     void (*dot)(int64_t m, int64_t n, int64_t K, const double *A, int64_t lda, const double *B,

@@ -1,10 +1,15 @@
 /* ukr_impl.h: the GEMM micro-kernel (kernels.h's ukr), C (mr, nr) (+)=
- * A·Bp (+ bias) for mr <= UMR rows, included by kern_impl.h twice per
- * instance: as ukr_S with UMR = MR and as ukr_tail_S with UMR = MR / 2 (the
- * last panel of few rows: at M = 20 rows and MR = 6, the 2 left over took a
- * full 6-row pass).  Each C element's sum is the same code whatever UMR: a
- * row's bits do not depend on the kernel that computed it.  The includer
- * defines UKR_FN and UMR (undefined here at the end).
+ * A·Bp (+ bias) for mr <= UMR rows and nr <= UNRV vectors of columns,
+ * included by kern_impl.h three times per instance: as ukr_S (UMR = MR,
+ * UNRV = NRV), as ukr_tail_S with UMR = MR / 2 (the last panel of few
+ * rows: at M = 20 rows and MR = 6, the 2 left over took a full 6-row pass)
+ * and as ukr_narrow_S with UNRV = 1 (a panel of at most one vector of
+ * columns: S = Q·Kᵀ over few keys, P·V with a narrow head, took a full
+ * NRV-vector pass; Zen 5, one thread, alternated process by process: SDPA
+ * of 256 heads of 10 queries and keys, head size 64, 0.406 -> 0.332 ms).  Each C element's sum is the same code whatever UMR
+ * and UNRV: an element's bits do not depend on the kernel that computed
+ * it.  The includer defines UKR_FN, UMR and UNRV (undefined here at the
+ * end).  B's panels stay NR = NRV vectors wide whatever UNRV (ldbk).
  *
  * pin: NULL, or the state an earlier call left for the first steps of the
  * same depth block (once gemm_impl.h's sub-blocks; unused now, see
@@ -41,8 +46,8 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
                          int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,
                          int accumulate, const T *bias, const T *pin)
 {
-    VT c[UMR][NRV];
-    T part[UMR][NRV * VL]; /* the sums of the kb-step chains before */
+    VT c[UMR][UNRV];
+    T part[UMR][UNRV * VL]; /* the sums of the kb-step chains before */
     const T *ar[UMR];
     /* float: chains of UKR_KB steps; double: one chain (its error is far
      * below any tolerance already, and it keeps its speed) */
@@ -55,13 +60,13 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #pragma GCC unroll 16
     for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
-        for (v = 0; v < NRV; v++)
+        for (v = 0; v < UNRV; v++)
             c[r][v] = KDOUBLE && pin ? SUF(vload)(pin + r * NR + v * VL) : (VT){0};
     if (pin && !KDOUBLE) {
 #pragma GCC unroll 16
         for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
-            for (v = 0; v < NRV; v++)
+            for (v = 0; v < UNRV; v++)
                 SUF(vstore)(&part[r][v * VL], SUF(vload)(pin + r * NR + v * VL));
     } else if (kc > kb)
         __builtin_memset(part, 0, sizeof part);
@@ -82,7 +87,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #pragma GCC unroll 16
     for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
-        for (v = 0; v < NRV; v++)
+        for (v = 0; v < UNRV; v++)
             if (ak <= UMR && r < mr && v * VL < nr)
                 __builtin_prefetch((const void *)((uintptr_t)C +
                                                   (uintptr_t)(r * ldc + v * VL) * sizeof(T)),
@@ -102,7 +107,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #pragma GCC unroll 16
             for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
-                for (v = 0; v < NRV; v++) {
+                for (v = 0; v < UNRV; v++) {
                     SUF(vstore)(&part[r][v * VL], SUF(vload)(&part[r][v * VL]) + c[r][v]);
                     c[r][v] = (VT){0};
                 }
@@ -115,9 +120,9 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
         int u;                                                                             \
         _Pragma("GCC unroll 8")                                                            \
         for (u = 0; u < UKR_UNROLL; u++) {                                                 \
-            VT b[NRV];                                                                     \
+            VT b[UNRV];                                                                    \
             _Pragma("GCC unroll 4")                                                        \
-            for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);                      \
+            for (v = 0; v < UNRV; v++) b[v] = SUF(vload)(Bp + v * VL);                      \
             /* B's row UKR_PF steps ahead: its first line (a packed panel                  \
              * streams in order, which the hardware follows too) */                        \
             __builtin_prefetch((const void *)((uintptr_t)Bp +                              \
@@ -126,7 +131,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
             for (r = 0; r < UMR; r++) {                                                    \
                 VT a = SUF(vset1)(*(const T *)(ADDR));                                     \
                 _Pragma("GCC unroll 4")                                                    \
-                for (v = 0; v < NRV; v++) UKR_FMA_ACC(cc[r][v], a, b[v]);                  \
+                for (v = 0; v < UNRV; v++) UKR_FMA_ACC(cc[r][v], a, b[v]);                  \
             }                                                                              \
             Bp += ldbk;                                                                    \
         }                                                                                  \
@@ -159,13 +164,13 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
          * fast variant's instructions, a disassembly diff of 0 lines). */
         if (mr == UMR && ldbk <= 4160 / (int64_t)sizeof(T) &&
             (ak == 1 || (lda == 1 && ak == UMR))) {
-            VT cc[UMR][NRV]; /* the accumulators, in this block's registers */
+            VT cc[UMR][UNRV]; /* the accumulators, in this block's registers */
             const int64_t L = ak == 1 ? lda * (int64_t)sizeof(T) : 0;
             const char *a0 = (const char *)(A + ko), *a3 = a0 + (UMR > 3 ? 3 * L : 0);
 #pragma GCC unroll 16
             for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
-                for (v = 0; v < NRV; v++) cc[r][v] = c[r][v];
+                for (v = 0; v < UNRV; v++) cc[r][v] = c[r][v];
             if (ak == 1) {
                 for (; k + UKR_UNROLL <= k1; k += UKR_UNROLL) {
                     if ((k & (UKR_LINE - 1)) == 0) { /* A's rows: the line after next */
@@ -187,7 +192,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #pragma GCC unroll 16
             for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
-                for (v = 0; v < NRV; v++) c[r][v] = cc[r][v];
+                for (v = 0; v < UNRV; v++) c[r][v] = cc[r][v];
             ko = k * ak;
         }
 #if !KDOUBLE
@@ -201,7 +206,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
              * while the other vCPU is busy; the generic loop below spends
              * more instructions per FMA.  Not for double: its kernels' code
              * stays as it was (see the limit's note above) */
-            VT cc[UMR][NRV];
+            VT cc[UMR][UNRV];
             const int64_t L = lda * (int64_t)sizeof(T);
             const int64_t O1 = mr > 1 ? L : 0, O2 = mr > 2 ? 2 * L : O1;
             const int64_t H1 = mr > 4 ? L : 0, H2 = mr > 5 ? 2 * L : H1;
@@ -212,7 +217,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #pragma GCC unroll 16
             for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
-                for (v = 0; v < NRV; v++) cc[r][v] = c[r][v];
+                for (v = 0; v < UNRV; v++) cc[r][v] = c[r][v];
             for (; k + UKR_UNROLL <= k1; k += UKR_UNROLL) {
                 if ((k & (UKR_LINE - 1)) == 0) {
 #pragma GCC unroll 16
@@ -224,7 +229,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #pragma GCC unroll 16
             for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
-                for (v = 0; v < NRV; v++) c[r][v] = cc[r][v];
+                for (v = 0; v < UNRV; v++) c[r][v] = cc[r][v];
             ko = k;
         }
 #endif
@@ -255,11 +260,11 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
             const int64_t ke = k < ksw && ksw < k1 ? ksw : k1;
             const uintptr_t dpf = (uintptr_t)(k < ksw ? UKR_PF * ldbk : dnx) * sizeof(T);
             for (; k < ke; k++, ko += ak) {
-                VT b[NRV];
+                VT b[UNRV];
 #pragma GCC unroll 4
-                for (v = 0; v < NRV; v++) b[v] = SUF(vload)(Bp + v * VL);
+                for (v = 0; v < UNRV; v++) b[v] = SUF(vload)(Bp + v * VL);
 #pragma GCC unroll 4
-                for (v = 0; v < NRV; v++)
+                for (v = 0; v < UNRV; v++)
                     __builtin_prefetch((const void *)((uintptr_t)(Bp + v * VL) + dpf));
                 /* A's lines ahead of use: a row-major A (ak == 1) reaches a new line
                  * of each row every UKR_LINE k (ask for the line after next); a
@@ -284,7 +289,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
                 for (r = 0; r < UMR; r++) {
                     VT a = SUF(vset1)(ar[r][ko]);
 #pragma GCC unroll 4
-                    for (v = 0; v < NRV; v++) c[r][v] = V_FMA(a, b[v], c[r][v]);
+                    for (v = 0; v < UNRV; v++) c[r][v] = V_FMA(a, b[v], c[r][v]);
                 }
                 Bp += ldbk;
             }
@@ -294,13 +299,13 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #pragma GCC unroll 16
         for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
-            for (v = 0; v < NRV; v++) c[r][v] = SUF(vload)(&part[r][v * VL]) + c[r][v];
+            for (v = 0; v < UNRV; v++) c[r][v] = SUF(vload)(&part[r][v * VL]) + c[r][v];
     }
-    if (mr == UMR && nr == NR) {
+    if (mr == UMR && nr == UNRV * VL) {
 #pragma GCC unroll 16
         for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
-            for (v = 0; v < NRV; v++) {
+            for (v = 0; v < UNRV; v++) {
                 T *cp = C + r * ldc + v * VL;
                 VT x = c[r][v];
                 if (accumulate) x = SUF(vload)(cp) + x;
@@ -308,10 +313,24 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
                 SUF(vstore)(cp, x);
             }
     } else {
-        T tile[UMR][NR];
+        T tile[UMR][UNRV * VL];
         int64_t i, j;
         for (r = 0; r < UMR; r++)
-            for (v = 0; v < NRV; v++) SUF(vstore)(&tile[r][v * VL], c[r][v]);
+            for (v = 0; v < UNRV; v++) SUF(vstore)(&tile[r][v * VL], c[r][v]);
+#ifdef V_LOADN
+        /* a part tile: each row's vectors with their lanes past nr masked
+         * off, the scalar loop's sums lane by lane (with exp_sum's masked
+         * tail, the SDPA above 0.332 -> 0.316 ms) */
+        for (i = 0; i < mr; i++)
+            for (j = 0; j < nr; j += VL) {
+                const int w = nr - j < VL ? (int)(nr - j) : VL;
+                T *cp = C + i * ldc + j;
+                VT x = SUF(vload)(&tile[i][j]);
+                if (accumulate) x = V_LOADN(cp, w, 0) + x;
+                if (bias) x = x + V_LOADN(bias + j, w, 0);
+                V_STOREN(cp, x, w);
+            }
+#else
         for (i = 0; i < mr; i++)
             for (j = 0; j < nr; j++) {
                 T x = tile[i][j];
@@ -319,9 +338,11 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
                 if (bias) x = x + bias[j];
                 C[i * ldc + j] = x;
             }
+#endif
     }
 }
 
 #undef UKR_FN
 #undef UMR
+#undef UNRV
 #undef UKR_LINE

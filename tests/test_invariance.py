@@ -75,6 +75,29 @@ def test_batch_invariance_padding_beyond_the_causal_prefix(isa, dtype, E, H, S):
                 assert np.array_equal(pw, fw[:, :, :k, :k])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_batch_invariance_last_column_panel(isa, dtype, need_weights):
+    # A product's last panel of at most one vector of columns takes the
+    # one-vector micro-kernel (ukr_narrow, src/ukr_impl.h), a wider one the
+    # full kernel.  In a causal call the block of queries 48 .. 95 computes
+    # S = Q·Kᵀ up to its last visible key: in a call of 128 tokens over 96
+    # keys (a panel of 64, then one of 32 columns, 2 float32 vectors), in a
+    # prefix of 65 .. 80 tokens over 65 .. 80 keys (a last panel of 1 .. 16
+    # columns: one float32 vector at most on avx512, up to two of float64
+    # and on avx2).  The rows of the prefix give the bits of those rows of
+    # the whole call.  Head size 160: the scores' depth runs over two float
+    # chains (UKR_KB 128).
+    m = MultiHeadAttention(640, 4, dtype=dtype, seed=7).eval()
+    x = _data(1, 128, 640, dtype, seed=3)
+    full, fw = m(x, is_causal=True, need_weights=need_weights)
+    for k in (65, 66, 70, 72, 79, 80):
+        part, pw = m(x[:, :k], is_causal=True, need_weights=need_weights)
+        assert np.array_equal(part, full[:, :k]), (k, np.abs(part - full[:, :k]).max())
+        if need_weights:
+            assert np.array_equal(pw, fw[:, :, :k, :k])
+
+
 @pytest.mark.parametrize("E,H,S", SHAPES)
 def test_batch_invariance_thread_count(isa, E, H, S):
     m = MultiHeadAttention(E, H, seed=4).eval()
