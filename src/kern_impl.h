@@ -17,9 +17,10 @@
  *                    a where x < c (x > c), else y
  *   V_SCALEF(p, n)   p · 2^n, n integral in T, rounded once
  *   V_LOADN(p, n, f), V_STOREN(p, x, n)
- *                    the first n < VL lanes from p, the rest f; x's first n
- *                    lanes to p, nothing past them (a row's last part
- *                    vector without a copy through a buffer)
+ *                    the first n <= VL lanes from p, the rest f (the
+ *                    lanes past n never read); x's first n lanes to p,
+ *                    nothing past them (a row's last part vector without a
+ *                    copy through a buffer)
  * T, KDOUBLE, VL, VT, VI, V_SET1, SUF and those seven are undefined at the
  * end of this file; the rest stay the includer's.
  * Each instance defines ukr_S, ukr_tail_S and ukr_narrow_S (ukr_impl.h), dot_S,
