@@ -6,10 +6,11 @@
  * and as ukr_narrow_S with UNRV = 1 (a panel of at most one vector of
  * columns: S = Q·Kᵀ over few keys, P·V with a narrow head, took a full
  * NRV-vector pass; Zen 5, one thread, alternated process by process: SDPA
- * of 256 heads of 10 queries and keys, head size 64, 0.406 -> 0.332 ms).  Each C element's sum is the same code whatever UMR
- * and UNRV: an element's bits do not depend on the kernel that computed
- * it.  The includer defines UKR_FN, UMR and UNRV (undefined here at the
- * end).  B's panels stay NR = NRV vectors wide whatever UNRV (ldbk).
+ * of 256 heads of 10 queries and keys, head size 64, 0.406 -> 0.332 ms).
+ * Each C element's sum is the same code whatever UMR and UNRV: an
+ * element's bits do not depend on the kernel that computed it.  The
+ * includer defines UKR_FN, UMR and UNRV (undefined here at the end).  B's
+ * panels stay NR = NRV vectors wide whatever UNRV (ldbk).
  *
  * pin: NULL, or the state an earlier call left for the first steps of the
  * same depth block (once gemm_impl.h's sub-blocks; unused now, see
@@ -122,7 +123,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
         for (u = 0; u < UKR_UNROLL; u++) {                                                 \
             VT b[UNRV];                                                                    \
             _Pragma("GCC unroll 4")                                                        \
-            for (v = 0; v < UNRV; v++) b[v] = SUF(vload)(Bp + v * VL);                      \
+            for (v = 0; v < UNRV; v++) b[v] = SUF(vload)(Bp + v * VL);                     \
             /* B's row UKR_PF steps ahead: its first line (a packed panel                  \
              * streams in order, which the hardware follows too) */                        \
             __builtin_prefetch((const void *)((uintptr_t)Bp +                              \
@@ -131,7 +132,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
             for (r = 0; r < UMR; r++) {                                                    \
                 VT a = SUF(vset1)(*(const T *)(ADDR));                                     \
                 _Pragma("GCC unroll 4")                                                    \
-                for (v = 0; v < UNRV; v++) UKR_FMA_ACC(cc[r][v], a, b[v]);                  \
+                for (v = 0; v < UNRV; v++) UKR_FMA_ACC(cc[r][v], a, b[v]);                 \
             }                                                                              \
             Bp += ldbk;                                                                    \
         }                                                                                  \

@@ -82,10 +82,11 @@ def test_batch_invariance_last_column_panel(isa, dtype, need_weights):
     # one-vector micro-kernel (ukr_narrow, src/ukr_impl.h), a wider one the
     # full kernel.  In a causal call the block of queries 48 .. 95 computes
     # S = Q·Kᵀ up to its last visible key: in a call of 128 tokens over 96
-    # keys (a panel of 64, then one of 32 columns, 2 float32 vectors), in a
+    # keys (on avx512 a float32 panel of 64 columns, then one of 32: the
+    # full kernel on a part panel; on avx2 whole 16-column panels), in a
     # prefix of 65 .. 80 tokens over 65 .. 80 keys (a last panel of 1 .. 16
-    # columns: one float32 vector at most on avx512, up to two of float64
-    # and on avx2).  The rows of the prefix give the bits of those rows of
+    # columns: the narrow kernel where that is at most one vector, 16 float32
+    # lanes on avx512, 8 for its float64 and avx2's float32).  The rows of the prefix give the bits of those rows of
     # the whole call.  Head size 160: the scores' depth runs over two float
     # chains (UKR_KB 128).
     m = MultiHeadAttention(640, 4, dtype=dtype, seed=7).eval()
