@@ -11,15 +11,19 @@
 #define T float
 #define SUF(name) name##_f32
 #define KT mha_kern_f32
+#define UKR_T mha_ukr_f32
 #include "gemm_impl.h"
 #undef T
 #undef SUF
 #undef KT
+#undef UKR_T
 
 #define T double
 #define SUF(name) name##_f64
 #define KT mha_kern_f64
+#define UKR_T mha_ukr_f64
 #include "gemm_impl.h"
 #undef T
 #undef SUF
 #undef KT
+#undef UKR_T

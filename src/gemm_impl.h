@@ -1,5 +1,6 @@
 /* gemm_impl.h: the matrix-multiply loop nest, written once for T = float and
- * T = double (included twice by gemm.c with T, SUF and KT defined).
+ * T = double (included twice by gemm.c with T, SUF, KT and UKR_T, the
+ * micro-kernel's type, defined).
  *
  * BLIS's structure: for each block of NC columns (mha_gemm_nc: from the
  * L2), for each block of KC of the inner dimension, pack that (KC, NC)
@@ -40,6 +41,14 @@
  * hardware follows).  Zen 3, one core, TN (512, 256) with K 1024 (a weight
  * gradient at medium): 1.08-1.10x; NN (1024, 256) with K 1024: 1.035x */
 #define PFB 16
+
+/* The micro-kernel for an mr x nr tile: the one-vector kernel for a panel
+ * of few columns, the half-height one for few rows, else the full one
+ * (kernels.h; every one gives the same bits) */
+static inline UKR_T SUF(ukr_for)(const KT *kt, int64_t mr, int64_t nr)
+{
+    return nr <= kt->nr_narrow ? kt->ukr_narrow : mr <= kt->mr_tail ? kt->ukr_tail : kt->ukr;
+}
 
 /* op(B) panel: Bp[k*NR + c] = op(B)(pc + k, j + c), zero for c >= nr; a
  * row-major B's row pc + k + pf asked for with row pc + k (pf 0, or rows
@@ -143,8 +152,7 @@ static void SUF(gemm_nest_nb)(const KT *kt, int64_t M, int64_t N, int64_t K, con
                     const int64_t nr = nc - jr < NR ? nc - jr : NR;
                     for (q = 0; q < np; q++) {
                         const int64_t ir = ic + q * MR, mr = M - ir < MR ? M - ir : MR;
-                        (nr <= kt->nr_narrow ? kt->ukr_narrow
-                         : mr <= kt->mr_tail ? kt->ukr_tail : kt->ukr)(
+                        SUF(ukr_for)(kt, mr, nr)(
                                 kc, Ap + q * kc * MR, 1, MR, Bp + jr * kc, NR,
                                 C + ir * ldc + jc + jr, ldc, mr, nr, acc, NULL, NULL);
                     }
@@ -244,10 +252,7 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
                         bp = B + pc * ldb + jc + jr;
                         ldbk = ldb;
                     }
-                    /* few columns left: the one-vector kernel; few rows:
-                     * the half-height one */
-                    (nr <= kt->nr_narrow ? kt->ukr_narrow
-                     : mr <= kt->mr_tail ? kt->ukr_tail : kt->ukr)(
+                    SUF(ukr_for)(kt, mr, nr)(
                             kc, ap, ars, acs, bp, ldbk,
                             C + ir * ldc + jc + jr, ldc, mr, nr, acc,
                             bias_kc ? bias_kc + jc + jr : NULL, NULL);

@@ -49,19 +49,19 @@
 
 #include <stdint.h>
 
+/* the micro-kernels' signature (ukr, ukr_tail and ukr_narrow above) */
+typedef void (*mha_ukr_f32)(int64_t kc, const float *A, int64_t lda, int64_t ak,
+                            const float *Bp, int64_t ldbk, float *C, int64_t ldc, int64_t mr,
+                            int64_t nr, int accumulate, const float *bias, const float *pin);
+typedef void (*mha_ukr_f64)(int64_t kc, const double *A, int64_t lda, int64_t ak,
+                            const double *Bp, int64_t ldbk, double *C, int64_t ldc, int64_t mr,
+                            int64_t nr, int accumulate, const double *bias, const double *pin);
+
 /* the table for float */
 typedef struct {
     const char *name;
     int mr, nr, mr_tail, nr_narrow;
-    void (*ukr)(int64_t kc, const float *A, int64_t lda, int64_t ak, const float *Bp, int64_t ldbk,
-                float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const float *bias,
-                const float *pin);
-    void (*ukr_tail)(int64_t kc, const float *A, int64_t lda, int64_t ak, const float *Bp,
-                     int64_t ldbk, float *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
-                     const float *bias, const float *pin);
-    void (*ukr_narrow)(int64_t kc, const float *A, int64_t lda, int64_t ak, const float *Bp,
-                       int64_t ldbk, float *C, int64_t ldc, int64_t mr, int64_t nr,
-                       int accumulate, const float *bias, const float *pin);
+    mha_ukr_f32 ukr, ukr_tail, ukr_narrow;
     void (*dot)(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B,
                 int64_t ldb, const float *bias, float *C, int64_t ldc, int accumulate);
     float (*scale_max)(float *s, int64_t n, float c);
@@ -79,15 +79,7 @@ typedef struct {
 typedef struct {
     const char *name;
     int mr, nr, mr_tail, nr_narrow;
-    void (*ukr)(int64_t kc, const double *A, int64_t lda, int64_t ak, const double *Bp, int64_t ldbk,
-                double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate, const double *bias,
-                const double *pin);
-    void (*ukr_tail)(int64_t kc, const double *A, int64_t lda, int64_t ak, const double *Bp,
-                     int64_t ldbk, double *C, int64_t ldc, int64_t mr, int64_t nr, int accumulate,
-                     const double *bias, const double *pin);
-    void (*ukr_narrow)(int64_t kc, const double *A, int64_t lda, int64_t ak, const double *Bp,
-                       int64_t ldbk, double *C, int64_t ldc, int64_t mr, int64_t nr,
-                       int accumulate, const double *bias, const double *pin);
+    mha_ukr_f64 ukr, ukr_tail, ukr_narrow;
     void (*dot)(int64_t m, int64_t n, int64_t K, const double *A, int64_t lda, const double *B,
                 int64_t ldb, const double *bias, double *C, int64_t ldc, int accumulate);
     double (*scale_max)(double *s, int64_t n, double c);

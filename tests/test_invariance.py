@@ -86,9 +86,9 @@ def test_batch_invariance_last_column_panel(isa, dtype, need_weights):
     # full kernel on a part panel; on avx2 whole 16-column panels), in a
     # prefix of 65 .. 80 tokens over 65 .. 80 keys (a last panel of 1 .. 16
     # columns: the narrow kernel where that is at most one vector, 16 float32
-    # lanes on avx512, 8 for its float64 and avx2's float32).  The rows of the prefix give the bits of those rows of
-    # the whole call.  Head size 160: the scores' depth runs over two float
-    # chains (UKR_KB 128).
+    # lanes on avx512, 8 for its float64 and avx2's float32).  The rows of
+    # the prefix give the bits of those rows of the whole call.  Head size
+    # 160: the scores' depth runs over two float chains (UKR_KB 128).
     m = MultiHeadAttention(640, 4, dtype=dtype, seed=7).eval()
     x = _data(1, 128, 640, dtype, seed=3)
     full, fw = m(x, is_causal=True, need_weights=need_weights)
