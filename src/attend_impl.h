@@ -17,7 +17,16 @@
  * inf, which must still reach every row as 0·NaN does in the reference,
  * nor with extra keys). */
 
-#define QB 48        /* queries per attention task: a multiple of every kernel's MR (6, 6, 4) */
+#define QB 48        /* queries per attention task: a multiple of every kernel's MR (6, 6, 4).
+                        72 and 96 (K and V read from L3 for fewer blocks of queries)
+                        measured the same: Zen 5, two threads, builds alternated process
+                        by process, medians, B 1, S 4096, E 1024, H 16: 252-258 -> 251-254
+                        ms (QB 96); B 4, S 1024: 121-123 both; BERT 88-90 both, with its
+                        weights 86-90 -> 86-87; the SDPA alone at long's shape 175-179 ->
+                        174-176 (QB 72 and 96).  S = Q·Kᵀ inside the call (rdtsc around
+                        each product, one thread, long's SDPA): 81% of a core, P·V 91%,
+                        the softmax 15% of the pass; Kᵀ laid out in contiguous 64-key
+                        panels left S's rate unchanged */
 #define KB 512       /* keys per block of the online softmax: Zen 5, B 1, S 4096,
                         E 1024, H 16, two threads, alternated: 256 -> 512 keys
                         263-268 -> 250-262 ms (the running max and sum
