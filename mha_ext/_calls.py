@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _core
-from ._convert import as_array, as_real, contiguous, flag
+from ._convert import as_real, contiguous, flag
 from ._masks import block_layout, masks as _masks
 from .cache import KVCache
 
@@ -158,8 +158,8 @@ def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
             raise ValueError("layout= and cache= do not combine: a block layout's query "
                              "blocks count from the call's first query, not from the "
                              "cached positions; give the keys as a mask (attn_mask) instead")
-    if dtype is None:
-        convert = as_array
+    if dtype is None:  # real data checked here: a 0-d string is a TypeError, not a shape's
+        convert = as_real
     else:
         def convert(x, name):
             return contiguous(x, name, dtype)

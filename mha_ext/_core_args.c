@@ -167,8 +167,9 @@ int parse_dropout(PyObject *obj, const char *name, double *out)
     }
     *out = p;
     return 0;
-type:
-    PyErr_Format(PyExc_TypeError, "%s must be a real number in [0, 1], not %.100s", name,
+type: /* a ValueError too, as docs/API.md says of every value that is not a
+         real number in [0, 1] (the SDPA function's dropout_p likewise) */
+    PyErr_Format(PyExc_ValueError, "%s must be a real number in [0, 1], not %.100s", name,
                  Py_TYPE(obj)->tp_name);
     return -1;
 }

@@ -23,7 +23,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (..., Hq, L, Ev).  NumPy arrays (or anything NumPy reads) in -> a NumPy
     array out, float64 when an input is float64, else float32; CPU torch
     tensors in -> a tensor out, differentiable through mha_ext's C backward
-    (double backward raises a RuntimeError).
+    (double backward raises a RuntimeError); float16 and bfloat16 tensors
+    are computed in float32 and the output rounded back, as torch's CPU
+    SDPA does.
 
     attn_mask: broadcastable to (..., Hq, L, S).
         BOOL MASKS: True = ATTEND (take part in the attention), False =

@@ -22,6 +22,7 @@ from ._torch_fn import _NoDoubleBackward
 __all__ = ["sdpa_torch", "SDPAFunction"]
 
 _DTYPES = (torch.float32, torch.float64)
+_HALF = (torch.float16, torch.bfloat16)  # computed in float32, as torch's CPU SDPA does
 
 
 class SDPAFunction(torch.autograd.Function):
@@ -103,11 +104,22 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor like the others, not {type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float32 or float64, got {t.dtype}")
+        if t.dtype not in _DTYPES + _HALF:
+            raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, "
+                            f"got {t.dtype}")
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, "
                         f"{key.dtype}, {value.dtype}")
+    if query.dtype in _HALF:
+        # torch's CPU SDPA computes float16 and bfloat16 in float32 and rounds
+        # its output back; here too, through differentiable casts (the
+        # gradients arrive in the inputs' dtype).  A float mask or head mask
+        # of the same dtype is exact in float32.
+        def up(x):
+            return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        return sdpa_torch(up(query), up(key), up(value), up(attn_mask), dropout_p, is_causal,
+                          scale, enable_gqa, seed, window=window, layout=layout,
+                          head_mask=up(head_mask)).to(query.dtype)
     if isinstance(attn_mask, torch.Tensor):
         if attn_mask.requires_grad and torch.is_grad_enabled():
             raise ValueError("attn_mask requires grad: mha_ext's backward gives no gradient "

@@ -31,6 +31,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.parameter import Parameter
 
 from .module import MultiHeadAttention as _Core
+from ._calls import causal as _causal
 from ._torch_fn import AttentionFunction
 
 __all__ = ["MultiheadAttention"]
@@ -309,17 +310,25 @@ class MultiheadAttention(nn.Module):
         Keywords of ours (not torch's): window=(left, right), a sliding
         window, and layout=, a mha_ext.layout.BlockLayout (block-sparse:
         True = the block is kept), as in mha_ext.MultiHeadAttention's call;
-        both over the S given keys, never bias_k's or the zero key.
+        both over the S given keys, never bias_k's or the zero key.  And
+        is_causal="lower_right" (torch takes a bool only): no hint but the
+        pattern itself, query i sees keys j <= i + S - L, on every path and
+        together with any masks given (none needed), as in
+        mha_ext.MultiHeadAttention's call; bias_k's and the zero key stay
+        visible.  Another string is a TypeError.
         """
         if query.is_nested:
-            if window is not None or layout is not None:
-                raise ValueError("window and layout are not taken with a nested query")
+            if window is not None or layout is not None or isinstance(is_causal, str):
+                raise ValueError("window, layout and is_causal='lower_right' are not taken "
+                                 "with a nested query")
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
         fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask) \
             or (not need_weights and self._in_fused_layer(query))
         causal = False
-        if is_causal:
+        if isinstance(is_causal, str):  # ours: lower-right causality, no hint
+            causal = _causal(is_causal)
+        elif is_causal:
             if attn_mask is None:
                 raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may "
                                    "use the Transformer module method "
@@ -347,7 +356,7 @@ class MultiheadAttention(nn.Module):
                     masked_rows="nan" if need_weights or fast else "zero",
                     dropout=float(self.dropout) if self.training else 0.0,
                     window=window, layout=layout)
-        if causal and (self.bias_k is not None or self.add_zero_attn):
+        if causal is True and (self.bias_k is not None or self.add_zero_attn):
             if window is not None or layout is not None:
                 raise ValueError("window and layout are not taken with the is_causal hint "
                                  "on torch's SDPA path with add_bias_kv or add_zero_attn "

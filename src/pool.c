@@ -15,6 +15,7 @@
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -68,7 +69,8 @@ static int default_threads(void)
 }
 
 /* MHA_EXT_NUM_THREADS, when it holds a positive integer (and nothing
- * else), else 0: the caller then takes the CPUs.  OMP_NUM_THREADS is not
+ * else; MAX_THREADS from there on, also past a long's range), else 0: the
+ * caller then takes the CPUs.  OMP_NUM_THREADS is not
  * read: this pool is mha_ext's own, not OpenMP's. */
 static int env_threads(void)
 {
@@ -79,6 +81,7 @@ static int env_threads(void)
     errno = 0;
     n = strtol(s, &end, 10);
     while (*end == ' ' || *end == '\t' || *end == '\n') end++;
+    if (errno == ERANGE && n == LONG_MAX && *end == '\0') return MAX_THREADS; /* past long */
     if (errno != 0 || *end != '\0' || n < 1) return 0;
     return n < MAX_THREADS ? (int)n : MAX_THREADS;
 }

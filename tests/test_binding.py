@@ -158,7 +158,7 @@ def test_training_calls_take_numpy_scalars_and_check_ranges():
         m._forward_train(X, X, X, counter=-1)
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\]"):
         m._forward_train(X, X, X, dropout=1.5)
-    with pytest.raises(TypeError, match="dropout must be a real number"):
+    with pytest.raises(ValueError, match="dropout must be a real number"):
         m._forward_train(X, X, X, dropout=np.array([0.5]))
     # a 0-d array is one number (the constructor took one before, too)
     np.testing.assert_array_equal(

@@ -25,12 +25,14 @@ def threads_in_child(env_update):
 
 
 @pytest.mark.parametrize("value,want", [("3", 3), ("1", 1), (" 5", 5), ("7\n", 7),
-                                        ("100000", 256)])
+                                        ("100000", 256), ("9223372036854775808", 256),
+                                        ("99999999999999999999", 256)])
 def test_env_sets_default(value, want):
     assert threads_in_child({"MHA_EXT_NUM_THREADS": value}) == want
 
 
-@pytest.mark.parametrize("value", ["", "0", "-2", "two", "3x", "2.5", "99999999999999999999"])
+@pytest.mark.parametrize("value", ["", "0", "-2", "two", "3x", "2.5",
+                                   "-99999999999999999999"])
 def test_invalid_env_ignored(value):
     assert threads_in_child({"MHA_EXT_NUM_THREADS": value}) == CPUS
 

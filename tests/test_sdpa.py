@@ -231,8 +231,38 @@ def test_errors(torch):
     t = torch.ones(1, 2, 3, 4)
     with pytest.raises(ValueError, match="attn_mask requires grad"):
         f(t, t, t, attn_mask=torch.zeros(3, 3, requires_grad=True))
-    with pytest.raises(TypeError, match="float32 or float64"):
-        f(t.half(), t.half(), t.half())
+    with pytest.raises(TypeError, match="float32, float64, float16 or bfloat16"):
+        f(t.int(), t.int(), t.int())
+    with pytest.raises(TypeError, match="one dtype"):
+        f(t.half(), t, t)
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_half_tensors_are_computed_in_float32(torch, half):
+    # torch's CPU SDPA takes float16 and bfloat16, computes in float32 and
+    # rounds its output back; ours too: the output and every gradient in the
+    # inputs' dtype, within one rounding of that dtype of the float32 result
+    # (and of torch's own half call)
+    F = torch.nn.functional
+    dt = getattr(torch, half)
+    eps = torch.finfo(dt).eps
+    q, k, v = (x.detach().to(dt).requires_grad_() for x in _inputs(
+        torch, "float32", (2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 4)))
+    m = torch.randn(5, 7, generator=torch.Generator().manual_seed(3)).to(dt)
+    kw = dict(attn_mask=m, scale=0.3)
+    got = mha_ext.scaled_dot_product_attention(q, k, v, **kw)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    want = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=m.float(), scale=0.3)
+    theirs = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert got.dtype == dt
+    torch.testing.assert_close(got.float(), want.detach(), atol=eps, rtol=eps)
+    torch.testing.assert_close(got.float(), theirs.detach().float(), atol=2 * eps, rtol=2 * eps)
+    g = torch.randn(got.shape, generator=torch.Generator().manual_seed(4))
+    got.backward(g.to(dt))
+    want.backward(g.to(dt).float())
+    for a, b in ((q, q32), (k, k32), (v, v32)):
+        assert a.grad.dtype == dt
+        torch.testing.assert_close(a.grad.float(), b.grad, atol=4 * eps, rtol=4 * eps)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -213,6 +213,52 @@ def test_is_causal_is_torchs_hint():
     close(ref, hinted, torch.float64)
 
 
+def test_is_causal_without_a_mask_is_refused_on_the_fast_path_too():
+    # torch's fused path (eval, no grad, batch-first self-attention) ignores
+    # the hint without attn_mask and returns the non-causal result; ours
+    # raises torch's error there as on its other paths (README's table)
+    t, m = pair(batch_first=True)
+    t.eval()
+    m.eval()
+    q = x(B, L, E)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="Need attn_mask"):
+        m(q, q, q, is_causal=True, need_weights=False)
+
+
+@pytest.mark.parametrize("lq, lk", [(L, S), (S, L), (L, L)], ids=["L<S", "L>S", "L=S"])
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("masks", ["none", "padding", "additive"])
+def test_is_causal_lower_right_is_the_pattern_on_every_path(lq, lk, need_weights, masks):
+    # torch's module takes a bool only; ours takes "lower_right" as in every
+    # API of mha_ext: the pattern itself (no hint), with any masks given.
+    # torch with the same pattern as a bool mask is the reference: a
+    # top-left reading of the string (what a truthy hint would give) fails
+    # at L != S, and rows that see no key (L > S) follow torch's path
+    t, m = pair(batch_first=True)
+    q, kv = x(B, lq, E), x(B, lk, E, seed=2)
+    if lq == lk:  # self-attention: torch's fused path in eval without grad
+        kv = q
+    blocked = torch.ones(lq, lk, dtype=torch.bool).triu(1 + lk - lq)
+    kw = {}
+    if masks == "padding":
+        kw["key_padding_mask"] = torch.zeros(B, lk, dtype=torch.bool)
+        kw["key_padding_mask"][1, -1] = True
+    ref_mask = blocked
+    if masks == "additive":
+        kw["attn_mask"] = x(lq, lk, seed=3)
+        ref_mask = kw["attn_mask"].masked_fill(blocked, float("-inf"))
+    t.eval()
+    m.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = t(q, kv, kv, need_weights=need_weights, **dict(kw, attn_mask=ref_mask))
+        b = m(q, kv, kv, need_weights=need_weights, is_causal="lower_right", **kw)
+    close(a[0], b[0], torch.float64)
+    close(a[1], b[1], torch.float64)
+    with pytest.raises(TypeError, match="lower_right"):
+        m(q, kv, kv, is_causal="upper_left")
+
+
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
