@@ -9,6 +9,7 @@ recognised by its type's module.
 from __future__ import annotations
 
 import numbers
+import sys
 
 import numpy as np
 
@@ -23,12 +24,24 @@ def is_tensor(x) -> bool:
 
 def check_tensor(x, name):
     """Refuse, naming `name`, the tensors NumPy cannot read: sparse or other
-    non-strided layouts (TypeError) and tensors on the meta device, which
-    have no data (ValueError)."""
+    non-strided layouts and torch's CausalBias (TypeError), tensors on the
+    meta device, which have no data (ValueError), and vmap's batched tensors
+    (RuntimeError; torch is already imported when x is its tensor)."""
     layout = str(getattr(x, "layout", "torch.strided"))
     if layout != "torch.strided":
         raise TypeError(f"{name} must be a dense tensor, got a {layout.replace('torch.', '')} "
                         f"tensor; convert it with .to_dense() first")
+    ft = getattr(sys.modules["torch"]._C, "_functorch", None)
+    if any(getattr(ft, f, lambda t: False)(x)  # vmap's, and autograd's legacy batching
+           for f in ("is_batchedtensor", "is_legacy_batchedtensor")):
+        raise RuntimeError(f"{name} is a batched tensor (torch.func.vmap, or batched "
+                           f"gradients: autograd.grad(is_grads_batched=True), gradcheck's "
+                           f"check_batched_grad), which mha_ext's C kernels cannot read; "
+                           f"loop over the batch instead")
+    if type(x).__name__ == "CausalBias":  # torch.nn.attention.bias's: no values in it
+        raise TypeError(f"{name} is a torch CausalBias, which holds no mask values: give it "
+                        f"to mha_ext.scaled_dot_product_attention as attn_mask, or ask for "
+                        f"is_causal=True or 'lower_right'")
     if x.device.type == "meta":
         raise ValueError(f"{name} is a tensor on the meta device, which has no data; "
                          f"materialise it on the CPU first (for a module: "

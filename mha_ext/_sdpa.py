@@ -86,9 +86,10 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     masks = []
     if attn_mask is not None:
         if c is True:
-            raise ValueError("attn_mask and is_causal=True cannot be given together (torch's "
-                             "rule): put the causal mask into attn_mask, or use "
-                             "is_causal='lower_right' with it")
+            # torch's rule, with its exception type and words
+            raise RuntimeError("Explicit attn_mask should not be set when is_causal=True "
+                               "(torch's rule): put the causal mask into attn_mask, or use "
+                               "is_causal='lower_right' with it")
         m = as_real(attn_mask, "attn_mask")
         if m.dtype == np.bool_:
             kind, m = 0, ~m  # SDPA's True = attend; the core's blocking mask: True = blocked

@@ -5,7 +5,7 @@ Function of mha_ext._sdpa_torch (imported only then: it needs torch).
 from __future__ import annotations
 
 from ._convert import is_tensor, probability
-from ._calls import sliding_window
+from ._calls import LOWER_RIGHT, sliding_window
 from ._sdpa import _seed, sdpa_arrays, sdpa_forward, sdpa_head_mask, sdpa_layout
 
 __all__ = ["scaled_dot_product_attention"]
@@ -39,7 +39,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         keyword of ours; None: a fresh random seed), so the dropped entries
         differ from torch's.
     is_causal: True: query i sees keys j <= i (top-left, torch's); given with
-        attn_mask it is an error, as in torch.  "lower_right": query i sees
+        attn_mask it is a RuntimeError, as in torch.  "lower_right": query i sees
         keys j <= i + S - L (torch's causal_lower_right), and may be combined
         with attn_mask.
     scale: None (1/sqrt(E)) or any real number.
@@ -62,6 +62,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     A query with no visible key gives a zero output row (and zero
     gradients), as torch's SDPA does.
     """
+    attn_mask, is_causal = _causal_bias(attn_mask, is_causal, query, key)
     if any(is_tensor(x) for x in (query, key, value)):
         from ._sdpa_torch import sdpa_torch  # needs torch: imported on first use only
         return sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale,
@@ -76,3 +77,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return out.reshape(lead + out.shape[2:])
 
 
+def _causal_bias(attn_mask, is_causal, query, key):
+    """torch's CausalBias (torch.nn.attention.bias.causal_upper_left /
+    causal_lower_right) as attn_mask, as torch's SDPA takes it: its pattern
+    as is_causal (True or "lower_right"), the object holding no mask values
+    to read; with is_causal too, torch's ValueError."""
+    if not is_tensor(attn_mask) or type(attn_mask).__name__ != "CausalBias":
+        return attn_mask, is_causal
+    if is_causal is not False:
+        raise ValueError("CausalBias should not be used with causal=True")
+    L, S = (tuple(getattr(x, "shape", ())) for x in (query, key))
+    L, S = (x[-2] if len(x) >= 2 else None for x in (L, S))  # else refused later
+    if None not in (L, S) and (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (L, S):
+        raise ValueError(f"attn_mask is a CausalBias for {attn_mask.seq_len_q} queries and "
+                         f"{attn_mask.seq_len_kv} keys, the call has {L} and {S}")
+    upper_left = attn_mask.variant == type(attn_mask.variant).UPPER_LEFT
+    return None, True if upper_left else LOWER_RIGHT

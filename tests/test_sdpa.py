@@ -125,6 +125,35 @@ def test_lower_right_is_torchs_causal_lower_right(torch, dtype, L, S):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant,L,S", [("upper_left", 3, 8), ("upper_left", 8, 8),
+                                         ("upper_left", 8, 3), ("lower_right", 3, 8),
+                                         ("lower_right", 8, 8)])
+def test_causal_bias_is_its_pattern(torch, dtype, variant, L, S):
+    # torch's CausalBias (torch.nn.attention.bias) as attn_mask: a tensor
+    # with no mask values in it, which torch's SDPA dispatches as its causal
+    # pattern (read as a mask it was uninitialised memory: wrong numbers)
+    from torch.nn.attention import bias as tb
+    F = torch.nn.functional
+    b = getattr(tb, "causal_" + variant)(L, S)
+    q, k, v = _inputs(torch, dtype, (2, 3, L, 8), (2, 3, S, 8), (2, 3, S, 5))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=b)
+    got = mha_ext.scaled_dot_product_attention(q, k, v, attn_mask=b)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), atol=tol, rtol=tol)
+    g = torch.randn_like(want)
+    ours, theirs = (torch.autograd.grad(y, (q, k, v), g) for y in (got, want))
+    for a, c in zip(ours, theirs):
+        np.testing.assert_allclose(a.numpy(), c.numpy(), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+        mha_ext.scaled_dot_product_attention(q, k, v, attn_mask=b, is_causal=True)
+    with pytest.raises(ValueError, match="CausalBias for"):
+        mha_ext.scaled_dot_product_attention(q[..., :1, :], k, v, attn_mask=b)
+    m = mha_ext.MultiHeadAttention(8, 2)  # a module's masks: refused, never read
+    with pytest.raises(TypeError, match="CausalBias"):
+        m(np.ones((1, L, 8), np.float32), np.ones((1, S, 8), np.float32), attn_mask=b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_fully_masked_rows_are_zero_as_in_torch(torch, dtype):
     m = torch.ones(5, 7, dtype=torch.bool)
     m[1] = False  # query 1 attends to nothing
@@ -181,6 +210,17 @@ def test_double_backward_raises(torch):
         gq.sum().backward()
 
 
+def test_batched_gradients_raise_a_clear_error(torch):
+    # autograd.grad(is_grads_batched=True) (gradcheck's check_batched_grad)
+    # hands the backward a batched tensor the C kernels cannot read: an error
+    # that says so, not torch's "Batching rule not implemented for aten::detach"
+    q, k, v = _inputs(torch, "float64", (1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4))
+    out = mha_ext.scaled_dot_product_attention(q, k, v)
+    g = torch.randn((3,) + tuple(out.shape), dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="batched tensor.*loop over the batch"):
+        torch.autograd.grad(out, (q,), g, is_grads_batched=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True, "lower_right"])
 @pytest.mark.parametrize("zero_rows, p", [(True, 0.2), (False, 0.0), (False, 0.2)])
@@ -212,7 +252,7 @@ def test_errors(torch):
         f(q, k, v)
     with pytest.raises(ValueError, match="multiple"):
         f(q, np.ones((2, 3, 5, 8)), np.ones((2, 3, 5, 8)), enable_gqa=True)
-    with pytest.raises(ValueError, match="is_causal=True"):
+    with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):  # torch's
         f(q, q, q, attn_mask=np.ones((3, 3), bool), is_causal=True)
     with pytest.raises(TypeError, match="attn_mask"):
         f(q, q, q, attn_mask=np.ones((3, 3), np.int64))
