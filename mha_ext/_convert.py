@@ -26,12 +26,12 @@ def check_tensor(x, name):
     """Refuse, naming `name`, the tensors NumPy cannot read: sparse or other
     non-strided layouts and torch's CausalBias (TypeError), tensors on the
     meta device, which have no data (ValueError), and vmap's batched tensors
-    (RuntimeError; torch is already imported when x is its tensor)."""
+    (RuntimeError; torch is imported already when x is its tensor)."""
     layout = str(getattr(x, "layout", "torch.strided"))
     if layout != "torch.strided":
         raise TypeError(f"{name} must be a dense tensor, got a {layout.replace('torch.', '')} "
                         f"tensor; convert it with .to_dense() first")
-    ft = getattr(sys.modules["torch"]._C, "_functorch", None)
+    ft = getattr(getattr(sys.modules.get("torch"), "_C", None), "_functorch", None)
     if any(getattr(ft, f, lambda t: False)(x)  # vmap's, and autograd's legacy batching
            for f in ("is_batchedtensor", "is_legacy_batchedtensor")):
         raise RuntimeError(f"{name} is a batched tensor (torch.func.vmap, or batched "
