@@ -13,13 +13,19 @@ import sys
 
 import numpy as np
 
-__all__ = ["is_tensor", "check_tensor", "to_numpy", "as_array", "check_real", "as_real",
-           "contiguous", "flag", "probability", "counter"]
+__all__ = ["is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "as_array", "check_real",
+           "as_real", "contiguous", "flag", "probability", "counter"]
 
 
 def is_tensor(x) -> bool:
     """Whether x is a torch tensor (torch is never imported here)."""
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def is_causal_bias(x) -> bool:
+    """Whether x is torch's CausalBias (torch.nn.attention.bias): a tensor
+    that holds no mask values, only a causal pattern."""
+    return is_tensor(x) and type(x).__name__ == "CausalBias"
 
 
 def check_tensor(x, name):
@@ -38,7 +44,7 @@ def check_tensor(x, name):
                            f"gradients: autograd.grad(is_grads_batched=True), gradcheck's "
                            f"check_batched_grad), which mha_ext's C kernels cannot read; "
                            f"loop over the batch instead")
-    if type(x).__name__ == "CausalBias":  # torch.nn.attention.bias's: no values in it
+    if is_causal_bias(x):
         raise TypeError(f"{name} is a torch CausalBias, which holds no mask values: give it "
                         f"to mha_ext.scaled_dot_product_attention as attn_mask, or ask for "
                         f"is_causal=True or 'lower_right'")

@@ -4,7 +4,7 @@ Function of mha_ext._sdpa_torch (imported only then: it needs torch).
 """
 from __future__ import annotations
 
-from ._convert import is_tensor, probability
+from ._convert import is_causal_bias, is_tensor, probability
 from ._calls import LOWER_RIGHT, sliding_window
 from ._sdpa import _seed, sdpa_arrays, sdpa_forward, sdpa_head_mask, sdpa_layout
 
@@ -82,7 +82,7 @@ def _causal_bias(attn_mask, is_causal, query, key):
     causal_lower_right) as attn_mask, as torch's SDPA takes it: its pattern
     as is_causal (True or "lower_right"), the object holding no mask values
     to read; with is_causal too, torch's ValueError."""
-    if not is_tensor(attn_mask) or type(attn_mask).__name__ != "CausalBias":
+    if not is_causal_bias(attn_mask):
         return attn_mask, is_causal
     if is_causal is not False:
         raise ValueError("CausalBias should not be used with causal=True")
