@@ -12,6 +12,7 @@ Legend: B batch, Hkv key/value heads, Dk head width.
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -45,11 +46,17 @@ class KVCache:
     def __init__(self, module, batch_size, capacity, cross=False):
         """Made by MultiHeadAttention.new_cache / cache_memory, not directly."""
         for name, x in (("batch_size", batch_size), ("max_len", capacity)):
-            if (isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer))
-                    or int(x) < 1):
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+                raise TypeError(f"{name} must be an int >= 1, not {type(x).__name__}")
+            if int(x) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {x!r}")
         B, cap = int(batch_size), int(capacity)
         Hkv, Dk = module.n_kv_heads, module.d_k
+        nbytes = 2 * B * Hkv * Dk * cap * np.dtype(module.dtype).itemsize
+        if nbytes > sys.maxsize:
+            raise MemoryError(f"a cache of batch_size {B} and max_len {cap} would take "
+                              f"{nbytes} bytes (2 x batch_size x n_kv_heads {Hkv} x d_k {Dk} "
+                              f"x max_len scalars): too large to allocate")
         self._module = module
         self._k = np.zeros((B, Hkv, Dk, cap), dtype=module.dtype)
         self._v = np.zeros((B, Hkv, cap, Dk), dtype=module.dtype)

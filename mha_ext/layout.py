@@ -124,6 +124,7 @@ class BlockLayout:
         """The elementwise kept mask, (..., Sq, Sk) bool with the leading
         axes of keep: True = query i may see key j.  Its negation is the
         equivalent blocking mask (True = blocked) for attn_mask or torch."""
+        Sq, Sk = _count(Sq, "Sq"), _count(Sk, "Sk")
         nqb, nkb = _blocks(Sq, self.q_block), _blocks(Sk, self.k_block)
         if self._keep.shape[-2:] != (nqb, nkb):
             raise ValueError(f"layout of shape {self.shape} with blocks ({self.q_block}, "
@@ -154,7 +155,7 @@ class BlockLayout:
 
 def _grid(Sq, Sk, block_size):
     qb, kb = _block_size(block_size)
-    nqb, nkb = _blocks(Sq, qb), _blocks(Sk, kb)
+    nqb, nkb = _blocks(_count(Sq, "Sq"), qb), _blocks(_count(Sk, "Sk"), kb)
     return qb, kb, np.arange(nqb)[:, None], np.arange(nkb)[None, :]
 
 
@@ -213,7 +214,10 @@ def bigbird(Sq, Sk, block_size, global_blocks=1, width=1, random_blocks=2, seed=
     different random draw per head, shape (H, nqb, nkb)."""
     base = global_local(Sq, Sk, block_size, global_blocks, width, causal).keep
     r = _count(random_blocks, "random_blocks")
-    nh = 1 if heads is None else _count(heads, "heads")
+    if heads is not None and (isinstance(heads, (bool, np.bool_))
+                              or not isinstance(heads, (int, np.integer)) or heads < 1):
+        raise ValueError(f"heads must be None or an int >= 1, got {heads!r}")
+    nh = 1 if heads is None else int(heads)
     rng = np.random.default_rng(seed)
     nqb, nkb = base.shape
     keep = np.repeat(base[None], nh, axis=0)

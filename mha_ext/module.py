@@ -359,7 +359,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         """An empty key/value cache for incremental decoding: up to max_len
         keys of a batch of batch_size, in this module's dtype (memory:
         2 * batch_size * n_kv_heads * d_k * max_len scalars).  Pass it as
-        ``m(x, cache=cache)``: see forward."""
+        ``m(x, cache=cache)``: see forward.  Both sizes are ints >= 1
+        (TypeError, ValueError); too large to allocate is a MemoryError."""
         return KVCache(self, batch_size, max_len)
 
     def cache_memory(self, memory: ArrayLike, value: ArrayLike | None = None) -> KVCache:

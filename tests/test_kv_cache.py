@@ -230,7 +230,10 @@ def test_overflow_is_a_clear_error_and_leaves_the_cache_unchanged():
     (lambda m, o: m.cache_memory(_x(2, 3, 64, "float32")).reset(), ValueError,
      "cache_memory"),
     (lambda m, o: m.new_cache(0, 4), ValueError, "batch_size must be an int >= 1"),
-    (lambda m, o: m.new_cache(2, 2.5), ValueError, "max_len must be an int >= 1"),
+    (lambda m, o: m.new_cache(2, 2.5), TypeError, "max_len must be an int >= 1"),
+    (lambda m, o: m.new_cache(True, 4), TypeError, "batch_size must be an int >= 1"),
+    (lambda m, o: m.new_cache(1, 2 ** 62), MemoryError, "max_len 4611686018427387904"),
+    (lambda m, o: m.new_cache(2 ** 40, 2 ** 30), MemoryError, "too large to allocate"),
     (lambda m, o: m(_x(2, 1, 64, "float32"), cache=m.new_cache(2, 4), is_causal="yes"),
      TypeError, "is_causal"),
 ])
