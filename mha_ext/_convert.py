@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 __all__ = ["is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "as_array", "check_real",
-           "as_real", "contiguous", "flag", "probability", "counter"]
+           "as_real", "contiguous", "flag", "probability", "seed", "counter"]
 
 
 def is_tensor(x) -> bool:
@@ -145,6 +145,17 @@ def probability(value, name) -> float:
     if not ok:
         raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
     return float(value)
+
+
+def seed(value, name="seed") -> int:
+    """An int in [0, 2**64) (Python's or NumPy's, not a bool), as the
+    module's constructor takes its seed: TypeError for another type,
+    ValueError outside the range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int in [0, 2**64), not {type(value).__name__}")
+    if not 0 <= int(value) < 2 ** 64:
+        raise ValueError(f"{name} must be in [0, 2**64), got {value!r}")
+    return int(value)
 
 
 def counter(value, name) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 from . import _core
 from ._calls import causal, score_scale
 from ._convert import as_real, flag
+from ._convert import seed as seed_value
 from ._masks import block_layout
 
 __all__ = ["sdpa_arrays", "sdpa_forward", "sdpa_backward", "sdpa_layout", "sdpa_head_mask"]
@@ -111,10 +112,17 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     return q4, k4, v4, masks, c, score_scale(scale), (lead, lead_kv), dtype
 
 
-def _seed(seed):
+def _seed(seed, p, draw=None):
+    """The dropout stream's seed for a call of dropout probability p: seed
+    checked (an int in [0, 2**64) or None) whatever p; None draws one, from
+    draw() when given (the torch path: torch's generator), else fresh."""
+    if seed is not None:
+        seed = seed_value(seed, "seed")
+    if p <= 0:
+        return 0
     if seed is None:
-        return int.from_bytes(os.urandom(8), "little")
-    return int(seed)
+        return draw() if draw is not None else int.from_bytes(os.urandom(8), "little")
+    return seed
 
 
 def sdpa_layout(layout, q4, k4):

@@ -36,8 +36,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         into attn_mask (a mask that requires grad is a ValueError).
     dropout_p: probability of dropping a weight (applied whenever > 0, as
         torch's functional does); the stream is mha_ext's own (seed=, a
-        keyword of ours; None: a fresh random seed), so the dropped entries
-        differ from torch's.
+        keyword of ours, an int in [0, 2**64); None draws one: from torch's
+        default generator with tensors, as torch's dropout does, so that
+        torch.manual_seed and torch.utils.checkpoint repeat the mask; a
+        fresh one with arrays), so the dropped entries differ from torch's.
     is_causal: True: query i sees keys j <= i (top-left, torch's); given with
         attn_mask it is a RuntimeError, as in torch.  "lower_right": query i sees
         keys j <= i + S - L (torch's causal_lower_right), and may be combined
@@ -71,7 +73,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     p = probability(dropout_p, "dropout_p")
     q4, k4, v4, masks, c, s, (lead, _), _ = sdpa_arrays(query, key, value, attn_mask,
                                                         is_causal, scale, enable_gqa)
-    out, _ = sdpa_forward(q4, k4, v4, masks, c, s, p, _seed(seed) if p > 0 else 0, window=w,
+    out, _ = sdpa_forward(q4, k4, v4, masks, c, s, p, _seed(seed, p), window=w,
                           layout=sdpa_layout(layout, q4, k4),
                           head_mask=sdpa_head_mask(head_mask, q4, lead))
     return out.reshape(lead + out.shape[2:])

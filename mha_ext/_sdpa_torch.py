@@ -17,7 +17,7 @@ import torch
 from . import _sdpa
 from . import _calls
 from ._convert import probability, to_numpy
-from ._torch_fn import _NoDoubleBackward
+from ._torch_fn import _NoDoubleBackward, torch_stream
 
 __all__ = ["sdpa_torch", "SDPAFunction"]
 
@@ -47,7 +47,9 @@ class SDPAFunction(torch.autograd.Function):
         ctx.leads = (lead, lead_kv, lead_kv)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(query, key, value)
+        # only what requires grad: create_graph's anchors (a tensor made under
+        # inference_mode may not be saved; the gradients come from ctx.args)
+        ctx.save_for_backward(*(t if t.requires_grad else None for t in (query, key, value)))
         return torch.from_numpy(out.reshape(lead + out.shape[2:]))
 
     @staticmethod
@@ -74,7 +76,7 @@ class SDPAFunction(torch.autograd.Function):
                 grads.append(torch.from_numpy(np.ascontiguousarray(g)) if need[4] else None)
         if torch.is_grad_enabled():
             # create_graph=True: make a later differentiation of these fail loudly
-            anchors = [t for t in ctx.saved_tensors if t.requires_grad]
+            anchors = [t for t in ctx.saved_tensors if t is not None]
             have = [i for i, g in enumerate(grads) if g is not None]
             if anchors and have:
                 guarded = _NoDoubleBackward.apply(len(have), *[grads[i] for i in have],
@@ -127,7 +129,7 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         attn_mask = to_numpy(attn_mask, "attn_mask")
     p = probability(dropout_p, "dropout_p")
     plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                p=p, seed=_sdpa._seed(seed) if p > 0 else 0,
+                p=p, seed=_sdpa._seed(seed, p, torch_stream),
                 window=_calls.sliding_window(window), layout=layout, head_mask=head_mask)
     if isinstance(head_mask, torch.Tensor) and head_mask.requires_grad:
         plan["head_mask"] = None

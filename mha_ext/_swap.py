@@ -17,16 +17,34 @@ from ._torch_mha import MultiheadAttention
 __all__ = ["attention_modules", "swap_in", "restore", "swapped", "sharing"]
 
 
+# the hooks a call runs: shared with the swapped-in module, so they fire
+_CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_backward_pre_hooks", "_backward_hooks")
+
+
 def attention_modules(model):
-    """[(qualified name, module)] of every stock nn.MultiheadAttention in
-    model (the model itself included), in named_modules() order."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, nn.MultiheadAttention)]
+    """[(qualified name, module)] of every torch.nn.MultiheadAttention in
+    model (the model itself included), in named_modules() order, under each
+    name it has (one module reachable by two names is listed twice).  A
+    subclass is a TypeError: its own forward or methods would not run."""
+    found = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, nn.MultiheadAttention):
+            if type(m) is not nn.MultiheadAttention:
+                raise TypeError(
+                    f"{name or 'the model'} is a {type(m).__qualname__}, a subclass of "
+                    f"torch.nn.MultiheadAttention: mha_ext computes torch's class only, and "
+                    f"a subclass's own forward or methods would not run (convert it "
+                    f"yourself, or leave it out)")
+            found.append((name, m))
+    return found
 
 
 def sharing(module):
     """An mha_ext.torch.MultiheadAttention computing with `module`'s own
-    parameters (shared, not copied), add_bias_kv's bias_k / bias_v too."""
+    parameters (shared, not copied), add_bias_kv's bias_k / bias_v too, and
+    the hooks its calls run."""
     ref = module.out_proj.weight
     new = MultiheadAttention(module.embed_dim, module.num_heads, module.dropout,
                              bias=module.in_proj_bias is not None,
@@ -38,6 +56,11 @@ def sharing(module):
                  "in_proj_bias", "bias_k", "bias_v"):
         setattr(new, name, getattr(module, name))
     new.out_proj = module.out_proj
+    for hooks in _CALL_HOOKS:  # the module's own hooks fire inside the swap too
+        if hasattr(module, hooks):
+            getattr(new, hooks).update(getattr(module, hooks))
+    if getattr(module, "_is_full_backward_hook", None) is not None:
+        new._is_full_backward_hook = module._is_full_backward_hook
     return new.train(module.training)
 
 
@@ -58,7 +81,11 @@ def swap_in(model):
         raise TypeError("swap the attention module itself by "
                         "mha_ext.torch.MultiheadAttention.from_torch(module); swapped() "
                         "replaces attention modules inside a model")
-    new = [(name, old, sharing(old)) for name, old in found]
+    made = {}  # one of ours per module, whatever its number of names
+    for _, old in found:
+        if id(old) not in made:
+            made[id(old)] = sharing(old)
+    new = [(name, old, made[id(old)]) for name, old in found]
     for name, old, ours in new:
         parent, last = _parent(model, name)
         setattr(parent, last, ours)

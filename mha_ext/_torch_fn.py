@@ -18,12 +18,21 @@ from . import autograd as _ag
 from ._convert import to_numpy
 from ._params import BLOCK_KEYS, seed_keys
 
-__all__ = ["AttentionFunction", "DOUBLE_BACKWARD"]
+__all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "torch_stream"]
 
 DOUBLE_BACKWARD = ("mha_ext.torch: double backward is not supported: the gradient computed by "
                    "mha_ext's C backward is not itself differentiable (create_graph=True "
                    "followed by differentiating that gradient, gradgradcheck, gradient "
                    "penalties); use torch.nn.MultiheadAttention for higher-order gradients")
+
+
+def torch_stream() -> int:
+    """A dropout stream (a counter, or the SDPA's seed) drawn from torch's
+    default CPU generator, as torch's own dropout draws its mask: a run
+    repeats under torch.manual_seed, copies of a module draw different
+    masks, and torch.utils.checkpoint, which restores that generator before
+    it recomputes a forward, recomputes the same mask."""
+    return int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -58,6 +67,8 @@ class AttentionFunction(torch.autograd.Function):
         opts = {k: v for k, v in opts.items() if k != "head_mask_input"}
         if ctx.hm_input:
             params = params[:-1]
+        if opts.get("dropout", 0.0) > 0 and opts.get("dropout_counter") is None:
+            opts["dropout_counter"] = torch_stream()
         used = params[:len(seed_keys(core))]
         block = to_numpy(torch.cat([p.detach().reshape(-1) for p in used]), "parameters")
         saved = _ag.forward_train(core, to_numpy(query, "query"), to_numpy(key, "key"),
@@ -65,7 +76,11 @@ class AttentionFunction(torch.autograd.Function):
         ctx.core = core
         ctx.saved = saved
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(query, key, value, *params)
+        # only what requires grad (a tensor made under inference_mode may not
+        # be saved, and the gradients come from `saved`): the anchors of
+        # create_graph's guard, and the unused parameters' shapes
+        ctx.save_for_backward(*(t if t.requires_grad else None
+                                for t in (query, key, value, *params)))
         out = torch.from_numpy(saved.output)
         if saved.weights is None:
             weights = torch.empty(0, dtype=out.dtype)
@@ -80,7 +95,7 @@ class AttentionFunction(torch.autograd.Function):
             grads = _gradients(ctx, grad_out, grad_weights)
         if torch.is_grad_enabled():
             # create_graph=True: make a later differentiation of these fail loudly
-            anchors = [t for t in ctx.saved_tensors if t.requires_grad]
+            anchors = [t for t in ctx.saved_tensors if t is not None]
             have = [i for i, g in enumerate(grads) if g is not None]
             if anchors and have:
                 guarded = _NoDoubleBackward.apply(len(have), *[grads[i] for i in have],
@@ -106,7 +121,7 @@ def _gradients(ctx, grad_out, grad_weights):
               for i, k in enumerate(keys)]
     # parameters outside the core's block (the head mask is not saved)
     unused = ctx.saved_tensors[3 + len(keys):]
-    params += [torch.zeros_like(p) if need[5 + len(keys) + i] else None
+    params += [torch.zeros_like(p) if need[5 + len(keys) + i] else None  # saved: they need it
                for i, p in enumerate(unused)]
     if ctx.hm_input:
         params.append(torch.from_numpy(grads["head_mask"]) if need[-1] else None)

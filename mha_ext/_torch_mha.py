@@ -205,8 +205,10 @@ class MultiheadAttention(nn.Module):
             extra = (self.bias_k is not None, bool(self.add_zero_attn))
         cores = self.__dict__.setdefault("_cores", {})
         if (name, extra) not in cores:
+            # seed 0: the dropout mask depends on torch's generator alone
+            # (_torch_fn.torch_stream draws each call's), as torch's does
             cores[name, extra] = _Core(self.embed_dim, self.num_heads, bias=self._has_bias(),
-                                       kdim=self.kdim, vdim=self.vdim, dtype=name,
+                                       kdim=self.kdim, vdim=self.vdim, dtype=name, seed=0,
                                        add_bias_kv=extra[0], add_zero_attn=extra[1])
         return cores[name, extra]
 
@@ -363,7 +365,16 @@ class MultiheadAttention(nn.Module):
                                  "(its causal pattern covers the appended keys)")
             out, weights = self._causal_over_extra_keys(dtype, opts, q, k, v, params), None
         else:
-            out, weights = AttentionFunction.apply(core, opts, q, k, v, *params)
+            try:
+                out, weights = AttentionFunction.apply(core, opts, q, k, v, *params)
+            except ValueError as exc:
+                if not batched or self.batch_first:
+                    raise
+                raise ValueError(
+                    f"{exc} (shapes as (batch, seq, feature): with batch_first=False the "
+                    f"inputs (seq, batch, feature) are transposed first; you passed query "
+                    f"{tuple(query.shape)}, key {tuple(key.shape)}, value "
+                    f"{tuple(value.shape)})") from None
         if batched and not self.batch_first:
             out = out.transpose(0, 1)
         return out, (weights if need_weights else None)

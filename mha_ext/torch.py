@@ -57,8 +57,11 @@ class MultiHeadAttention(nn.Module):
     attention, W_k and W_v then nn.Linear(in, n_kv_heads * d_k)); ``dtype`` may be a torch or
     NumPy dtype or its name.  ``seed`` fixes the initialisation (the same
     numbers as mha_ext.MultiHeadAttention with that seed) and the dropout
-    stream.  Dropout is active in training mode (``train()``, the default),
-    like torch's modules.
+    stream; each training call draws its place in that stream from torch's
+    default generator, as torch's dropout draws its mask, so that
+    torch.manual_seed repeats a run and torch.utils.checkpoint recomputes
+    the same mask.  Dropout is active in training mode (``train()``, the
+    default), like torch's modules.
 
     forward(query, key=None, value=None, mask=None, *, attn_mask=None,
             key_padding_mask=None, is_causal=False, need_weights=True,
@@ -136,7 +139,7 @@ class MultiHeadAttention(nn.Module):
 
     def _core_for(self, dtype):
         """The C module for parameters of dtype (rebuilt after .double() or
-        .float(), keeping the seed and the dropout stream's position)."""
+        .float(), keeping the seed)."""
         core = self._core
         want = _DTYPES.get(dtype)
         if want is None:
@@ -145,7 +148,6 @@ class MultiHeadAttention(nn.Module):
             new = _Core(core.d_model, core.n_heads, core.dropout, bias=core.bias,
                         kdim=core.kdim, vdim=core.vdim, dtype=want, seed=core.seed,
                         n_kv_heads=core.n_kv_heads)
-            new._counter = core._counter
             self._core = core = new
         return core
 

@@ -303,6 +303,40 @@ def test_training_mode_passes_the_models_dropout(monkeypatch):
     assert seen == [0.25, 0.25, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_dropout_follows_torchs_generator_under_checkpointing(reentrant):
+    """Training with attention dropout: the twin's stream is drawn from
+    torch's generator, so transformers.set_seed repeats a step and gradient
+    checkpointing (which restores that generator before it recomputes a
+    layer) gives the gradients of the forward that made the loss.  Before,
+    the stream was fresh per call: the recomputed attention was 3.1 off the
+    forward's and the gradients belonged to another mask."""
+    torch.manual_seed(0)
+    model, _ = _llama()
+    layers = [m for m in model.modules() if hasattr(m, "attention_dropout")]
+    assert len(layers) == 2
+    for m in layers:
+        m.attention_dropout = 0.3
+    model.set_attn_implementation(hf.NAME)
+    model.train()
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for ckpt in (False, True, True):
+        if ckpt:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.zero_grad()
+        transformers.set_seed(123)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (l0, g0), (l1, g1), (l2, g2) = runs
+    assert l0 == l1 == l2  # set_seed repeats the masks
+    for a, b, c in zip(g0, g1, g2):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c, b, rtol=0, atol=0)
+
+
 def test_from_config_with_the_registered_name():
     """The README's spelling: attn_implementation="mha_ext" at construction."""
     torch.manual_seed(0)

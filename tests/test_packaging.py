@@ -25,7 +25,7 @@ MUST_SHIP = ["LICENSE", "README.md", "pyproject.toml", "setup.py", "docs/API.md"
              "mha_ext/_core.pyi", "mha_ext/py.typed", "examples/tour.ipynb",
              "examples/train_copy.py", "tests/valgrind.supp", "tests/fuzz/run.sh",
              "tests/c/test_core.c", "tests/typing/user_script.py",
-             "benchmarks/fma_probe.c", "benchmarks/bench.py"]
+             "benchmarks/fma_probe.c", "benchmarks/bench.py", "benchmarks/RESULTS.md"]
 
 
 def _setuptools():

@@ -266,6 +266,16 @@ def test_errors(torch):
         f(q, np.ones((2, 4, 5, 7)), np.ones((2, 4, 5, 7)))
     with pytest.raises(ValueError, match="dropout_p"):
         f(q, q, q, dropout_p=1.5)
+    # seed: the constructor's rule, whatever dropout_p (it was int(seed):
+    # 1.5 ran as 1, "a" gave int()'s message)
+    for bad in ("a", 1.5, True, np.ones(2)):
+        for p in (0.0, 0.5):
+            with pytest.raises(TypeError, match="seed must be an int in"):
+                f(q, q, q, dropout_p=p, seed=bad)
+    for bad in (-1, 2 ** 64):
+        with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+            f(q, q, q, dropout_p=0.5, seed=bad)
+    assert f(q, q, q, dropout_p=0.5, seed=np.uint64(2 ** 64 - 1)).shape == q.shape
     with pytest.raises(ValueError, match="q .*k .*v"):
         _core._sdpa(q, k, np.ones((2, 2, 6, 8)))
     t = torch.ones(1, 2, 3, 4)

@@ -259,6 +259,34 @@ def test_swapped_restores_after_an_error():
     assert stock.self_attn is old
 
 
+def test_swapped_refuses_subclasses_and_keeps_names_and_hooks():
+    class Scaled(nn.MultiheadAttention):  # a subclass with its own forward
+        def forward(self, *a, **k):
+            out, w = super().forward(*a, **k)
+            return 10 * out, w
+
+    model = nn.Sequential(Scaled(E, H, batch_first=True))
+    with pytest.raises(TypeError, match="subclass of torch.nn.MultiheadAttention"):
+        with mt.swapped(model):
+            pass
+    assert type(model[0]) is Scaled
+    # one module under two names: swapped under both; its hooks fire inside
+    torch.manual_seed(2)
+    shared = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    holder = nn.Module()
+    holder.a, holder.b = shared, shared
+    seen = []
+    shared.register_forward_hook(lambda m, args, out: seen.append(type(m).__name__))
+    x = seq(S, torch.float64, True, 1)
+    want = shared(x, x, x)[0]
+    with mt.swapped(holder):
+        assert isinstance(holder.a, MultiheadAttention) and holder.a is holder.b
+        got = holder.b(x, x, x)[0]
+    assert holder.a is shared and holder.b is shared
+    assert seen == ["MultiheadAttention", "MultiheadAttention"]  # torch's, then ours
+    assert _err(got, want, "output") <= 1e-10
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("bf,nf", CONFIGS, ids=lambda v: str(v))

@@ -98,6 +98,16 @@ def test_seq_first_copy_takes_torchs_layout(dtype):
         assert_close(m(q[:, 0])[0], t(*(torch.from_numpy(q[:, 0]),) * 3)[0], dtype)
 
 
+def test_seq_first_shape_errors_quote_the_shapes_passed():
+    """The drop-in class with batch_first=False (torch's default) checks the
+    transposed (B, S, E) inputs: its message also gives the shapes the caller
+    passed, so that (S, B, E) mistakes read as they were made."""
+    from mha_ext.torch import MultiheadAttention
+    m = MultiheadAttention(E, H)
+    with pytest.raises(ValueError, match=r"you passed query \(4, 2, 8\), key \(5, 3, 8\)"):
+        m(torch.randn(4, 2, E), torch.randn(5, 3, E), torch.randn(5, 3, E))
+
+
 def test_batch_first_attribute_survives_copies_and_is_checked():
     m = MultiHeadAttention(E, H, seed=0)
     assert m.batch_first is True and m.mask_polarity == "block"
