@@ -121,7 +121,8 @@ def _gradients(ctx, grad_out, grad_weights):
               for i, k in enumerate(keys)]
     # parameters outside the core's block (the head mask is not saved)
     unused = ctx.saved_tensors[3 + len(keys):]
-    params += [torch.zeros_like(p) if need[5 + len(keys) + i] else None  # saved: they need it
+    # (one that needs a gradient requires grad, so forward saved it)
+    params += [torch.zeros_like(p) if need[5 + len(keys) + i] else None
                for i, p in enumerate(unused)]
     if ctx.hm_input:
         params.append(torch.from_numpy(grads["head_mask"]) if need[-1] else None)
