@@ -123,5 +123,6 @@ def test_inference_mode_inputs_train():
     want_q = q.detach().clone().requires_grad_()
     mha_ext.scaled_dot_product_attention(q, kv, kv).sum().backward()
     # torch's SDPA refuses them here (it saves K and V): its numbers on clones
-    torch.nn.functional.scaled_dot_product_attention(want_q, kv.clone(), kv.clone()).sum().backward()
+    F = torch.nn.functional
+    F.scaled_dot_product_attention(want_q, kv.clone(), kv.clone()).sum().backward()
     torch.testing.assert_close(q.grad, want_q.grad, rtol=2e-5, atol=2e-5)
