@@ -147,6 +147,17 @@ def probability(value, name) -> float:
     return float(value)
 
 
+def integer(value, name, low=1) -> int:
+    """An int >= low (Python's or NumPy's, not a bool) as an int, as the
+    constructors take their sizes: TypeError for another type, ValueError
+    below low."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {low}, not {type(value).__name__}")
+    if int(value) < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
 def seed(value, name="seed") -> int:
     """An int in [0, 2**64) (Python's or NumPy's, not a bool), as the
     module's constructor takes its seed: TypeError for another type,

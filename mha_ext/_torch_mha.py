@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.parameter import Parameter
 
+from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._torch_fn import AttentionFunction
@@ -76,14 +76,6 @@ def _layer_would_fuse(layer, src):
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def _positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be greater than 0, got {value}")
-    return int(value)
-
-
 class MultiheadAttention(nn.Module):
     """torch.nn.MultiheadAttention, computed by mha_ext's C core.
 
@@ -112,16 +104,16 @@ class MultiheadAttention(nn.Module):
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
                  add_zero_attn=False, kdim=None, vdim=None, batch_first=False,
                  device=None, dtype=None) -> None:
-        embed_dim = _positive_int(embed_dim, "embed_dim")
-        num_heads = _positive_int(num_heads, "num_heads")
+        embed_dim = _convert.integer(embed_dim, "embed_dim")
+        num_heads = _convert.integer(num_heads, "num_heads")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
                              f"({num_heads})")
         factory = {"device": device, "dtype": dtype}
         super().__init__()
         self.embed_dim = embed_dim
-        self.kdim = embed_dim if kdim is None else _positive_int(kdim, "kdim")
-        self.vdim = embed_dim if vdim is None else _positive_int(vdim, "vdim")
+        self.kdim = embed_dim if kdim is None else _convert.integer(kdim, "kdim")
+        self.vdim = embed_dim if vdim is None else _convert.integer(vdim, "vdim")
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
         self.num_heads = num_heads
         self.dropout = dropout

@@ -17,6 +17,8 @@ import threading
 
 import numpy as np
 
+from . import _convert
+
 __all__ = ["KVCache"]
 
 
@@ -45,12 +47,8 @@ class KVCache:
 
     def __init__(self, module, batch_size, capacity, cross=False):
         """Made by MultiHeadAttention.new_cache / cache_memory, not directly."""
-        for name, x in (("batch_size", batch_size), ("max_len", capacity)):
-            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
-                raise TypeError(f"{name} must be an int >= 1, not {type(x).__name__}")
-            if int(x) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {x!r}")
-        B, cap = int(batch_size), int(capacity)
+        B = _convert.integer(batch_size, "batch_size")
+        cap = _convert.integer(capacity, "max_len")
         Hkv, Dk = module.n_kv_heads, module.d_k
         nbytes = 2 * B * Hkv * Dk * cap * np.dtype(module.dtype).itemsize
         if nbytes > sys.maxsize:

@@ -159,9 +159,9 @@ def _grid(Sq, Sk, block_size):
     return qb, kb, np.arange(nqb)[:, None], np.arange(nkb)[None, :]
 
 
-def _count(x, name):
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {x!r}")
+def _count(x, name, low=0):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {x!r}")
     return int(x)
 
 
@@ -214,10 +214,7 @@ def bigbird(Sq, Sk, block_size, global_blocks=1, width=1, random_blocks=2, seed=
     different random draw per head, shape (H, nqb, nkb)."""
     base = global_local(Sq, Sk, block_size, global_blocks, width, causal).keep
     r = _count(random_blocks, "random_blocks")
-    if heads is not None and (isinstance(heads, (bool, np.bool_))
-                              or not isinstance(heads, (int, np.integer)) or heads < 1):
-        raise ValueError(f"heads must be None or an int >= 1, got {heads!r}")
-    nh = 1 if heads is None else int(heads)
+    nh = 1 if heads is None else _count(heads, "heads", 1)
     rng = np.random.default_rng(seed)
     nqb, nkb = base.shape
     keep = np.repeat(base[None], nh, axis=0)

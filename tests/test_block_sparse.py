@@ -470,7 +470,7 @@ def test_pattern_helpers():
     (lambda: L.strided(8, -3, 2, 2), ValueError, "Sk must be an int >= 0"),
     (lambda: L.global_local(8.5, 8, 2), ValueError, "Sq must be an int >= 0"),
     (lambda: L.local_blocks(True, 8, 2), ValueError, "Sq must be an int >= 0"),
-    (lambda: L.bigbird(8, 8, 2, heads=0), ValueError, "heads must be None or an int >= 1"),
+    (lambda: L.bigbird(8, 8, 2, heads=0), ValueError, "heads must be an int >= 1"),
     (lambda: L.local_blocks(8, 8, 2).to_dense(-1, 8), ValueError, "Sq must be an int >= 0"),
 ])
 def test_bad_layouts_are_refused(make, err, words):
