@@ -273,9 +273,7 @@ def c_forward(mha, call, reference=False):
                             zero_rows=call.zero_rows, reference=bool(reference),
                             scale=call.scale, window=call.window, head_mask=call.head_mask,
                             layout=call.layout)
-    if not cache._busy.acquire(blocking=False):
-        raise RuntimeError("this cache is in use by another call: one call at a time extends "
-                           "a cache")
+    cache._hold()
     try:
         result = mha._forward(call.query, call.key, call.value, masks=call.masks,
                               is_causal=call.is_causal, need_weights=call.need_weights,
@@ -284,7 +282,7 @@ def c_forward(mha, call, reference=False):
                               layout=call.layout, cache=cache._c_tuple())
         cache._length += call.key.shape[1]
     finally:
-        cache._busy.release()
+        cache._release()
     return result
 
 

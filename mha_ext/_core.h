@@ -64,9 +64,11 @@ typedef struct param_lock {
     int ready;
 } param_lock;
 
-typedef struct {
+typedef struct read_ticket {
     int held;                   /* 0: not taken (this thread is the writer) */
     uint64_t generation;
+    const struct param_lock *lk; /* held: the lock, in this thread's list */
+    struct read_ticket *next;   /* of read holds, innermost first */
 } read_ticket;
 
 uint64_t thread_number(void);
@@ -75,9 +77,12 @@ int lock_setup(void);                    /* once, at module init (GIL held) */
 int lock_init(param_lock *lk);           /* 0, or -1 with MemoryError */
 void lock_destroy(param_lock *lk);
 /* With the GIL held; they release it while waiting, and on the main thread
- * check for signals every MHA_POLL_MS (-1 with the handler's exception). */
+ * check for signals every MHA_POLL_MS (-1 with the handler's exception).
+ * A thread inside a call of the module (a signal handler's call within
+ * it) reads again without queueing behind a waiting writer, and may not
+ * write: -1 with a RuntimeError (it would wait for itself). */
 int lock_read(param_lock *lk, read_ticket *t);
-void lock_read_release(param_lock *lk, const read_ticket *t); /* any GIL state */
+void lock_read_release(param_lock *lk, read_ticket *t); /* any GIL state */
 int lock_write(param_lock *lk, uint64_t *token);
 /* 0 released (or an abandoned hold), -1 when token holds nothing (no
  * exception set: the caller says what was wrong). */

@@ -218,7 +218,11 @@ int add_bytes(int64_t *total, int64_t n, size_t size)
 
 void set_status_error(mha_status st, const char *what)
 {
-    if (st == MHA_ERR_NOMEM || st == MHA_ERR_OVERFLOW)
+    if (st == MHA_ERR_INTERRUPTED) /* stopped with no handler's exception: a fork */
+        PyErr_Format(PyExc_RuntimeError, "%s: this process was forked inside the call (by "
+                     "a signal handler?), and in the child its result is lost: call again",
+                     what);
+    else if (st == MHA_ERR_NOMEM || st == MHA_ERR_OVERFLOW)
         PyErr_Format(PyExc_MemoryError, "%s: %s (the shapes are too large to allocate)",
                      what, mha_status_str(st));
     else

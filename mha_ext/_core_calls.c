@@ -46,7 +46,7 @@
 int call_run(struct call *c)
 {
     MHAObject *self = c->self;
-    read_ticket t = {0, 0};
+    read_ticket t = {0};
     signal_poll sp;
     mha_status st = MHA_OK;
 
@@ -73,10 +73,6 @@ int call_run(struct call *c)
     c->ba.fwd.poll = NULL;
     c->ba.fwd.poll_ctx = NULL;
     if (PyErr_Occurred()) return -1; /* a signal handler raised */
-    if (st == MHA_ERR_INTERRUPTED) {
-        PyErr_SetNone(PyExc_KeyboardInterrupt);
-        return -1;
-    }
     if (st != MHA_OK) {
         set_status_error(st, c->op == CALL_BACKWARD ? "backward" : "forward");
         return -1;

@@ -171,6 +171,24 @@ static int read_ready(const param_lock *lk, uint64_t me)
     return lk->writer == 0 && lk->writers_waiting == 0;
 }
 
+/* a read inside a read of this thread: a queued writer waits for the outer
+ * one, so this one must not wait for the writer */
+static int nested_read_ready(const param_lock *lk, uint64_t me)
+{
+    (void)me;
+    return lk->writer == 0;
+}
+
+static _Thread_local read_ticket *my_reads; /* this thread's read holds */
+
+static int reading(const param_lock *lk)
+{
+    const read_ticket *t;
+    for (t = my_reads; t; t = t->next)
+        if (t->lk == lk) return 1;
+    return 0;
+}
+
 static int write_ready(const param_lock *lk, uint64_t me)
 {
     (void)me;
@@ -185,11 +203,14 @@ int lock_read(param_lock *lk, read_ticket *t)
     pthread_mutex_lock(&lk->mu);
     t->held = 0;
     if (lk->writer != me) { /* the writer itself computes without the lock */
-        rc = wait_until(lk, read_ready, me, &ts);
+        rc = wait_until(lk, reading(lk) ? nested_read_ready : read_ready, me, &ts);
         if (rc == 0) {
             lk->readers++;
             t->held = 1;
             t->generation = lk->generation;
+            t->lk = lk;
+            t->next = my_reads;
+            my_reads = t;
         }
     }
     pthread_mutex_unlock(&lk->mu);
@@ -197,9 +218,15 @@ int lock_read(param_lock *lk, read_ticket *t)
     return rc;
 }
 
-void lock_read_release(param_lock *lk, const read_ticket *t)
+void lock_read_release(param_lock *lk, read_ticket *t)
 {
+    read_ticket **p;
     if (!t->held) return;
+    for (p = &my_reads; *p; p = &(*p)->next)
+        if (*p == t) {
+            *p = t->next;
+            break;
+        }
     pthread_mutex_lock(&lk->mu);
     if (t->generation == lk->generation && --lk->readers == 0)
         pthread_cond_broadcast(&lk->cv);
@@ -209,8 +236,17 @@ void lock_read_release(param_lock *lk, const read_ticket *t)
 int lock_write(param_lock *lk, uint64_t *token)
 {
     uint64_t me = thread_number();
-    PyThreadState *ts = PyEval_SaveThread();
+    PyThreadState *ts;
     int rc = 0;
+    if (reading(lk)) {
+        *token = 0;
+        PyErr_SetString(PyExc_RuntimeError,
+                        "cannot change the module's parameters inside one of its calls on the "
+                        "same thread (a signal handler during the call?): the change would wait "
+                        "for the call, which waits for the handler");
+        return -1;
+    }
+    ts = PyEval_SaveThread();
     pthread_mutex_lock(&lk->mu);
     if (lk->writer == me) {
         lk->depth++;

@@ -129,8 +129,9 @@ static int sdpa_parse(sdpa_call *c, PyObject *q, PyObject *k, PyObject *v, PyObj
             return -1;
         }
     }
-    /* q, k, v, out and weights, and the core's K transposed: more than the
-     * machine has could never succeed */
+    /* q, k, v, out, the weights when asked for (c->need_weights, parsed
+     * before), and the core's K transposed: more than the machine has could
+     * never succeed */
     {
         int64_t bhl, bks, n_q, n_k, n_v, n_o, n_w;
         int over = __builtin_mul_overflow(a->B, a->H, &bhl) ||
@@ -142,7 +143,8 @@ static int sdpa_parse(sdpa_call *c, PyObject *q, PyObject *k, PyObject *v, PyObj
                    __builtin_mul_overflow(bks, a->D, &n_k) ||
                    __builtin_mul_overflow(bks, a->Dv, &n_v) || add_bytes(&need, n_q, es) ||
                    add_bytes(&need, n_k, 2 * es) || add_bytes(&need, n_v, es) ||
-                   add_bytes(&need, n_o, es) || add_bytes(&need, n_w, es);
+                   add_bytes(&need, n_o, es) ||
+                   (c->need_weights && add_bytes(&need, n_w, es));
         if (over || need > physical_bytes()) {
             PyErr_Format(PyExc_MemoryError,
                          "scaled_dot_product_attention: q (%lld, %lld, %lld, %lld) against "
@@ -211,10 +213,6 @@ static int sdpa_run(sdpa_call *c, int backward)
     c->ba.fwd.poll = NULL;
     c->ba.fwd.poll_ctx = NULL;
     if (PyErr_Occurred()) return -1;
-    if (st == MHA_ERR_INTERRUPTED) {
-        PyErr_SetNone(PyExc_KeyboardInterrupt);
-        return -1;
-    }
     if (st != MHA_OK) {
         set_status_error(st, backward ? "scaled_dot_product_attention backward"
                                       : "scaled_dot_product_attention");

@@ -12,14 +12,18 @@ Legend: B batch, Hkv key/value heads, Dk head width.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import weakref
 
 import numpy as np
 
 from . import _convert
 
 __all__ = ["KVCache"]
+
+_LIVE: "weakref.WeakSet[KVCache]" = weakref.WeakSet()   # for the fork child below
 
 
 class KVCache:
@@ -41,9 +45,11 @@ class KVCache:
     and feed the sequence again.
     """
 
-    __slots__ = ("_module", "_k", "_v", "_length", "_cross", "_busy", "__weakref__")
+    __slots__ = ("_module", "_k", "_v", "_length", "_cross", "_busy", "_owner",
+                 "__weakref__")
     # _busy: a lock held by the call that extends the cache (never waited on:
-    # a second call finds it held and refuses)
+    # a second call, or reset(), finds it held and refuses); _owner: the
+    # thread holding it (in a fork child, another thread's hold is dropped)
 
     def __init__(self, module, batch_size, capacity, cross=False):
         """Made by MultiHeadAttention.new_cache / cache_memory, not directly."""
@@ -56,11 +62,18 @@ class KVCache:
                               f"{nbytes} bytes (2 x batch_size x n_kv_heads {Hkv} x d_k {Dk} "
                               f"x max_len scalars): too large to allocate")
         self._module = module
-        self._k = np.zeros((B, Hkv, Dk, cap), dtype=module.dtype)
-        self._v = np.zeros((B, Hkv, cap, Dk), dtype=module.dtype)
+        try:
+            self._k = np.zeros((B, Hkv, Dk, cap), dtype=module.dtype)
+            self._v = np.zeros((B, Hkv, cap, Dk), dtype=module.dtype)
+        except MemoryError:
+            raise MemoryError(f"a cache of batch_size {B} and max_len {cap} needs {nbytes} "
+                              f"bytes (2 x batch_size x n_kv_heads {Hkv} x d_k {Dk} x "
+                              f"max_len scalars): more than can be allocated") from None
         self._length = 0
         self._cross = bool(cross)
         self._busy = threading.Lock()
+        self._owner = None
+        _LIVE.add(self)
 
     @property
     def length(self) -> int:
@@ -102,10 +115,24 @@ class KVCache:
         if self._cross:
             raise ValueError("a cross-attention cache (cache_memory) holds its memory for "
                              "good: make a new one with cache_memory(memory)")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this cache is in use by a call: reset it after the call")
         self._length = 0
+        self._busy.release()
         return self
 
     # ---- for the call (mha_ext._calls and module), not public
+    def _hold(self):
+        """Held by the calling thread for one call that extends the cache."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this cache is in use by another call: one call at a time "
+                               "extends a cache")
+        self._owner = threading.get_ident()
+
+    def _release(self):
+        self._owner = None
+        self._busy.release()
+
     def _check_owner(self, module):
         if self._module is not module:
             raise ValueError("this cache belongs to another module: make one with this "
@@ -119,3 +146,15 @@ class KVCache:
         return (f"KVCache({kind}batch_size={self.batch_size}, length={self._length}, "
                 f"capacity={self.capacity}, n_kv_heads={self._k.shape[1]}, "
                 f"d_k={self._k.shape[2]}, dtype={self._k.dtype})")
+
+
+def _after_fork_in_child():
+    # the threads of other calls do not exist in the child: their caches are free
+    me = threading.get_ident()
+    for c in list(_LIVE):
+        if c._owner is not None and c._owner != me:
+            c._owner = None
+            c._busy = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -107,7 +107,8 @@ void mha_poll_start(mha_poll_state *ps, mha_poll_fn fn, void *ctx);
  * the pool.  ps: NULL, or the call's poll; when it says stop, no thread
  * starts another task of the pass (those running finish) and
  * mha_parallel_for returns nonzero (as it does at once for a call already
- * stopped); else 0. */
+ * stopped, or when this is a fork child and the job its own thread was
+ * running lost the workers' tasks); else 0. */
 typedef void (*mha_task_fn)(void *ctx, int64_t task, int slot);
 int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
                      mha_poll_state *ps);

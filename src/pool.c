@@ -10,7 +10,12 @@
  * microseconds) before it sleeps: one call runs several parallel passes
  * back to back, and a futex wake-up at each would cost more than the spin.
  *
- * After fork() the child starts with no workers and fresh locks. */
+ * fork() waits for nothing: the child starts with no workers and fresh
+ * locks, whatever job ran.  (Waiting for a running job to end deadlocked:
+ * os.fork holds the GIL, and the job's caller takes the GIL to poll for
+ * signals.)  A job the forking thread itself was running (os.fork in a
+ * signal handler that its poll ran) has lost its workers' tasks in the
+ * child: there it returns "stopped". */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -42,6 +47,8 @@ static void *g_ctx;
 static int64_t g_ntasks;
 static atomic_llong g_next;
 static int g_job_workers;       /* workers 0 .. g_job_workers-1 join the job */
+static pthread_t g_caller;      /* the thread that posted the job */
+static int g_lost;              /* a fork child: the job of this thread lost tasks */
 static atomic_int g_pending;    /* of those, how many have not finished (under g_lock) */
 
 #define SPIN 4000 /* pauses before a waiting thread sleeps */
@@ -94,11 +101,13 @@ static void init_locks(void)
     pthread_cond_init(&g_done, NULL);
 }
 
-static void before_fork(void) { pthread_mutex_lock(&g_busy); pthread_mutex_lock(&g_lock); }
-static void after_fork_parent(void) { pthread_mutex_unlock(&g_lock); pthread_mutex_unlock(&g_busy); }
+static void before_fork(void) { pthread_mutex_lock(&g_lock); }
+static void after_fork_parent(void) { pthread_mutex_unlock(&g_lock); }
 static void after_fork_child(void)
 {
+    g_lost = g_job_workers > 0 && pthread_equal(g_caller, pthread_self());
     init_locks();
+    if (g_lost) pthread_mutex_lock(&g_busy); /* its caller releases it */
     g_nworkers = 0;
     g_job_workers = 0;
     g_pending = 0;
@@ -205,7 +214,7 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
                      mha_poll_state *ps)
 {
     int64_t t;
-    int workers;
+    int workers, lost;
     if (ps && ps->stopped) return 1;
     if (n_tasks <= 0) return 0;
     pthread_once(&g_once, pool_init);
@@ -223,6 +232,7 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
             g_ntasks = n_tasks;
             atomic_store(&g_next, 0);
             g_job_workers = workers;
+            g_caller = pthread_self();
             g_pending = workers;
             g_generation++;
             pthread_cond_broadcast(&g_wake);
@@ -235,9 +245,12 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
             pthread_mutex_lock(&g_lock);
             while (g_pending > 0) pthread_cond_wait(&g_done, &g_lock);
             g_job_workers = 0;
+            lost = g_lost;
+            g_lost = 0;
             pthread_mutex_unlock(&g_lock);
             pthread_mutex_unlock(&g_busy);
-            return ps && ps->stopped;
+            if (lost && ps) ps->stopped = 1;
+            return lost || (ps && ps->stopped);
         }
         pthread_mutex_unlock(&g_lock);
         pthread_mutex_unlock(&g_busy);

@@ -234,6 +234,9 @@ def test_overflow_is_a_clear_error_and_leaves_the_cache_unchanged():
     (lambda m, o: m.new_cache(True, 4), TypeError, "batch_size must be an int >= 1"),
     (lambda m, o: m.new_cache(1, 2 ** 62), MemoryError, "max_len 4611686018427387904"),
     (lambda m, o: m.new_cache(2 ** 40, 2 ** 30), MemoryError, "too large to allocate"),
+    # below sys.maxsize bytes, more than can be mapped: still the sizes, not NumPy's words
+    (lambda m, o: m.new_cache(2 ** 20, 2 ** 20), MemoryError,
+     "batch_size 1048576 and max_len 1048576"),
     (lambda m, o: m(_x(2, 1, 64, "float32"), cache=m.new_cache(2, 4), is_causal="yes"),
      TypeError, "is_causal"),
 ])
@@ -250,14 +253,18 @@ def test_extra_keys_refuse_a_cache():
         m(_x(1, 2, 64, "float32"), cache=m.new_cache(1, 4))
 
 
-def test_a_cache_in_use_refuses_a_second_call():
+def test_a_cache_in_use_refuses_a_second_call_and_a_reset():
     m = _module(64, 4, 2, "float32")
     cache = m.new_cache(1, 4)
+    m(_x(1, 1, 64, "float32"), cache=cache)
     cache._busy.acquire()  # as while another thread's call runs
     with pytest.raises(RuntimeError, match="in use"):
         m(_x(1, 1, 64, "float32"), cache=cache)
-    assert cache.length == 0
+    with pytest.raises(RuntimeError, match="in use"):
+        cache.reset()      # the call would then add its keys to an emptied cache
+    assert cache.length == 1
     cache._busy.release()
+    assert cache.reset().length == 0
     m(_x(1, 1, 64, "float32"), cache=cache)  # free again: the next call goes through
     assert cache.length == 1 and not cache._busy.locked()
 

@@ -387,3 +387,148 @@ def test_ctrl_c_interrupts_a_long_call():
         print(max(lat))
     """, timeout=300)
     assert float(out) < 1.0, f"KeyboardInterrupt {float(out):.2f} s after the signal"
+
+
+# ------------------------------------------- audit of 2026-12-02: fork, handlers
+
+LONG = """
+m = mha_ext.MultiHeadAttention(512, 8, seed=0).eval()
+x = np.random.default_rng(0).standard_normal((4, 1024, 512)).astype(np.float32)
+"""
+
+
+@pytest.mark.parametrize("how", ["os.fork", "multiprocessing"])
+def test_fork_from_a_thread_while_the_main_thread_computes(how):
+    """os.fork holds the GIL, and the main thread's call takes it to poll for
+    signals: the pool's fork handler used to wait for that call's pass, and
+    both threads hung for good."""
+    out = run("""
+        import multiprocessing as mp
+        want = m(x[:1], need_weights=False)[0]
+        ctx = mp.get_context("fork")
+        def child():
+            m(x[:1], need_weights=False)
+        codes = []
+        def fork_later():
+            time.sleep(0.05)
+            if HOW == "os.fork":
+                pid = os.fork()
+                if pid == 0:
+                    ok = np.array_equal(m(x[:1], need_weights=False)[0], want)
+                    os._exit(0 if ok else 3)
+                codes.append(wait_child(pid, 30))
+            else:
+                p = ctx.Process(target=child)
+                p.start()
+                p.join(30)
+                codes.append(p.exitcode)
+        for _ in range(3):
+            t = threading.Thread(target=fork_later)
+            t.start()
+            for _ in range(3):
+                m(x, need_weights=False)
+            t.join(60)
+        print("codes", codes)
+    """.replace("HOW", repr(how)), timeout=240, extra=LONG)
+    assert out.strip() == "codes [0, 0, 0]"
+
+
+def test_fork_in_a_signal_handler_during_a_call():
+    """The handler forks inside the main thread's own call: the parent's call
+    ends right; in the child that call's pass lost its workers, and it says
+    so (RuntimeError) instead of returning part of a result."""
+    out = run("""
+        want = m(x, need_weights=False)[0]
+        mha_ext.set_num_threads(2)
+        pids = []
+        def handler(sig, frame):
+            pid = os.fork()
+            if pid == 0:
+                pids.append(0)
+            else:
+                pids.append(pid)
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        while not pids:                           # the calls the handler forks inside
+            try:
+                got = m(x, need_weights=False)[0]
+            except RuntimeError as exc:
+                if pids == [0]:                   # the child
+                    ok = "forked inside the call" in str(exc)
+                    ok = ok and np.array_equal(m(x[:1], need_weights=False)[0], want[:1])
+                    os._exit(0 if ok else 3)
+                raise
+        if pids == [0]:                           # a child whose call was not cut
+            os._exit(0 if np.array_equal(got, want) else 3)
+        print("parent", np.array_equal(got, want), "child", wait_child(pids[0], 60))
+    """, timeout=240, extra=LONG)
+    assert out.strip() == "parent True child 0"
+
+
+def test_a_signal_handler_cannot_change_the_parameters_inside_a_call():
+    """A write from a handler that runs inside the call would wait for the
+    call, which waits for the handler: a RuntimeError at once."""
+    out = run("""
+        sd = m.state_dict()
+        seen = []
+        def handler(sig, frame):
+            for write in (lambda: m.load_state_dict(sd), lambda: m.editing().__enter__()):
+                try:
+                    write()
+                    seen.append("wrote")
+                except RuntimeError as exc:
+                    seen.append("inside one of its calls" in str(exc))
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        t0 = time.monotonic()
+        for _ in range(20):
+            if seen:
+                break
+            m(x, need_weights=False)
+        print(seen, time.monotonic() - t0 < 60)
+    """, timeout=120, extra=LONG)
+    assert out.strip() == "[True, True] True"
+
+
+def test_a_signal_handlers_call_does_not_queue_behind_a_waiting_writer():
+    """A thread waits in editing() for the main thread's call; the handler
+    that runs inside that call calls the module again: the nested call reads
+    at once (the writer waits for the outer call, not the other way)."""
+    out = run("""
+        small = x[:1, :8]
+        want = m(small, need_weights=False)[0]
+        got = []
+        def handler(sig, frame):
+            got.append(np.array_equal(m(small, need_weights=False)[0], want))
+        def writer():
+            time.sleep(0.02)
+            with m.editing():
+                pass
+        signal.signal(signal.SIGALRM, handler)
+        for _ in range(3):
+            w = threading.Thread(target=writer)
+            w.start()
+            signal.setitimer(signal.ITIMER_REAL, 0.06)
+            for _ in range(3):
+                m(x, need_weights=False)
+            w.join(60)
+        print(got.count(True) >= 1, all(got))
+    """, timeout=180, extra=LONG)
+    assert out.strip() == "True True"
+
+
+def test_a_cache_another_thread_was_extending_is_free_in_a_fork_child():
+    out = run("""
+        cache = m.new_cache(4, 2048)
+        t = threading.Thread(target=lambda: m(x, cache=cache, need_weights=False))
+        t.start()
+        time.sleep(0.02)                          # inside that call
+        pid = os.fork()
+        if pid == 0:
+            ok = cache.reset().length == 0
+            ok = ok and m(x[:, :3], cache=cache, need_weights=False)[0].shape == (4, 3, 512)
+            os._exit(0 if ok and cache.length == 3 else 3)
+        t.join(60)
+        print(cache.length, wait_child(pid, 60))
+    """, timeout=180, extra=LONG)
+    assert out.strip() == "1024 0"
