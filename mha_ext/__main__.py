@@ -28,6 +28,7 @@ from mha_ext.trace import trace as _trace
 # nvidia packages)
 TORCH_VERSION = "2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+MAX_THREADS = 256           # mha_ext.set_num_threads's limit
 
 
 def _positive(text):
@@ -38,6 +39,23 @@ def _positive(text):
     if n < 1:
         raise argparse.ArgumentTypeError("must be at least 1, got %d" % n)
     return n
+
+
+def _threads(text):
+    n = _positive(text)
+    if n > MAX_THREADS:
+        raise argparse.ArgumentTypeError("at most %d, got %d" % (MAX_THREADS, n))
+    return n
+
+
+def _plot_file(text):
+    # checked before the run, not after it
+    if not text:
+        raise argparse.ArgumentTypeError("needs a file name, such as heads.png")
+    folder = os.path.dirname(text) or "."
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError("folder %r does not exist" % folder)
+    return text
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -74,13 +92,13 @@ def _parser():
                    help="block key j > query i (is_causal=True)")
     p.add_argument("--repeat", type=_positive, default=20,
                    help="timed runs per library (the median is reported)")
-    p.add_argument("--threads", type=_positive, default=None,
+    p.add_argument("--threads", type=_threads, default=None,
                    help="threads for both libraries (default: mha_ext's own "
                         "count: MHA_EXT_NUM_THREADS if set, else the CPUs this "
                         "process may use)")
     p.add_argument("--no-torch", action="store_true",
                    help="skip the comparison with torch")
-    p.add_argument("--plot", metavar="FILE", default=None,
+    p.add_argument("--plot", metavar="FILE", type=_plot_file, default=None,
                    help="save the attention heatmaps of batch 0 to FILE "
                         "(needs matplotlib; default: no plot)")
     return p
@@ -122,6 +140,10 @@ def _compare_with_torch(m, x, args, out, weights):
         print("torch is not installed: comparison with torch skipped.  To "
               "see it, install the version the tests use, CPU-only: pip "
               "install torch==%s --index-url %s" % (TORCH_VERSION, TORCH_CPU_INDEX))
+        return
+    except Exception as exc:            # installed but broken (a missing library, ...)
+        print("torch could not be imported (%s: %s): comparison with torch skipped "
+              "(--no-torch skips it without trying)" % (type(exc).__name__, exc))
         return
     tdtype = torch.float64 if args.dtype == "float64" else torch.float32
     E, H = args.d_model, args.heads
@@ -188,20 +210,27 @@ def _compare_with_torch(m, x, args, out, weights):
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        mha_ext.set_num_threads(args.threads)
     try:
         m = mha_ext.MultiHeadAttention(args.d_model, args.heads,
                                        dtype=args.dtype, seed=args.seed)
+        m.eval()
+        rng = np.random.default_rng(args.seed)
+        x = rng.standard_normal((args.batch, args.seq, args.d_model)).astype(
+            args.dtype)
+        tr = _trace(m, x, is_causal=args.causal)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
-    m.eval()
-    rng = np.random.default_rng(args.seed)
-    x = rng.standard_normal((args.batch, args.seq, args.d_model)).astype(
-        args.dtype)
+    except MemoryError as exc:
+        # the trace keeps every step: (B, H, S, S) scores several times over
+        parser.error("B %d, S %d, E %d, H %d needs more memory than this machine "
+                     "gives (%s): try smaller sizes" % (args.batch, args.seq, args.d_model,
+                                                        args.heads, exc))
 
     print("mha_ext demo: %r, %s, %s" % (m, args.dtype, "causal" if args.causal
                                          else "no mask"))
     print()
-    tr = _trace(m, x, is_causal=args.causal)
     print(tr)
     print()
     E = args.d_model
@@ -216,7 +245,7 @@ def main(argv=None):
     if args.plot:
         try:
             fig = plot_heads(
-                tr.weights, batch=0,
+                tr, batch=0,
                 tokens=["t%d" % i for i in range(args.seq)],
                 title="attention weights of %d heads, batch 0 (seed %d%s)"
                       % (args.heads, args.seed,
@@ -224,7 +253,11 @@ def main(argv=None):
         except ImportError as exc:
             print("cannot plot: %s" % exc, file=sys.stderr)
             return 1
-        fig.savefig(args.plot, dpi=100)
+        try:
+            fig.savefig(args.plot, dpi=100)
+        except (OSError, ValueError) as exc:    # no write access, an unknown format
+            print("cannot save the plot to %s: %s" % (args.plot, exc), file=sys.stderr)
+            return 1
         print()
         print("head heatmaps saved to %s" % args.plot)
     return 0

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._convert import as_array
+from . import _teach
 
 __all__ = ["Explorer", "explore"]
 
@@ -53,20 +53,6 @@ def _asset(name):
         raise RuntimeError("mha_ext/_html/%s is missing from this installation: the "
                            "package data was not installed (reinstall mha_ext)"
                            % name) from exc
-
-
-def _labels(tokens, n, what):
-    if tokens is None:
-        return [str(i) for i in range(n)]
-    if isinstance(tokens, str):
-        raise TypeError("%s must be a sequence of labels, got a str (split it first: "
-                        "text.split())" % what)
-    labels = [str(t) for t in tokens]
-    if len(labels) != n:
-        raise ValueError("%s has %d labels but the weights have %d %s"
-                         % (what, len(labels), n,
-                            "queries" if what == "query_tokens" else "keys"))
-    return labels
 
 
 def _encode(a):
@@ -175,8 +161,9 @@ def explore(source, tokens=None, *, query_tokens=None, key_tokens=None, blocked=
                   as a NumPy array, torch tensor or nested lists.
     tokens        labels of the sequence on both axes (self-attention);
     query_tokens, key_tokens  labels of the rows / columns when they differ.
-    blocked       weights only: bool array broadcastable to the weights,
-                  True where a mask blocked the cell (drawn hatched).
+    blocked       weights only: a bool array broadcastable to the weights,
+                  True where a mask blocked the cell (drawn hatched), or a
+                  mha_ext.layout.BlockLayout (its blocks not kept).
     title         a caption (default: from the source's shape).
     layer         the layer shown first (default: "softmax" / "weights").
     head          "all" (default: one small heatmap per head) or a head index.
@@ -197,21 +184,13 @@ def explore(source, tokens=None, *, query_tokens=None, key_tokens=None, blocked=
         mask = np.isneginf(masked)
         first = layer or "softmax"
     else:
-        w = as_array(source, "source")
-        if w.dtype.kind not in "biuf":
-            raise TypeError("weights must be real numbers, got dtype %s" % w.dtype)
+        w, _ = _teach.weights_of(source)
         if w.ndim not in (3, 4):
             raise ValueError("weights must be (B, H, Sq, Sk) or (H, Sq, Sk), got shape %s"
                              % (w.shape,))
-        w = _batched(w, 4).astype(np.float64)
+        w = _batched(w, 4)
         layers = [("weights", w, "probability")]
-        mask = None
-        if blocked is not None:
-            try:
-                mask = np.broadcast_to(np.asarray(as_array(blocked, "blocked")) != 0, w.shape)
-            except ValueError:
-                raise ValueError("blocked must broadcast to the weights' shape %s, got %s"
-                                 % (w.shape, np.shape(blocked))) from None
+        mask = _teach.blocked_cells(blocked, w.shape)
         first = layer or "weights"
     B, H, Sq, Sk = layers[0][1].shape
     if H == 0:
@@ -228,10 +207,12 @@ def explore(source, tokens=None, *, query_tokens=None, key_tokens=None, blocked=
     if n > max_values:
         raise ValueError("the explorer would embed %d values (more than max_values=%d): "
                          "explore fewer batch items, e.g. weights[:1]" % (n, max_values))
-    q_tokens = _labels(query_tokens if query_tokens is not None else tokens, Sq,
-                       "query_tokens" if query_tokens is not None else "tokens")
-    k_tokens = _labels(key_tokens if key_tokens is not None else tokens, Sk,
-                       "key_tokens" if key_tokens is not None else "tokens")
+    q_tokens = _teach.labels(query_tokens if query_tokens is not None else tokens, Sq,
+                             "query_tokens" if query_tokens is not None else "tokens",
+                             "queries") or [str(i) for i in range(Sq)]
+    k_tokens = _teach.labels(key_tokens if key_tokens is not None else tokens, Sk,
+                             "key_tokens" if key_tokens is not None else "tokens",
+                             "keys") or [str(i) for i in range(Sk)]
     if title is None:
         title = "attention, B=%d, H=%d, Sq=%d, Sk=%d" % (B, H, Sq, Sk)
     return Explorer(layers, mask, q_tokens, k_tokens, str(title), first,

@@ -33,7 +33,7 @@ import html
 
 import numpy as np
 
-from ._convert import as_array
+from . import _teach
 
 __all__ = ["HeadReport", "analyze", "head_stats", "ablate"]
 
@@ -48,14 +48,10 @@ _ABOUT = {"entropy": "attention entropy (nats)",
 
 
 def _weights(weights):
-    if hasattr(weights, "steps") and hasattr(weights, "weights"):   # a Trace
-        weights = weights.weights
-        if weights is None:
-            raise ValueError("this trace has no weights (need_weights=False)")
-    w = as_array(weights, "weights")
-    if w.dtype.kind not in "biuf":
-        raise TypeError("weights must be real numbers, got dtype %s" % w.dtype)
-    w = w.astype(np.float64)
+    w, averaged = _teach.weights_of(weights)
+    if averaged:
+        raise ValueError("this trace's weights are averaged over heads "
+                         "(average_weights=True): trace with per-head weights")
     if w.ndim == 3:
         w = w[None]
     if w.ndim != 4:

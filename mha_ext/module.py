@@ -503,7 +503,6 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         With cache= (a KVCache) it traces that cached call, which extends
         the cache as the call does: "K cache" / "V cache" steps show it grow.
         Batch-first, block-polarity modules only (ValueError otherwise)."""
-        _habits.plain_layout_only(self, "trace")
         return _trace.trace(self, query, key, value, mask, **kwargs)
 
 

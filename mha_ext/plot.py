@@ -9,11 +9,11 @@ works headless and never opens a window.
 """
 
 import math
+import warnings
 
 import numpy as np
 
-from ._convert import as_array
-from .layout import BlockLayout
+from . import _teach
 
 __all__ = ["plot_heads"]
 
@@ -30,46 +30,15 @@ def _matplotlib():
     return matplotlib, Figure
 
 
-def _weights_array(weights):
-    # a Trace, a torch tensor, an ndarray or nested lists -> float ndarray
-    if hasattr(weights, "steps") and hasattr(weights, "weights"):
-        weights = weights.weights
-        if weights is None:
-            raise ValueError("this trace has no weights (need_weights=False)")
-    w = as_array(weights, "weights")
-    if w.dtype.kind not in "biuf":
-        raise TypeError("weights must be real numbers, got dtype %s" % w.dtype)
-    return w.astype(np.float64)
-
-
-def _labels(tokens, n, what):
-    if tokens is None:
-        return None
-    labels = [str(t) for t in tokens]
-    if len(labels) != n:
-        raise ValueError("%s has %d labels but the weights have %d %s"
-                         % (what, len(labels), n,
-                            "queries" if what == "query_tokens" else "keys"))
-    return labels
-
-
 def _blocked(weights, blocked, shape):
-    # True where a mask blocked the cell: given, or a Trace's -inf scores
-    if blocked is None and hasattr(weights, "steps") and "masked scores" in weights:
+    # True where a mask blocked the cell: given, or a Trace's -inf scores (for
+    # weights averaged over heads: the cells blocked in every head)
+    if blocked is None and _teach.is_trace(weights) and "masked scores" in weights:
         m = np.isneginf(np.asarray(weights["masked scores"].array))
-        return m if m.shape == shape else None      # not for averaged weights
-    if blocked is None:
-        return None
-    if isinstance(blocked, BlockLayout):            # its blocks not kept
-        b = ~blocked.to_dense(shape[-2], shape[-1])
-        b = b.reshape((1,) * (len(shape) - b.ndim) + b.shape) if b.ndim < len(shape) else b
-        return np.broadcast_to(b, shape)
-    b = as_array(blocked, "blocked") != 0
-    try:
-        return np.broadcast_to(b, shape)
-    except ValueError:
-        raise ValueError("blocked must broadcast to the weights' shape %s, got %s"
-                         % (shape, b.shape)) from None
+        if m.shape != shape and m.ndim >= 3:
+            m = m.all(axis=-3, keepdims=True)
+        return m if m.shape == shape else None
+    return _teach.blocked_cells(blocked, shape)
 
 
 def _ticks(n):
@@ -83,8 +52,10 @@ def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
     """Draw one heatmap per head and return the matplotlib ``Figure``.
 
     weights       attention weights (B, H, Sq, Sk), as returned by a call, or
-                  unbatched (H, Sq, Sk); a :class:`~mha_ext.Trace` works too.
-                  A NumPy array, a torch tensor or nested lists.
+                  unbatched (H, Sq, Sk); a :class:`~mha_ext.Trace` works too
+                  (made with average_weights=True: one panel, the mean over
+                  heads; such weights as an array: add the head axis,
+                  w[:, None]).  A NumPy array, a torch tensor or nested lists.
     batch         which batch element to draw (ignored for 3-D weights).
     tokens        labels of the sequence, put on both axes (self-attention).
     query_tokens, key_tokens
@@ -112,7 +83,9 @@ def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
     """
     if scale not in ("shared", "row"):
         raise ValueError('scale must be "shared" or "row", got %r' % (scale,))
-    w = _weights_array(weights)
+    w, averaged = _teach.weights_of(weights)
+    if averaged:                                    # one panel: the mean over heads
+        w = w[..., None, :, :]
     blk = _blocked(weights, blocked, w.shape)
     if w.ndim == 4:
         nb = w.shape[0]
@@ -132,10 +105,10 @@ def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
     H, Sq, Sk = w.shape
     if H == 0:
         raise ValueError("weights have no heads (shape %s)" % (w.shape,))
-    ylab = _labels(query_tokens if query_tokens is not None else tokens,
-                   Sq, "query_tokens" if query_tokens is not None else "tokens")
-    xlab = _labels(key_tokens if key_tokens is not None else tokens,
-                   Sk, "key_tokens" if key_tokens is not None else "tokens")
+    ylab = _teach.labels(query_tokens if query_tokens is not None else tokens, Sq,
+                         "query_tokens" if query_tokens is not None else "tokens", "queries")
+    xlab = _teach.labels(key_tokens if key_tokens is not None else tokens, Sk,
+                         "key_tokens" if key_tokens is not None else "tokens", "keys")
 
     matplotlib, Figure = _matplotlib()
 
@@ -150,7 +123,8 @@ def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
     if blk is not None:
         w = np.where(blk, np.nan, w)                # not drawn as weight 0
     if scale == "row":
-        with np.errstate(invalid="ignore", divide="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)     # a row all NaN: blocked
             top = np.nanmax(np.where(np.isfinite(w), w, np.nan), axis=-1,
                             keepdims=True) if w.size else w
             w = np.where(top > 0, w / np.where(top > 0, top, 1), w)
@@ -182,7 +156,7 @@ def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
         if blk is not None and blk[h].any():
             _hatch(ax, blk[h])
         shown.append(ax)
-        ax.set_title("head %d" % h, fontsize=10)
+        ax.set_title("mean over heads" if averaged else "head %d" % h, fontsize=10)
         left = h % ncols == 0
         bottom = h + ncols >= H           # no panel below this one
         if xlab is not None:

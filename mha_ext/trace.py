@@ -33,7 +33,9 @@ import os
 
 import numpy as np
 
+from . import _core, _habits
 from ._calls import score_scale, sliding_window
+from .cache import KVCache
 from ._masks import block_layout
 from ._convert import flag, to_numpy
 
@@ -159,7 +161,7 @@ class Trace:
         ``[B, Sq, E] → [B, H, Sq, Dk] → [B, H, Sq, Sk] → …``."""
         flow = []
         for s in self.steps:
-            if s.name.startswith(("K ", "V ", "key", "value")):
+            if s.name.startswith(("K ", "V ", "K/V", "key", "value")):
                 continue
             d = _fmt_dims(s.dims)
             if not flow or flow[-1] != d:
@@ -310,8 +312,10 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     active: in the "dropout" step, which holds the call's weights).
 
     The module is called once with the same arguments; ``trace.output`` and
-    ``trace.weights`` are that call's results, bit for bit.  Errors in the
-    arguments are the call's own errors, raised before anything else.
+    ``trace.weights`` are that call's results, bit for bit (but see dropout
+    below).  Errors in the arguments are the call's own errors, raised
+    before anything else.  ``module`` is a batch-first, block-polarity
+    mha_ext.MultiHeadAttention (TypeError, ValueError otherwise).
 
     Dropout: in training mode with ``dropout > 0`` a trace consumes one draw
     of the module's dropout stream, exactly like one call, so
@@ -321,18 +325,26 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     average_weights=False`` (the draw does not depend on them) and
     ``trace.weights`` is reduced afterwards: ``None`` for
     ``need_weights=False``, the NumPy mean over heads for
-    ``average_weights=True``.  In eval mode (or with p = 0) the call is made
-    with exactly the given keywords.
+    ``average_weights=True``.  ``trace.output`` is then the output of that
+    call with weights, which may differ in the last bit from a call with
+    ``need_weights=False`` (which rounds the softmax in blocks).  In eval
+    mode (or with p = 0) the call is made with exactly the given keywords.
 
     Unbatched inputs (query (Sq, E)) are traced with the batch dimension
     dropped from every step.
     """
+    if not isinstance(module, _core.MultiHeadAttention):
+        raise TypeError("trace takes a mha_ext.MultiHeadAttention, got %s (for a torch "
+                        "module: mha_ext.MultiHeadAttention.from_torch(module))"
+                        % type(module).__name__)
+    _habits.plain_layout_only(module, "trace")
     # the steps below are the plain computation: refuse what they do not show
     if getattr(module, "add_bias_kv", False) or getattr(module, "add_zero_attn", False):
         raise NotImplementedError("trace() does not show add_bias_kv's or add_zero_attn's "
                                   "extra keys yet: trace a module without them")
     cache = kwargs.get("cache")
-    L0 = cache.length if cache is not None else 0  # keys cached before the call
+    # keys cached before the call (another type: the call's TypeError below)
+    L0 = cache.length if isinstance(cache, KVCache) else 0
     dtype = np.dtype(module.dtype)
     need_weights = flag(kwargs.get("need_weights", True), "need_weights")
     average = flag(kwargs.get("average_weights", False), "average_weights")
@@ -460,8 +472,8 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
         hm = np.broadcast_to(_as_array(hm, dtype), (B, H))[:, :, None, None]
     if dropout_active:
         a = np.asarray(dropped)[None] if unbatched else np.asarray(dropped)
-        add("dropout", "A = A·keep / (1 − p), p = %g" % p +
-            (" · head_mask[h]" if hm is not None else ""), ("B", "H", "Sq", "Sk"), a)
+        add("dropout", "A = A·keep / (1 − p)" + (" · head_mask[h]" if hm is not None else "") +
+            ", p = %g" % p, ("B", "H", "Sq", "Sk"), a)
     elif hm is not None:
         a = (a * hm).astype(dtype, copy=False)
         add("head mask", "A = A · head_mask[h] (0: head off)", ("B", "H", "Sq", "Sk"), a)
@@ -541,7 +553,9 @@ def _masks(mask, kwargs, unbatched, B, H, Sq, Sk, dtype, causal=False, coff=0):
         else:
             add(kpm, "key_padding_mask")
 
-    where = "i" if coff == 0 else f"i + {coff}" if coff > 0 else f"i − {-coff}"
+    def at(k):                                          # "i + k", signs folded
+        return "i" if k == 0 else f"i + {k}" if k > 0 else f"i − {-k}"
+    where = at(coff)
     if causal:
         tri = np.triu(np.ones((Sq, Sk), dtype=bool), k=1 + coff)[None, None]
         block(tri, f"j > {where} (causal" + (", lower right)" if coff else ")"))
@@ -554,10 +568,10 @@ def _masks(mask, kwargs, unbatched, B, H, Sq, Sk, dtype, causal=False, coff=0):
         words = []
         if left is not None:
             out |= d < -left
-            words.append(f"j < {where} − {left}")
+            words.append(f"j < {at(coff - left)}")
         if right is not None:
             out |= d > right
-            words.append(f"j > {where} + {right}")
+            words.append(f"j > {at(coff + right)}")
         block(out[None, None], " or ".join(words) + " (window)")
 
     lay = kwargs.get("layout")

@@ -11,16 +11,18 @@ from _support import PKG_ROOT, has, need
 
 
 
-def run_demo(cwd, *args, hide=()):
+def run_demo(cwd, *args, hide=(), broken=()):
     """Run the demo in cwd (not the source tree) with the package the tests
-    import; `hide` lists top-level modules made unimportable."""
+    import; `hide` lists top-level modules made unimportable, `broken` ones
+    whose import fails otherwise (an OSError, as a missing shared library)."""
     path = [PKG_ROOT]
-    if hide:
-        fake = Path(cwd) / "_hidden"
-        for name in hide:
+    fake = Path(cwd) / "_hidden"
+    for names, error in ((hide, "ModuleNotFoundError(\"No module named '%s'\")"),
+                         (broken, "OSError('%s: libmissing.so: cannot open shared object')")):
+        for name in names:
             (fake / name).mkdir(parents=True, exist_ok=True)
-            (fake / name / "__init__.py").write_text(
-                "raise ModuleNotFoundError(\"No module named '%s'\")\n" % name)
+            (fake / name / "__init__.py").write_text("raise %s\n" % (error % name))
+    if hide or broken:
         path.insert(0, str(fake))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(path + [env.get("PYTHONPATH", "")])
@@ -121,3 +123,59 @@ def test_plot_without_matplotlib(tmp_path):
     assert 'pip install "mha_ext[plot]"' in r.stderr
     assert "[2, 2, 3, 8]" in r.stdout              # the rest still ran
     assert not (tmp_path / "x.png").exists()
+
+
+SMALL = ("--no-torch", "--seq", "3", "--d-model", "16", "--heads", "2")
+
+
+def test_bad_values_are_short_errors_before_the_run(tmp_path):
+    for args, words in [(("--threads", "257"), "at most 256"),
+                        (("--plot", ""), "needs a file name"),
+                        (("--plot", str(tmp_path / "nowhere" / "x.png")), "does not exist"),
+                        (("--d-model", "1000000000", "--heads", "1"), "more memory"),
+                        (("--batch", "100000", "--seq", "100000"), "more memory")]:
+        r = run_demo(tmp_path, *SMALL[:1], *args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert "shape flow" not in r.stdout, args
+
+
+def test_threads_apply_without_torch(tmp_path):
+    r = run_demo(tmp_path, *SMALL, "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    code = ("import mha_ext.__main__ as d, mha_ext; d.main(%r); print('threads', "
+            "mha_ext.get_num_threads())" % (list(SMALL) + ["--threads", "3"],))
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=PKG_ROOT, MPLBACKEND="Agg"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("threads 3"), r.stdout
+
+
+def test_plot_to_an_unknown_format_is_a_message(tmp_path):
+    need("matplotlib")
+    r = run_demo(tmp_path, *SMALL, "--plot", str(tmp_path / "x.xyz"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot save the plot" in r.stderr and "[2, 2, 3, 8]" in r.stdout
+
+
+def test_causal_plot_hatches_the_blocked_cells(tmp_path, monkeypatch):
+    # the demo hands plot_heads the trace (its masks), not the bare weights
+    need("matplotlib")
+    import mha_ext
+    import mha_ext.__main__ as demo
+    seen = []
+    monkeypatch.setattr(demo, "plot_heads", lambda w, **kw: seen.append(w) or _Fig())
+    assert demo.main([*SMALL, "--causal", "--plot", str(tmp_path / "x.png")]) == 0
+    assert isinstance(seen[0], mha_ext.Trace)
+
+
+class _Fig:
+    def savefig(self, path, **kw):
+        Path(path).write_bytes(b"")
+
+
+def test_a_broken_torch_skips_the_comparison(tmp_path):
+    r = run_demo(tmp_path, *SMALL[1:], broken=("torch",))
+    assert r.returncode == 0, r.stderr
+    assert "torch could not be imported (OSError" in r.stdout

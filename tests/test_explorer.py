@@ -119,6 +119,10 @@ def test_each_output_has_its_own_id():
     ((np.ones((1, 2, 3)),), {"head": "1"}, TypeError, "head must be"),
     ((np.ones((1, 2, 3)),), {"layer": "softmax"}, ValueError, "layer must be one of"),
     ((np.ones((1, 2, 3)),), {"blocked": np.ones(4)}, ValueError, "blocked must broadcast"),
+    ((np.ones((1, 2, 3)),), {"blocked": "abc"}, TypeError, "blocked must be a BlockLayout"),
+    ((np.ones((1, 2, 3)),), {"blocked": [[None]]}, TypeError, "blocked must be a BlockLayout"),
+    ((np.ones((1, 2, 3)),), {"tokens": list("abc")}, ValueError, "labels but the weights "
+                                                                 "have 2 queries"),
     ((np.ones((0, 2, 3)),), {}, ValueError, "no heads"),
     ((np.ones((2, 8, 100, 100)),), {"max_values": 10_000}, ValueError, "max_values=10000"),
 ])
@@ -139,3 +143,13 @@ def test_missing_assets_are_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(ex_mod, "_HERE", tmp_path)
     with pytest.raises(RuntimeError, match="explorer.css is missing from this installation"):
         explore(np.ones((1, 1, 1)))._repr_html_()
+
+
+def test_blocked_may_be_a_block_layout():
+    from mha_ext.layout import local_blocks
+    w = np.random.default_rng(0).random((2, 8, 8))
+    lay = local_blocks(8, 8, 4, width=0)            # 2 of 4 blocks kept
+    d = _data(explore(w, blocked=lay).to_html())
+    blocked = np.array(d["blocked"]).reshape(1, 2, 8, 8)
+    assert blocked.sum() == 2 * 32
+    assert (blocked[0, 0] == ~lay.to_dense(8, 8)).all()

@@ -193,3 +193,10 @@ def test_example_script_runs():
     assert "accuracy:" in r.stdout and "loss_delta" in r.stdout and "looks at" in r.stdout
     for role in ("previous", "mirror", "first"):
         assert role in r.stdout.split("looks at", 1)[1]
+
+
+def test_a_trace_of_averaged_weights_is_refused():
+    m = mha_ext.MultiHeadAttention(16, 4, seed=0).eval()
+    t = m.trace(np.ones((3, 5, 16)), average_weights=True)     # weights (3, 5, 5)
+    with pytest.raises(ValueError, match="averaged over heads"):
+        analyze(t)

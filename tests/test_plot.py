@@ -189,3 +189,37 @@ def test_blocked_cells_hatched_row_scale_and_thinned_labels(mpl):
         plot_heads(w, scale="rows")
     with pytest.raises(ValueError, match="blocked must broadcast"):
         plot_heads(w, blocked=np.ones(3))
+
+
+def test_a_trace_of_averaged_weights_is_one_panel_not_a_head_per_batch_item(mpl):
+    m = mha_ext.MultiHeadAttention(16, 4, seed=0).eval()
+    t = m.trace(np.ones((3, 5, 16)), average_weights=True, is_causal=True)
+    panels = heatmaps(plot_heads(t, batch=2))
+    assert [ax.get_title() for ax in panels] == ["mean over heads"]
+    from matplotlib.collections import PatchCollection
+    hatched = [c for c in panels[0].collections if isinstance(c, PatchCollection)]
+    assert len(hatched[0].get_paths()) == 10        # the causal mask's cells
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    ({"blocked": "abc"}, TypeError, "blocked must be a BlockLayout"),
+    ({"blocked": object()}, TypeError, "blocked must be a BlockLayout"),
+    ({"tokens": "abcdefg"}, TypeError, "split it first"),
+    ({"tokens": list("abc")}, ValueError, "has 3 labels but the weights have 7 queries"),
+    ({"query_tokens": list("abcdefg"), "key_tokens": list("ab")}, ValueError,
+     "key_tokens has 2 labels but the weights have 7 keys"),
+])
+def test_bad_labels_and_blocked_are_clear_errors(mpl, kwargs, exc, words):
+    with pytest.raises(exc) as e:
+        plot_heads(attention(), **kwargs)
+    assert words in str(e.value)
+
+
+def test_row_scale_of_a_fully_blocked_row_warns_nothing(mpl):
+    import warnings
+    w = attention(S=4)
+    blocked = np.zeros((4, 4), dtype=bool)
+    blocked[1] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_heads(w, scale="row", blocked=blocked)

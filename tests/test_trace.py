@@ -471,3 +471,31 @@ def test_html_is_styled_with_one_notation_and_values(tmp_path):
     text = open(path, encoding="utf-8").read()
     assert text.startswith("<!DOCTYPE html>") and "default-src 'none'" in text
     assert page in text
+
+
+def test_the_function_refuses_what_the_method_refuses():
+    import mha_ext
+    m = mha_ext.MultiHeadAttention(16, 2, seed=0).eval()
+    x = np.ones((3, 4, 16))
+    m.batch_first = False
+    with pytest.raises(ValueError, match="batch-first"):
+        mha_ext.trace(m, x)
+    m.batch_first = True
+    m.mask_polarity = "keep"
+    with pytest.raises(ValueError, match="block polarity"):
+        mha_ext.trace(m, x)
+    m.mask_polarity = "block"
+    with pytest.raises(TypeError, match="takes a mha_ext.MultiHeadAttention"):
+        mha_ext.trace(object(), x)
+    with pytest.raises(TypeError, match="KVCache"):      # the call's own error
+        m.trace(x, cache=5)
+
+
+def test_formulas_fold_the_offsets_and_gqa_keeps_the_query_path():
+    import mha_ext
+    m = mha_ext.MultiHeadAttention(16, 4, n_kv_heads=2, seed=0).eval()
+    t = m.trace(np.ones((1, 3, 16)), np.ones((1, 5, 16)), is_causal="lower_right",
+                window=(1, 0))
+    formula = t["masked scores"].formula
+    assert "j < i + 1" in formula and "j > i + 2 (window)" in formula, formula
+    assert "[B, H, Sk, Dk]" not in t.shape_flow()

@@ -1,0 +1,66 @@
+"""The arguments the teaching tools share (plot_heads, explore,
+heads.analyze): attention weights given as a Trace or an array, token
+labels, blocked cells.
+
+Legend: B batch, H heads, Sq query length, Sk key length.
+"""
+import numpy as np
+
+from ._convert import as_array
+from .layout import BlockLayout
+
+
+def is_trace(x):
+    return hasattr(x, "steps") and hasattr(x, "weights")
+
+
+def weights_of(source):
+    """(weights as a float64 array, averaged): a Trace's weights (averaged:
+    made with average_weights=True, so one fewer axis than its per-head
+    scores) or an array of real numbers as given (averaged False)."""
+    averaged = False
+    if is_trace(source):
+        if source.weights is None:
+            raise ValueError("this trace has no weights (need_weights=False)")
+        averaged = np.ndim(source.weights) < np.ndim(source["masked scores"].array)
+        source = source.weights
+    w = as_array(source, "weights")
+    if w.dtype.kind not in "biuf":
+        raise TypeError("weights must be real numbers, got dtype %s" % w.dtype)
+    return w.astype(np.float64), averaged
+
+
+def labels(tokens, n, what, axis):
+    """tokens as n strings, or None; `what` names the argument, `axis` the
+    weights' axis it labels ("queries" or "keys")."""
+    if tokens is None:
+        return None
+    if isinstance(tokens, str):
+        raise TypeError("%s must be a sequence of labels, got a str (split it first: "
+                        "text.split())" % what)
+    out = [str(t) for t in tokens]
+    if len(out) != n:
+        raise ValueError("%s has %d labels but the weights have %d %s"
+                         % (what, len(out), n, axis))
+    return out
+
+
+def blocked_cells(blocked, shape):
+    """True where a cell of weights of `shape` is blocked, from `blocked`: a
+    BlockLayout (its blocks not kept) or an array of bools or numbers
+    broadcastable to shape (nonzero: blocked); None stays None."""
+    if blocked is None:
+        return None
+    if isinstance(blocked, BlockLayout):
+        b = ~blocked.to_dense(shape[-2], shape[-1])
+    else:
+        b = as_array(blocked, "blocked")
+        if b.dtype.kind not in "biuf":
+            raise TypeError("blocked must be a BlockLayout or an array of bools (True where "
+                            "blocked) broadcastable to the weights, got dtype %s" % b.dtype)
+        b = b != 0
+    try:
+        return np.broadcast_to(b, shape)
+    except ValueError:
+        raise ValueError("blocked must broadcast to the weights' shape %s, got %s"
+                         % (shape, b.shape)) from None
