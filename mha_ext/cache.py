@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ._types import Flag, Int
+
+if TYPE_CHECKING:
+    from .module import MultiHeadAttention
 
 __all__ = ["KVCache"]
 
@@ -43,7 +49,8 @@ class KVCache:
     # _busy: a lock held by the call that extends the cache (never waited on:
     # a second call finds it held and refuses)
 
-    def __init__(self, module, batch_size, capacity, cross=False):
+    def __init__(self, module: MultiHeadAttention, batch_size: Int, capacity: Int,
+                 cross: Flag = False) -> None:
         """Made by MultiHeadAttention.new_cache / cache_memory, not directly."""
         for name, x in (("batch_size", batch_size), ("max_len", capacity)):
             if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
@@ -108,15 +115,15 @@ class KVCache:
         return self
 
     # ---- for the call (mha_ext._calls and module), not public
-    def _check_owner(self, module):
+    def _check_owner(self, module: MultiHeadAttention) -> None:
         if self._module is not module:
             raise ValueError("this cache belongs to another module: make one with this "
                              "module's new_cache(batch_size, max_len)")
 
-    def _c_tuple(self):
+    def _c_tuple(self) -> tuple[np.ndarray, np.ndarray, int]:
         return (self._k, self._v, self._length)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         kind = "cross, " if self._cross else ""
         return (f"KVCache({kind}batch_size={self.batch_size}, length={self._length}, "
                 f"capacity={self.capacity}, n_kv_heads={self._k.shape[1]}, "
