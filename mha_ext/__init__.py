@@ -29,6 +29,7 @@ import importlib.util
 import os
 import sys
 import types
+from typing import TYPE_CHECKING
 
 
 def _installed_package(source_dir: str) -> types.ModuleType:
@@ -109,9 +110,14 @@ else:
                "set_num_threads", "get_num_threads", "cpu_info", "memory_info",
                "release_memory", "BlockLayout", "layout", "__version__"]
 
-def __getattr__(name):
-    # mha_ext.compare needs torch: imported on first use only
-    if name == "compare":
-        from ._compare import compare
-        return compare
-    raise AttributeError(f"module 'mha_ext' has no attribute {name!r}")
+if TYPE_CHECKING:
+    # what __getattr__ gives, typed; the checkers do not see __getattr__, so
+    # a misspelt attribute of mha_ext stays an error for them
+    from ._compare import compare as compare
+else:
+    def __getattr__(name):
+        # mha_ext.compare needs torch: imported on first use only
+        if name == "compare":
+            from ._compare import compare
+            return compare
+        raise AttributeError(f"module 'mha_ext' has no attribute {name!r}")

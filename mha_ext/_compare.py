@@ -28,7 +28,8 @@ import copy
 import html
 import math
 import warnings
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, NamedTuple, SupportsIndex, overload
 
 import numpy as np
 import torch
@@ -57,24 +58,32 @@ class Comparison:
 
     HEAD = ("layer", "max |torch - truth|", "max |mha_ext - truth|", "NaN agree", "closer")
 
-    def __init__(self, rows, dtype):
+    rows: list[Row]
+    dtype: str        # the model's parameters' dtype, e.g. "float32"
+
+    def __init__(self, rows: Iterable[Row], dtype: str) -> None:
         self.rows = list(rows)
         self.dtype = dtype
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.rows)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Row]:
         return iter(self.rows)
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> Row: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Row]: ...
+
+    def __getitem__(self, i: SupportsIndex | slice) -> Row | list[Row]:
         return self.rows[i]
 
-    def _cells(self):
+    def _cells(self) -> list[tuple[str, str, str, str, str]]:
         return [(r.layer, f"{r.torch_error:.3g}", f"{r.mha_ext_error:.3g}",
                  "yes" if r.nan_agree else "NO", r.closer) for r in self.rows]
 
-    def __str__(self):
+    def __str__(self) -> str:
         cells = [self.HEAD] + self._cells()
         widths = [max(len(c[i]) for c in cells) for i in range(len(self.HEAD))]
         lines = [f"mha_ext.compare: {self.dtype} runs against a float64 copy (truth)"]
@@ -86,7 +95,7 @@ class Comparison:
 
     __repr__ = __str__
 
-    def _repr_html_(self):
+    def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in self.HEAD)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(s)}</td>" for s in c) + "</tr>"
                        for c in self._cells())
@@ -173,7 +182,8 @@ def _dtype_name(model):
     return "float32"
 
 
-def compare(model, *inputs, from_torch_options=None, **kwargs) -> Comparison:
+def compare(model: nn.Module, *inputs: Any, from_torch_options: Mapping[str, Any] | None = None,
+            **kwargs: Any) -> Comparison:
     """Run `model(*inputs, **kwargs)` three ways (stock torch, mha_ext
     swapped in, a float64 stock copy as the truth) and return the
     :class:`Comparison` of every nn.MultiheadAttention layer's output and
@@ -184,7 +194,7 @@ def compare(model, *inputs, from_torch_options=None, **kwargs) -> Comparison:
         raise TypeError(f"compare expects a torch.nn.Module, not {type(model).__name__}")
     _warn_dropout(model)
     if isinstance(model, nn.MultiheadAttention):
-        ours = MultiheadAttention.from_torch(model)
+        ours: nn.Module | _NumpyMHA = MultiheadAttention.from_torch(model)
         return _compare_module(model, ours, inputs, kwargs)
     names = [n for n, _ in attention_modules(model)]
     if not names:

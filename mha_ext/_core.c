@@ -336,7 +336,8 @@ static PyGetSetDef mha_getset[] = {
 static PyMethodDef mha_methods[] = {
     {"_forward", (PyCFunction)(void (*)(void))mha_forward_py, METH_VARARGS | METH_KEYWORDS,
      "_forward($self, query, key, value, *, masks=(), is_causal=False, need_weights=True, "
-     "zero_rows=False, reference=False, scale=None, window=None, head_mask=None, layout=None)\n--\n\n"
+     "zero_rows=False, reference=False, scale=None, window=None, head_mask=None, layout=None, "
+     "cache=None)\n--\n\n"
      "The C forward pass -> (output, weights | None); use the module's __call__ instead."},
     {"_forward_train", (PyCFunction)(void (*)(void))mha_forward_train_py,
      METH_VARARGS | METH_KEYWORDS,
@@ -378,7 +379,7 @@ static PyType_Slot mha_slots[] = {
     {Py_tp_getset, mha_getset},
     {Py_tp_doc, "MultiHeadAttention(d_model, n_heads, dropout=0.0, *, bias=True, kdim=None, "
                 "vdim=None, dtype='float32', seed=None, add_bias_kv=False, "
-                "add_zero_attn=False)\n--\n\n"
+                "add_zero_attn=False, n_kv_heads=None)\n--\n\n"
                 "The C part of mha_ext.MultiHeadAttention: parameter memory and the calls."},
     {0, NULL}
 };

@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Sequence, Tuple, TypedDict, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 _Self = TypeVar("_Self", bound="MultiHeadAttention")
 
@@ -15,6 +16,7 @@ _Self = TypeVar("_Self", bound="MultiHeadAttention")
 # broadcastable to (B, H, Sq, Sk)
 _Mask = Tuple[Literal[0, 1], npt.ArrayLike]
 _Flag = bool | int | np.bool_
+_Real = float | np.floating[Any] | np.integer[Any]
 # is_causal: False, True (top-left) or "lower_right"
 # window: None, or (left, right), each an int >= 0 or None (unbounded)
 _Window = Optional[Tuple[Optional[int], Optional[int]]]
@@ -102,11 +104,13 @@ def _sdpa_backward(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike,
                    head_mask: Optional[npt.ArrayLike] = ...,
                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
+# a C type with its own instance layout: no second such base (PEP 800)
+@disjoint_base
 class MultiHeadAttention:
     """The C part of mha_ext.MultiHeadAttention: parameter memory and the calls."""
 
     def __new__(cls: type[_Self], d_model: int | np.integer[Any],
-                n_heads: int | np.integer[Any], dropout: float = ..., *, bias: bool = ...,
+                n_heads: int | np.integer[Any], dropout: _Real = ..., *, bias: _Flag = ...,
                 kdim: int | np.integer[Any] | None = ...,
                 vdim: int | np.integer[Any] | None = ...,
                 dtype: npt.DTypeLike = ...,
@@ -137,9 +141,18 @@ class MultiHeadAttention:
     def num_parameters(self) -> int: ...
     @property
     def dtype(self) -> np.dtype[Any]: ...
-    dropout: float
-    training: bool
-    _counter: int
+    @property
+    def dropout(self) -> float: ...
+    @dropout.setter
+    def dropout(self, value: _Real, /) -> None: ...
+    @property
+    def training(self) -> bool: ...
+    @training.setter
+    def training(self, value: _Flag, /) -> None: ...
+    @property
+    def _counter(self) -> int: ...
+    @_counter.setter
+    def _counter(self, value: int | np.integer[Any], /) -> None: ...
     def _forward(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
                  masks: Sequence[_Mask] = ..., is_causal: _Causal = ...,
                  need_weights: _Flag = ..., zero_rows: _Flag = ...,

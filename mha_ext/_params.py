@@ -16,8 +16,8 @@ loads).
 """
 from __future__ import annotations
 
-from collections import namedtuple
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,7 +49,10 @@ TORCH_PARTS = {"in_proj_weight": (0, 2, 4), "in_proj_bias": (1, 3, 5),
 # a module built with it)
 TORCH_UNSUPPORTED = {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}
 
-IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+class IncompatibleKeys(NamedTuple):
+    """What load_state_dict returns, as torch's: (missing_keys, unexpected_keys)."""
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 def seed_keys(mha):

@@ -4,16 +4,56 @@ Function of mha_ext._sdpa_torch (imported only then: it needs torch).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
+
+import numpy as np
+from numpy.typing import ArrayLike
+
 from ._convert import is_causal_bias, is_tensor, probability
 from ._calls import LOWER_RIGHT, sliding_window
 from ._sdpa import _seed, sdpa_arrays, sdpa_forward, sdpa_head_mask, sdpa_layout
+from ._types import Causal, Flag, Int, Real, Window
+
+if TYPE_CHECKING:
+    from .layout import BlockLayout
 
 __all__ = ["scaled_dot_product_attention"]
 
+_T_co = TypeVar("_T_co", covariant=True)
+_T = TypeVar("_T")
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False, *, seed=None,
-                                 window=None, layout=None, head_mask=None):
+
+class _Tensor(Protocol[_T_co]):
+    """A torch tensor as the overloads tell it from an array, without
+    importing torch (a NumPy user's checker needs no torch): detach() gives
+    the plain tensor type, which the call returns (torch.Tensor)."""
+
+    @property
+    def requires_grad(self) -> bool: ...
+    def detach(self) -> _T_co: ...
+
+
+@overload
+def scaled_dot_product_attention(
+        query: _Tensor[_T], key: _Tensor[Any], value: _Tensor[Any],
+        attn_mask: _Tensor[Any] | ArrayLike | None = None, dropout_p: Real = 0.0,
+        is_causal: Causal = False, scale: Real | None = None, enable_gqa: Flag = False, *,
+        seed: Int | None = None, window: Window = None, layout: BlockLayout | None = None,
+        head_mask: _Tensor[Any] | ArrayLike | None = None) -> _T: ...
+@overload
+def scaled_dot_product_attention(
+        query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None,
+        dropout_p: Real = 0.0, is_causal: Causal = False, scale: Real | None = None,
+        enable_gqa: Flag = False, *, seed: Int | None = None, window: Window = None,
+        layout: BlockLayout | None = None, head_mask: ArrayLike | None = None) -> np.ndarray: ...
+
+
+def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
+                                 dropout_p: Real = 0.0, is_causal: Causal = False,
+                                 scale: Real | None = None, enable_gqa: Flag = False, *,
+                                 seed: Int | None = None, window: Window = None,
+                                 layout: BlockLayout | None = None, head_mask: Any = None,
+                                 ) -> Any:
     """torch.nn.functional.scaled_dot_product_attention, computed by mha_ext's C core.
 
         out = softmax(query @ keyᵀ · scale + mask) @ value

@@ -9,6 +9,8 @@ in the model's own parameters and an optimiser built on
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import TypeVar
 
 from torch import nn
 
@@ -99,8 +101,11 @@ def restore(model, record):
         setattr(parent, last, old)
 
 
+_Model = TypeVar("_Model", bound=nn.Module)
+
+
 @contextlib.contextmanager
-def swapped(model):
+def swapped(model: _Model) -> Iterator[_Model]:
     """``with mha_ext.torch.swapped(model): model(x)`` -- inside the block
     every torch.nn.MultiheadAttention of model is computed by mha_ext (the
     same parameters, shared); after it the original modules are back, also

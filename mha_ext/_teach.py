@@ -4,17 +4,22 @@ labels, blocked cells.
 
 Legend: B batch, H heads, Sq query length, Sk key length.
 """
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
 import numpy as np
 
 from ._convert import as_array
 from .layout import BlockLayout
 
 
-def is_trace(x):
+def is_trace(x: object) -> bool:
     return hasattr(x, "steps") and hasattr(x, "weights")
 
 
-def weights_of(source):
+def weights_of(source: Any) -> tuple[np.ndarray, bool]:
     """(weights as a float64 array, averaged): a Trace's weights (averaged:
     made with average_weights=True, so one fewer axis than its per-head
     scores) or an array of real numbers as given (averaged False)."""
@@ -30,7 +35,8 @@ def weights_of(source):
     return w.astype(np.float64), averaged
 
 
-def labels(tokens, n, what, axis):
+def labels(tokens: Iterable[object] | None, n: int, what: str,
+           axis: str) -> list[str] | None:
     """tokens as n strings, or None; `what` names the argument, `axis` the
     weights' axis it labels ("queries" or "keys")."""
     if tokens is None:
@@ -45,7 +51,7 @@ def labels(tokens, n, what, axis):
     return out
 
 
-def blocked_cells(blocked, shape):
+def blocked_cells(blocked: object, shape: tuple[int, ...]) -> np.ndarray | None:
     """True where a cell of weights of `shape` is blocked, from `blocked`: a
     BlockLayout (its blocks not kept) or an array of bools or numbers
     broadcastable to shape (nonzero: blocked); None stays None."""

@@ -22,6 +22,7 @@ Legend: B batch, L query length, S key length, E = embed_dim, H = num_heads.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -33,6 +34,10 @@ from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._torch_fn import AttentionFunction
+from ._types import Int, Window
+
+if TYPE_CHECKING:
+    from .layout import BlockLayout
 
 __all__ = ["MultiheadAttention"]
 
@@ -100,16 +105,21 @@ class MultiheadAttention(nn.Module):
     """
 
     __constants__ = ["batch_first"]
+    # None without add_bias_kv (declared: the constructor assigns either)
+    bias_k: Parameter | None
+    bias_v: Parameter | None
 
-    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
-                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False,
-                 device=None, dtype=None) -> None:
+    def __init__(self, embed_dim: Int, num_heads: Int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False,
+                 kdim: Int | None = None, vdim: Int | None = None, batch_first: bool = False,
+                 device: torch.device | str | int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         embed_dim = _convert.integer(embed_dim, "embed_dim")
         num_heads = _convert.integer(num_heads, "num_heads")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
                              f"({num_heads})")
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__()
         self.embed_dim = embed_dim
         self.kdim = embed_dim if kdim is None else _convert.integer(kdim, "kdim")
@@ -166,7 +176,7 @@ class MultiheadAttention(nn.Module):
         super().__setstate__(state)
 
     @classmethod
-    def from_torch(cls, module) -> "MultiheadAttention":
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiheadAttention:
         """A copy of a torch.nn.MultiheadAttention: the same configuration,
         dtype, device, training mode and parameter values (its own memory),
         add_bias_kv's bias_k / bias_v and add_zero_attn included."""
@@ -273,9 +283,12 @@ class MultiheadAttention(nn.Module):
                     and layer.self_attn is self and _layer_would_fuse(layer, query)
         return False
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
-                attn_mask=None, average_attn_weights=True, is_causal=False, *,
-                window=None, layout=None):
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
+                attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool | Literal["lower_right"] = False, *,
+                window: Window = None, layout: BlockLayout | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """torch.nn.MultiheadAttention.forward, computed by mha_ext.
 
         query (L, B, E), key (S, B, kdim), value (S, B, vdim); (B, L, E) etc.

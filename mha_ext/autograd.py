@@ -25,10 +25,20 @@ Legend: B batch, Sq query length, Sk key length, E = d_model, H = n_heads.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _calls, _params
 from ._convert import contiguous, counter as _counter, flag, probability
+from ._types import Causal, Flag, Int, MaskedRows, Real, Window
+
+if TYPE_CHECKING:
+    from ._core import _Saved
+    from .layout import BlockLayout
+    from .module import MultiHeadAttention
 
 __all__ = ["ForwardContext", "forward_train", "backward"]
 
@@ -49,22 +59,51 @@ class ForwardContext:
                  "_value", "_saved", "_masks", "_is_causal", "_zero_rows", "_batched",
                  "_need_weights", "_average_weights", "_seed", "_scale", "_window",
                  "_head_mask", "_head_mask_shape", "_layout")
+    # declarations only (no values: those would clash with __slots__)
+    output: np.ndarray
+    weights: np.ndarray | None
+    dropout: float
+    counter: int
+    # the private rest, as _calls.Call and the C forward give them
+    _params: np.ndarray              # the flat parameter block
+    _query: np.ndarray               # the inputs, 3-D
+    _key: np.ndarray
+    _value: np.ndarray
+    _saved: _Saved | None            # (Q, K, V, ctx, P | None), or None: recompute
+    _masks: tuple[tuple[int, np.ndarray], ...]
+    _is_causal: bool | str
+    _zero_rows: bool
+    _batched: bool
+    _need_weights: bool
+    _average_weights: bool
+    _seed: int
+    _scale: float | None
+    _window: tuple[int | None, int | None] | None
+    _head_mask: np.ndarray | None    # (B, H)
+    _head_mask_shape: tuple[int, ...] | None  # as given: (H,) or (B, H)
+    _layout: tuple[np.ndarray, int, int] | None
 
-    def __init__(self, **kw):
+    def __init__(self, **kw: Any) -> None:
         for k, v in kw.items():
             setattr(self, k, v)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         w = None if self.weights is None else self.weights.shape
         return (f"ForwardContext(output={self.output.shape}, weights={w}, "
                 f"dropout={self.dropout!r}, counter={self.counter})")
 
 
-def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None,
-                  key_padding_mask=None, is_causal=False, need_weights=True,
-                  average_weights=False, masked_rows="nan", params=None, dropout=None,
-                  dropout_counter=None, save_projections=True, scale=None,
-                  window=None, head_mask=None, layout=None) -> ForwardContext:
+def forward_train(mha: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = None,
+                  value: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                  attn_mask: ArrayLike | None = None,
+                  key_padding_mask: ArrayLike | None = None, is_causal: Causal = False,
+                  need_weights: Flag = True, average_weights: Flag = False,
+                  masked_rows: MaskedRows = "nan",
+                  params: Mapping[str, ArrayLike] | ArrayLike | None = None,
+                  dropout: Real | None = None, dropout_counter: Int | None = None,
+                  save_projections: Flag = True, scale: Real | None = None,
+                  window: Window = None, head_mask: ArrayLike | None = None,
+                  layout: BlockLayout | None = None) -> ForwardContext:
     """The forward pass of ``mha`` (a MultiHeadAttention), returning a
     :class:`ForwardContext` with ``.output`` and ``.weights`` (what the call
     returns) and what :func:`backward` needs.
@@ -121,8 +160,9 @@ def forward_train(mha, query, key=None, value=None, mask=None, *, attn_mask=None
                           tuple(getattr(head_mask, "shape", np.shape(head_mask))))
 
 
-def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None, *,
-             head_mask_grad=False) -> dict:
+def backward(mha: MultiHeadAttention, ctx: ForwardContext, grad_output: ArrayLike,
+             grad_weights: ArrayLike | None = None, *,
+             head_mask_grad: Flag = False) -> dict[str, np.ndarray]:
     """The gradients of a loss L from dL/d output (``grad_output``, the shape of
     ``ctx.output``) and optionally dL/d weights (``grad_weights``, the shape of
     ``ctx.weights``).
@@ -183,7 +223,8 @@ def backward(mha, ctx: ForwardContext, grad_output, grad_weights=None, *,
     return grads
 
 
-def _head_mask_grad(mha, ctx, go, gw):
+def _head_mask_grad(mha: MultiHeadAttention, ctx: ForwardContext, go: np.ndarray,
+                    gw: np.ndarray | None) -> np.ndarray:
     # dL/dm[b, h] = Σ_i dctx[b, i, h] · (A·V)[b, i, h] + Σ_ij gw[b, h] · A[b, h]
     # (ctx = concat_h m[b, h]·(A·V)_h, weights m·A); A·V and A recomputed
     # without the head mask, with the same dropout stream
@@ -198,6 +239,6 @@ def _head_mask_grad(mha, ctx, go, gw):
     g = np.einsum("bihd,bihd->bh", dctx, saved[3].reshape(B, Sq, H, E // H))
     if gw is not None:
         g = g + np.einsum("bhij,bhij->bh", gw, w)
-    if len(ctx._head_mask_shape) == 1:
+    if ctx._head_mask_shape is not None and len(ctx._head_mask_shape) == 1:  # (H,)
         g = g.sum(axis=0)
     return np.ascontiguousarray(g, dtype=mha.dtype)

@@ -16,10 +16,15 @@ import os
 import sys
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import _convert
+from ._types import Flag, Int
+
+if TYPE_CHECKING:
+    from .module import MultiHeadAttention
 
 __all__ = ["KVCache"]
 
@@ -51,7 +56,8 @@ class KVCache:
     # a second call, or reset(), finds it held and refuses); _owner: the
     # thread holding it (in a fork child, another thread's hold is dropped)
 
-    def __init__(self, module, batch_size, capacity, cross=False):
+    def __init__(self, module: MultiHeadAttention, batch_size: Int, capacity: Int,
+                 cross: Flag = False) -> None:
         """Made by MultiHeadAttention.new_cache / cache_memory, not directly."""
         B = _convert.integer(batch_size, "batch_size")
         cap = _convert.integer(capacity, "max_len")
@@ -72,7 +78,7 @@ class KVCache:
         self._length = 0
         self._cross = bool(cross)
         self._busy = threading.Lock()
-        self._owner = None
+        self._owner: int | None = None
         _LIVE.add(self)
 
     @property
@@ -122,26 +128,26 @@ class KVCache:
         return self
 
     # ---- for the call (mha_ext._calls and module), not public
-    def _hold(self):
+    def _hold(self) -> None:
         """Held by the calling thread for one call that extends the cache."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this cache is in use by another call: one call at a time "
                                "extends a cache")
         self._owner = threading.get_ident()
 
-    def _release(self):
+    def _release(self) -> None:
         self._owner = None
         self._busy.release()
 
-    def _check_owner(self, module):
+    def _check_owner(self, module: MultiHeadAttention) -> None:
         if self._module is not module:
             raise ValueError("this cache belongs to another module: make one with this "
                              "module's new_cache(batch_size, max_len)")
 
-    def _c_tuple(self):
+    def _c_tuple(self) -> tuple[np.ndarray, np.ndarray, int]:
         return (self._k, self._v, self._length)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         kind = "cross, " if self._cross else ""
         return (f"KVCache({kind}batch_size={self.batch_size}, length={self._length}, "
                 f"capacity={self.capacity}, n_kv_heads={self._k.shape[1]}, "

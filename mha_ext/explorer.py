@@ -23,15 +23,24 @@ untrusted notebook in JupyterLab) the output says so and points to ``save``.
 The JavaScript and CSS live in ``mha_ext/_html/`` and are inlined into each
 output; this module is plain Python and NumPy.
 """
+from __future__ import annotations
+
 import html
 import itertools
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _teach
+from ._types import Int
+
+if TYPE_CHECKING:
+    from .trace import Trace
 
 __all__ = ["Explorer", "explore"]
 
@@ -69,6 +78,10 @@ def _batched(a, ndim_batched):
     return a[None] if a.ndim == ndim_batched - 1 else a
 
 
+# (name, values (B, H, Sq, Sk), kind: "scores" or "probability")
+_Layer = tuple[str, np.ndarray, str]
+
+
 class Explorer:
     """The explorer of one trace or weights array; see :func:`explore`.
 
@@ -76,7 +89,15 @@ class Explorer:
     a standalone page, ``save(path)`` writes that page and returns the path.
     ``layers`` lists the layer names, ``shape`` is (B, H, Sq, Sk)."""
 
-    def __init__(self, layers, blocked, q_tokens, k_tokens, title, layer, head):
+    layers: list[str]
+    shape: tuple[int, ...]
+    q_tokens: list[str]
+    k_tokens: list[str]
+    title: str
+
+    def __init__(self, layers: list[_Layer], blocked: np.ndarray | None, q_tokens: list[str],
+                 k_tokens: list[str], title: str, layer: str,
+                 head: Literal["all"] | int) -> None:
         self.layers = [name for name, _, _ in layers]
         self._layers = layers
         self._blocked = blocked
@@ -86,7 +107,7 @@ class Explorer:
         self._first = layer
         self._head = head
 
-    def _json(self):
+    def _json(self) -> str:
         B, H, Sq, Sk = self.shape
         parts = ['{"B":%d,"H":%d,"Sq":%d,"Sk":%d' % (B, H, Sq, Sk),
                  '"qTokens":' + json.dumps(self.q_tokens),
@@ -108,7 +129,7 @@ class Explorer:
         # inside <script>: no "</script>", no "<!--"
         return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
-    def _fragment(self):
+    def _fragment(self) -> str:
         uid = "mha-explorer-%d-%d" % (os.getpid(), next(_ids))
         nojs = ("Interactive attention explorer: its JavaScript did not run here "
                 "(an untrusted notebook output?). Trust the notebook, or open the page "
@@ -126,10 +147,10 @@ class Explorer:
             "mhaExplorer(root, data);\n})();</script>" % (_asset("explorer.js"), json.dumps(uid)),
             "</div>"])
 
-    def _repr_html_(self):
+    def _repr_html_(self) -> str:
         return self._fragment()
 
-    def to_html(self, full_page=False):
+    def to_html(self, full_page: bool = False) -> str:
         """The explorer as HTML: a fragment for a notebook, or (full_page) a
         standalone page whose Content-Security-Policy forbids every request."""
         if not full_page:
@@ -140,19 +161,22 @@ class Explorer:
             "<title>%s</title>" % html.escape(self.title or "attention explorer"),
             "</head><body>", self._fragment(), "</body></html>"])
 
-    def save(self, path):
+    def save(self, path: str | os.PathLike[str]) -> str:
         """Write the standalone page to path (str or path-like); returns path."""
         path = os.fspath(path)
         with open(path, "w", encoding="utf-8") as f:
             f.write(self.to_html(full_page=True))
         return path
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "Explorer(shape=%s, layers=%s)" % (list(self.shape), self.layers)
 
 
-def explore(source, tokens=None, *, query_tokens=None, key_tokens=None, blocked=None,
-            title=None, layer=None, head="all", max_values=MAX_VALUES):
+def explore(source: Trace | ArrayLike, tokens: Iterable[object] | None = None, *,
+            query_tokens: Iterable[object] | None = None,
+            key_tokens: Iterable[object] | None = None, blocked: ArrayLike | None = None,
+            title: object = None, layer: str | None = None,
+            head: Literal["all"] | Int = "all", max_values: int = MAX_VALUES) -> Explorer:
     """An :class:`Explorer` of a trace or of attention weights.
 
     source        a :class:`~mha_ext.Trace` (layers: raw scores, masked scores,
@@ -173,15 +197,16 @@ def explore(source, tokens=None, *, query_tokens=None, key_tokens=None, blocked=
     if hasattr(source, "steps") and hasattr(source, "sizes"):
         if blocked is not None:
             raise ValueError("blocked is for weights arrays; a trace knows its masks")
+        tr: Any = source  # a Trace, or an object like it
 
-        def step(name):
-            return _batched(source[name].array, 4).astype(np.float64)
+        def step(name: str) -> np.ndarray:
+            return _batched(tr[name].array, 4).astype(np.float64)
         raw, masked, soft = step("raw scores"), step("masked scores"), step("softmax")
         layers = [("raw scores", raw, "scores"), ("masked scores", masked, "scores"),
                   ("softmax", soft, "probability")]
-        if "dropout" in source:
+        if "dropout" in tr:
             layers.append(("dropout", step("dropout"), "probability"))
-        mask = np.isneginf(masked)
+        mask: np.ndarray | None = np.isneginf(masked)
         first = layer or "softmax"
     else:
         w, _ = _teach.weights_of(source)
@@ -216,4 +241,4 @@ def explore(source, tokens=None, *, query_tokens=None, key_tokens=None, blocked=
     if title is None:
         title = "attention, B=%d, H=%d, Sq=%d, Sk=%d" % (B, H, Sq, Sk)
     return Explorer(layers, mask, q_tokens, k_tokens, str(title), first,
-                    head if head == "all" else int(head))
+                    "all" if head == "all" else int(head))

@@ -29,11 +29,21 @@ Per head, averaged over the batch and over the query rows that have weights
 Positions are those of the query and key axes (self-attention: i and j index
 the same sequence).  This module is plain NumPy; ``plot`` imports matplotlib.
 """
+from __future__ import annotations
+
 import html
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, SupportsFloat
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _teach
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .trace import Trace
 
 __all__ = ["HeadReport", "analyze", "head_stats", "ablate"]
 
@@ -45,6 +55,14 @@ _ABOUT = {"entropy": "attention entropy (nats)",
           "first": "weight on the first token",
           "mirror": "weight on the mirror position",
           "loss_delta": "loss increase when the head is switched off"}
+
+
+class _Heads(Protocol):
+    """What ablate reads besides W_o.weight: mha_ext.MultiHeadAttention or
+    mha_ext.torch's module (W_o is checked at run time)."""
+
+    @property
+    def n_heads(self) -> int: ...
 
 
 def _weights(weights):
@@ -62,7 +80,7 @@ def _weights(weights):
     return w
 
 
-def head_stats(weights):
+def head_stats(weights: Trace | ArrayLike) -> dict[str, np.ndarray]:
     """The statistics of the module docstring: a dict column -> (H,) array.
 
     weights: (B, H, Sq, Sk) or (H, Sq, Sk), a NumPy array, torch tensor,
@@ -103,7 +121,7 @@ def head_stats(weights):
     }
 
 
-def ablate(module, loss):
+def ablate(module: _Heads, loss: Callable[[], SupportsFloat]) -> tuple[float, np.ndarray]:
     """The loss with each head switched off: returns (base, per_head) where
     base = loss() as the module is and per_head[h] = loss() with head h's
     context zeroed (W_o.weight[:, h·Dk:(h+1)·Dk] = 0 during that call).
@@ -118,7 +136,7 @@ def ablate(module, loss):
     if H <= 0 or not hasattr(getattr(module, "W_o", None), "weight"):
         raise TypeError("module must be an attention module with n_heads and "
                         "W_o.weight, got %r" % (type(module).__name__,))
-    w_o = module.W_o.weight
+    w_o = getattr(module, "W_o").weight  # checked above
     E = int(w_o.shape[1])
     Dk = E // H
     base = float(loss())
@@ -154,18 +172,26 @@ class HeadReport:
     text table, ``_repr_html_()`` an HTML table, ``plot()`` a Figure, and
     ``report.top(column)`` the head with the largest value of a column."""
 
-    def __init__(self, values, base_loss=None, shape=None):
+    values: dict[str, np.ndarray]
+    columns: list[str]
+    base_loss: float | None
+    shape: tuple[int, ...] | None
+    n_heads: int
+
+    def __init__(self, values: Mapping[str, ArrayLike], base_loss: float | None = None,
+                 shape: tuple[int, ...] | None = None) -> None:
         self.values = {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
         self.columns = [c for c in COLUMNS + ("loss_delta",) if c in self.values]
         self.base_loss = base_loss
         self.shape = shape
         self.n_heads = len(next(iter(self.values.values())))
 
-    def rows(self):
+    def rows(self) -> list[dict[str, float]]:
+        """One dict per head: "head" (its index, an int) and each column's value."""
         return [dict(head=h, **{c: float(self.values[c][h]) for c in self.columns})
                 for h in range(self.n_heads)]
 
-    def top(self, column):
+    def top(self, column: str) -> int | None:
         """The head with the largest value in column (NaN ignored)."""
         if column not in self.values:
             raise KeyError("no column %r; the columns are: %s"
@@ -175,7 +201,7 @@ class HeadReport:
             return None
         return int(np.nanargmax(v))
 
-    def roles(self, threshold=0.5):
+    def roles(self, threshold: float = 0.5) -> list[str]:
         """A short description per head: the positions (previous, same,
         first, mirror) that get more than threshold of its weight."""
         out = []
@@ -185,7 +211,7 @@ class HeadReport:
             out.append(", ".join(r) if r else "spread")
         return out
 
-    def _cells(self):
+    def _cells(self) -> tuple[list[str], list[list[str]]]:
         roles = self.roles()
         rows = []
         for h in range(self.n_heads):
@@ -193,7 +219,7 @@ class HeadReport:
                         + [roles[h]])
         return ["head"] + self.columns + ["looks at"], rows
 
-    def __str__(self):
+    def __str__(self) -> str:
         head, rows = self._cells()
         w = [max(len(r[c]) for r in rows + [head]) for c in range(len(head))]
         line = lambda r: "  ".join(  # noqa: E731
@@ -209,7 +235,7 @@ class HeadReport:
 
     __repr__ = __str__
 
-    def _repr_html_(self):
+    def _repr_html_(self) -> str:
         e = html.escape
         head, rows = self._cells()
         td = 'style="text-align:%s;padding:2px 8px;font-family:monospace"'
@@ -229,7 +255,7 @@ class HeadReport:
             parts.append("<p>loss with every head on: %.4f</p>" % self.base_loss)
         return "\n".join(parts)
 
-    def plot(self, figsize=None):
+    def plot(self, figsize: tuple[float, float] | None = None) -> Figure:
         """Bars per head for each column: a matplotlib Figure."""
         from .plot import _matplotlib
         _, Figure = _matplotlib()
@@ -254,7 +280,8 @@ class HeadReport:
         return fig
 
 
-def analyze(weights, module=None, loss=None):
+def analyze(weights: Trace | ArrayLike, module: _Heads | None = None,
+            loss: Callable[[], SupportsFloat] | None = None) -> HeadReport:
     """A :class:`HeadReport` of the weights (B, H, Sq, Sk) or (H, Sq, Sk);
     with ``module`` and ``loss`` (see :func:`ablate`) it adds the column
     ``loss_delta``."""
@@ -263,7 +290,7 @@ def analyze(weights, module=None, loss=None):
     base = None
     if (module is None) != (loss is None):
         raise ValueError("give both module and loss (to switch heads off), or neither")
-    if module is not None:
+    if module is not None and loss is not None:  # both or neither, as checked
         H = int(getattr(module, "n_heads", -1))
         if H != w.shape[1]:
             raise ValueError("the weights have %d heads but the module has %s"

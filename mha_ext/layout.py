@@ -22,14 +22,21 @@ query/key blocks: ceil(Sq / q_block), ceil(Sk / k_block).
 """
 from __future__ import annotations
 
+from typing import Union
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ._convert import as_array
+from ._types import Flag, Int
 
 __all__ = ["BlockLayout", "local_blocks", "strided", "global_local", "bigbird"]
 
+# an int > 0 (square blocks) or a pair (q_block, k_block) of them
+BlockSize = Union[Int, tuple[Int, Int], list[Int]]
 
-def _block_size(block_size):
+
+def _block_size(block_size: BlockSize) -> tuple[int, int]:
     """block_size checked: an int > 0, or a pair (q_block, k_block) of them."""
     pair = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
     if len(pair) != 2:
@@ -45,7 +52,7 @@ def _block_size(block_size):
     return out[0], out[1]
 
 
-def _blocks(n, b):
+def _blocks(n: int, b: int) -> int:
     return -(-n // b)
 
 
@@ -69,7 +76,10 @@ class BlockLayout:
 
     __slots__ = ("_keep", "q_block", "k_block")
 
-    def __init__(self, keep, block_size):
+    q_block: int
+    k_block: int
+
+    def __init__(self, keep: ArrayLike, block_size: BlockSize) -> None:
         k = as_array(keep, "keep")
         if k.dtype != np.bool_:
             raise TypeError(f"keep must be a bool array (True = the block is kept, computed), "
@@ -88,10 +98,12 @@ class BlockLayout:
 
     @property
     def block_size(self) -> tuple[int, int]:
+        """(q_block, k_block): queries and keys per block."""
         return self.q_block, self.k_block
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape of keep: (nqb, nkb), (H, nqb, nkb) or (B, H, nqb, nkb)."""
         return self._keep.shape
 
     @property
@@ -99,19 +111,20 @@ class BlockLayout:
         """The fraction of blocks kept (1.0 is dense)."""
         return float(self._keep.mean()) if self._keep.size else 0.0
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"BlockLayout(shape={self.shape}, block_size=({self.q_block}, {self.k_block}), "
                 f"density={self.density:.3f})")
 
-    def fitted(self, B, H, Sq, Sk) -> np.ndarray:
+    def fitted(self, B: int, H: int, Sq: int, Sk: int) -> np.ndarray:
         """keep as (1 or B, 1 or H, nqb, nkb) for a call of (B, H, Sq, Sk),
         or a ValueError saying what does not fit."""
         nqb, nkb = _blocks(Sq, self.q_block), _blocks(Sk, self.k_block)
         k = self._keep
         k4 = k.reshape((1,) * (4 - k.ndim) + k.shape)
         want = (B, H, nqb, nkb)
+        have: tuple[int, ...] = k4.shape
         bad = [f"its {n} axis is {d}, not {w}" for n, d, w, one in
-               zip(("batch", "heads", "query-block", "key-block"), k4.shape, want,
+               zip(("batch", "heads", "query-block", "key-block"), have, want,
                    (True, True, False, False)) if d != w and not (one and d == 1)]
         if bad:
             raise ValueError(
@@ -120,7 +133,7 @@ class BlockLayout:
                 f"blocks (ceil(S / block)), batch {B}, heads {H}; " + ", ".join(bad))
         return k4
 
-    def to_dense(self, Sq, Sk) -> np.ndarray:
+    def to_dense(self, Sq: Int, Sk: Int) -> np.ndarray:
         """The elementwise kept mask, (..., Sq, Sk) bool with the leading
         axes of keep: True = query i may see key j.  Its negation is the
         equivalent blocking mask (True = blocked) for attn_mask or torch."""
@@ -135,7 +148,7 @@ class BlockLayout:
         return self._keep[..., qi[:, None], kj[None, :]]
 
     @classmethod
-    def from_dense(cls, keep, block_size) -> "BlockLayout":
+    def from_dense(cls, keep: ArrayLike, block_size: BlockSize) -> BlockLayout:
         """The layout keeping every block with at least one True of the
         elementwise kept mask `keep` (..., Sq, Sk) (True = visible): exact
         (to_dense gives keep back) when keep is constant on each block."""
@@ -153,19 +166,21 @@ class BlockLayout:
 
 # ---------------------------------------------------------------- patterns
 
-def _grid(Sq, Sk, block_size):
+def _grid(Sq: Int, Sk: Int, block_size: BlockSize,
+          ) -> tuple[int, int, np.ndarray, np.ndarray]:
     qb, kb = _block_size(block_size)
     nqb, nkb = _blocks(_count(Sq, "Sq"), qb), _blocks(_count(Sk, "Sk"), kb)
     return qb, kb, np.arange(nqb)[:, None], np.arange(nkb)[None, :]
 
 
-def _count(x, name, low=0):
+def _count(x: object, name: str, low: int = 0) -> int:
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < low:
         raise ValueError(f"{name} must be an int >= {low}, got {x!r}")
     return int(x)
 
 
-def local_blocks(Sq, Sk, block_size, width=1, causal=False) -> BlockLayout:
+def local_blocks(Sq: Int, Sk: Int, block_size: BlockSize, width: Int = 1,
+                 causal: Flag = False) -> BlockLayout:
     """A band: query block qb keeps key blocks qb - width .. qb + width
     (causal: qb - width .. qb).  Block indices align top-left (qb against
     kb = qb); with square blocks and causal=True, combine it with is_causal
@@ -176,7 +191,8 @@ def local_blocks(Sq, Sk, block_size, width=1, causal=False) -> BlockLayout:
     return BlockLayout(keep, (qb, kb))
 
 
-def strided(Sq, Sk, block_size, stride, width=0, causal=False) -> BlockLayout:
+def strided(Sq: Int, Sk: Int, block_size: BlockSize, stride: Int, width: Int = 0,
+            causal: Flag = False) -> BlockLayout:
     """Sparse Transformer's strided pattern in blocks: the local band of
     `width` blocks (as local_blocks) plus every key block kb with
     kb % stride == stride - 1 (the "summary" columns every later query
@@ -192,7 +208,8 @@ def strided(Sq, Sk, block_size, stride, width=0, causal=False) -> BlockLayout:
     return BlockLayout(keep, (qb, kb))
 
 
-def global_local(Sq, Sk, block_size, global_blocks=1, width=1, causal=False) -> BlockLayout:
+def global_local(Sq: Int, Sk: Int, block_size: BlockSize, global_blocks: Int = 1,
+                 width: Int = 1, causal: Flag = False) -> BlockLayout:
     """Longformer: a band of `width` blocks plus global tokens: the first
     `global_blocks` key blocks are seen by every query and the first
     `global_blocks` query blocks see every key (causal: only keys of blocks
@@ -206,8 +223,9 @@ def global_local(Sq, Sk, block_size, global_blocks=1, width=1, causal=False) -> 
     return BlockLayout(keep, (qb, kb))
 
 
-def bigbird(Sq, Sk, block_size, global_blocks=1, width=1, random_blocks=2, seed=0,
-            causal=False, heads=None) -> BlockLayout:
+def bigbird(Sq: Int, Sk: Int, block_size: BlockSize, global_blocks: Int = 1,
+            width: Int = 1, random_blocks: Int = 2, seed: Int | None = 0,
+            causal: Flag = False, heads: Int | None = None) -> BlockLayout:
     """BigBird: global_local plus `random_blocks` random key blocks per
     query block (drawn with numpy's default_rng(seed); causal: among
     kb <= qb).  heads: None, one layout for every head; an int H, a
@@ -218,6 +236,7 @@ def bigbird(Sq, Sk, block_size, global_blocks=1, width=1, random_blocks=2, seed=
     rng = np.random.default_rng(seed)
     nqb, nkb = base.shape
     keep = np.repeat(base[None], nh, axis=0)
+    pick: np.ndarray | list[int]
     for h in range(nh):
         for i in range(nqb):
             pool = np.arange(min(nkb, i + 1) if causal else nkb)

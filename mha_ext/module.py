@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
@@ -34,13 +34,19 @@ from . import autograd as _autograd
 from . import trace as _trace
 from ._convert import as_array, as_real
 from ._params import IncompatibleKeys
+from ._types import Causal, Flag, Int, MaskedRows, Real, Window
+from .autograd import ForwardContext
 from .cache import KVCache
 from .layout import BlockLayout
+from .trace import Trace
+
+if TYPE_CHECKING:  # from_torch's argument; torch is imported only when used
+    from torch import nn
 
 __all__ = ["MultiHeadAttention", "Linear"]
 
 
-def _assign(target, value, name):
+def _assign(target: np.ndarray, value: ArrayLike, name: str) -> None:
     """`linear.weight = value` (and `linear.weight += 1`, which Python ends with
     that assignment) copies value into the module's memory, never rebinds."""
     if value is target:
@@ -51,7 +57,8 @@ def _assign(target, value, name):
     target[...] = arr
 
 
-def _rebuild(cls, d_model, n_heads, kwargs):
+def _rebuild(cls: type[MultiHeadAttention], d_model: int, n_heads: int,
+             kwargs: dict[str, Any]) -> MultiHeadAttention:
     """Unpickling: a fresh module (its own memory) for __setstate__ to fill."""
     return cls.__new__(cls, d_model, n_heads, **kwargs)
 
@@ -64,7 +71,7 @@ class Linear:
 
     __slots__ = ("_weight", "_bias")
 
-    def __init__(self, weight, bias):
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None) -> None:
         self._weight = weight
         self._bias = bias
 
@@ -74,21 +81,21 @@ class Linear:
         return self._weight
 
     @weight.setter
-    def weight(self, value):
+    def weight(self, value: ArrayLike) -> None:
         _assign(self._weight, value, "weight")
 
     @property
-    def bias(self):
+    def bias(self) -> np.ndarray | None:
         """(out_features,), live memory of the module; None when bias=False."""
         return self._bias
 
     @bias.setter
-    def bias(self, value):
+    def bias(self, value: ArrayLike) -> None:
         if self._bias is None:
             raise AttributeError("this module was built with bias=False: it has no bias")
         _assign(self._bias, value, "bias")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         out, inp = self._weight.shape
         return (f"Linear(in_features={inp}, out_features={out}, "
                 f"bias={self._bias is not None}, dtype={self._weight.dtype})")
@@ -135,17 +142,17 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     memory.
     """
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args: Any, **kwargs: Any) -> MultiHeadAttention:
         # torch's names -> a TypeError naming ours; the signature help() and
         # inspect show is __init__'s (set below the class)
         _habits.constructor_keywords(kwargs)
         return super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, *,
-                 bias: bool = True, kdim: int | None = None, vdim: int | None = None,
-                 dtype: DTypeLike = "float32", seed: int | None = None,
-                 add_bias_kv: bool = False, add_zero_attn: bool = False,
-                 n_kv_heads: int | None = None) -> None:
+    def __init__(self, d_model: Int, n_heads: Int, dropout: Real = 0.0, *,
+                 bias: Flag = True, kdim: Int | None = None, vdim: Int | None = None,
+                 dtype: DTypeLike = "float32", seed: Int | None = None,
+                 add_bias_kv: Flag = False, add_zero_attn: Flag = False,
+                 n_kv_heads: Int | None = None) -> None:
         """A new module: arguments as in the class docstring (the C base
         class's __new__ checks them and builds the parameters; this signature
         is here for help() and editors)."""
@@ -159,7 +166,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return _habits.batch_first(self)
 
     @batch_first.setter
-    def batch_first(self, value):
+    def batch_first(self, value: Flag) -> None:
         _habits.set_batch_first(self, value)
 
     @property
@@ -170,11 +177,11 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return _habits.mask_polarity(self)
 
     @mask_polarity.setter
-    def mask_polarity(self, value):
+    def mask_polarity(self, value: Literal["block", "keep"]) -> None:
         _habits.set_mask_polarity(self, value)
 
     # ------------------------------------------------------------ parameters
-    def _linear(self, i):
+    def _linear(self, i: int) -> Linear:
         return Linear(_params.tensor(self, i), _params.tensor(self, i + 1))
 
     @property
@@ -205,7 +212,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return _params.tensor(self, 8)
 
     @bias_k.setter
-    def bias_k(self, value):
+    def bias_k(self, value: ArrayLike) -> None:
         if self.bias_k is None:
             raise AttributeError("this module was built without add_bias_kv: it has no bias_k")
         _assign(self.bias_k, value, "bias_k")
@@ -216,7 +223,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return _params.tensor(self, 9)
 
     @bias_v.setter
-    def bias_v(self, value):
+    def bias_v(self, value: ArrayLike) -> None:
         if self.bias_v is None:
             raise AttributeError("this module was built without add_bias_kv: it has no bias_v")
         _assign(self.bias_v, value, "bias_v")
@@ -228,7 +235,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return _params.state_dict(self)
 
     def load_state_dict(self, state_dict: Mapping[str, ArrayLike],
-                        strict: bool = True) -> IncompatibleKeys:
+                        strict: Flag = True) -> IncompatibleKeys:
         """Load parameters from a dict like state_dict()'s, or from
         torch.nn.MultiheadAttention's state_dict() (NumPy arrays, torch
         tensors or nested lists as values).
@@ -251,9 +258,9 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return incompatible
 
     @classmethod
-    def from_torch(cls, module, *, dtype: DTypeLike | None = None,
-                   seed: int | None = None, names: Mapping[str, str] | None = None,
-                   n_heads: int | None = None,
+    def from_torch(cls, module: nn.Module, *, dtype: DTypeLike | None = None,
+                   seed: Int | None = None, names: Mapping[str, str] | None = None,
+                   n_heads: Int | None = None,
                    mask_polarity: Literal["block", "keep"] | None = None,
                    ) -> "MultiHeadAttention":
         """A copy of a torch module: torch.nn.MultiheadAttention, or a
@@ -284,7 +291,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return _interop.from_torch(cls, module, dtype, seed, names, n_heads, mask_polarity)
 
     # ------------------------------------------------------------ copies
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         # the C type's __new__ needs d_model and n_heads: rebuild through it,
         # then restore parameters, dropout, mode and the dropout stream
         kwargs = dict(bias=self.bias, kdim=self.kdim, vdim=self.vdim,
@@ -297,7 +304,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                  "dict": dict(self.__dict__)}
         return (_rebuild, (type(self), self.d_model, self.n_heads, kwargs), state)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.load_state_dict(state["params"])
         self.dropout = state["dropout"]
         self.training = state["training"]
@@ -305,7 +312,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         self.__dict__.update(state["dict"])
 
     @contextlib.contextmanager
-    def editing(self):
+    def editing(self) -> Iterator[MultiHeadAttention]:
         """``with mha.editing(): mha.W_q.weight[...] = w`` -- in-place writes
         into the parameter views made inside the block are atomic for calls
         from other threads: those wait, and then see all the new values (the
@@ -324,18 +331,18 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             self._write_unlock(token)
 
     # ------------------------------------------------------------ modes
-    def train(self, mode: bool = True) -> "MultiHeadAttention":
+    def train(self, mode: Flag = True) -> MultiHeadAttention:
         """Training mode (dropout active) when mode is True; returns self."""
         if not isinstance(mode, (bool, np.bool_)):
             raise ValueError(f"train(mode): the training mode must be a bool, got {mode!r}")
         self.training = bool(mode)
         return self
 
-    def eval(self) -> "MultiHeadAttention":
+    def eval(self) -> MultiHeadAttention:
         """Evaluation mode (no dropout); returns self."""
         return self.train(False)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         s = (f"{type(self).__name__}(d_model={self.d_model}, n_heads={self.n_heads}, "
              f"dropout={self.dropout!r}")
         if not self.bias:
@@ -355,7 +362,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return s + ")"
 
     # ------------------------------------------------------------ caches
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def new_cache(self, batch_size: Int, max_len: Int) -> KVCache:
         """An empty key/value cache for incremental decoding: up to max_len
         keys of a batch of batch_size, in this module's dtype (memory:
         2 * batch_size * n_kv_heads * d_k * max_len scalars).  Pass it as
@@ -383,14 +390,12 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     def forward(self, query: ArrayLike, key: ArrayLike | None = None,
                 value: ArrayLike | None = None, mask: ArrayLike | None = None, *,
                 attn_mask: ArrayLike | None = None, key_padding_mask: ArrayLike | None = None,
-                is_causal: bool | Literal["lower_right"] = False, need_weights: bool = True,
-                average_weights: bool = False,
-                masked_rows: Literal["nan", "zero"] = "nan", scale: float | None = None,
-                window: tuple[int | None, int | None] | None = None,
-                head_mask: ArrayLike | None = None,
-                layout: BlockLayout | None = None,
+                is_causal: Causal = False, need_weights: Flag = True,
+                average_weights: Flag = False, masked_rows: MaskedRows = "nan",
+                scale: Real | None = None, window: Window = None,
+                head_mask: ArrayLike | None = None, layout: BlockLayout | None = None,
                 cache: KVCache | None = None,
-                **unknown,
+                **unknown: NoReturn,  # none taken: checkers flag a misspelt keyword
                 ) -> tuple[np.ndarray, np.ndarray | None]:
         """Attention of query over key and value; returns (output, weights).
 
@@ -474,21 +479,38 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     __call__ = forward
 
     # ------------------------------------------------------------ training
-    def forward_train(self, query, key=None, value=None, mask=None, **kwargs):
+    def forward_train(self, query: ArrayLike, key: ArrayLike | None = None,
+                      value: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                      attn_mask: ArrayLike | None = None,
+                      key_padding_mask: ArrayLike | None = None, is_causal: Causal = False,
+                      need_weights: Flag = True, average_weights: Flag = False,
+                      masked_rows: MaskedRows = "nan",
+                      params: Mapping[str, ArrayLike] | ArrayLike | None = None,
+                      dropout: Real | None = None, dropout_counter: Int | None = None,
+                      save_projections: Flag = True, scale: Real | None = None,
+                      window: Window = None, head_mask: ArrayLike | None = None,
+                      layout: BlockLayout | None = None,
+                      **unknown: NoReturn) -> ForwardContext:
         """The call, for training: returns a ForwardContext (mha_ext.autograd)
         with .output, .weights and everything backward() needs (a copy of the
         parameters, the inputs, the masks, the dropout stream).  Keywords as
-        for the call, plus params=, dropout= and dropout_counter= (see
-        mha_ext.autograd.forward_train).  Batch-first, block-polarity
-        modules only (ValueError otherwise)."""
+        for the call (no cache), plus params=, dropout=, dropout_counter= and
+        save_projections= (see mha_ext.autograd.forward_train).  Batch-first,
+        block-polarity modules only (ValueError otherwise)."""
         _habits.plain_layout_only(self, "forward_train")
-        _habits.call_keywords({k: v for k, v in kwargs.items() if k in _habits.TORCH_NAMES
-                               or k == "batch_first"}, "forward_train")
-        return _autograd.forward_train(self, query, key, value, mask, **kwargs)
+        if unknown:
+            _habits.call_keywords(unknown, "forward_train")
+        return _autograd.forward_train(
+            self, query, key, value, mask, attn_mask=attn_mask,
+            key_padding_mask=key_padding_mask, is_causal=is_causal, need_weights=need_weights,
+            average_weights=average_weights, masked_rows=masked_rows, params=params,
+            dropout=dropout, dropout_counter=dropout_counter,
+            save_projections=save_projections, scale=scale, window=window,
+            head_mask=head_mask, layout=layout)
 
-    def backward(self, ctx, grad_output: ArrayLike,
+    def backward(self, ctx: ForwardContext, grad_output: ArrayLike,
                  grad_weights: ArrayLike | None = None, *,
-                 head_mask_grad: bool = False) -> dict[str, np.ndarray]:
+                 head_mask_grad: Flag = False) -> dict[str, np.ndarray]:
         """Gradients of the forward_train call that made ctx, from dL/d output
         (and optionally dL/d weights): a dict keyed like state_dict() plus
         'query', 'key' and 'value', and 'head_mask' with head_mask_grad=True
@@ -497,13 +519,24 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                                   head_mask_grad=head_mask_grad)
 
     def trace(self, query: ArrayLike, key: ArrayLike | None = None,
-              value: ArrayLike | None = None, mask: ArrayLike | None = None, **kwargs):
+              value: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+              attn_mask: ArrayLike | None = None, key_padding_mask: ArrayLike | None = None,
+              is_causal: Causal = False, need_weights: Flag = True,
+              average_weights: Flag = False, masked_rows: MaskedRows = "nan",
+              scale: Real | None = None, window: Window = None,
+              head_mask: ArrayLike | None = None, layout: BlockLayout | None = None,
+              cache: KVCache | None = None, **unknown: NoReturn) -> Trace:
         """The computation step by step (see mha_ext.Trace): each step's
         name, formula, shape and array.  print() it for the shape flow.
-        With cache= (a KVCache) it traces that cached call, which extends
-        the cache as the call does: "K cache" / "V cache" steps show it grow.
-        Batch-first, block-polarity modules only (ValueError otherwise)."""
-        return _trace.trace(self, query, key, value, mask, **kwargs)
+        Keywords as for the call.  With cache= (a KVCache) it traces that
+        cached call, which extends the cache as the call does: "K cache" /
+        "V cache" steps show it grow.  Batch-first, block-polarity modules
+        only (ValueError otherwise)."""
+        return _trace.trace(self, query, key, value, mask, attn_mask=attn_mask,
+                            key_padding_mask=key_padding_mask, is_causal=is_causal,
+                            need_weights=need_weights, average_weights=average_weights,
+                            masked_rows=masked_rows, scale=scale, window=window,
+                            head_mask=head_mask, layout=layout, cache=cache, **unknown)
 
 
 # help(), inspect.signature() and editors show the constructor's arguments,

@@ -7,13 +7,24 @@ imported only when :func:`plot_heads` is called, and the figure is built
 with ``matplotlib.figure.Figure`` directly (no pyplot, no GUI backend), so it
 works headless and never opens a window.
 """
+from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _teach
+from ._types import Int
+from .layout import BlockLayout
+
+if TYPE_CHECKING:  # matplotlib is optional: imported when plot_heads runs
+    from matplotlib.figure import Figure
+
+    from .trace import Trace
 
 __all__ = ["plot_heads"]
 
@@ -30,13 +41,17 @@ def _matplotlib():
     return matplotlib, Figure
 
 
-def _blocked(weights, blocked, shape):
+def _blocked(weights: object, blocked: object,
+             shape: tuple[int, ...]) -> np.ndarray | None:
     # True where a mask blocked the cell: given, or a Trace's -inf scores (for
     # weights averaged over heads: the cells blocked in every head)
-    if blocked is None and _teach.is_trace(weights) and "masked scores" in weights:
-        m = np.isneginf(np.asarray(weights["masked scores"].array))
+    if blocked is None and _teach.is_trace(weights):
+        tr = cast("Trace", weights)
+        if "masked scores" not in tr:
+            return None
+        m = np.asarray(np.isneginf(np.asarray(tr["masked scores"].array)))
         if m.shape != shape and m.ndim >= 3:
-            m = m.all(axis=-3, keepdims=True)
+            m = np.asarray(m.all(axis=-3, keepdims=True))
         return m if m.shape == shape else None
     return _teach.blocked_cells(blocked, shape)
 
@@ -46,9 +61,14 @@ def _ticks(n):
     return range(0, n, max(1, math.ceil(n / 24)))
 
 
-def plot_heads(weights, batch=0, tokens=None, *, query_tokens=None,
-               key_tokens=None, cmap="viridis", ncols=None, figsize=None,
-               title=None, vmin=None, vmax=None, scale="shared", blocked=None):
+def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
+               tokens: Iterable[object] | None = None, *,
+               query_tokens: Iterable[object] | None = None,
+               key_tokens: Iterable[object] | None = None, cmap: str = "viridis",
+               ncols: Int | None = None, figsize: tuple[float, float] | None = None,
+               title: str | None = None, vmin: float | None = None, vmax: float | None = None,
+               scale: Literal["shared", "row"] = "shared",
+               blocked: ArrayLike | BlockLayout | None = None) -> Figure:
     """Draw one heatmap per head and return the matplotlib ``Figure``.
 
     weights       attention weights (B, H, Sq, Sk), as returned by a call, or

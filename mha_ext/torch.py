@@ -29,8 +29,11 @@ torch.  Inside it ``import torch`` is the real torch (absolute imports).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, NoReturn
+
 import numpy as np
 import torch
+from numpy.typing import ArrayLike, DTypeLike
 from torch import nn
 
 from . import _habits
@@ -39,7 +42,11 @@ from ._params import LINEARS
 from ._torch_fn import AttentionFunction as _AttentionFunction
 from ._swap import swapped
 from ._torch_mha import MultiheadAttention
+from ._types import Causal, Flag, Int, MaskedRows, Real, Window
 from .module import MultiHeadAttention as _Core
+
+if TYPE_CHECKING:
+    from .layout import BlockLayout
 
 __all__ = ["MultiHeadAttention", "MultiheadAttention", "swapped"]
 
@@ -76,9 +83,12 @@ class MultiHeadAttention(nn.Module):
     value and every parameter.
     """
 
-    def __init__(self, d_model, n_heads, dropout=0.0, *, bias=True, kdim=None, vdim=None,
-                 dtype=torch.float32, seed=None, n_kv_heads=None):
+    def __init__(self, d_model: Int, n_heads: Int, dropout: Real = 0.0, *, bias: Flag = True,
+                 kdim: Int | None = None, vdim: Int | None = None,
+                 dtype: torch.dtype | DTypeLike = torch.float32, seed: Int | None = None,
+                 n_kv_heads: Int | None = None) -> None:
         super().__init__()
+        np_dtype: DTypeLike
         if isinstance(dtype, torch.dtype):
             if dtype not in _DTYPES:
                 raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -102,11 +112,30 @@ class MultiHeadAttention(nn.Module):
             setattr(self, name, lin)
 
     # the configuration, read from the core
-    d_model = property(lambda self: self._core.d_model)
-    n_heads = property(lambda self: self._core.n_heads)
-    n_kv_heads = property(lambda self: self._core.n_kv_heads)
-    kdim = property(lambda self: self._core.kdim)
-    vdim = property(lambda self: self._core.vdim)
+    @property
+    def d_model(self) -> int:
+        """The model width E (the query's last axis and the output's)."""
+        return self._core.d_model
+
+    @property
+    def n_heads(self) -> int:
+        """The number of query heads H (d_k = d_model // n_heads each)."""
+        return self._core.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        """The number of key/value heads (n_heads unless grouped-query attention)."""
+        return self._core.n_kv_heads
+
+    @property
+    def kdim(self) -> int:
+        """The width of the key input (d_model unless given)."""
+        return self._core.kdim
+
+    @property
+    def vdim(self) -> int:
+        """The width of the value input (d_model unless given)."""
+        return self._core.vdim
 
     @property
     def dropout(self) -> float:
@@ -114,10 +143,12 @@ class MultiHeadAttention(nn.Module):
         return self._core.dropout
 
     @dropout.setter
-    def dropout(self, p):
+    def dropout(self, p: Real) -> None:
         self._core.dropout = p
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
+        """The configuration in print(module): d_model, n_heads, dropout and
+        kdim, vdim, n_kv_heads where they differ from the defaults."""
         c = self._core
         s = f"d_model={c.d_model}, n_heads={c.n_heads}, dropout={c.dropout!r}"
         if c.kdim != c.d_model:
@@ -151,10 +182,23 @@ class MultiHeadAttention(nn.Module):
             self._core = core = new
         return core
 
-    def forward(self, query, key=None, value=None, mask=None, *, attn_mask=None,
-                key_padding_mask=None, is_causal=False, need_weights=True,
-                average_weights=False, masked_rows="nan", scale=None, window=None,
-                head_mask=None, layout=None, **unknown):
+    def forward(self, query: torch.Tensor | ArrayLike, key: torch.Tensor | ArrayLike | None = None,
+                value: torch.Tensor | ArrayLike | None = None,
+                mask: torch.Tensor | ArrayLike | None = None, *,
+                attn_mask: torch.Tensor | ArrayLike | None = None,
+                key_padding_mask: torch.Tensor | ArrayLike | None = None,
+                is_causal: Causal = False, need_weights: Flag = True,
+                average_weights: Flag = False, masked_rows: MaskedRows = "nan",
+                scale: Real | None = None, window: Window = None,
+                head_mask: torch.Tensor | ArrayLike | None = None,
+                layout: BlockLayout | None = None,
+                **unknown: NoReturn,  # none taken: checkers flag a misspelt keyword
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of query over key and value: (output, weights), as
+        mha_ext.MultiHeadAttention's call (see the class docstring), on
+        (B, S, E) or (S, E) CPU tensors (arrays are converted), differentiable
+        through mha_ext's C backward.  key defaults to query, value to key;
+        weights is None with need_weights=False."""
         if unknown:  # torch's names (average_attn_weights, ...) named with ours
             _habits.call_keywords(unknown, "forward")
         params = self._params()

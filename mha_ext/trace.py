@@ -26,23 +26,32 @@ module's dtype and agree with the module to float rounding.
 
 This module is plain Python and NumPy; it imports nothing optional.
 """
+from __future__ import annotations
 
-from collections import namedtuple
 import html
 import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, SupportsIndex
 
 import numpy as np
+from numpy.typing import ArrayLike
 
-from . import _core, _habits
+from . import _habits
+from ._core import MultiHeadAttention as _CoreModule
 from ._calls import score_scale, sliding_window
 from .cache import KVCache
 from ._masks import block_layout
 from ._convert import flag, to_numpy
+from ._types import Causal, Flag, MaskedRows, Real, Window
+
+if TYPE_CHECKING:
+    from .layout import BlockLayout
+    from .module import MultiHeadAttention
 
 __all__ = ["Step", "Trace", "trace"]
 
 
-class Step(namedtuple("Step", ["name", "formula", "shape", "array", "dims"])):
+class Step(NamedTuple):
     """One step of a :class:`Trace`.
 
     ``name``     short name, unique within the trace ("Q projection", ...)
@@ -52,9 +61,13 @@ class Step(namedtuple("Step", ["name", "formula", "shape", "array", "dims"])):
     ``dims``     the symbolic shape, a tuple of legend names ("B", "H", ...)
     """
 
-    __slots__ = ()
+    name: str
+    formula: str
+    shape: tuple[int, ...]
+    array: np.ndarray
+    dims: tuple[str, ...]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "Step(name=%r, formula=%r, shape=%s, dims=%s)" % (
             self.name, self.formula, _fmt_shape(self.shape),
             _fmt_dims(self.dims))
@@ -65,11 +78,11 @@ _LONG = {"B": "batch", "Sq": "seq_q", "Sk": "seq_k", "E": "d_model",
          "H": "n_heads", "Dk": "d_k", "Ek": "kdim", "Ev": "vdim", "Sn": "new_keys"}
 
 
-def _fmt_shape(shape):
+def _fmt_shape(shape: Iterable[int]) -> str:
     return "[" + ", ".join(str(int(n)) for n in shape) + "]"
 
 
-def _fmt_dims(dims):
+def _fmt_dims(dims: Iterable[str]) -> str:
     return "[" + ", ".join(dims) + "]"
 
 
@@ -93,7 +106,9 @@ class Trace:
       interactive explorer (mha_ext.explorer).
     """
 
-    def __init__(self, steps, output, weights, sizes, info, unbatched=False):
+    def __init__(self, steps: Iterable[Step], output: np.ndarray, weights: np.ndarray | None,
+                 sizes: Mapping[str, int], info: Mapping[str, Any],
+                 unbatched: bool = False) -> None:
         self.steps = list(steps)
         self.output = output
         self.weights = weights
@@ -102,21 +117,21 @@ class Trace:
         self.unbatched = bool(unbatched)
 
     # -- container protocol ----------------------------------------------
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.steps)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Step]:
         return iter(self.steps)
 
-    def __contains__(self, name):
+    def __contains__(self, name: object) -> bool:
         return any(s.name == name for s in self.steps)
 
     @property
-    def names(self):
+    def names(self) -> list[str]:
         """The step names, in order."""
         return [s.name for s in self.steps]
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: str | SupportsIndex) -> Step:
         if isinstance(key, str):
             for s in self.steps:
                 if s.name == key:
@@ -126,7 +141,7 @@ class Trace:
         return self.steps[key]
 
     # -- display -----------------------------------------------------------
-    def _header(self):
+    def _header(self) -> tuple[str, str]:
         z = self.sizes
         parts = ["%s=%d" % (k, z[k]) for k in ("B", "Sq", "Sk", "L", "E", "H", "Hkv", "Dk")
                  if k in z]
@@ -141,12 +156,12 @@ class Trace:
             i.get("dtype", "?"), mode, ", unbatched" if self.unbatched else "")
         return title, ", ".join(parts)
 
-    def _first_shape(self, step):
+    def _first_shape(self, step: Step) -> str:
         # "[batch=2, seq_q=10, d_model=512]" for the input rows
         return "[" + ", ".join("%s=%d" % (_LONG.get(d, d), n)
                                for d, n in zip(step.dims, step.shape)) + "]"
 
-    def _rows(self):
+    def _rows(self) -> list[tuple[str, str, str, str]]:
         rows = []
         for s in self.steps:
             if s.name in ("query", "key", "value"):
@@ -156,10 +171,10 @@ class Trace:
             rows.append((s.name, s.formula, _fmt_dims(s.dims), shape))
         return rows
 
-    def shape_flow(self):
+    def shape_flow(self) -> str:
         """The symbolic shapes of the query path, joined by arrows:
         ``[B, Sq, E] → [B, H, Sq, Dk] → [B, H, Sq, Sk] → …``."""
-        flow = []
+        flow: list[str] = []
         for s in self.steps:
             if s.name.startswith(("K ", "V ", "K/V", "key", "value")):
                 continue
@@ -168,13 +183,13 @@ class Trace:
                 flow.append(d)
         return " → ".join(flow)
 
-    def __str__(self):
+    def __str__(self) -> str:
         title, sizes = self._header()
         head = ("step", "formula", "dims", "shape")
         rows = self._rows()
         w = [max(len(r[c]) for r in rows + [head]) for c in range(3)]
 
-        def line(r):
+        def line(r: tuple[str, str, str, str]) -> str:
             return "  ".join(r[c].ljust(w[c]) for c in range(3)) + "  " + r[3]
 
         out = [title, sizes, "", line(head),
@@ -183,13 +198,13 @@ class Trace:
         out += ["", "shape flow: " + self.shape_flow()]
         return "\n".join(out)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return self.__str__()
 
-    def _repr_html_(self):
+    def _repr_html_(self) -> str:
         return self.to_html()
 
-    def to_html(self, values=True, full_page=False):
+    def to_html(self, values: bool = True, full_page: bool = False) -> str:
         """The trace as an HTML table with its own CSS (left-aligned, one
         shape notation: the dims column is symbolic, the shape column
         numeric), each step's formula, and with ``values`` a collapsed
@@ -222,7 +237,7 @@ class Trace:
                 'style-src \'unsafe-inline\'">'
                 "<title>%s</title></head><body>\n%s\n</body></html>" % (e(title), body))
 
-    def save_html(self, path, values=True):
+    def save_html(self, path: str | os.PathLike[str], values: bool = True) -> str:
         """Write the trace as a standalone HTML page; returns path."""
         path = os.fspath(path)
         with open(path, "w", encoding="utf-8") as f:
@@ -300,12 +315,19 @@ def _softmax(s, zero_rows):
     return a.astype(s.dtype, copy=False)
 
 
-def trace(module, query, key=None, value=None, mask=None, **kwargs):
-    """Run ``module(query, key, value, mask, **kwargs)`` step by step.
+def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = None,
+          value: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+          attn_mask: ArrayLike | None = None, key_padding_mask: ArrayLike | None = None,
+          is_causal: Causal = False, need_weights: Flag = True, average_weights: Flag = False,
+          masked_rows: MaskedRows = "nan", scale: Real | None = None, window: Window = None,
+          head_mask: ArrayLike | None = None, layout: BlockLayout | None = None,
+          cache: KVCache | None = None, **unknown: NoReturn) -> Trace:
+    """Run ``module(query, key, value, mask, **keywords)`` step by step.
 
     Takes exactly the arguments of a call (``attn_mask``,
     ``key_padding_mask``, ``is_causal``, ``window``, ``need_weights``,
-    ``average_weights``, ``masked_rows``) and returns a :class:`Trace`.
+    ``average_weights``, ``masked_rows``, ``scale``, ``head_mask``,
+    ``layout``, ``cache``) and returns a :class:`Trace`.
     A sliding ``window`` is shown in the "masked scores" step as the keys
     it blocks (the trace builds the (Sq, Sk) picture; the call does not);
     a ``head_mask`` as a "head mask" step after the softmax (with dropout
@@ -333,11 +355,16 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
     Unbatched inputs (query (Sq, E)) are traced with the batch dimension
     dropped from every step.
     """
-    if not isinstance(module, _core.MultiHeadAttention):
+    if not isinstance(module, _CoreModule):
         raise TypeError("trace takes a mha_ext.MultiHeadAttention, got %s (for a torch "
                         "module: mha_ext.MultiHeadAttention.from_torch(module))"
                         % type(module).__name__)
     _habits.plain_layout_only(module, "trace")
+    # as the call takes them (unknown: the call's own TypeError)
+    kwargs: dict[str, Any] = dict(
+        attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+        need_weights=need_weights, average_weights=average_weights, masked_rows=masked_rows,
+        scale=scale, window=window, head_mask=head_mask, layout=layout, cache=cache, **unknown)
     # the steps below are the plain computation: refuse what they do not show
     if getattr(module, "add_bias_kv", False) or getattr(module, "add_zero_attn", False):
         raise NotImplementedError("trace() does not show add_bias_kv's or add_zero_attn's "
@@ -361,7 +388,7 @@ def trace(module, query, key=None, value=None, mask=None, **kwargs):
         dropped = weights
         if not need_weights:
             weights = None
-        elif average:
+        elif average and dropped is not None:  # not None: need_weights=True above
             weights = dropped.mean(axis=-3)
 
     # The call has validated everything; now redo it in NumPy.

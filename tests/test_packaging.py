@@ -25,6 +25,8 @@ MUST_SHIP = ["LICENSE", "README.md", "pyproject.toml", "setup.py", "docs/API.md"
              "mha_ext/_core.pyi", "mha_ext/py.typed", "examples/tour.ipynb",
              "examples/train_copy.py", "tests/valgrind.supp", "tests/fuzz/run.sh",
              "tests/c/test_core.c", "tests/typing/user_script.py",
+             "tests/typing/user_script_torch.py", "tests/typing/user_script_plot.py",
+             "tests/typing/misuse.py", "tests/typing/stubtest_allowlist.txt",
              "benchmarks/fma_probe.c", "benchmarks/bench.py", "benchmarks/RESULTS.md"]
 
 

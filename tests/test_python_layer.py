@@ -30,11 +30,25 @@ def _not_numpys_message(exc):
 
 # ---------------------------------------------------------------- structure
 
+def _run_time_nodes(tree):
+    """ast.walk without the bodies of ``if TYPE_CHECKING:``: the checkers'
+    imports (annotations only) may point back up; what runs may not."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
 def _imports(path):
-    """The mha_ext modules `path` imports, at module level or in functions."""
+    """The mha_ext modules `path` imports when it runs, at module level or in
+    functions (not the checkers' ``if TYPE_CHECKING:`` imports)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     out = set()
-    for node in ast.walk(tree):
+    for node in _run_time_nodes(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level == 1:
                 if node.module:
