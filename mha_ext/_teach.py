@@ -27,7 +27,8 @@ def weights_of(source: Any) -> tuple[np.ndarray, bool]:
     if is_trace(source):
         if source.weights is None:
             raise ValueError("this trace has no weights (need_weights=False)")
-        averaged = np.ndim(source.weights) < np.ndim(source["masked scores"].array)
+        averaged = ("masked scores" in source and
+                    np.ndim(source.weights) < np.ndim(source["masked scores"].array))
         source = source.weights
     w = as_array(source, "weights")
     if w.dtype.kind not in "biuf":
