@@ -512,10 +512,10 @@ static PyMethodDef module_methods[] = {
      "fma512_per_cycle (512-bit FMAs a core starts per cycle: 1, 2, or 0 without AVX-512)\n"
      "and fma_ratio (time of 256-bit / time of 512-bit FMAs, measured: about 0.5 with one\n"
      "512-bit unit, 1 with two; above 0.75 counts as two), gemm_kc and gemm_nc (the\n"
-     "packed GEMM's block of B per dtype: KC x NC scalars in half the L2), tn_pack (per dtype, 1 when the weight\n"
-     "gradients' transposed-A products pack A, 0 when they read it in place: measured at\n"
-     "first use on AVX-512, MHA_EXT_TN_PACK=0/1 overrides) and threads.  The probes take\n"
-     "a few ms."},
+     "packed GEMM's block of B per dtype: KC x NC scalars in half the L2), tn_pack (per\n"
+     "dtype, 1 when the weight gradients' transposed-A products pack A, 0 when they read\n"
+     "it in place: measured at first use on AVX-512, MHA_EXT_TN_PACK=0/1 overrides) and\n"
+     "threads.  The probes take a few ms."},
     {"release_memory", release_memory, METH_NOARGS,
      "release_memory()\n--\n\n"
      "Return the memory mha_ext keeps for reuse to the system: the cached blocks of freed\n"
