@@ -26,12 +26,12 @@ Legend: B batch, Sq query length, Sk key length, E = d_model, H = n_heads.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _calls, _params
+from . import _calls, _habits, _params
 from ._convert import contiguous, counter as _counter, flag, probability
 from ._types import Causal, Flag, Int, MaskedRows, Real, Window
 
@@ -103,7 +103,8 @@ def forward_train(mha: MultiHeadAttention, query: ArrayLike, key: ArrayLike | No
                   dropout: Real | None = None, dropout_counter: Int | None = None,
                   save_projections: Flag = True, scale: Real | None = None,
                   window: Window = None, head_mask: ArrayLike | None = None,
-                  layout: BlockLayout | None = None) -> ForwardContext:
+                  layout: BlockLayout | None = None,
+                  **unknown: NoReturn) -> ForwardContext:
     """The forward pass of ``mha`` (a MultiHeadAttention), returning a
     :class:`ForwardContext` with ``.output`` and ``.weights`` (what the call
     returns) and what :func:`backward` needs.
@@ -121,7 +122,14 @@ def forward_train(mha: MultiHeadAttention, query: ArrayLike, key: ArrayLike | No
         of the output cache's limit (``mha_ext.memory_info()``), so that the
         backward need not recompute them (default); False keeps only the
         inputs and the backward recomputes.
+
+    ``mha.forward_train(...)`` is this function.  A batch-first,
+    block-polarity module only (ValueError otherwise: the steps read the
+    inputs as (B, S, E) and 1 as blocked); another keyword is a TypeError.
     """
+    _habits.plain_layout_only(mha, "forward_train")
+    if unknown:
+        _habits.call_keywords(unknown, "forward_train")
     # no copies here: the C forward copies the inputs as its projections read them
     call = _calls.prepare(mha, query, key, value, mask, attn_mask, key_padding_mask,
                           is_causal, need_weights, average_weights, masked_rows,

@@ -31,14 +31,13 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from . import _calls, _core, _habits, _interop, _params
 from . import autograd as _autograd
-from . import trace as _trace
+from .trace import trace as _trace
 from ._convert import as_array, as_real
 from ._params import IncompatibleKeys
 from ._types import Causal, Flag, Int, MaskedRows, Real, Window
 from .autograd import ForwardContext
 from .cache import KVCache
 from .layout import BlockLayout
-from .trace import Trace
 
 if TYPE_CHECKING:  # from_torch's argument; torch is imported only when used
     from torch import nn
@@ -479,34 +478,10 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     __call__ = forward
 
     # ------------------------------------------------------------ training
-    def forward_train(self, query: ArrayLike, key: ArrayLike | None = None,
-                      value: ArrayLike | None = None, mask: ArrayLike | None = None, *,
-                      attn_mask: ArrayLike | None = None,
-                      key_padding_mask: ArrayLike | None = None, is_causal: Causal = False,
-                      need_weights: Flag = True, average_weights: Flag = False,
-                      masked_rows: MaskedRows = "nan",
-                      params: Mapping[str, ArrayLike] | ArrayLike | None = None,
-                      dropout: Real | None = None, dropout_counter: Int | None = None,
-                      save_projections: Flag = True, scale: Real | None = None,
-                      window: Window = None, head_mask: ArrayLike | None = None,
-                      layout: BlockLayout | None = None,
-                      **unknown: NoReturn) -> ForwardContext:
-        """The call, for training: returns a ForwardContext (mha_ext.autograd)
-        with .output, .weights and everything backward() needs (a copy of the
-        parameters, the inputs, the masks, the dropout stream).  Keywords as
-        for the call (no cache), plus params=, dropout=, dropout_counter= and
-        save_projections= (see mha_ext.autograd.forward_train).  Batch-first,
-        block-polarity modules only (ValueError otherwise)."""
-        _habits.plain_layout_only(self, "forward_train")
-        if unknown:
-            _habits.call_keywords(unknown, "forward_train")
-        return _autograd.forward_train(
-            self, query, key, value, mask, attn_mask=attn_mask,
-            key_padding_mask=key_padding_mask, is_causal=is_causal, need_weights=need_weights,
-            average_weights=average_weights, masked_rows=masked_rows, params=params,
-            dropout=dropout, dropout_counter=dropout_counter,
-            save_projections=save_projections, scale=scale, window=window,
-            head_mask=head_mask, layout=layout)
+    # the functions themselves (their first argument is the module): one
+    # signature each, and the checks of a seq-first or keep-polarity module
+    # made there, however they are called
+    forward_train = _autograd.forward_train
 
     def backward(self, ctx: ForwardContext, grad_output: ArrayLike,
                  grad_weights: ArrayLike | None = None, *,
@@ -518,25 +493,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         return _autograd.backward(self, ctx, grad_output, grad_weights,
                                   head_mask_grad=head_mask_grad)
 
-    def trace(self, query: ArrayLike, key: ArrayLike | None = None,
-              value: ArrayLike | None = None, mask: ArrayLike | None = None, *,
-              attn_mask: ArrayLike | None = None, key_padding_mask: ArrayLike | None = None,
-              is_causal: Causal = False, need_weights: Flag = True,
-              average_weights: Flag = False, masked_rows: MaskedRows = "nan",
-              scale: Real | None = None, window: Window = None,
-              head_mask: ArrayLike | None = None, layout: BlockLayout | None = None,
-              cache: KVCache | None = None, **unknown: NoReturn) -> Trace:
-        """The computation step by step (see mha_ext.Trace): each step's
-        name, formula, shape and array.  print() it for the shape flow.
-        Keywords as for the call.  With cache= (a KVCache) it traces that
-        cached call, which extends the cache as the call does: "K cache" /
-        "V cache" steps show it grow.  Batch-first, block-polarity modules
-        only (ValueError otherwise)."""
-        return _trace.trace(self, query, key, value, mask, attn_mask=attn_mask,
-                            key_padding_mask=key_padding_mask, is_causal=is_causal,
-                            need_weights=need_weights, average_weights=average_weights,
-                            masked_rows=masked_rows, scale=scale, window=window,
-                            head_mask=head_mask, layout=layout, cache=cache, **unknown)
+    trace = _trace
 
 
 # help(), inspect.signature() and editors show the constructor's arguments,

@@ -124,9 +124,13 @@ def test_batch_first_attribute_survives_copies_and_is_checked():
 @pytest.mark.parametrize("attr,value,word", [("batch_first", False, "batch-first"),
                                              ("mask_polarity", "keep", "block polarity")])
 def test_training_and_trace_refuse_other_layouts(attr, value, word):
+    # the methods and the functions behind them alike (the functions once
+    # ran such a module as batch-first, block polarity: other numbers)
+    from mha_ext import autograd
     m = MultiHeadAttention(E, H, seed=0)
     setattr(m, attr, value)
-    for call in (m.forward_train, m.trace):
+    for call in (m.forward_train, m.trace, lambda x: autograd.forward_train(m, x),
+                 lambda x: mha_ext.trace(m, x)):
         with pytest.raises(ValueError, match=word):
             call(rng_x(B, S, E))
 
