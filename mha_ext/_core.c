@@ -515,7 +515,7 @@ static PyMethodDef module_methods[] = {
      "packed GEMM's block of B per dtype: KC x NC scalars in half the L2), tn_pack (per\n"
      "dtype, 1 when the weight gradients' transposed-A products pack A, 0 when they read\n"
      "it in place: measured at first use on AVX-512, MHA_EXT_TN_PACK=0/1 overrides) and\n"
-     "threads.  The probes take a few ms."},
+     "threads.  The probes take some tens of ms."},
     {"release_memory", release_memory, METH_NOARGS,
      "release_memory()\n--\n\n"
      "Return the memory mha_ext keeps for reuse to the system: the cached blocks of freed\n"

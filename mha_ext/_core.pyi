@@ -68,7 +68,7 @@ def cpu_info() -> _CpuInfo:
     """What the CPU reports (cache sizes, FMA width, 512-bit FMAs per cycle
     measured) and the blocking drawn from it (the packed GEMM's NC; tn_pack:
     whether the weight gradients' products pack Aᵀ, measured at first use);
-    the probes take a few ms."""
+    the probes take some tens of ms."""
 
 class _MemoryInfo(TypedDict):
     cached_bytes: int

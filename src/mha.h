@@ -277,7 +277,7 @@ int mha_isa_available(const char *name);
  * sizes in bytes (L1d and L2 per core, L3 shared; 0: unknown) from CPUID,
  * else sysconf, else defaults (cache_source says which); fma_bits: the
  * vector FMA width of the instruction set in use (512, 256; 0 portable);
- * fma512_per_cycle: 512-bit FMAs a core starts per cycle, measured (a few
+ * fma512_per_cycle: 512-bit FMAs a core starts per cycle, measured (tens of
  * ms, on each call) from fma_ratio = time(256-bit) / time(512-bit) of the
  * same FMA count (about 0.5 on Zen 4: 1; about 1 with two 512-bit ports:
  * 2, above 0.75); 0 without AVX-512.  gemm_kc, gemm_nc_*: the packed GEMM's block of B, KC x NC
