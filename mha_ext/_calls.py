@@ -65,17 +65,23 @@ def causal(is_causal):
 
 
 def score_scale(scale):
-    """scale checked: None (1 / sqrt(head width)) or one real number (0 too,
-    as torch allows any float)."""
+    """scale checked: None (1 / sqrt(head width)) or one real number (0 and
+    +-inf too, as torch allows any float; NaN is refused: torch's fused path
+    turns every score NaN into a row of zeros, its other paths into NaN)."""
     if scale is None:
         return None
     bad = (isinstance(scale, (bool, np.bool_, str, bytes, complex, np.complexfloating))
            or getattr(scale, "ndim", 0) != 0)
     if not bad:
         try:
-            return float(scale)
+            value = float(scale)
         except (TypeError, ValueError):
             pass
+        else:
+            if value != value:
+                raise ValueError("scale must be a real number, not NaN (every score would be "
+                                 "NaN; torch gives zeros on one path and NaN on another)")
+            return value
     raise TypeError(f"scale must be None or a real number, not {type(scale).__name__}")
 
 

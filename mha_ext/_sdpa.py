@@ -133,7 +133,8 @@ def sdpa_layout(layout, q4, k4):
 
 def sdpa_head_mask(head_mask, q4, lead):
     """head_mask checked: None, or real numbers of shape (Hq,) (every
-    batch) or the query's leading shape (..., Hq), as the C side's contiguous
+    batch) or the result's leading shape (..., Hq) (the query's and the key's
+    broadcast), as the C side's contiguous
     (B, Hq) of q4's dtype; finite values only."""
     if head_mask is None:
         return None
@@ -141,8 +142,8 @@ def sdpa_head_mask(head_mask, q4, lead):
     B, H = q4.shape[:2]
     lead = tuple(lead) if lead else (1,)
     if m.shape not in ((H,), lead):
-        raise ValueError(f"head_mask must have shape (heads,) = ({H},) or the query's leading "
-                         f"shape {lead}, got {m.shape}")
+        raise ValueError(f"head_mask must have shape (heads,) = ({H},) or the result's leading "
+                         f"shape {lead} (the query's and the key's broadcast), got {m.shape}")
     m = np.array(np.broadcast_to(m, lead).reshape(B, H), dtype=q4.dtype, order="C", copy=True)
     if not np.isfinite(m).all():
         raise ValueError("head_mask must hold finite numbers")

@@ -49,7 +49,8 @@ class SDPAFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # only what requires grad: create_graph's anchors (a tensor made under
         # inference_mode may not be saved; the gradients come from ctx.args)
-        ctx.save_for_backward(*(t if t.requires_grad else None for t in (query, key, value)))
+        ctx.save_for_backward(*(t if t.requires_grad else None
+                                for t in (query, key, value, *head_mask)))
         return torch.from_numpy(out.reshape(lead + out.shape[2:]))
 
     @staticmethod

@@ -18,7 +18,7 @@ from . import autograd as _ag
 from ._convert import to_numpy
 from ._params import BLOCK_KEYS, seed_keys
 
-__all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "torch_stream"]
+__all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "refuse_mask_grads", "torch_stream"]
 
 DOUBLE_BACKWARD = ("mha_ext.torch: double backward is not supported: the gradient computed by "
                    "mha_ext's C backward is not itself differentiable (create_graph=True "
@@ -33,6 +33,19 @@ def torch_stream() -> int:
     masks, and torch.utils.checkpoint, which restores that generator before
     it recomputes a forward, recomputes the same mask."""
     return int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
+
+
+def refuse_mask_grads(**masks) -> None:
+    """A float mask that requires grad gets its gradient from torch's module;
+    mha_ext's backward gives masks none: a ValueError (under grad mode), not
+    a gradient silently missing from the mask's .grad."""
+    if not torch.is_grad_enabled():
+        return
+    for name, mask in masks.items():
+        if isinstance(mask, torch.Tensor) and mask.requires_grad:
+            raise ValueError(f"{name} requires grad: mha_ext's backward gives no gradient for "
+                             f"masks (torch.nn.MultiheadAttention does); detach it, or use "
+                             f"torch's module to learn it")
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -65,8 +78,9 @@ class AttentionFunction(torch.autograd.Function):
     def forward(ctx, core, opts, query, key, value, *params):
         ctx.hm_input = bool(opts.get("head_mask_input", False))
         opts = {k: v for k, v in opts.items() if k != "head_mask_input"}
+        head_mask = ()
         if ctx.hm_input:
-            params = params[:-1]
+            params, head_mask = params[:-1], params[-1:]
         if opts.get("dropout", 0.0) > 0 and opts.get("dropout_counter") is None:
             opts["dropout_counter"] = torch_stream()
         used = params[:len(seed_keys(core))]
@@ -78,9 +92,10 @@ class AttentionFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # only what requires grad (a tensor made under inference_mode may not
         # be saved, and the gradients come from `saved`): the anchors of
-        # create_graph's guard, and the unused parameters' shapes
+        # create_graph's guard (the head mask too: alone, it is the only
+        # one), and the unused parameters' shapes
         ctx.save_for_backward(*(t if t.requires_grad else None
-                                for t in (query, key, value, *params)))
+                                for t in (query, key, value, *params, *head_mask)))
         out = torch.from_numpy(saved.output)
         if saved.weights is None:
             weights = torch.empty(0, dtype=out.dtype)
@@ -119,8 +134,8 @@ def _gradients(ctx, grad_out, grad_weights):
     keys = [k for k in BLOCK_KEYS if k in grads]  # block order: bias_k, bias_v last
     params = [torch.from_numpy(np.ascontiguousarray(grads[k])) if need[5 + i] else None
               for i, k in enumerate(keys)]
-    # parameters outside the core's block (the head mask is not saved)
-    unused = ctx.saved_tensors[3 + len(keys):]
+    # parameters outside the core's block (the head mask, saved last, is not one)
+    unused = ctx.saved_tensors[3 + len(keys):len(ctx.saved_tensors) - ctx.hm_input]
     # (one that needs a gradient requires grad, so forward saved it)
     params += [torch.zeros_like(p) if need[5 + len(keys) + i] else None
                for i, p in enumerate(unused)]

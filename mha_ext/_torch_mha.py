@@ -33,7 +33,7 @@ from torch.nn.parameter import Parameter
 from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
-from ._torch_fn import AttentionFunction
+from ._torch_fn import AttentionFunction, refuse_mask_grads
 from ._types import Int, Window
 
 if TYPE_CHECKING:
@@ -330,6 +330,7 @@ class MultiheadAttention(nn.Module):
                                  "with a nested query")
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
+        refuse_mask_grads(attn_mask=attn_mask, key_padding_mask=key_padding_mask)
         fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask) \
             or (not need_weights and self._in_fused_layer(query))
         causal = False

@@ -437,10 +437,12 @@ class MultiHeadAttention(_core.MultiHeadAttention):
           head's weights after dropout (Hugging Face's head_mask: 0 switches
           the head off, 1 keeps it); the weights returned are multiplied.
           Gradients flow to everything else as before; head_mask gets none.
-        scale: None (1/sqrt(Dk)) or the factor of the scores (any real, 0 too).
+        scale: None (1/sqrt(Dk)) or the factor of the scores (any real, 0 and
+          +-inf too; NaN is a ValueError).
         masked_rows: "nan" (default) gives NaN weights and output for a query
           that sees no key, like the seed module; "zero" gives zero weights and
-          an output row equal to W_o.bias, like torch's SDPA.
+          the context 0·V, like torch's SDPA: an output row equal to W_o.bias
+          (NaN where V holds NaN or inf).
         cache: None, or a KVCache of this module (new_cache, cache_memory).
           Self-attention cache of length L: the call's keys and values (key
           and value default to query; n = key's length) are projected into

@@ -40,6 +40,7 @@ from . import _habits
 from ._convert import as_real, check_tensor
 from ._params import LINEARS
 from ._torch_fn import AttentionFunction as _AttentionFunction
+from ._torch_fn import refuse_mask_grads
 from ._swap import swapped
 from ._torch_mha import MultiheadAttention
 from ._types import Causal, Flag, Int, MaskedRows, Real, Window
@@ -220,6 +221,7 @@ class MultiHeadAttention(nn.Module):
         for p in params:
             if p.device.type != "cpu":
                 raise ValueError(f"parameters must be on the CPU, got device {p.device}")
+        refuse_mask_grads(mask=mask, attn_mask=attn_mask, key_padding_mask=key_padding_mask)
         opts = dict(mask=mask, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                     is_causal=is_causal, need_weights=need_weights,
                     average_weights=average_weights, masked_rows=masked_rows,

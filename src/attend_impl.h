@@ -337,10 +337,24 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
         /* a row with nothing visible here adds nothing (its s is 0) */
         SUF(av_runs)(at, nq, nk, s, KB, ne, 0, v_bh + j0 * Dv, acc, Dv, 1, gs);
     }
+    const T *zero_v = NULL; /* Σ_j 0·V_j: a blocked row's context with zero_masked_rows */
     for (r = 0; r < nq; r++) {
         const int64_t h = h0 + r / nqh, i = i0 + r % nqh;
         T *c = at->ctx + b * at->cs_b + h * at->cs_h + i * at->ldc;
         if (mx[r] == -(T)INFINITY) { /* every key blocked; Sk == 0: an empty sum */
+            if (Sk > 0 && at->rr.zero_masked_rows) {
+                /* zero weights times V, as the weights path's A·V and torch's
+                 * SDPA give: 0, or NaN in a column where V holds NaN or inf
+                 * (computed once, in this row's unused accumulator) */
+                if (!zero_v) {
+                    T *z = acc + r * Dv;
+                    for (j0 = 0; j0 < Sk; j0++)
+                        for (d = 0; d < Dv; d++) z[d] += (T)0 * v_bh[j0 * Dv + d];
+                    zero_v = z;
+                }
+                for (d = 0; d < Dv; d++) c[d] = zero_v[d];
+                continue;
+            }
             for (d = 0; d < Dv; d++) c[d] = Sk == 0 ? (T)0 : SUF(blocked_row_value)(&at->rr);
         } else {
             T inv = (T)1 / l[r];

@@ -141,8 +141,8 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                 /* forward: ctx_i = Σ_j a_j v_j (a blocked row: NaN or 0) */
                 for (d = 0; d < Dk; d++) {
                     T c = 0;
-                    if (blocked_row) c = nan_or_zero;
-                    else
+                    if (blocked_row && !a->zero_masked_rows) c = nan_or_zero;
+                    else /* zero_masked_rows: a blocked row's a is 0, its context 0·V */
                         for (j = 0; j < Skx; j++) c += arow[j] * v[(b * Skx + j) * Ekv + hk * Dk + d];
                     c_i[d] = c;
                 }
@@ -158,7 +158,8 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                         da += ((const T *)ba->grad_weights)[((b * H + h) * Sq + i) * Skx + j];
                     drow[j] = da;
                 }
-                if (blocked_row && a->zero_masked_rows) continue; /* p = 0: nothing flows */
+                /* (a blocked row of zero_masked_rows: p = 0, ds = 0·dp, NaN only
+                 * where V held NaN or inf, as torch's) */
                 /* backward of a_j = a_j · m: da_j = da_j · m */
                 for (j = 0; j < Skx && a->head_mask; j++) drow[j] *= hm;
                 /* backward of a_j = p_j · keep_j / (1 - p_drop): dp_j = da_j · keep_j / (1 - p_drop) */

@@ -42,17 +42,20 @@ static void SUF(ref_scores)(const mha_forward_args *a, const T *q_i, const T *k_
                             T scale, T *row)
 {
     int64_t j, d;
-    int n;
+    int n, add;
+    T sum;
     for (j = 0; j < Skx; j++) {
         T s = 0;
         for (d = 0; d < Dk; d++) s += q_i[d] * k_b[j * E + hk * Dk + d];
         s *= scale;
-        for (n = 0; n < a->n_masks && j < a->Sk; n++) {
+        for (n = 0, add = 0, sum = 0; n < a->n_masks && j < a->Sk; n++) {
             const mha_mask *mk = &a->masks[n];
             int64_t off = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
                           j * mk->stride[3];
-            if (mk->kind == MHA_MASK_ADD) s += ((const T *)mk->data)[off];
+            if (mk->kind != MHA_MASK_ADD) continue;
+            sum = add++ ? sum + ((const T *)mk->data)[off] : ((const T *)mk->data)[off];
         }
+        if (add) s += sum; /* the masks summed first, as torch sums them */
         for (n = 0; n < a->n_masks && j < a->Sk; n++) {
             const mha_mask *mk = &a->masks[n];
             int64_t off = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
@@ -162,8 +165,8 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
                         ((T *)a->weights)[((b * H + h) * Sq + i) * Skx + j] = row[j];
                 for (d = 0; d < Dk; d++) {
                     T c = 0;
-                    if (blocked_row) c = a->zero_masked_rows ? (T)0 : (T)NAN;
-                    else
+                    if (blocked_row && !a->zero_masked_rows) c = (T)NAN;
+                    else /* zero_masked_rows: a blocked row's weights are 0, its context 0·V */
                         for (j = 0; j < Skx; j++) c += row[j] * v[(b * Skx + j) * Ekv + hk * Dk + d];
                     ctx[(b * Sq + i) * E + h * Dk + d] = c;
                 }

@@ -20,19 +20,22 @@ static int SUF(ref_sdpa_row)(const mha_sdpa_args *a, int64_t b, int64_t h, int64
     const T *k_b = (const T *)a->k + (b * a->Hkv + hk) * S * D;
     T m = -(T)INFINITY, sum = 0;
     int64_t j, d;
-    int n, blocked = S > 0;
+    int n, add, blocked = S > 0;
+    T msum;
     /* s_j = q_i·k_j · scale, plus the additive masks, -inf where a blocking
      * mask or causality (j > i + coff) blocks */
     for (j = 0; j < S; j++) {
         T s = 0;
         for (d = 0; d < D; d++) s += q_i[d] * k_b[j * D + d];
         s *= scale;
-        for (n = 0; n < a->n_masks; n++) {
+        for (n = 0, add = 0, msum = 0; n < a->n_masks; n++) {
             const mha_mask *mk = &a->masks[n];
             int64_t off = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
                           j * mk->stride[3];
-            if (mk->kind == MHA_MASK_ADD) s += ((const T *)mk->data)[off];
+            if (mk->kind != MHA_MASK_ADD) continue;
+            msum = add++ ? msum + ((const T *)mk->data)[off] : ((const T *)mk->data)[off];
         }
+        if (add) s += msum; /* the masks summed first, as torch sums them */
         for (n = 0; n < a->n_masks; n++) {
             const mha_mask *mk = &a->masks[n];
             int64_t off = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
@@ -99,10 +102,11 @@ static mha_status SUF(sdpa_forward_ref)(const mha_sdpa_args *a)
                                                          h * a->head_mask_stride[1]];
                 if (a->weights)
                     for (j = 0; j < S; j++) ((T *)a->weights)[(bh * a->L + i) * S + j] = arow[j];
-                /* out_i = Σ_j a_j v_j (a blocked row: NaN or 0; S == 0: 0) */
+                /* out_i = Σ_j a_j v_j (a blocked row: NaN, or 0·V with
+                 * zero_masked_rows, its a being 0; S == 0: 0) */
                 for (d = 0; d < Dv; d++) {
                     T c = 0;
-                    if (blocked) c = a->zero_masked_rows ? (T)0 : (T)NAN;
+                    if (blocked && !a->zero_masked_rows) c = (T)NAN;
                     else
                         for (j = 0; j < S; j++) c += arow[j] * v_b[j * Dv + d];
                     o[d] = c;
@@ -169,7 +173,8 @@ static mha_status SUF(sdpa_backward_ref)(const mha_sdpa_backward_args *ba)
                         da += ((const T *)ba->grad_weights)[(bh * a->L + i) * S + j];
                     drow[j] = a->head_mask ? da * hm : da; /* back through a·m */
                 }
-                if (blocked && a->zero_masked_rows) continue; /* p = 0: nothing flows */
+                /* (a blocked row of zero_masked_rows: p = 0, ds = 0·dp, NaN only
+                 * where V held NaN or inf, as torch's) */
                 /* backward of a_j = p_j · keep_j / (1 - p_drop) */
                 if (a->dropout > 0.0 && !blocked)
                     for (j = 0; j < S; j++) drow[j] = keep[j] ? drow[j] * drop_scale : (T)0;

@@ -54,24 +54,37 @@ static inline int64_t SUF(causal_visible)(const mha_rows *rr, int64_t i, int64_t
 
 /* s[0..n) are the scaled scores of row (b, h, i) for keys j0 .. j0+n-1:
  * add the additive masks, then set -inf where any blocking mask or the
- * causal rule blocks. */
+ * causal rule blocks.  Two or more additive masks are summed first, in
+ * their order, and the sum added to the score, as torch adds its attn_mask
+ * and key_padding_mask: s + (m1 + m2), not (s + m1) + m2, which loses s
+ * when m1 and m2 are large and cancel. */
 static inline void SUF(row_masks)(const mha_rows *rr, T *s, int64_t b, int64_t h,
                                   int64_t i, int64_t j0, int64_t n)
 {
-    int m;
+    const T *add[MHA_MAX_MASKS];
+    int64_t add_st[MHA_MAX_MASKS];
+    int m, n_add = 0;
     int64_t j;
     if (j0 + n > rr->nmk) n = rr->nmk > j0 ? rr->nmk - j0 : 0; /* the extra keys: never blocked */
     for (m = 0; m < rr->n_masks; m++) {
         const mha_mask *mk = &rr->masks[m];
-        int64_t base = b * mk->stride[0] + h * mk->stride[1] + i * mk->stride[2] +
-                       j0 * mk->stride[3];
-        int64_t st = mk->stride[3];
         if (mk->kind != MHA_MASK_ADD) continue;
-        const T *d = (const T *)mk->data + base;
-        if (st == 1)
+        add[n_add] = (const T *)mk->data + b * mk->stride[0] + h * mk->stride[1] +
+                     i * mk->stride[2] + j0 * mk->stride[3];
+        add_st[n_add++] = mk->stride[3];
+    }
+    if (n_add == 1) {
+        const T *d = add[0];
+        if (add_st[0] == 1)
             for (j = 0; j < n; j++) s[j] += d[j];
         else
-            for (j = 0; j < n; j++) s[j] += d[j * st];
+            for (j = 0; j < n; j++) s[j] += d[j * add_st[0]];
+    } else if (n_add > 1) {
+        for (j = 0; j < n; j++) {
+            T sum = add[0][j * add_st[0]];
+            for (m = 1; m < n_add; m++) sum += add[m][j * add_st[m]];
+            s[j] += sum;
+        }
     }
     for (m = 0; m < rr->n_masks; m++) {
         const mha_mask *mk = &rr->masks[m];

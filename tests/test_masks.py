@@ -12,6 +12,8 @@ import pytest
 
 from mha_ext import MultiHeadAttention
 
+from _support import require_torch
+
 B, Sq, Sk, E, H = 3, 5, 7, 16, 4
 
 # Shapes broadcastable (NumPy rules) to (B, H, Sq, Sk).
@@ -229,3 +231,61 @@ def test_mask_not_broadcastable_is_value_error(shape):
     q, k, v = _inputs("float32", seed=35)
     with pytest.raises(ValueError, match="mask"):
         m(q, k, v, mask=np.zeros(shape, dtype=bool))
+
+
+@pytest.mark.parametrize("sk", [Sk, 300])
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_zero_rows_are_zero_weights_times_v_as_in_torch(dtype, need_weights, sk):
+    """masked_rows="zero": a row with every key blocked has zero weights and
+    the context 0·V (3.1), as torch's SDPA path computes it: W_o.bias where V
+    is finite, NaN where V holds NaN or inf, with or without weights.  Without
+    weights the online softmax once skipped the row (W_o.bias whatever V
+    held); with them the result already was 0·V."""
+    torch = require_torch()
+    theirs = torch.nn.MultiheadAttention(E, H, batch_first=True,
+                                         dtype=getattr(torch, dtype)).eval()
+    m = MultiHeadAttention.from_torch(theirs)
+    bias = m.state_dict()["W_o.bias"]
+    q, k, v = _inputs(dtype, seed=4, sk=sk)
+    kpm = np.zeros((B, sk), bool)
+    kpm[0] = True                     # batch 0: every key blocked
+    kpm[2, 1] = True                  # batch 2: one
+    out, w = m(q, k, v, key_padding_mask=kpm, masked_rows="zero", need_weights=need_weights)
+    np.testing.assert_array_equal(out[0], np.broadcast_to(bias, out[0].shape))
+    v[0, 2], v[2, 1] = np.nan, np.inf   # keys that no row sees
+    out, w = m(q, k, v, key_padding_mask=kpm, masked_rows="zero", need_weights=need_weights)
+    with torch.no_grad():
+        want = theirs(*(torch.from_numpy(a) for a in (q, k, v)),
+                      key_padding_mask=torch.from_numpy(kpm), need_weights=False)[0].numpy()
+    assert np.isnan(want[0]).all() and np.isnan(out[0]).all()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    np.testing.assert_allclose(out[1:], want[1:], rtol=0, atol=2e-5 if dtype == "float32" else 1e-12)
+    if need_weights:
+        assert (w[0] == 0).all() and np.isfinite(w).all()
+
+
+def test_float_masks_are_summed_before_the_scores_as_in_torch():
+    """attn_mask and key_padding_mask as floats: torch adds their sum to the
+    score, s + (m1 + m2).  Two masks of 1e20 that cancel leave the scores, as
+    in torch; added one after the other, (s + 1e20) - 1e20 loses s (uniform
+    weights, 0.3 off)."""
+    torch = require_torch()
+    q, k, v = _inputs("float64", seed=5)
+    theirs = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    ours = MultiHeadAttention.from_torch(theirs)
+    big = 1e20
+    attn_mask = np.zeros((Sq, Sk))
+    attn_mask[:, 1:4] = big
+    kpm = np.zeros((B, Sk))
+    kpm[:, 1:4] = -big
+    kpm[1, 5] = -np.inf
+    t = [torch.from_numpy(a) for a in (q, k, v, attn_mask, kpm)]
+    with torch.no_grad():
+        t_out, t_w = theirs(t[0], t[1], t[2], attn_mask=t[3], key_padding_mask=t[4],
+                            average_attn_weights=False)
+    out, w = ours(q, k, v, attn_mask=attn_mask, key_padding_mask=kpm)
+    np.testing.assert_allclose(w, t_w.numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(out, t_out.numpy(), rtol=0, atol=1e-12)
+    plain, _ = ours(q, k, v, key_padding_mask=np.isinf(kpm))  # the masks cancel
+    np.testing.assert_allclose(out, plain, rtol=0, atol=1e-12)

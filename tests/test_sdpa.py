@@ -208,6 +208,15 @@ def test_double_backward_raises(torch):
     (gq,) = torch.autograd.grad(out.sum(), (q,), create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         gq.sum().backward()
+    # the head mask the only tensor that requires grad (a frozen model's head
+    # importance): its gradient came back as a constant, and a second-order
+    # loss silently lost its second-order term
+    q, k, v = (t.detach() for t in (q, k, v))
+    hm = torch.tensor([0.5, 1.5], dtype=torch.float64, requires_grad=True)
+    out = mha_ext.scaled_dot_product_attention(q, k, v, head_mask=hm)
+    (g,) = torch.autograd.grad(out.square().sum(), (hm,), create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        (g.square().sum() + hm.sum()).backward()
 
 
 def test_batched_gradients_raise_a_clear_error(torch):
@@ -262,6 +271,16 @@ def test_errors(torch):
         f(q, q, q, is_causal="upper_left")
     with pytest.raises(TypeError, match="scale"):
         f(q, q, q, scale="0.5")
+    # the head mask's (B, H) is the result's, the query's and the key's broadcast
+    with pytest.raises(ValueError, match=r"the result's leading shape \(2, 3\) \(the query's "
+                                         r"and the key's broadcast\), got \(1, 3\)"):
+        f(np.ones((1, 3, 4, 8)), np.ones((2, 3, 5, 8)), np.ones((2, 3, 5, 8)),
+          head_mask=np.ones((1, 3)))
+    for nan in (float("nan"), np.float32("nan")):  # torch: zeros on one path, NaN on another
+        with pytest.raises(ValueError, match="scale must be a real number, not NaN"):
+            f(q, q, q, scale=nan)
+        with pytest.raises(ValueError, match="not NaN"):
+            mha_ext.MultiHeadAttention(8, 2)(np.ones((2, 3, 8)), scale=nan)
     with pytest.raises(ValueError, match="key's last dimension"):
         f(q, np.ones((2, 4, 5, 7)), np.ones((2, 4, 5, 7)))
     with pytest.raises(ValueError, match="dropout_p"):
