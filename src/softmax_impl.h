@@ -93,8 +93,13 @@ static inline void SUF(row_masks)(const mha_rows *rr, T *s, int64_t b, int64_t h
         int64_t st = mk->stride[3];
         if (mk->kind != MHA_MASK_BLOCK) continue;
         const uint8_t *d = (const uint8_t *)mk->data + base;
-        for (j = 0; j < n; j++)
-            if (d[j * st]) s[j] = -(T)INFINITY;
+        if (st == 1) /* a select, not a branch: vectorised, and a random mask
+                        mispredicts no branch (a bool mask took 1.4-1.7x the
+                        time of the same float mask) */
+            for (j = 0; j < n; j++) s[j] = d[j] ? -(T)INFINITY : s[j];
+        else
+            for (j = 0; j < n; j++)
+                if (d[j * st]) s[j] = -(T)INFINITY;
     }
     if (rr->causal) {
         for (j = SUF(causal_visible)(rr, i, j0, n); j < n; j++) s[j] = -(T)INFINITY;
