@@ -84,7 +84,11 @@ class AttentionFunction(torch.autograd.Function):
         if opts.get("dropout", 0.0) > 0 and opts.get("dropout_counter") is None:
             opts["dropout_counter"] = torch_stream()
         used = params[:len(seed_keys(core))]
-        block = to_numpy(torch.cat([p.detach().reshape(-1) for p in used]), "parameters")
+        # joined by NumPy, not torch.cat: one thread, where torch.cat's
+        # parallel copy waited on OpenMP threads our pool had just run beside
+        block = np.concatenate([to_numpy(p, "parameters").reshape(-1) for p in used])
+        if not any(ctx.needs_input_grad):  # no backward will come: keep nothing for it
+            opts.setdefault("save_projections", False)
         saved = _ag.forward_train(core, to_numpy(query, "query"), to_numpy(key, "key"),
                                   to_numpy(value, "value"), params=block, **opts)
         ctx.core = core
@@ -106,11 +110,12 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):
+        saved_tensors = ctx.saved_tensors  # once: checkpoint's unpack runs once per backward
         with torch.no_grad():
-            grads = _gradients(ctx, grad_out, grad_weights)
+            grads = _gradients(ctx, saved_tensors, grad_out, grad_weights)
         if torch.is_grad_enabled():
             # create_graph=True: make a later differentiation of these fail loudly
-            anchors = [t for t in ctx.saved_tensors if t is not None]
+            anchors = [t for t in saved_tensors if t is not None]
             have = [i for i, g in enumerate(grads) if g is not None]
             if anchors and have:
                 guarded = _NoDoubleBackward.apply(len(have), *[grads[i] for i in have],
@@ -120,7 +125,7 @@ class AttentionFunction(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _gradients(ctx, grad_out, grad_weights):
+def _gradients(ctx, saved_tensors, grad_out, grad_weights):
     # [d query, d key, d value, d params...] as tensors, None where not needed
     saved, core = ctx.saved, ctx.core
     go = np.zeros_like(saved.output) if grad_out is None else to_numpy(grad_out, "grad_out")
@@ -135,7 +140,7 @@ def _gradients(ctx, grad_out, grad_weights):
     params = [torch.from_numpy(np.ascontiguousarray(grads[k])) if need[5 + i] else None
               for i, k in enumerate(keys)]
     # parameters outside the core's block (the head mask, saved last, is not one)
-    unused = ctx.saved_tensors[3 + len(keys):len(ctx.saved_tensors) - ctx.hm_input]
+    unused = saved_tensors[3 + len(keys):len(saved_tensors) - ctx.hm_input]
     # (one that needs a gradient requires grad, so forward saved it)
     params += [torch.zeros_like(p) if need[5 + len(keys) + i] else None
                for i, p in enumerate(unused)]
