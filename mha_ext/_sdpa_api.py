@@ -97,9 +97,10 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         (Hq, nqb, nkb) or (B, Hq, nqb, nkb) with B the leading dimensions
         flattened).  The C kernels skip the key ranges it leaves empty.
     head_mask: (Hq,) or the result's leading shape (..., Hq), the query's
-        and the key's broadcast (a keyword of ours): finite factors multiplying each head's attention weights
-        after dropout, so its output (Hugging Face's head_mask: 0 switches a
-        head off).  A tensor that requires grad gets dL/d head_mask.
+        and the key's broadcast (a keyword of ours): finite factors multiplying
+        each head's attention weights after dropout, so its output (Hugging
+        Face's head_mask: 0 switches a head off).  A tensor that requires
+        grad gets dL/d head_mask.
 
     A query with no visible key gives a zero output row (and zero
     gradients), as torch's SDPA does.

@@ -260,7 +260,8 @@ def test_zero_rows_are_zero_weights_times_v_as_in_torch(dtype, need_weights, sk)
                       key_padding_mask=torch.from_numpy(kpm), need_weights=False)[0].numpy()
     assert np.isnan(want[0]).all() and np.isnan(out[0]).all()
     np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
-    np.testing.assert_allclose(out[1:], want[1:], rtol=0, atol=2e-5 if dtype == "float32" else 1e-12)
+    np.testing.assert_allclose(out[1:], want[1:], rtol=0,
+                               atol=2e-5 if dtype == "float32" else 1e-12)
     if need_weights:
         assert (w[0] == 0).all() and np.isfinite(w).all()
 
