@@ -265,25 +265,28 @@ def keep_level(mha, call, save_projections):
 # ---------------------------------------------------------------- the C calls
 # Each function below holds one private C method's protocol (_core_calls.c).
 
-def c_forward(mha, call, reference=False):
+def c_forward(mha, call, reference=False, params=None):
     """The module's call: (output (B, Sq, E), weights (B, H, Sq, Sk') or None,
     Sk' = Sk plus the extra keys of add_bias_kv and add_zero_attn);
     reference=True runs the core's plain reference forward (the tests' oracle).
+    params: None (the module's own) or _params.Parts (read in place).
     With call.cache, the call writes its keys and values into the cache and
     attends over all of it (Sk' = the cache's length after the call); the
     cache's length advances only when the call succeeds."""
     cache = call.cache
     if cache is None:
-        return mha._forward(call.query, call.key, call.value, masks=call.masks,
-                            is_causal=call.is_causal, need_weights=call.need_weights,
-                            zero_rows=call.zero_rows, reference=bool(reference),
+        return mha._forward(call.query, call.key, call.value, params=params,
+                            masks=call.masks, is_causal=call.is_causal,
+                            need_weights=call.need_weights, zero_rows=call.zero_rows,
+                            reference=bool(reference),
                             scale=call.scale, window=call.window, head_mask=call.head_mask,
                             layout=call.layout)
     cache._hold()
     try:
-        result = mha._forward(call.query, call.key, call.value, masks=call.masks,
-                              is_causal=call.is_causal, need_weights=call.need_weights,
-                              zero_rows=call.zero_rows, reference=bool(reference),
+        result = mha._forward(call.query, call.key, call.value, params=params,
+                              masks=call.masks, is_causal=call.is_causal,
+                              need_weights=call.need_weights, zero_rows=call.zero_rows,
+                            reference=bool(reference),
                               scale=call.scale, window=call.window, head_mask=call.head_mask,
                               layout=call.layout, cache=cache._c_tuple())
         cache._length += call.key.shape[1]
@@ -294,7 +297,8 @@ def c_forward(mha, call, reference=False):
 
 def c_forward_train(mha, call, block, dropout, counter, keep):
     """The training forward with parameters `block` (None: the module's,
-    copied under its lock): (output, weights, saved, (block, query, key,
+    copied under its lock; a _params.Parts, copied as the projections read
+    them): (output, weights, saved, (block, query, key,
     value) copies) with the shapes of c_forward's results; saved is None
     with keep 0, else (Q, K, V, ctx, P or None) (P with keep 2)."""
     return mha._forward_train(call.query, call.key, call.value, params=block,

@@ -28,6 +28,20 @@ def is_causal_bias(x) -> bool:
     return is_tensor(x) and type(x).__name__ == "CausalBias"
 
 
+_BATCHED = None
+
+
+def _batched_checks():
+    """torch's tests for batched tensors (those it has), looked up once."""
+    global _BATCHED
+    if _BATCHED is None:
+        ft = getattr(getattr(sys.modules.get("torch"), "_C", None), "_functorch", None)
+        _BATCHED = tuple(f for f in (getattr(ft, n, None) for n in
+                                     ("is_batchedtensor", "is_legacy_batchedtensor"))
+                         if f is not None)
+    return _BATCHED
+
+
 def check_tensor(x, name):
     """Refuse, naming `name`, the tensors NumPy cannot read: sparse or other
     non-strided layouts and torch's CausalBias (TypeError), tensors on the
@@ -37,9 +51,7 @@ def check_tensor(x, name):
     if layout != "torch.strided":
         raise TypeError(f"{name} must be a dense tensor, got a {layout.replace('torch.', '')} "
                         f"tensor; convert it with .to_dense() first")
-    ft = getattr(getattr(sys.modules.get("torch"), "_C", None), "_functorch", None)
-    if any(getattr(ft, f, lambda t: False)(x)  # vmap's, and autograd's legacy batching
-           for f in ("is_batchedtensor", "is_legacy_batchedtensor")):
+    if any(f(x) for f in _batched_checks()):  # vmap's, and autograd's legacy batching
         raise RuntimeError(f"{name} is a batched tensor (torch.func.vmap, or batched "
                            f"gradients: autograd.grad(is_grads_batched=True), gradcheck's "
                            f"check_batched_grad), which mha_ext's C kernels cannot read; "
@@ -62,6 +74,10 @@ def to_numpy(x, name="tensor"):
         return x
     check_tensor(x, name)
     x = x.detach()
+    try:  # a dense CPU tensor NumPy can read as it is (the usual case: fast)
+        return x.numpy()
+    except (RuntimeError, TypeError):  # another device, bfloat16, conj or neg bit
+        pass
     if x.device.type != "cpu":
         x = x.cpu()
     if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16

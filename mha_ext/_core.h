@@ -169,6 +169,9 @@ struct call {
     int need_weights, reference, save, save_p;
     /* owned references, converted to the module's dtype, C-contiguous */
     PyArrayObject *params;      /* NULL: the module's own (under its lock) */
+    PyArrayObject *parts[MHA_NPARAM]; /* or one array per parameter (params given
+                                   as a tuple in the block's order): no copy */
+    int have_parts;
     PyArrayObject *query, *key, *value;
     PyArrayObject *grad_output, *grad_weights;
     PyArrayObject *head_mask;   /* (B, H), or NULL */

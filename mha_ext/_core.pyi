@@ -4,7 +4,7 @@ _core_sdpa.c).
 The underscored methods are the private protocol between the Python layer
 and the C binding: keyword arguments, each result of one fixed shape.
 """
-from typing import Any, Literal, Optional, Sequence, Tuple, TypedDict, TypeVar
+from typing import Any, Literal, Optional, Sequence, Tuple, TypedDict, TypeVar, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -15,6 +15,9 @@ _Self = TypeVar("_Self", bound="MultiHeadAttention")
 # a mask: (kind, array), kind 0 blocking (nonzero = blocked) or 1 additive,
 # broadcastable to (B, H, Sq, Sk)
 _Mask = Tuple[Literal[0, 1], npt.ArrayLike]
+# None (the module's own), the flat block, or one array per block tensor (None where
+# the layout has none), read in place
+_Params = Union[None, npt.ArrayLike, Tuple[Optional[npt.ArrayLike], ...]]
 _Flag = bool | int | np.bool_
 _Real = float | np.floating[Any] | np.integer[Any]
 # is_causal: False, True (top-left) or "lower_right"
@@ -154,7 +157,7 @@ class MultiHeadAttention:
     @_counter.setter
     def _counter(self, value: int | np.integer[Any], /) -> None: ...
     def _forward(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
-                 masks: Sequence[_Mask] = ..., is_causal: _Causal = ...,
+                 params: _Params = ..., masks: Sequence[_Mask] = ..., is_causal: _Causal = ...,
                  need_weights: _Flag = ..., zero_rows: _Flag = ...,
                  reference: _Flag = ..., scale: Optional[float] = ...,
                  window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
@@ -162,7 +165,7 @@ class MultiHeadAttention:
                  cache: Optional[_Cache] = ...,
                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
     def _forward_train(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
-                       params: Optional[npt.ArrayLike] = ..., masks: Sequence[_Mask] = ...,
+                       params: _Params = ..., masks: Sequence[_Mask] = ...,
                        is_causal: _Causal = ..., need_weights: _Flag = ...,
                        zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
                        save: _Flag = ..., save_p: _Flag = ..., scale: Optional[float] = ...,

@@ -1,11 +1,16 @@
 /* _core_calls.c: call_run, and the three calls of the private protocol
  * (keyword arguments; each result has one fixed shape):
  *
- *   _forward(query, key, value, *, masks=(), is_causal=False,
+ *   _forward(query, key, value, *, params=None, masks=(), is_causal=False,
  *            need_weights=True, zero_rows=False, reference=False, scale=None)
  *       -> (output, weights | None)
  *       The call behind MultiHeadAttention.__call__; dropout is the
  *       module's own (training and dropout > 0, one stream per call).
+ *       params: None (the module's, under its lock), the flat block, or a
+ *       tuple of MHA_NPARAM arrays in the block's order (None where the
+ *       layout has no such tensor), each read in place when it is already
+ *       C-contiguous in the module's dtype (the torch classes' parameters:
+ *       no copy of them per call).
  *       reference: the plain reference core instead of the fast one.
  *       cache=(K, V, length): K (B, Hkv, Dk, cap), V (B, Hkv, cap, Dk)
  *       arrays the call writes its keys and values into, at [length,
@@ -19,8 +24,8 @@
  *       None without save; copies = (params | None, query, key, value),
  *       the forward's copies of its inputs (key or value the very array of
  *       an earlier one's copy when it was that input: self-attention copies
- *       once) and, when params is None, of the module's parameters (made
- *       under its lock).
+ *       once) and, when params is None or a tuple, of the parameters (the
+ *       module's made under its lock).
  *   _backward(query, key, value, grad_output, *, params=None, masks=(),
  *             is_causal=False, zero_rows=False, dropout=0.0, counter=0,
  *             grad_weights=None, saved=None, scale=None)
@@ -50,7 +55,7 @@ int call_run(struct call *c)
     signal_poll sp;
     mha_status st = MHA_OK;
 
-    if (!c->params && lock_read(&self->lock, &t) < 0) return -1;
+    if (!c->params && !c->have_parts && lock_read(&self->lock, &t) < 0) return -1;
     if (on_main_thread()) {
         c->ba.fwd.poll = poll_signals;
         c->ba.fwd.poll_ctx = &sp;
@@ -97,16 +102,17 @@ static PyObject *obj_or_none(PyArrayObject *a)
 
 PyObject *mha_forward_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"query", "key", "value", "masks", "is_causal", "need_weights",
-                             "zero_rows", "reference", "scale", "window", "head_mask",
-                             "layout", "cache", NULL};
+    static char *kwlist[] = {"query", "key", "value", "params", "masks", "is_causal",
+                             "need_weights", "zero_rows", "reference", "scale", "window",
+                             "head_mask", "layout", "cache", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *out = NULL, *w = NULL;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOO:_forward", kwlist, &o.query,
-                                     &o.key, &o.value, &o.masks, &o.is_causal, &o.need_weights,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOOO:_forward", kwlist, &o.query,
+                                     &o.key, &o.value, &o.params, &o.masks, &o.is_causal,
+                                     &o.need_weights,
                                      &o.zero_rows, &o.reference, &o.scale, &o.window,
                                      &o.head_mask, &o.layout, &o.cache))
         return NULL;

@@ -219,6 +219,38 @@ static int parse_saved(MHAObject *self, PyObject *obj, struct call *c)
     return 0;
 }
 
+/* params = a tuple of MHA_NPARAM arrays in the block's order, None where
+ * the layout has no tensor: each converted to the module's dtype (no copy
+ * when it already is, C-contiguous) and holding that tensor's scalars. */
+static int parse_parts(MHAObject *self, PyObject *obj, struct call *c)
+{
+    Py_ssize_t i;
+    if (PyTuple_GET_SIZE(obj) != MHA_NPARAM) {
+        PyErr_Format(PyExc_ValueError, "params as a tuple must hold %d arrays (the block's "
+                     "order), got %zd", MHA_NPARAM, PyTuple_GET_SIZE(obj));
+        return -1;
+    }
+    for (i = 0; i < MHA_NPARAM; i++) {
+        PyObject *item = PyTuple_GET_ITEM(obj, i);
+        if (self->size[i] == 0) {
+            if (item != Py_None) {
+                PyErr_Format(PyExc_ValueError, "params[%zd] must be None: this module has "
+                             "no such tensor", i);
+                return -1;
+            }
+            continue;
+        }
+        if (!(c->parts[i] = input_array(self, item, "params"))) return -1;
+        if ((int64_t)PyArray_SIZE(c->parts[i]) != self->size[i]) {
+            PyErr_Format(PyExc_ValueError, "params[%zd] must hold %lld scalars, got %lld", i,
+                         (long long)self->size[i], (long long)PyArray_SIZE(c->parts[i]));
+            return -1;
+        }
+    }
+    c->have_parts = 1;
+    return 0;
+}
+
 /* cache = (K, V, length): the module's dtype, C-contiguous, writeable
  * arrays K (B, Hkv, Dk, cap) and V (B, Hkv, cap, Dk) (cap > 0) taken as
  * they are (never copied: the call writes into them), and 0 <= length with
@@ -315,7 +347,9 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
     if (o->dropout && parse_dropout(o->dropout, "dropout", &p) < 0) return -1;
     if (o->counter && parse_u64(o->counter, "counter", &counter) < 0) return -1;
 
-    if (o->params && o->params != Py_None) {
+    if (o->params && PyTuple_Check(o->params)) {
+        if (parse_parts(self, o->params, c) < 0) goto fail;
+    } else if (o->params && o->params != Py_None) {
         const int64_t want[1] = {self->total};
         if (!(c->params = input_array(self, o->params, "params"))) goto fail;
         if (check_shape(c->params, "params", 1, want, "the parameter block's shape") < 0)
@@ -408,7 +442,19 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
         a->dropout = p;
         a->counter = counter;
     }
-    mha_params_from_block(&self->cfg, c->params ? PyArray_DATA(c->params) : self->block, &c->p);
+    if (c->have_parts) {
+        const void *t[MHA_NPARAM];
+        int i;
+        for (i = 0; i < MHA_NPARAM; i++) t[i] = c->parts[i] ? PyArray_DATA(c->parts[i]) : NULL;
+        c->p.wq = t[MHA_WQ]; c->p.bq = t[MHA_BQ];
+        c->p.wk = t[MHA_WK]; c->p.bk = t[MHA_BK];
+        c->p.wv = t[MHA_WV]; c->p.bv = t[MHA_BV];
+        c->p.wo = t[MHA_WO]; c->p.bo = t[MHA_BO];
+        c->p.bias_k = t[MHA_BIAS_K]; c->p.bias_v = t[MHA_BIAS_V];
+    } else {
+        mha_params_from_block(&self->cfg, c->params ? PyArray_DATA(c->params) : self->block,
+                              &c->p);
+    }
     return 0;
 fail:
     call_clear(c);
@@ -419,6 +465,8 @@ void call_clear(struct call *c)
 {
     int i;
     Py_CLEAR(c->params);
+    for (i = 0; i < MHA_NPARAM; i++) Py_CLEAR(c->parts[i]);
+    c->have_parts = 0;
     Py_CLEAR(c->query);
     Py_CLEAR(c->key);
     Py_CLEAR(c->value);

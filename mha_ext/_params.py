@@ -25,7 +25,7 @@ from ._convert import as_real, flag
 
 __all__ = ["kv_width", "LINEARS", "SEED_KEYS", "BIAS_KV", "BLOCK_KEYS", "TORCH_PACKED", "TORCH_SEPARATE",
            "TORCH_KEYS", "TORCH_PARTS", "TORCH_UNSUPPORTED", "IncompatibleKeys", "seed_keys", "shape",
-           "tensor", "state_dict", "load_block", "params_block", "grads"]
+           "tensor", "state_dict", "load_block", "params_block", "grads", "Parts", "parts"]
 
 # the four projections, in the order of the C block
 LINEARS = ("W_q", "W_k", "W_v", "W_o")
@@ -169,13 +169,29 @@ def load_block(mha, state, strict=True):
     return block, IncompatibleKeys(missing, unexpected)
 
 
+class Parts(tuple):
+    """The parameters as one array per block tensor, in the block's order,
+    None where the layout has none: the C call reads each in place (no block
+    is assembled; a training forward copies them as its projections read
+    them).  The torch classes' path (_torch_fn)."""
+
+    __slots__ = ()
+
+
+def parts(mha, arrays):
+    """Parts from the module's tensors in block order (those of seed_keys)."""
+    layout = mha._layout()
+    it = iter(arrays)
+    return Parts(next(it) if layout[i][1] != 0 else None for i in range(len(BLOCK_KEYS)))
+
+
 def params_block(mha, params):
     """The flat parameter block (a private copy) from forward_train's
     params=: a mapping with every seed key or a 1-D block; None (the
     module's parameters) stays None: the forward copies those itself, under
-    the module's lock."""
-    if params is None:
-        return None
+    the module's lock; Parts stay as they are."""
+    if params is None or isinstance(params, Parts):
+        return params
     block = np.array(mha._block(), copy=True)
     layout = mha._layout()
     if isinstance(params, Mapping):

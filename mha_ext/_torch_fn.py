@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import autograd as _ag
+from . import _calls, _params, autograd as _ag
 from ._convert import to_numpy
 from ._params import BLOCK_KEYS, seed_keys
 
@@ -84,13 +84,15 @@ class AttentionFunction(torch.autograd.Function):
         if opts.get("dropout", 0.0) > 0 and opts.get("dropout_counter") is None:
             opts["dropout_counter"] = torch_stream()
         used = params[:len(seed_keys(core))]
-        # joined by NumPy, not torch.cat: one thread, where torch.cat's
-        # parallel copy waited on OpenMP threads our pool had just run beside
-        block = np.concatenate([to_numpy(p, "parameters").reshape(-1) for p in used])
+        # each parameter read in place by the C call (views of the tensors):
+        # no block joined per call, which cost more than the attention at
+        # small sizes (B1 S1 E768: 3.8 ms a call against torch's 0.16)
+        parts = _params.parts(core, [to_numpy(p, "parameters") for p in used])
+        q, k, v = (to_numpy(x, n) for x, n in ((query, "query"), (key, "key"),
+                                                (value, "value")))
         if not any(ctx.needs_input_grad):  # no backward will come: keep nothing for it
             opts.setdefault("save_projections", False)
-        saved = _ag.forward_train(core, to_numpy(query, "query"), to_numpy(key, "key"),
-                                  to_numpy(value, "value"), params=block, **opts)
+        saved = _ag.forward_train(core, q, k, v, params=parts, **opts)
         ctx.core = core
         ctx.saved = saved
         ctx.set_materialize_grads(False)
@@ -123,6 +125,37 @@ class AttentionFunction(torch.autograd.Function):
                 for i, g in zip(have, guarded):
                     grads[i] = g
         return (None, None, *grads)
+
+
+def attention(core, opts, query, key, value, *params):
+    """AttentionFunction.apply(core, opts, query, key, value, *params); or,
+    when autograd will record nothing (grad mode off, as under no_grad and
+    inference_mode, or no tensor requiring grad) and there is no dropout,
+    the core's plain forward: nothing copied or kept for a backward."""
+    tensors = (query, key, value, *params)
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) \
+            or opts.get("dropout") or opts.get("head_mask_input") \
+            or (core.training and core.dropout > 0):
+        return AttentionFunction.apply(core, opts, *tensors)
+    parts = _params.parts(core, [to_numpy(p, "parameters")
+                                 for p in params[:len(seed_keys(core))]])
+    q, k, v = (to_numpy(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    out, weights = _forward_plain(core, q, k, v, parts, opts)
+    out = torch.from_numpy(out)
+    return out, torch.empty(0, dtype=out.dtype) if weights is None else torch.from_numpy(weights)
+
+
+def _forward_plain(core, q, k, v, parts, opts):
+    """core's plain forward (the module's call) with the parameters `parts`
+    and forward_train's keywords `opts` (no dropout): (output, weights)."""
+    call = _calls.prepare(core, q, k, v, opts.get("mask"), opts.get("attn_mask"),
+                          opts.get("key_padding_mask"), opts.get("is_causal", False),
+                          opts.get("need_weights", True), opts.get("average_weights", False),
+                          opts.get("masked_rows", "nan"), dtype=core.dtype,
+                          scale=opts.get("scale"), window=opts.get("window"),
+                          head_mask=opts.get("head_mask"), layout=opts.get("layout"))
+    out, weights = _calls.c_forward(core, call, params=parts)
+    return _calls.shape_output(call, out, weights)
 
 
 def _gradients(ctx, saved_tensors, grad_out, grad_weights):

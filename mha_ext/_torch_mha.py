@@ -33,7 +33,7 @@ from torch.nn.parameter import Parameter
 from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
-from ._torch_fn import AttentionFunction, refuse_mask_grads
+from ._torch_fn import attention, refuse_mask_grads
 from ._types import Int, Window
 
 if TYPE_CHECKING:
@@ -372,7 +372,7 @@ class MultiheadAttention(nn.Module):
             out, weights = self._causal_over_extra_keys(dtype, opts, q, k, v, params), None
         else:
             try:
-                out, weights = AttentionFunction.apply(core, opts, q, k, v, *params)
+                out, weights = attention(core, opts, q, k, v, *params)
             except ValueError as exc:
                 if not batched or self.batch_first:
                     raise
@@ -401,7 +401,7 @@ class MultiheadAttention(nn.Module):
             stop = S + e + 1 if e < len(extras) - 1 else L
             if S + e < min(stop, L):
                 blocks.append((S + e, min(stop, L), extra, False))
-        outs = [AttentionFunction.apply(self._core(dtype, extra), dict(opts, is_causal=c),
+        outs = [attention(self._core(dtype, extra), dict(opts, is_causal=c),
                                         q[..., a:b, :], k, v, *params)[0]
                 for a, b, extra, c in blocks]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)

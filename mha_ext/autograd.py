@@ -154,7 +154,7 @@ def forward_train(mha: MultiHeadAttention, query: ArrayLike, key: ArrayLike | No
     keep = _calls.keep_level(mha, call, save_projections)
     out, weights, saved, copies = _calls.c_forward_train(mha, call, block, p, counter, keep)
     block_copy, q3, k3, v3 = copies
-    if block is None:
+    if block is None or isinstance(block, _params.Parts):
         block = block_copy
     out, weights = _calls.shape_output(call, out, weights)
     return ForwardContext(output=out, weights=weights, dropout=p, counter=counter,
