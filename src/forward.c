@@ -16,8 +16,8 @@
 #define KT mha_kern_f32
 #define EXP expf
 #include "softmax_impl.h"
-#include "attend_impl.h"
 #include "transpose_impl.h"
+#include "attend_impl.h"
 #include "forward_impl.h"
 #include "sdpa_forward_impl.h"
 #undef T
@@ -30,8 +30,8 @@
 #define KT mha_kern_f64
 #define EXP exp
 #include "softmax_impl.h"
-#include "attend_impl.h"
 #include "transpose_impl.h"
+#include "attend_impl.h"
 #include "forward_impl.h"
 #include "sdpa_forward_impl.h"
 #undef T

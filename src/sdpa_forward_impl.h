@@ -47,10 +47,14 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     at.cs_h = a->L * a->Dv;
     at.ldc = a->Dv;
 
-    /* kt's rows (mha_kt_ld); V's are the caller's, S apart */
+    /* kt's rows (mha_kt_ld); V's are the caller's, S apart.  Few queries
+     * and no weights (a decode step): no kt, each task transposes its
+     * blocks of keys as it reads them (one query block per head: none is
+     * transposed twice), so K is read once, not read, written and read */
     at.kld = mha_kt_ld(at.kern->nr, at.Sk, sizeof(T));
     at.vld = at.Sk;
-    if (mha_mul(a->B * a->Hkv, a->D, &n_kt) || mha_mul(n_kt, at.kld, &n_kt))
+    SUF(att_k_rows)(&at, (const T *)a->k);
+    if (mha_mul(a->B * a->Hkv, a->D, &n_kt) || mha_mul(n_kt, at.k_rows ? 0 : at.kld, &n_kt))
         return MHA_ERR_OVERFLOW;
 
     slots = mha_get_num_threads();
@@ -75,7 +79,8 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
     tr.S = a->S;
     tr.D = a->D;
     tr.ld = at.kld;
-    if (a->S > 0 && mha_parallel_for(a->B * a->Hkv, slots, SUF(sdpa_transpose_task), &tr, &ps))
+    if (a->S > 0 && !at.k_rows &&
+        mha_parallel_for(a->B * a->Hkv, slots, SUF(sdpa_transpose_task), &tr, &ps))
         goto stopped;
     /* a NaN or inf in v must reach every row (0·NaN): no skipping */
     at.skip = (a->is_causal || at.rr.window || at.rr.lay.keep) && SUF(all_finite)(at.vh, sz.n_value);

@@ -1,8 +1,10 @@
 /* transpose_impl.h: a strided transpose, and K per head transposed with it,
  * (B, Hkv, S, D) -> (B, Hkv, D, S), the layout in which the attention's
  * Q·Kᵀ reads K in place; written once for T = float and T = double
- * (included by forward.c before forward_impl.h, whose projections scatter
- * K per head with it, and by backward.c: mha_sdpa_forward and
+ * (included by forward.c before attend_impl.h, whose online task transposes
+ * the SDPA's blocks of keys with it when few queries read them, and
+ * forward_impl.h, whose projections scatter K per head with it; and by
+ * backward.c: mha_sdpa_forward and
  * mha_sdpa_backward, and the backward's attention task, which transposes
  * K and V once per task).  Legend as in mha.h's SDPA section. */
 
