@@ -30,7 +30,6 @@
  * Per-thread scratch (GEMM packing and the online state) is allocated once
  * per call. */
 
-#define SMALL_M 16   /* at most this many rows: the projections take the dot kernel */
 #define RM 1024      /* rows per projection task: packed W reused over them (and
                         narrower column tiles, 64 wide, before more row tiles) */
 
@@ -259,7 +258,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     /* few rows (a decode step): the unpacked dot kernel, whose sums are the
      * packed GEMM's bit for bit, so a row's bits never depend on the rows
      * beside it either way (batch invariance; the cache's bit-exactness) */
-    f.small = B * Sq <= SMALL_M && B * Sk <= SMALL_M;
+    f.small = B * Sq <= f.kern->dot_rows && B * Sk <= f.kern->dot_rows;
 
     /* small problems stay on the calling thread */
     slots = mha_get_num_threads();
@@ -381,4 +380,3 @@ stopped: /* the poll asked to stop: the outputs are unspecified */
 }
 
 #undef RM
-#undef SMALL_M

@@ -25,6 +25,13 @@
  * ukr_narrow: the same for nr <= nr_narrow (one vector) columns, in
  *   1/NRV of the work (a panel of few columns: S = Q·Kᵀ over few keys, the
  *   last panel of a product whose N leaves few); the same bits.
+ * dot_rows: the forward's projections of at most this many rows (B·Sq and
+ *   B·Sk) take dot, not the packed GEMM (the same bits either way: a choice
+ *   of speed).  Zen 5, 2 threads, a module call at E768 H12, float32:
+ *   AVX-512's dot 0.29 ms at B1 S1, the packed GEMM 0.14 (and 0.30 -> 0.18
+ *   at S4, 0.38 -> 0.35 at S16): 0 there; its float64 dot 0.34 against 0.49:
+ *   16; AVX2's 0.25 against 0.23 at S1, 0.55 against 0.58 at S16: 16; the
+ *   portable one's 0.32 against 0.70: 16.
  * dot: the unpacked small-M form of mha_gemm's C (m, n) = A (m, K)·B (n, K)ᵀ
  *   (+ bias, (+)=), every element the packed GEMM's bits (the same sums in
  *   the same order, depth blocks of MHA_GEMM_KC): rows of A in the lanes.
@@ -61,6 +68,7 @@ typedef void (*mha_ukr_f64)(int64_t kc, const double *A, int64_t lda, int64_t ak
 typedef struct {
     const char *name;
     int mr, nr, mr_tail, nr_narrow;
+    int dot_rows; /* projections of at most this many rows take dot (0: none) */
     mha_ukr_f32 ukr, ukr_tail, ukr_narrow;
     void (*dot)(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B,
                 int64_t ldb, const float *bias, float *C, int64_t ldc, int accumulate);
@@ -79,6 +87,7 @@ typedef struct {
 typedef struct {
     const char *name;
     int mr, nr, mr_tail, nr_narrow;
+    int dot_rows;
     mha_ukr_f64 ukr, ukr_tail, ukr_narrow;
     void (*dot)(int64_t m, int64_t n, int64_t K, const double *A, int64_t lda, const double *B,
                 int64_t ldb, const double *bias, double *C, int64_t ldc, int accumulate);
