@@ -47,6 +47,22 @@ static void SUF(prod_task)(void *vf, int64_t t, int slot)
 
 /* ------------------------------------------------------------ column sums */
 
+/* out[c] = Σ_r x[r*ld + c] for c < C, rows in order, summed in double
+ * (float32's too: a float sum over B·S rows had 12-100x torch's error at
+ * 1k-131k rows) */
+static void SUF(colsum)(const T *x, int64_t R, int64_t C, int64_t ld, T *out)
+{
+    double sum[TC];
+    int64_t r, c, c0, nc;
+    for (c0 = 0; c0 < C; c0 += TC) {
+        nc = C - c0 < TC ? C - c0 : TC;
+        for (c = 0; c < nc; c++) sum[c] = 0;
+        for (r = 0; r < R; r++)
+            for (c = 0; c < nc; c++) sum[c] += x[r * ld + c0 + c];
+        for (c = 0; c < nc; c++) out[c0 + c] = (T)sum[c];
+    }
+}
+
 static void SUF(btr_add)(SUF(bwd) *f, const T *x, T *colsum, int64_t R, int64_t C)
 {
     SUF(btr) *tr = &f->tr[f->n_tr++];
@@ -59,19 +75,11 @@ static void SUF(btr_task)(void *vf, int64_t t, int slot)
 {
     const SUF(bwd) *f = (const SUF(bwd) *)vf;
     int j = 0;
-    int64_t r, c;
-    double sum[TC]; /* in double, float32's too: a float sum over B·S rows had
-                       12-100x torch's error at 1k-131k rows */
     (void)slot;
     while (t >= f->tr[j].tasks) t -= f->tr[j++].tasks;
     const SUF(btr) *tr = &f->tr[j];
-    int64_t c0 = t * TC, nc = tr->C - c0 < TC ? tr->C - c0 : TC;
-    for (c = 0; c < nc; c++) sum[c] = 0;
-    for (r = 0; r < tr->R; r++) {
-        const T *x_r = tr->x + r * tr->C + c0;
-        for (c = 0; c < nc; c++) sum[c] += x_r[c];
-    }
-    for (c = 0; c < nc; c++) tr->colsum[c0 + c] = (T)sum[c];
+    const int64_t c0 = t * TC, nc = tr->C - c0 < TC ? tr->C - c0 : TC;
+    SUF(colsum)(tr->x + c0, tr->R, nc, tr->C, tr->colsum + c0);
 }
 
 /* phase 4's tasks: the tiles of the products, then the column sums */
@@ -82,19 +90,4 @@ static void SUF(grad_task)(void *vf, int64_t t, int slot)
         SUF(prod_task)(vf, t, slot);
     else
         SUF(btr_task)(vf, t - f->prods.tiles, slot);
-}
-
-/* out[c] = Σ_r x[r*ld + c] for c < C, rows in order, summed in double (as
- * btr_task sums) */
-static void SUF(colsum)(const T *x, int64_t R, int64_t C, int64_t ld, T *out)
-{
-    double sum[TC];
-    int64_t r, c, c0, nc;
-    for (c0 = 0; c0 < C; c0 += TC) {
-        nc = C - c0 < TC ? C - c0 : TC;
-        for (c = 0; c < nc; c++) sum[c] = 0;
-        for (r = 0; r < R; r++)
-            for (c = 0; c < nc; c++) sum[c] += x[r * ld + c0 + c];
-        for (c = 0; c < nc; c++) out[c0 + c] = (T)sum[c];
-    }
 }
