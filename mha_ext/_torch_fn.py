@@ -135,7 +135,7 @@ def attention(core, opts, query, key, value, *params):
     tensors = (query, key, value, *params)
     if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) \
             or opts.get("dropout") or opts.get("head_mask_input") \
-            or (core.training and core.dropout > 0):
+            or (core.training and core.dropout > 0) or _has_tangent(tensors):
         return AttentionFunction.apply(core, opts, *tensors)
     parts = _params.parts(core, [to_numpy(p, "parameters")
                                  for p in params[:len(seed_keys(core))]])
@@ -143,6 +143,16 @@ def attention(core, opts, query, key, value, *params):
     out, weights = _forward_plain(core, q, k, v, parts, opts)
     out = torch.from_numpy(out)
     return out, torch.empty(0, dtype=out.dtype) if weights is None else torch.from_numpy(weights)
+
+
+def _has_tangent(tensors):
+    """Whether a tensor carries a forward-mode tangent (a dual tensor, which
+    no_grad does not stop): the Function path then says it has no jvp,
+    where the plain path would drop the tangent without a word."""
+    from torch.autograd import forward_ad
+    if getattr(forward_ad, "_current_level", 0) < 0:  # no dual level open
+        return False
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def _forward_plain(core, q, k, v, parts, opts):

@@ -117,6 +117,20 @@ def test_the_generic_class_under_no_grad_is_the_modules_call():
     assert np.array_equal(a.numpy(), plain(x.numpy(), need_weights=False)[0])
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "enable_grad"])
+def test_a_dual_tensor_is_refused_not_dropped(pair, mode):
+    # forward-mode AD runs under no_grad too: the plain path must not take a
+    # dual tensor (it would drop the tangent); the Function says it has no jvp
+    import torch.autograd.forward_ad as fwAD
+    _, ours = pair
+    x = torch.randn(1, 3, E)
+    ctx = torch.no_grad if mode == "no_grad" else torch.enable_grad
+    with fwAD.dual_level(), ctx():
+        d = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            ours(d, d, d, need_weights=False)
+
+
 # ---- the binding's protocol: params as one array per tensor
 
 
