@@ -173,7 +173,7 @@ class MultiHeadAttention:
                        layout: _Layout = ...,
                        ) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[_Saved], _Copies]: ...
     def _backward(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike,
-                  grad_output: npt.ArrayLike, *, params: Optional[npt.ArrayLike] = ...,
+                  grad_output: npt.ArrayLike, *, params: _Params = ...,
                   masks: Sequence[_Mask] = ..., is_causal: _Causal = ...,
                   zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
                   grad_weights: Optional[npt.ArrayLike] = ...,

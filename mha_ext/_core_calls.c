@@ -31,7 +31,8 @@
  *             grad_weights=None, saved=None, scale=None)
  *       -> (grad_params, grad_query, grad_key, grad_value)
  *       The gradients of the _forward_train call with the same arguments
- *       (saved: its saved tuple, or None to recompute).
+ *       (saved: its saved tuple, or None to recompute); params as for
+ *       _forward.
  *
  * query (B, Sq, E), key (B, Sk, kdim), value (B, Sk, vdim); masks a
  * sequence of (kind, array) pairs, kind 0 blocking (nonzero = blocked) or

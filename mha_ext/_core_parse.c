@@ -221,9 +221,14 @@ static int parse_saved(MHAObject *self, PyObject *obj, struct call *c)
 
 /* params = a tuple of MHA_NPARAM arrays in the block's order, None where
  * the layout has no tensor: each converted to the module's dtype (no copy
- * when it already is, C-contiguous) and holding that tensor's scalars. */
+ * when it already is, C-contiguous) and of that tensor's shape: a weight
+ * (out, in), a bias (out,), bias_k and bias_v (Ekv,). */
 static int parse_parts(MHAObject *self, PyObject *obj, struct call *c)
 {
+    const mha_config *cfg = &self->cfg;
+    const int64_t E = cfg->d_model, Ekv = mha_kv_heads(cfg) * (E / cfg->n_heads);
+    const int64_t out[4] = {E, Ekv, Ekv, E}, in[4] = {E, cfg->kdim, cfg->vdim, E};
+    char name[16];
     Py_ssize_t i;
     if (PyTuple_GET_SIZE(obj) != MHA_NPARAM) {
         PyErr_Format(PyExc_ValueError, "params as a tuple must hold %d arrays (the block's "
@@ -240,11 +245,13 @@ static int parse_parts(MHAObject *self, PyObject *obj, struct call *c)
             }
             continue;
         }
-        if (!(c->parts[i] = input_array(self, item, "params"))) return -1;
-        if ((int64_t)PyArray_SIZE(c->parts[i]) != self->size[i]) {
-            PyErr_Format(PyExc_ValueError, "params[%zd] must hold %lld scalars, got %lld", i,
-                         (long long)self->size[i], (long long)PyArray_SIZE(c->parts[i]));
-            return -1;
+        PyOS_snprintf(name, sizeof name, "params[%d]", (int)i);
+        if (!(c->parts[i] = input_array(self, item, name))) return -1;
+        {
+            const int weight = i < 8 && i % 2 == 0;
+            const int64_t want[2] = {i < 8 ? out[i / 2] : Ekv, weight ? in[i / 2] : 0};
+            if (check_shape(c->parts[i], name, weight ? 2 : 1, want, "the shape") < 0)
+                return -1;
         }
     }
     c->have_parts = 1;

@@ -96,8 +96,10 @@ class MultiHeadAttention(nn.Module):
             np_dtype = _DTYPES[dtype]
         else:
             np_dtype = dtype
+        # in eval mode for good: each call passes its dropout (this module's
+        # training flag decides), so the core's own never applies
         self._core = _Core(d_model, n_heads, dropout, bias=bias, kdim=kdim, vdim=vdim,
-                           dtype=np_dtype, seed=seed, n_kv_heads=n_kv_heads)
+                           dtype=np_dtype, seed=seed, n_kv_heads=n_kv_heads).eval()
         tdtype = torch.float64 if self._core.dtype == np.float64 else torch.float32
         core = self._core
         ins = (core.d_model, core.kdim, core.vdim, core.d_model)
@@ -179,7 +181,7 @@ class MultiHeadAttention(nn.Module):
         if core.dtype != np.dtype(want):
             new = _Core(core.d_model, core.n_heads, core.dropout, bias=core.bias,
                         kdim=core.kdim, vdim=core.vdim, dtype=want, seed=core.seed,
-                        n_kv_heads=core.n_kv_heads)
+                        n_kv_heads=core.n_kv_heads).eval()
             self._core = core = new
         return core
 

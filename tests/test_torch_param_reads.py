@@ -131,13 +131,41 @@ def test_a_dual_tensor_is_refused_not_dropped(pair, mode):
             ours(d, d, d, need_weights=False)
 
 
+def test_a_transposed_weight_is_refused():
+    # W_k (E, kdim) given as (kdim, E): as many scalars, the wrong shape
+    m = mha_ext.MultiHeadAttention(16, 4, kdim=8)
+    parts = list(_module_parts(m))
+    parts[2] = np.ascontiguousarray(parts[2].T)
+    q, k = np.zeros((1, 2, 16), np.float32), np.zeros((1, 3, 8), np.float32)
+    with pytest.raises(ValueError, match=r"params\[2\] must have the shape \(16, 8\), "
+                                         r"got \(8, 16\)"):
+        m._forward(q, k, k, params=tuple(parts))
+
+
+def test_the_generic_class_with_dropout_in_eval_takes_the_plain_path():
+    # its C core stays in eval mode: the torch module's flag decides the dropout
+    m = mt.MultiHeadAttention(E, H, dropout=0.5).eval()
+    x = torch.randn(2, 5, E)
+    with torch.inference_mode():
+        peak = _peak(lambda: m(x, need_weights=False))
+        a = m(x, need_weights=False)[0]
+        b = m(x, need_weights=False)[0]
+    assert peak < _param_bytes(m) / 8, (peak, _param_bytes(m))
+    assert torch.equal(a, b)  # no dropout in eval
+    m.train()
+    with torch.no_grad():
+        c, d = m(x, need_weights=False)[0], m(x, need_weights=False)[0]
+    assert not torch.equal(c, d)  # dropout in training, a new mask each call
+
+
 # ---- the binding's protocol: params as one array per tensor
 
 
 def _module_parts(m):
     layout = m._layout()
     block = m._block()
-    return _params.Parts(block[o:o + n] if n else None for o, n in layout)
+    return _params.Parts(_params.tensor(m, i, block) if n else None
+                         for i, (o, n) in enumerate(layout))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -160,7 +188,14 @@ def test_parts_errors():
         m._forward(x, x, x, params=tuple(parts[:9]))
     bad = list(parts)
     bad[2] = bad[2][:-1]
-    with pytest.raises(ValueError, match=r"params\[2\] must hold 256 scalars, got 255"):
+    with pytest.raises(ValueError, match=r"params\[2\] must have the shape \(16, 16\), "
+                                         r"got \(15, 16\)"):
+        m._forward(x, x, x, params=tuple(bad))
+    bad[2] = parts[2].reshape(-1)  # the right number of scalars, not the shape
+    with pytest.raises(ValueError, match=r"params\[2\] must have the shape \(16, 16\)"):
+        m._forward(x, x, x, params=tuple(bad))
+    bad[2] = None  # a tensor the module has
+    with pytest.raises(TypeError, match=r"params\[2\]"):
         m._forward(x, x, x, params=tuple(bad))
     bad = list(parts)
     bad[1] = np.zeros(16, np.float32)  # W_q.bias: this module has none
