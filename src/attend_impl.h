@@ -45,10 +45,10 @@ typedef struct {
     const T *kt;          /* K per head, transposed: (B, Hkv, Dk, kld) */
     const T *k_rows;      /* or NULL: K per head as rows, (B, Hkv, Sk, Dk) (the
                              SDPA's k with few queries, no weights): the online
-                             task transposes each block of keys into its
-                             scratch as it reads it (Kᵀ never formed in memory:
-                             a decode step read K three times more) */
-    int64_t kb_ld;        /* that block's row length (mha_kt_ld of KB) */
+                             task transposes each panel of NR keys into its
+                             scratch (Dk, NR), in L1, just before Q·Kᵀ reads it
+                             (Kᵀ never formed in memory: a decode step read K
+                             three times more) */
     const T *vh;          /* V per head: (B, Hkv, vld, Dv) */
     T *ctx;               /* row i of head (b, h): ctx + b*cs_b + h*cs_h + i*ldc, Dv wide */
     int64_t cs_b, cs_h, ldc;
@@ -92,7 +92,7 @@ static int SUF(att_state)(const SUF(att) *at, int64_t *state)
     *state = 0;
     if (!at->weights && !at->p_save)
         return mha_mul(QB, at->Dv, state) || mha_add(*state, QB * KB + 2 * QB, state) ||
-               (at->k_rows && mha_add(*state, at->Dk * at->kb_ld, state));
+               (at->k_rows && mha_add(*state, at->Dk * at->kern->nr, state));
     if (SUF(att_streams)(at) || (at->p_save && !at->weights && at->dropout_on))
         return mha_mul(QB, at->Sk, state);
     return 0;
@@ -105,7 +105,6 @@ static void SUF(att_k_rows)(SUF(att) *at, const T *k)
 {
     if (at->weights || at->p_save || at->Sq > QB) return;
     at->k_rows = k;
-    at->kb_ld = mha_kt_ld(at->kern->nr, KB, sizeof(T));
 }
 
 /* the keys [kbeg, kend) the block of queries i0 .. i0+nq-1 may see */
@@ -310,10 +309,8 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     T *mx = s + QB * KB;                                   /* (QB) running max */
     T *l = mx + QB;                                        /* (QB) running sum */
     T *acc = l + QB;                                       /* (QB, Dv) */
-    T *kb = acc + QB * Dv;                                 /* k_rows: (Dk, kb_ld) */
-    /* Kᵀ of the head (Dk, Sk) at ld kld, or each block's in kb */
-    const T *kt_bh = at->k_rows ? kb : at->kt + bkv * Dk * at->kld;
-    const int64_t ktld = at->k_rows ? at->kb_ld : at->kld;
+    T *kb = acc + QB * Dv;                                 /* k_rows: (Dk, NR) */
+    const T *kt_bh = at->kt + bkv * Dk * at->kld;          /* (Dk, Sk), ld kld */
     for (r = 0; r < nq; r++) {
         mx[r] = -(T)INFINITY;
         l[r] = 0;
@@ -341,10 +338,19 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
         int64_t ns = (nk + NR - 1) / NR * NR;
         if (ns > Sk - j0) ns = Sk - j0;
         if (ns > KB) ns = KB;
-        if (at->k_rows) /* the block's keys transposed, in cache (the same values) */
-            SUF(transpose)(at->kern, at->k_rows + (bkv * Sk + j0) * Dk, ns, Dk, Dk, kb, ktld);
-        SUF(mha_gemm)(at->kern, 0, nq, ns, Dk, q_bh, Dk, at->k_rows ? kb : kt_bh + j0, ktld,
-                      NULL, s, KB, 0, gs);
+        if (at->k_rows) { /* a panel of keys at a time, transposed into L1, then read */
+            int64_t p, pn;
+            for (p = 0; p < ns; p += NR) {
+                pn = ns - p < NR ? ns - p : NR;
+                SUF(transpose)(at->kern, at->k_rows + (bkv * Sk + j0 + p) * Dk, pn, Dk, Dk, kb,
+                               NR);
+                SUF(mha_gemm)(at->kern, 0, nq, pn, Dk, q_bh, Dk, kb, NR, NULL, s + p, KB, 0,
+                              gs);
+            }
+        } else {
+            SUF(mha_gemm)(at->kern, 0, nq, ns, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB,
+                          0, gs);
+        }
         for (r = 0; r < nq; r++) {
             T *srow = s + r * KB, alpha;
             const int64_t h = h0 + r / nqh, i = i0 + r % nqh, bh = b * at->H + h;

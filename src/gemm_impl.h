@@ -43,11 +43,14 @@
 #define PFB 16
 
 /* The micro-kernel for an mr x nr tile: the one-vector kernel for a panel
- * of few columns, the half-height one for few rows, else the full one
- * (kernels.h; every one gives the same bits) */
+ * of few columns, the one-row one for a row, the half-height one for few
+ * rows, else the full one (kernels.h; every one gives the same bits) */
 static inline UKR_T SUF(ukr_for)(const KT *kt, int64_t mr, int64_t nr)
 {
-    return nr <= kt->nr_narrow ? kt->ukr_narrow : mr <= kt->mr_tail ? kt->ukr_tail : kt->ukr;
+    return nr <= kt->nr_narrow ? kt->ukr_narrow
+           : mr == 1           ? kt->ukr_row
+           : mr <= kt->mr_tail ? kt->ukr_tail
+                               : kt->ukr;
 }
 
 /* op(B) panel: Bp[k*NR + c] = op(B)(pc + k, j + c), zero for c >= nr; a

@@ -22,6 +22,8 @@
  *   in two runs).
  * ukr_tail: the same for mr <= mr_tail (MR / 2) rows, in half the work (the
  *   last row panel of a product whose M leaves few rows); the same bits.
+ * ukr_row: the same for one row (a decode step's query: S = q·Kᵀ and P·V
+ *   of one row, which the tail kernel ran as MR / 2 rows); the same bits.
  * ukr_narrow: the same for nr <= nr_narrow (one vector) columns, in
  *   1/NRV of the work (a panel of few columns: S = Q·Kᵀ over few keys, the
  *   last panel of a product whose N leaves few); the same bits.
@@ -56,7 +58,7 @@
 
 #include <stdint.h>
 
-/* the micro-kernels' signature (ukr, ukr_tail and ukr_narrow above) */
+/* the micro-kernels' signature (ukr, ukr_tail, ukr_narrow and ukr_row above) */
 typedef void (*mha_ukr_f32)(int64_t kc, const float *A, int64_t lda, int64_t ak,
                             const float *Bp, int64_t ldbk, float *C, int64_t ldc, int64_t mr,
                             int64_t nr, int accumulate, const float *bias, const float *pin);
@@ -69,7 +71,7 @@ typedef struct {
     const char *name;
     int mr, nr, mr_tail, nr_narrow;
     int dot_rows; /* projections of at most this many rows take dot (0: none) */
-    mha_ukr_f32 ukr, ukr_tail, ukr_narrow;
+    mha_ukr_f32 ukr, ukr_tail, ukr_narrow, ukr_row;
     void (*dot)(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B,
                 int64_t ldb, const float *bias, float *C, int64_t ldc, int accumulate);
     float (*scale_max)(float *s, int64_t n, float c);
@@ -88,7 +90,7 @@ typedef struct {
     const char *name;
     int mr, nr, mr_tail, nr_narrow;
     int dot_rows;
-    mha_ukr_f64 ukr, ukr_tail, ukr_narrow;
+    mha_ukr_f64 ukr, ukr_tail, ukr_narrow, ukr_row;
     void (*dot)(int64_t m, int64_t n, int64_t K, const double *A, int64_t lda, const double *B,
                 int64_t ldb, const double *bias, double *C, int64_t ldc, int accumulate);
     double (*scale_max)(double *s, int64_t n, double c);
