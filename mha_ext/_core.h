@@ -170,8 +170,8 @@ struct call {
     /* owned references, converted to the module's dtype, C-contiguous */
     PyArrayObject *params;      /* NULL: the module's own (under its lock) */
     PyArrayObject *parts[MHA_NPARAM]; /* or one array per parameter (params given
-                                   as a tuple in the block's order): no copy */
-    int have_parts;
+                                   as a tuple in the block's order, parts[MHA_WQ]
+                                   then set): no copy */
     PyArrayObject *query, *key, *value;
     PyArrayObject *grad_output, *grad_weights;
     PyArrayObject *head_mask;   /* (B, H), or NULL */

@@ -56,7 +56,7 @@ int call_run(struct call *c)
     signal_poll sp;
     mha_status st = MHA_OK;
 
-    if (!c->params && !c->have_parts && lock_read(&self->lock, &t) < 0) return -1;
+    if (!c->params && !c->parts[MHA_WQ] && lock_read(&self->lock, &t) < 0) return -1;
     if (on_main_thread()) {
         c->ba.fwd.poll = poll_signals;
         c->ba.fwd.poll_ctx = &sp;

@@ -254,7 +254,6 @@ static int parse_parts(MHAObject *self, PyObject *obj, struct call *c)
                 return -1;
         }
     }
-    c->have_parts = 1;
     return 0;
 }
 
@@ -449,15 +448,11 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
         a->dropout = p;
         a->counter = counter;
     }
-    if (c->have_parts) {
+    if (c->parts[MHA_WQ]) { /* given as a tuple (W_q is never empty) */
         const void *t[MHA_NPARAM];
         int i;
         for (i = 0; i < MHA_NPARAM; i++) t[i] = c->parts[i] ? PyArray_DATA(c->parts[i]) : NULL;
-        c->p.wq = t[MHA_WQ]; c->p.bq = t[MHA_BQ];
-        c->p.wk = t[MHA_WK]; c->p.bk = t[MHA_BK];
-        c->p.wv = t[MHA_WV]; c->p.bv = t[MHA_BV];
-        c->p.wo = t[MHA_WO]; c->p.bo = t[MHA_BO];
-        c->p.bias_k = t[MHA_BIAS_K]; c->p.bias_v = t[MHA_BIAS_V];
+        mha_params_from_tensors(t, &c->p);
     } else {
         mha_params_from_block(&self->cfg, c->params ? PyArray_DATA(c->params) : self->block,
                               &c->p);
@@ -473,7 +468,6 @@ void call_clear(struct call *c)
     int i;
     Py_CLEAR(c->params);
     for (i = 0; i < MHA_NPARAM; i++) Py_CLEAR(c->parts[i]);
-    c->have_parts = 0;
     Py_CLEAR(c->query);
     Py_CLEAR(c->key);
     Py_CLEAR(c->value);

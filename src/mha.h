@@ -110,6 +110,10 @@ typedef struct {
 mha_status mha_params_from_block(const mha_config *cfg, const void *block,
                                  mha_params *p);
 
+/* Point p at MHA_NPARAM separate tensors t[i], in the block's order
+ * (MHA_WQ, MHA_BQ, ...; NULL where the layout has none). */
+void mha_params_from_tensors(const void *const t[MHA_NPARAM], mha_params *p);
+
 typedef enum {
     MHA_MASK_BLOCK = 0, /* uint8_t; nonzero = blocked (score -> -inf) */
     MHA_MASK_ADD = 1    /* scalars of cfg->dtype, added to the scaled scores */

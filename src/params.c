@@ -101,10 +101,15 @@ mha_status mha_params_from_block(const mha_config *cfg, const void *block, mha_p
     size_t es = mha_dtype_size(cfg->dtype);
     for (i = 0; i < MHA_NPARAM; i++)
         t[i] = size[i] ? (const char *)block + (size_t)offset[i] * es : NULL;
+    mha_params_from_tensors(t, p);
+    return MHA_OK;
+}
+
+void mha_params_from_tensors(const void *const t[MHA_NPARAM], mha_params *p)
+{
     p->wq = t[MHA_WQ]; p->bq = t[MHA_BQ];
     p->wk = t[MHA_WK]; p->bk = t[MHA_BK];
     p->wv = t[MHA_WV]; p->bv = t[MHA_BV];
     p->wo = t[MHA_WO]; p->bo = t[MHA_BO];
     p->bias_k = t[MHA_BIAS_K]; p->bias_v = t[MHA_BIAS_V];
-    return MHA_OK;
 }
