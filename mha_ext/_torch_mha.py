@@ -33,7 +33,7 @@ from torch.nn.parameter import Parameter
 from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
-from ._torch_fn import attention, refuse_mask_grads
+from ._torch_fn import attention, attention_kept, refuse_mask_grads
 from ._types import Int, Window
 
 if TYPE_CHECKING:
@@ -217,28 +217,37 @@ class MultiheadAttention(nn.Module):
     def _has_bias(self):
         return self.in_proj_bias is not None or self.out_proj.bias is not None
 
-    def _params(self):
+    def _sources(self):
+        """The parameter tensors _params() is made from (None where absent):
+        in_proj_weight or q/k/v_proj_weight, in_proj_bias, out_proj's
+        weight and bias, bias_k, bias_v."""
+        out = self.out_proj
+        return (self.in_proj_weight, self.q_proj_weight, self.k_proj_weight,
+                self.v_proj_weight, self.in_proj_bias, out.weight, out.bias, self.bias_k,
+                self.bias_v)
+
+    def _params(self, sources=None):
         """[W_q.weight, W_q.bias, ... W_o.bias, then bias_k, bias_v with
         add_bias_kv] as views of our parameters (the C block's order), so
-        that gradients reach the parameters."""
+        that gradients reach the parameters; made from `sources` (those of
+        _sources(), by default read now: a parametrized weight is computed
+        once for both)."""
+        in_w, q_w, k_w, v_w, in_b, out_w, out_b, bias_k, bias_v = \
+            self._sources() if sources is None else sources
         E = self.embed_dim
         if self._qkv_same_embed_dim:
-            w = self.in_proj_weight
-            ws = (w[:E], w[E:2 * E], w[2 * E:])
+            ws = (in_w[:E], in_w[E:2 * E], in_w[2 * E:])
         else:
-            ws = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
-        ws = ws + (self.out_proj.weight,)
-        kv = [] if self.bias_k is None else [self.bias_k.reshape(-1), self.bias_v.reshape(-1)]
-        if not self._has_bias():
+            ws = (q_w, k_w, v_w)
+        ws = ws + (out_w,)
+        kv = [] if bias_k is None else [bias_k.reshape(-1), bias_v.reshape(-1)]
+        if in_b is None and out_b is None:
             return list(ws) + kv
-        ref = self.out_proj.weight
-        b = self.in_proj_bias
-        if b is None:
-            b = torch.zeros(3 * E, dtype=ref.dtype, device=ref.device)
-        bo = self.out_proj.bias
-        if bo is None:
-            bo = torch.zeros(E, dtype=ref.dtype, device=ref.device)
-        bs = (b[:E], b[E:2 * E], b[2 * E:], bo)
+        if in_b is None:
+            in_b = torch.zeros(3 * E, dtype=out_w.dtype, device=out_w.device)
+        if out_b is None:
+            out_b = torch.zeros(E, dtype=out_w.dtype, device=out_w.device)
+        bs = (in_b[:E], in_b[E:2 * E], in_b[2 * E:], out_b)
         return [t for pair in zip(ws, bs) for t in pair] + kv
 
     def _torch_fast_path(self, query, key, value, attn_mask, key_padding_mask):
@@ -331,8 +340,14 @@ class MultiheadAttention(nn.Module):
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
         refuse_mask_grads(attn_mask=attn_mask, key_padding_mask=key_padding_mask)
-        fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask) \
-            or (not need_weights and self._in_fused_layer(query))
+        # which of torch's paths would run matters only where a query can see
+        # no key (NaN or out_proj.bias); without masks, window, layout or
+        # causality none can
+        maskless = attn_mask is None and key_padding_mask is None and window is None \
+            and layout is None and is_causal is False
+        fast = not maskless and (
+            self._torch_fast_path(query, key, value, attn_mask, key_padding_mask)
+            or (not need_weights and self._in_fused_layer(query)))
         causal = False
         if isinstance(is_causal, str):  # ours: lower-right causality, no hint
             causal = _causal(is_causal)
@@ -343,16 +358,16 @@ class MultiheadAttention(nn.Module):
                                    "`generate_square_subsequent_mask` to create this mask.")
             if key_padding_mask is None and not need_weights and not fast:
                 attn_mask, causal = None, True  # torch applies the pattern, not the mask
-        params = self._params()
-        dtype = params[0].dtype
+        sources = self._sources()
+        dtype = (sources[0] if self._qkv_same_embed_dim else sources[1]).dtype
         core = self._core(dtype)
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
             if x.device.type != "cpu":
                 raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
-        for p in params:
-            if p.device.type != "cpu":
+        for p in sources:
+            if p is not None and p.device.type != "cpu":
                 raise ValueError(f"parameters must be on the CPU, got device {p.device}")
         batched = query.dim() == 3
         q, k, v = (x.to(dtype) for x in (query, key, value))
@@ -369,10 +384,12 @@ class MultiheadAttention(nn.Module):
                 raise ValueError("window and layout are not taken with the is_causal hint "
                                  "on torch's SDPA path with add_bias_kv or add_zero_attn "
                                  "(its causal pattern covers the appended keys)")
-            out, weights = self._causal_over_extra_keys(dtype, opts, q, k, v, params), None
+            out, weights = self._causal_over_extra_keys(dtype, opts, q, k, v,
+                                                         self._params(sources)), None
         else:
             try:
-                out, weights = attention(core, opts, q, k, v, *params)
+                out, weights = attention_kept(self, core, opts, q, k, v, sources,
+                                               lambda: self._params(sources))
             except ValueError as exc:
                 if not batched or self.batch_first:
                     raise

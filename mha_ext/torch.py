@@ -39,7 +39,7 @@ from torch import nn
 from . import _habits
 from ._convert import as_real, check_tensor
 from ._params import LINEARS
-from ._torch_fn import attention as _attention
+from ._torch_fn import attention_kept as _attention_kept
 from ._torch_fn import refuse_mask_grads
 from ._swap import swapped
 from ._torch_mha import MultiheadAttention
@@ -235,5 +235,7 @@ class MultiHeadAttention(nn.Module):
             # returns dL/d head_mask
             opts.update(head_mask=head_mask.detach(), head_mask_input=True)
             extra = [head_mask]
-        out, weights = _attention(core, opts, *tensors, *params, *extra)
+        query, key, value = tensors
+        out, weights = _attention_kept(self, core, opts, query, key, value, params,
+                                       lambda: params + extra)
         return out, (weights if need_weights else None)
