@@ -162,21 +162,26 @@ def attention_kept(module, core, opts, query, key, value, sources, get_params):
     get_params() (the parameters made from those very tensors) called only
     when the views are not kept already.  The plain path reuses
     the Parts (NumPy views) of the module's last plain call while every
-    source still is the same memory: the same address, dtype, shape and
-    strides.  The views keep their tensors' storage alive, so no other
-    tensor can have been given that address since; writes in place (an
-    optimizer step, load_state_dict, .data.copy_) are read through the
-    views, and a new tensor (.data = ..., .double(), a new Parameter) has
-    another address and makes new views.  This spares the ten conversions
-    of a call (B 1, S 1, E 768: about a sixth of the drop-in's call)."""
+    source still is the same memory read the same way: the same address,
+    dtype, shape, strides, type and negation/conjugation flags (a hit reads
+    exactly what new views would).  Writes in place (an optimizer step,
+    load_state_dict, .data.copy_) are read through the views; a new tensor
+    (.data = ..., .double(), a new Parameter) makes new views.  Only
+    registered Parameters are kept: a parametrization (or functional_call's
+    plain tensors) gives new tensors each call, which would only be held.
+    This spares the parameters' conversions of a call (B 1, S 1, E 768:
+    about a sixth of the drop-in's call)."""
     present = tuple(t for t in sources if t is not None)
     if records(core, opts, (query, key, value, *present)):
         return AttentionFunction.apply(core, opts, query, key, value, *get_params())
-    try:
-        memory = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
-                       for t in sources)
-    except (RuntimeError, TypeError, ValueError):  # no storage (vmap's, fake): not kept;
-        memory = None                              # _parts says what is wrong
+    memory = None  # kept only for registered parameters (not a parametrization's
+    if all(t is None or isinstance(t, torch.nn.Parameter) for t in sources):  # new tensors)
+        try:
+            memory = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride(),
+                                                   type(t), t.is_neg(), t.is_conj())
+                           for t in sources)
+        except (RuntimeError, TypeError, ValueError):  # no storage (vmap's, fake): not
+            memory = None                              # kept; _parts says what is wrong
     try:
         kept = _KEPT.get(module) if memory is not None else None
     except TypeError:  # a module class that cannot be a weak key: nothing kept

@@ -340,14 +340,11 @@ class MultiheadAttention(nn.Module):
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
         refuse_mask_grads(attn_mask=attn_mask, key_padding_mask=key_padding_mask)
-        # which of torch's paths would run matters only where a query can see
-        # no key (NaN or out_proj.bias); without masks, window, layout or
-        # causality none can
-        maskless = attn_mask is None and key_padding_mask is None and window is None \
-            and layout is None and is_causal is False
-        fast = not maskless and (
+        # which of torch's paths would run decides only need_weights=False
+        # calls (masked_rows, and is_causal's mask): with weights both give NaN
+        fast = not need_weights and (
             self._torch_fast_path(query, key, value, attn_mask, key_padding_mask)
-            or (not need_weights and self._in_fused_layer(query)))
+            or self._in_fused_layer(query))
         causal = False
         if isinstance(is_causal, str):  # ours: lower-right causality, no hint
             causal = _causal(is_causal)

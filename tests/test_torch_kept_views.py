@@ -114,10 +114,32 @@ def test_new_tensor_under_data_reaches_the_next_call():
     ref.in_proj_weight.data = w.clone()
     ours.in_proj_weight.data = w.clone()
     _check(ref, ours, x)
-    # a transposed view of the same storage: the same address, other strides
+
+
+def test_same_address_other_strides():
+    ref, ours = _pair()
+    x = _x()
     t = torch.randn(E, E) * 0.1
+    ref.out_proj.weight.data = t.clone()
+    ours.out_proj.weight.data = t
+    _check(ref, ours, x)
+    # the same storage, transposed: the same address, other strides
     ref.out_proj.weight.data = t.t().contiguous()
     ours.out_proj.weight.data = t.t()
+    _check(ref, ours, x)
+
+
+def test_same_address_negated():
+    # z.conj().imag: the same memory as z.imag, read negated (torch's neg bit)
+    ref, ours = _pair()
+    x = _x()
+    z = torch.randn(E, E, dtype=torch.complex64) * 0.1
+    for m in (ref, ours):
+        m.out_proj.weight.data = z.imag
+    _check(ref, ours, x)
+    for m in (ref, ours):
+        m.out_proj.weight.data = z.conj().imag
+    assert ours.out_proj.weight.is_neg()
     _check(ref, ours, x)
 
 
@@ -162,6 +184,8 @@ def test_parametrization_is_read_at_each_call():
     _check(ref, ours, x)
     sr.s = so.s = 0.5
     _check(ref, ours, x)
+    # a parametrization makes new tensors each call: none kept (only held)
+    assert _torch_fn._KEPT.get(ours) is None
 
 
 def test_functional_call_uses_the_given_parameters():
@@ -190,3 +214,25 @@ def test_deepcopy_computes_with_its_own_parameters():
     _check(ref, ours, x)
     del ours
     _check(ref2, ours2, x)
+
+
+def test_scores_overflowing_to_minus_inf_give_torchs_nan():
+    # every score of a row -inf without any mask: on torch's fast path
+    # (eval, no grad, batch-first self-attention, need_weights=False) the
+    # row is NaN; ours says the same
+    e, h = 8, 2
+    ref = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
+    ours = mt.MultiheadAttention(e, h, batch_first=True).eval()
+    eye = torch.eye(e)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([eye, -eye, eye]))
+        ref.in_proj_bias.zero_()
+        ref.out_proj.weight.copy_(1e-20 * eye)
+        ref.out_proj.bias.fill_(0.5)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.full((1, 3, e), 1e20)
+    with torch.inference_mode():
+        want = ref(x, x, x, need_weights=False)[0]
+        got = ours(x, x, x, need_weights=False)[0]
+    assert torch.isnan(want).all()
+    assert torch.isnan(got).all()
