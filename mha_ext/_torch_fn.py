@@ -189,9 +189,8 @@ def attention_kept(module, core, opts, query, key, value, sources, get_params):
     if kept is not None and kept[0] is core and kept[1] == memory:
         parts = kept[2]
     else:
-        params = get_params()[:len(seed_keys(core))]
-        arrays = [to_numpy(p, "parameters") for p in params]
-        parts = _params.parts(core, arrays)
+        params = get_params()
+        parts, arrays = _parts_arrays(core, params)
         # kept only when every array is a view of its tensor (not a copy:
         # a conjugated or negated view is resolved into new memory)
         if memory is not None and all(a.__array_interface__["data"][0] == p.data_ptr()
@@ -200,11 +199,17 @@ def attention_kept(module, core, opts, query, key, value, sources, get_params):
     return _plain(core, opts, query, key, value, parts)
 
 
+def _parts_arrays(core, params):
+    """(Parts of the C call, their arrays) from the parameter tensors (those
+    the core's block has, the first len(seed_keys(core)); views, no copy for
+    float CPU tensors)."""
+    arrays = [to_numpy(p, "parameters") for p in params[:len(seed_keys(core))]]
+    return _params.parts(core, arrays), arrays
+
+
 def _parts(core, params):
-    """The Parts of the C call from the parameter tensors (those the core's
-    block has; views, no copy for float CPU tensors)."""
-    return _params.parts(core, [to_numpy(p, "parameters")
-                                for p in params[:len(seed_keys(core))]])
+    """The Parts of the C call from the parameter tensors."""
+    return _parts_arrays(core, params)[0]
 
 
 def _plain(core, opts, query, key, value, parts):
