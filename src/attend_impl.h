@@ -308,15 +308,22 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     T *s = gs + MHA_GEMM_SCRATCH;                          /* (QB, KB) */
     T *mx = s + QB * KB;                                   /* (QB) running max */
     T *l = mx + QB;                                        /* (QB) running sum */
-    T *acc = l + QB;                                       /* (QB, Dv) */
+    T *acc = l + QB;                                       /* (QB, Dv), ld ald */
     T *kb = acc + QB * Dv;                                 /* k_rows: (Dk, NR) */
     const T *kt_bh = at->kt + bkv * Dk * at->kld;          /* (Dk, Sk), ld kld */
+    int64_t ald = Dv, first = 1; /* first: no block summed into acc yet */
     for (r = 0; r < nq; r++) {
         mx[r] = -(T)INFINITY;
         l[r] = 0;
     }
-    SUF(fill_rows)(acc, nq, Dv, Dv, (T)0);
     kend = SUF(att_kend)(at, i0, nqh);
+    /* one block of keys (S up to KB) and the rows one head's: the context
+     * rows themselves hold the sums, normalized in place at the end (no
+     * copy; the same operations, so the same bits) */
+    if (!at->grp && SUF(att_kbeg)(at, i0) / KB * KB + KB >= kend) {
+        acc = at->ctx + b * at->cs_b + h0 * at->cs_h + i0 * at->ldc;
+        ald = at->ldc;
+    }
     /* blocks of keys anchored at key 0 (from the multiple of KB before the
      * first visible key): a row's running sums never depend on the block of
      * queries it is in, nor on keys past its last visible one.  With a
@@ -360,11 +367,14 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
             if (at->dropout_on)
                 SUF(dropout_row)(at, srow, ne[r], ((uint64_t)bh * (uint64_t)at->Sq +
                                                    (uint64_t)i) * (uint64_t)Sk + (uint64_t)j0);
-            if (alpha != (T)1) at->kern->scale(acc + r * Dv, Dv, alpha);
+            if (alpha != (T)1 && !first) at->kern->scale(acc + r * ald, Dv, alpha);
         }
-        /* a row with nothing visible here adds nothing (its s is 0) */
-        SUF(av_runs)(at, nq, nk, s, KB, ne, 0, v_bh + j0 * Dv, acc, Dv, 1, gs);
+        /* a row with nothing visible here adds nothing (its s is 0); the
+         * first block sets acc (as adding to zeros would, but for -0) */
+        SUF(av_runs)(at, nq, nk, s, KB, ne, 0, v_bh + j0 * Dv, acc, ald, !first, gs);
+        first = 0;
     }
+    if (first) SUF(fill_rows)(acc, nq, Dv, ald, (T)0); /* no block: every row blocked */
     const T *zero_v = NULL; /* Σ_j 0·V_j: a blocked row's context with zero_masked_rows */
     for (r = 0; r < nq; r++) {
         const int64_t h = h0 + r / nqh, i = i0 + r % nqh;
@@ -375,7 +385,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
                  * SDPA give: 0, or NaN in a column where V holds NaN or inf
                  * (computed once, in this row's unused accumulator) */
                 if (!zero_v) {
-                    T *z = acc + r * Dv;
+                    T *z = acc + r * ald;
                     for (j0 = 0; j0 < Sk; j0++)
                         for (d = 0; d < Dv; d++) z[d] += (T)0 * v_bh[j0 * Dv + d];
                     zero_v = z;
@@ -385,8 +395,8 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
             }
             for (d = 0; d < Dv; d++) c[d] = Sk == 0 ? (T)0 : SUF(blocked_row_value)(&at->rr);
         } else {
-            T inv = (T)1 / l[r];
-            for (d = 0; d < Dv; d++) c[d] = acc[r * Dv + d] * inv;
+            if (c != acc + r * ald) memcpy(c, acc + r * ald, (size_t)Dv * sizeof(T));
+            at->kern->scale(c, Dv, (T)1 / l[r]); /* the sums times 1/l */
             if (at->hmask) at->kern->scale(c, Dv, at->hmask[b * at->hm_sb + h * at->hm_sh]);
         }
     }

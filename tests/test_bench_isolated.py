@@ -38,3 +38,34 @@ def test_best_probe_takes_each_precision_highest(bench_isolated):
     # f64 each take their own highest run
     assert bench_isolated.best_probe([(180.0, 88.0), (94.9, 47.7), (176.0, 90.5)]) == (180.0, 90.5)
     assert bench_isolated.best_probe([]) is None
+
+
+@pytest.fixture(scope="module")
+def ort_bound():
+    path = os.path.join(ROOT, "benchmarks", "ort_bound.py")
+    spec = importlib.util.spec_from_file_location("ort_bound", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ort_bound_runs_the_cases_ort_runs(ort_bound, bench_isolated):
+    # float32 forward without weights: every such case, nothing else
+    assert ort_bound.cases() == ["tiny", "medium", "causal medium", "BERT", "large", "long"]
+
+
+def test_ort_bound_counts_each_parts_work(ort_bound):
+    # BERT: B 16, S 384, E 768, H 12; multiply-adds count 2
+    rows, E = 16 * 384, 768
+    assert ort_bound.part_flops("BERT", "qkv") == 2 * rows * E * 3 * E
+    assert ort_bound.part_flops("BERT", "out") == 2 * rows * E * E
+    # the whole call: four projections and the two products of attention
+    assert ort_bound.part_flops("BERT", "call") == 8 * rows * E * E + 4 * rows * 384 * E
+
+
+def test_ort_bound_names_the_cases_it_knows(ort_bound, capsys):
+    with pytest.raises(SystemExit) as e:
+        ort_bound.main(["--cases", "tiny,medium weights"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown case 'medium weights'" in err and "causal medium" in err
