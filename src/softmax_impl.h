@@ -203,7 +203,7 @@ static inline int64_t SUF(softmax_online_step)(const KT *kern, const mha_rows *r
         return -1;
     }
     mnew = (bm != bm || *mx != *mx) ? (T)NAN : bm > *mx ? bm : *mx;
-    *alpha = EXP(*mx - mnew);
+    *alpha = *mx - mnew == 0 ? (T)1 : EXP(*mx - mnew); /* exp(0): 1 exactly, no call */
     if (rr->causal && rr->nmk >= j0 + nk) /* > 0: the block has a visible key */
         ne = SUF(causal_visible)(rr, i, j0, ne);
     sum = kern->exp_sum(s, ne, mnew);
