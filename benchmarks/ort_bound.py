@@ -15,12 +15,15 @@ no weights), one fresh process per measurement times, with ONNX Runtime at
   out    the same at the output projection's shape, (B*S, E) x (E, E)
 
 and prints each as GFLOP/s and % of the FMA probe's peak (fma_probe.c, the
-highest of the probes run before and after every case).  A library that is
+highest of the probes run before and after every case).  The work counted
+is the dense work (bench.flops), as bench_isolated.py counts it.  A library
 1.2x faster than ONNX Runtime's whole call runs at 1.2 x its % of the peak
-("1.2x needs"): past 100% no library can.  The GEMM rows show how fast the
-same library's prepacked GEMM runs on that machine at those shapes.
-Times are medians over rounds of each process's median.  Needs onnxruntime
-and onnx (pip install ".[bench]").
+("1.2x needs"): past 100% no library doing the dense work can (a causal
+case's skipped blocks are work not done, so there it can).  The GEMM rows
+show how fast the same library's prepacked GEMM runs on that machine at
+those shapes.  The parts run in turn, their order reversed every other
+round; times are medians over rounds of each process's median.  Needs
+onnxruntime and onnx (pip install ".[bench]").
 """
 import argparse
 import json
@@ -124,8 +127,9 @@ def main(argv=None):
     for c in todo:
         if c not in cases():
             ap.error(f"unknown case {c!r}: expected some of {', '.join(cases())}")
-    if bench_isolated.available("ort"):
-        sys.exit(bench_isolated.available("ort"))
+    missing = bench_isolated.available("ort")
+    if missing:
+        sys.exit(missing)
     probes = [bench.fma_peak(args.threads)]
     if probes[0] is None:
         sys.exit("the FMA probe did not build (it needs cc or gcc): no peak to compare with")
@@ -134,8 +138,8 @@ def main(argv=None):
     results = []
     for case in todo:
         times = {p: [] for p in PARTS}
-        for _ in range(args.rounds):
-            for p in PARTS:
+        for rnd in range(args.rounds):
+            for p in (PARTS if rnd % 2 == 0 else PARTS[::-1]):
                 times[p].append(measure(case, p, args))
         probes.append(bench.fma_peak(args.threads))
         peak = max(p[0] for p in probes if p)

@@ -153,6 +153,18 @@ static void SUF(a_row)(const SUF(att) *at, const T *p_bh, T *a_bh, int64_t r, in
                          ((uint64_t)bh * (uint64_t)at->Sq + (uint64_t)(i0 + r)) * (uint64_t)Sk);
 }
 
+/* Set sums (not accumulate): C + 0, a sum of -0 to +0, as a sum added to a
+ * zero fill gives (every other value unchanged).  Its sign would otherwise
+ * depend on how many keys past the row's own its run of rows took (a run's
+ * last entries add p·v = 0, and -0 + 0 = +0). */
+static void SUF(plus_zero)(T *c, int64_t m, int64_t n, int64_t ldc, int accumulate)
+{
+    int64_t i, j;
+    if (accumulate) return;
+    for (i = 0; i < m; i++)
+        for (j = 0; j < n; j++) c[i * ldc + j] += (T)0;
+}
+
 /* c (+)= A·V for a task's nq rows: A (nq, nk), rows lda apart, V (nk, Dv).
  * With V finite (at->skip), row r of A is 0 past its first ne[r] entries
  * (ne[r] < 0: ne_blocked), so each run of rows takes only the keys up to
@@ -168,6 +180,7 @@ static void SUF(av_runs)(const SUF(att) *at, int64_t nq, int64_t nk, const T *a,
     int64_t r0, r1, r;
     if (!at->skip) {
         SUF(mha_gemm)(at->kern, 0, nq, Dv, nk, a, lda, v, Dv, NULL, c, ldc, accumulate, gs);
+        SUF(plus_zero)(c, nq, Dv, ldc, accumulate);
         return;
     }
     for (r0 = 0; r0 < nq; r0 = r1) {
@@ -189,6 +202,7 @@ static void SUF(av_runs)(const SUF(att) *at, int64_t nq, int64_t nk, const T *a,
         else if (!accumulate)
             SUF(fill_rows)(c + r0 * ldc, r1 - r0, Dv, ldc, (T)0);
     }
+    SUF(plus_zero)(c, nq, Dv, ldc, accumulate);
 }
 
 /* Attention with the weights written: task = (b, h, block of queries).
@@ -370,7 +384,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
             if (alpha != (T)1 && !first) at->kern->scale(acc + r * ald, Dv, alpha);
         }
         /* a row with nothing visible here adds nothing (its s is 0); the
-         * first block sets acc (as adding to zeros would, but for -0) */
+         * first block sets acc (as adding to a zero fill would) */
         SUF(av_runs)(at, nq, nk, s, KB, ne, 0, v_bh + j0 * Dv, acc, ald, !first, gs);
         first = 0;
     }

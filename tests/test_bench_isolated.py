@@ -3,6 +3,7 @@ column pairs each peer's round median with ours from the same round) and
 its peak (the highest of the FMA probe's runs)."""
 import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -42,10 +43,16 @@ def test_best_probe_takes_each_precision_highest(bench_isolated):
 
 @pytest.fixture(scope="module")
 def ort_bound():
+    # it imports bench.py, which puts benchmarks/ and the root first on
+    # sys.path: put it back as it was for the tests after these
     path = os.path.join(ROOT, "benchmarks", "ort_bound.py")
+    before = list(sys.path)
     spec = importlib.util.spec_from_file_location("ort_bound", path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path[:] = before
     return mod
 
 

@@ -130,3 +130,27 @@ def test_batch_invariance_last_row_panel(isa, dtype):
         part, pw = m(x[:, :k], is_causal=True)
         assert np.array_equal(part, full[:, :k]), (k, np.abs(part - full[:, :k]).max())
         assert np.array_equal(pw, fw[:, :, :k, :k])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_batch_invariance_sign_of_zero(isa, dtype, need_weights):
+    # query 1 sees keys 0 and 1 (causal); its sum is p0·0 + p1·v1 with p1·v1
+    # below the smallest subnormal and negative: -0 alone.  With query 2
+    # in the call (it sees key 2 too) query 1's run of rows takes key 2 as
+    # well, p·1 = 0 for it, and its sum ends as 0 + -0 = +0.  The bits,
+    # the sign included, must not depend on that: compared as integers
+    from mha_ext import _core
+    tiny = np.finfo(dtype).tiny
+    q = np.array([0.0, 1.0, 0.0], dtype).reshape(1, 1, 3, 1)
+    k = np.array([0.0, -69.0 if dtype == "float32" else -700.0, 0.0],
+                 dtype).reshape(1, 1, 3, 1)
+    v = np.array([0.0, -float(tiny) * 1e-3, 1.0], dtype).reshape(1, 1, 3, 1)
+    uint = np.uint32 if dtype == "float32" else np.uint64
+    rows = {}
+    for L in (2, 3):
+        out, _ = _core._sdpa(q[:, :, :L], k, v, is_causal=True, scale=1.0,
+                             need_weights=need_weights)
+        rows[L] = out[0, 0, 1].view(uint)
+        assert out[0, 0, 1, 0] == 0  # the sum is a zero, of some sign
+    assert np.array_equal(rows[2], rows[3]), (rows[2], rows[3])
