@@ -244,11 +244,30 @@ def runner_jax(case, threads):
     return run
 
 
+def pin(threads):
+    """Below the machine's CPU count, keep this process on the first `threads` CPUs."""
+    if threads < (os.cpu_count() or threads):
+        os.sched_setaffinity(0, range(threads))
+
+
+def time_calls(run, reps, min_time):
+    """Time `run` (warmed up already) at least `reps` times and for at least
+    `min_time` seconds (at most 50 * reps calls); prints the worker's line,
+    {"median_s": ..., "calls": ...}."""
+    times = []
+    t_start = time.perf_counter()
+    while len(times) < reps or (time.perf_counter() - t_start < min_time
+                                and len(times) < 50 * reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({"median_s": statistics.median(times), "calls": len(times)}))
+
+
 def worker(lib, case, threads, reps, min_time, save):
     """One measurement: prints {"median_s": ..., "calls": ...}; saves the
     first result to `save` (.npy) when given."""
-    if threads < (os.cpu_count() or threads):
-        os.sched_setaffinity(0, range(threads))
+    pin(threads)
     if lib == "mha_ext":
         run = runner_mha_ext(case, threads)
     elif lib in ("torch", "torch seed"):
@@ -261,14 +280,7 @@ def worker(lib, case, threads, reps, min_time, save):
     if save:
         np.save(save, np.asarray(out))
     run()  # warm-up: the first call above, one more
-    times = []
-    t_start = time.perf_counter()
-    while len(times) < reps or (time.perf_counter() - t_start < min_time
-                                and len(times) < 50 * reps):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    print(json.dumps({"median_s": statistics.median(times), "calls": len(times)}))
+    time_calls(run, reps, min_time)
 
 
 def worker_env(threads):

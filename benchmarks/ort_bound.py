@@ -31,7 +31,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -80,20 +79,13 @@ def runner_matmul(case, part, threads):
 
 
 def worker(case, part, threads, reps, min_time):
-    if threads < (os.cpu_count() or threads):
-        os.sched_setaffinity(0, range(threads))
+    """One measurement, as bench_isolated.py's workers take theirs."""
+    bench_isolated.pin(threads)
     run = (bench_isolated.runner_ort(case, threads) if part == "call"
            else runner_matmul(case, part, threads))
     run()
     run()
-    times = []
-    t_start = time.perf_counter()
-    while len(times) < reps or (time.perf_counter() - t_start < min_time
-                                and len(times) < 200 * reps):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    print(json.dumps({"median_s": statistics.median(times), "calls": len(times)}))
+    bench_isolated.time_calls(run, reps, min_time)
 
 
 def measure(case, part, args):
