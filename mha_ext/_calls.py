@@ -215,11 +215,24 @@ def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
                 block_layout(layout, B, mha.n_heads, Sq, Sk_all), cache)
 
 
+def head_mean(weights):
+    """The mean over the heads (axis 1) of (B, H, Sq, Sk) weights, summed
+    head by head in order, then divided by H: the same order for every
+    shape.  NumPy's own mean sums a reduced axis that ends up innermost
+    (one query and one key: a decode step's first token) pairwise, so such
+    a row would get other bits than in a longer call (docs/API.md §3.4)."""
+    total = weights[:, 0].copy()
+    for h in range(1, weights.shape[1]):
+        total += weights[:, h]
+    total /= weights.dtype.type(weights.shape[1])
+    return total
+
+
 def shape_output(call, out, weights):
     """(output, weights) as the caller asked: weights averaged over heads with
     average_weights, the batch axis dropped for unbatched inputs."""
     if weights is not None and call.average_weights:
-        weights = weights.mean(axis=1)
+        weights = head_mean(weights)
     if not call.batched:
         out = out[0]
         weights = None if weights is None else weights[0]

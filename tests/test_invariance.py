@@ -154,3 +154,34 @@ def test_batch_invariance_sign_of_zero(isa, dtype, need_weights):
         rows[L] = out[0, 0, 1].view(uint)
         assert out[0, 0, 1, 0] == 0  # the sum is a zero, of some sign
     assert np.array_equal(rows[2], rows[3]), (rows[2], rows[3])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_batch_invariance_averaged_weights(isa, dtype):
+    # averaged weights (the mean over 8 heads, each scaled by a head_mask
+    # entry so that the order of the sum shows) of query 0: alone (one
+    # query, one key), in the longer causal call, in a batch, and from a
+    # cache's first decode step.  NumPy's mean summed the one-key case
+    # pairwise and the others head by head: 1 ulp apart.
+    H = 8
+    m = MultiHeadAttention(16, H, dtype=dtype, seed=0).eval()
+    x = _data(3, 4, 16, dtype)
+    hm = np.random.default_rng(1).uniform(0, 2, H).astype(dtype)
+    _, full = m(x, is_causal=True, average_weights=True, head_mask=hm)
+    uint = np.uint32 if dtype == "float32" else np.uint64
+    for b in range(3):
+        _, one = m(x[b:b + 1, :1], is_causal=True, average_weights=True, head_mask=hm)
+        assert one.shape == (1, 1, 1)
+        assert one[0, 0, 0].view(uint) == full[b, 0, 0].view(uint), (one[0, 0, 0], full[b, 0, 0])
+    _, ones = m(x[:, :1], is_causal=True, average_weights=True, head_mask=hm)
+    assert np.array_equal(ones[:, 0, 0].view(uint), full[:, 0, 0].view(uint))
+    cache = m.new_cache(1, 4)
+    _, step = m(x[:1, :1], cache=cache, average_weights=True, head_mask=hm)
+    assert step[0, 0, 0].view(uint) == full[0, 0, 0].view(uint)
+    # the mean itself: the per-head weights summed in head order, over H
+    _, per_head = m(x, is_causal=True, head_mask=hm)
+    expect = per_head[:, 0].copy()
+    for h in range(1, H):
+        expect += per_head[:, h]
+    expect /= per_head.dtype.type(H)
+    assert np.array_equal(full, expect)
