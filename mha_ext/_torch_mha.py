@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
@@ -79,6 +80,16 @@ def _layer_would_fuse(layer, src):
     if any(t is None for t in tensors) or torch.overrides.has_torch_function(tensors):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def _check_mask_dtype(mask, name):
+    """torch's dtype rule for a mask it may then drop (the is_causal hint):
+    bool (True = blocked) or floating (added to the scores)."""
+    dtype = mask.dtype if isinstance(mask, torch.Tensor) else _convert.as_array(mask, name).dtype
+    if dtype not in (torch.bool, np.bool_) and not (
+            dtype.is_floating_point if isinstance(dtype, torch.dtype) else dtype.kind == "f"):
+        raise TypeError(f"{name} must be bool (True = blocked) or float (added to the "
+                        f"scores), got dtype {dtype}")
 
 
 class MultiheadAttention(nn.Module):
@@ -354,7 +365,10 @@ class MultiheadAttention(nn.Module):
                                    "use the Transformer module method "
                                    "`generate_square_subsequent_mask` to create this mask.")
             if key_padding_mask is None and not need_weights and not fast:
-                attn_mask, causal = None, True  # torch applies the pattern, not the mask
+                # torch applies the pattern, not the mask, but checks the
+                # mask's dtype first (its _canonical_mask): so do we
+                _check_mask_dtype(attn_mask, "attn_mask")
+                attn_mask, causal = None, True
         sources = self._sources()
         dtype = (sources[0] if self._qkv_same_embed_dim else sources[1]).dtype
         core = self._core(dtype)

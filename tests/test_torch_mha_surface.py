@@ -213,6 +213,20 @@ def test_is_causal_is_torchs_hint():
     close(ref, hinted, torch.float64)
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.uint8, torch.int64], ids=str)
+def test_is_causal_hint_still_checks_the_mask_dtype(mask_dtype):
+    # the hint drops attn_mask (need_weights=False, no padding mask), but
+    # torch checks its dtype first (only bool and float masks): an integer
+    # mask is refused on that path too, not silently dropped
+    t, m = pair()
+    q = x(L, B, E)
+    mask = torch.ones(L, L, dtype=mask_dtype).triu(1)
+    with pytest.raises(AssertionError, match="only bool and floating"):
+        t(q, q, q, attn_mask=mask, is_causal=True, need_weights=False)
+    with pytest.raises(TypeError, match="attn_mask must be bool .* or float"):
+        m(q, q, q, attn_mask=mask, is_causal=True, need_weights=False)
+
+
 def test_is_causal_without_a_mask_is_refused_on_the_fast_path_too():
     # torch's fused path (eval, no grad, batch-first self-attention) ignores
     # the hint without attn_mask and returns the non-causal result; ours
