@@ -54,19 +54,26 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa):
         raise ValueError(f"value must have key's length {S}, got value {v.shape}, key {k.shape}")
     gqa = flag(enable_gqa, "enable_gqa")
     lq, lk, lv = q.shape[:-2], k.shape[:-2], v.shape[:-2]
-    if lk != lv:
-        raise ValueError(f"key and value must have the same leading dimensions, got key "
-                         f"{k.shape}, value {v.shape}")
     try:
-        if gqa and len(lq) >= 1 and len(lk) >= 1:
-            Hq, Hk = lq[-1], lk[-1]
-            if Hk == 0 or Hq % Hk != 0:
+        if gqa and len(lq) >= 1 and len(lk) >= 1 and len(lv) >= 1:
+            # torch repeats key's and value's heads each to query's count
+            # (repeat_interleave): key head h // (Hq / Hk) for query head
+            # h, the same for value.  Both are repeated here to their
+            # least common multiple Hkv, and query head h takes head
+            # h // (Hq / Hkv): the same pairs
+            Hq, Hk, Hv = lq[-1], lk[-1], lv[-1]
+            if Hk == 0 or Hv == 0 or Hq % Hk != 0 or Hq % Hv != 0:
                 raise ValueError(f"enable_gqa=True: query's heads ({Hq}, dimension -3) must "
-                                 f"be a multiple of key's and value's ({Hk})")
-            batch = np.broadcast_shapes(lq[:-1], lk[:-1])
-            lead, lead_kv = batch + (Hq,), batch + (Hk,)
+                                 f"be a multiple of key's ({Hk}) and value's ({Hv})")
+            Hkv = math.lcm(Hk, Hv)
+            if Hk != Hkv:
+                k = np.repeat(k, Hkv // Hk, axis=-3)
+            if Hv != Hkv:
+                v = np.repeat(v, Hkv // Hv, axis=-3)
+            batch = np.broadcast_shapes(lq[:-1], lk[:-1], lv[:-1])
+            lead, lead_kv = batch + (Hq,), batch + (Hkv,)
         else:
-            lead = np.broadcast_shapes(lq, lk)
+            lead = np.broadcast_shapes(lq, lk, lv)
             lead_kv = lead
     except ValueError as e:
         if "enable_gqa" in str(e):

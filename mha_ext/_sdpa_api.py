@@ -85,8 +85,9 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         keys j <= i + S - L (torch's causal_lower_right), and may be combined
         with attn_mask.
     scale: None (1/sqrt(E)) or any real number.
-    enable_gqa: query head h reads key/value head h // (Hq // H) (Hq a
-        multiple of H), as torch's grouped-query attention does.
+    enable_gqa: query head h reads key head h // (Hq // Hk) and value head
+        h // (Hq // Hv) (Hq a multiple of both), as torch's grouped-query
+        attention does.
     window: (left, right), a sliding window (a keyword of ours): query i
         sees keys j with i - left <= j <= i + right (None = unbounded on
         that side; the diagonal shifted by S - L with is_causal=

@@ -90,7 +90,8 @@ class SDPAFunction(torch.autograd.Function):
 def _unbroadcast(g, lead, shape):
     """The gradient g (B, H, n, w) of an input of `shape` that the call
     broadcast to the leading shape `lead` (then reshaped to (B, H)): summed
-    back over the broadcast axes, as a tensor of `shape`."""
+    back over the broadcast axes (and over enable_gqa's repeats of a head),
+    as a tensor of `shape`."""
     g = g.reshape(tuple(lead) + g.shape[2:])
     extra = g.ndim - len(shape)
     if extra:
@@ -98,6 +99,9 @@ def _unbroadcast(g, lead, shape):
     axes = tuple(i for i, (a, b) in enumerate(zip(g.shape, shape)) if b == 1 and a != 1)
     if axes:
         g = g.sum(axis=axes, keepdims=True)
+    for i, (a, b) in enumerate(zip(g.shape, shape)):
+        if a != b:  # enable_gqa's heads repeated b -> a (repeat_interleave): summed back
+            g = g.reshape(g.shape[:i] + (b, a // b) + g.shape[i + 1:]).sum(axis=i + 1)
     return torch.from_numpy(np.ascontiguousarray(g.reshape(shape)))
 
 

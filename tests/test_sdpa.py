@@ -62,6 +62,9 @@ SHAPES = [  # query, key, value
     ((2, 2, 3, 5, 8), (2, 2, 3, 7, 8), (2, 2, 3, 7, 6)),  # 5-D
     ((2, 3, 5, 8), (1, 3, 7, 8), (1, 3, 7, 8)),        # k, v broadcast over the batch
     ((1, 2, 130, 16), (1, 2, 300, 16), (1, 2, 300, 16)),  # several blocks
+    ((2, 1, 5, 8), (2, 1, 7, 8), (1, 1, 7, 4)),        # value broadcast, key not
+    ((1, 5, 8), (2, 1, 7, 8), (1, 2, 7, 8)),           # all three broadcast: (2, 2)
+    ((2, 5, 8), (7, 8), (2, 7, 8)),                    # key 2-D, value 3-D
 ]
 
 
@@ -96,6 +99,17 @@ def test_matches_torch(torch, dtype, shapes, case):
 def test_gqa(torch, dtype, hq, hkv, causal):
     _compare(torch, dtype, (2, hq, 5, 8), (2, hkv, 9, 8), (2, hkv, 9, 4), enable_gqa=True,
              is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_lead,k_lead,v_lead", [
+    ((2, 4), (2, 2), (2, 1)), ((2, 4), (1, 1), (2, 2)), ((1, 6), (2, 3), (1, 2)),
+    ((4,), (2,), (1,))])
+def test_gqa_key_and_value_heads_differ(torch, dtype, q_lead, k_lead, v_lead):
+    # torch repeats key's and value's heads each to query's count (their
+    # counts may differ); the batch axes broadcast as usual
+    _compare(torch, dtype, q_lead + (5, 8), k_lead + (9, 8), v_lead + (9, 4),
+             enable_gqa=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -261,6 +275,10 @@ def test_errors(torch):
         f(q, k, v)
     with pytest.raises(ValueError, match="multiple"):
         f(q, np.ones((2, 3, 5, 8)), np.ones((2, 3, 5, 8)), enable_gqa=True)
+    with pytest.raises(ValueError, match=r"value's \(3\)"):
+        f(q, np.ones((2, 2, 5, 8)), np.ones((2, 3, 5, 8)), enable_gqa=True)
+    with pytest.raises(ValueError, match="do not broadcast"):  # torch: a RuntimeError
+        f(np.ones((2, 3, 8)), np.ones((3, 5, 8)), np.ones((5, 8)))
     with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):  # torch's
         f(q, q, q, attn_mask=np.ones((3, 3), bool), is_causal=True)
     with pytest.raises(TypeError, match="attn_mask"):
