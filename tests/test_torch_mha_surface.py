@@ -363,3 +363,79 @@ def test_a_mask_that_requires_grad_is_refused():
             a(q.transpose(0, 1), **{name: own})
     with pytest.raises(ValueError, match="mask requires grad"):
         a(q.transpose(0, 1), mask=torch.zeros(L, L, requires_grad=True))
+
+
+# ------------------------------------------- README "Differences from torch", rows
+# where torch 2.13 raises or its paths disagree (found by a differential fuzz)
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_a_float_mask_of_another_dtype_is_taken_in_the_modules(need_weights):
+    # torch: the weights path raises, its SDPA path computes wrong numbers;
+    # ours: the mask's values in the module's dtype
+    t, m = pair(dtype=torch.float64)
+    q, k = x(L, B, E), x(S, B, E, seed=2)
+    kpm = x(B, S, dtype=torch.float32, seed=3) * 5
+    want, _ = t(q, k, k, key_padding_mask=kpm.double(), need_weights=True)
+    got, _ = m(q, k, k, key_padding_mask=kpm, need_weights=need_weights)
+    close(want, got, torch.float64)
+    if need_weights:
+        with pytest.raises(RuntimeError, match="dtypes must be the same"):
+            t(q, k, k, key_padding_mask=kpm, need_weights=True)
+
+
+def test_inputs_of_another_dtype_are_computed_in_the_parameters():
+    t, m = pair(dtype=torch.float32)
+    q = x(L, B, E)  # float64
+    with pytest.raises(RuntimeError, match="same dtype"):
+        t(q, q, q)
+    got, w = m(q, q, q)
+    assert got.dtype == w.dtype == torch.float32
+    want, ww = m(q.float(), q.float(), q.float())
+    assert torch.equal(got, want) and torch.equal(w, ww)
+
+
+@pytest.mark.parametrize("empty", ["batch", "keys"])
+def test_empty_batch_or_keys_with_a_mask_without_weights(empty):
+    t, m = pair(batch_first=True)
+    b, s = (0, S) if empty == "batch" else (B, 0)
+    q, k = x(b, L, E), x(b, s, E, seed=2)
+    kpm = torch.zeros(b, s, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="0 elements"):
+        t(q, k, k, key_padding_mask=kpm, need_weights=False)
+    got, _ = m(q, k, k, key_padding_mask=kpm, need_weights=False)
+    assert got.shape == (b, L, E)
+    if empty == "keys":  # the context is an empty sum: out_proj.bias
+        close(got, m.out_proj.bias.expand(B, L, E), torch.float64)
+
+
+def test_empty_self_attention_weights_have_the_other_paths_shape():
+    t, m = pair(batch_first=True)
+    t.eval()
+    m.eval()
+    q = x(3, 0, E)
+    with torch.no_grad():
+        _, fast = t(q, q, q, need_weights=True, average_attn_weights=False)
+        _, ours = m(q, q, q, need_weights=True, average_attn_weights=False)
+    assert fast is None
+    assert ours.shape == (3, H, 0, 0)
+
+
+def test_swapped_encoder_layer_adds_a_finite_float_mask():
+    # torch's fused encoder-layer kernel (eval, no grad) blocks every
+    # non-zero entry of a float src_mask; its other path adds it, as ours
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0,
+                                       batch_first=True).eval()
+    src = x(1, 3, E, dtype=torch.float32)
+    mask = torch.tensor([[0.0, 0.5, -1.0], [0.3, 0.0, 0.2], [-0.7, 0.4, 0.0]])
+    with torch.no_grad():
+        fused = layer(src, src_mask=mask)
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            plain = layer(src, src_mask=mask)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+        with mt.swapped(layer):
+            ours = layer(src, src_mask=mask)
+    assert float((fused - plain).abs().max()) > 1e-2  # torch's two paths disagree
+    close(plain, ours, torch.float32)
