@@ -221,10 +221,17 @@ def head_mean(weights):
     shape.  NumPy's own mean sums a reduced axis that ends up innermost
     (one query and one key: a decode step's first token) pairwise, so such
     a row would get other bits than in a longer call (docs/API.md §3.4)."""
-    total = weights[:, 0].copy()
-    for h in range(1, weights.shape[1]):
-        total += weights[:, h]
-    total /= weights.dtype.type(weights.shape[1])
+    B, H = weights.shape[:2]
+    total = np.empty((B,) + weights.shape[2:], weights.dtype)
+    # a few batches at a time, so that their running sums (about 1 MiB)
+    # stay in cache across the heads
+    step = max(1, (1 << 20) // max(1, total[:1].nbytes))
+    for b in range(0, B, step):
+        t = total[b:b + step]
+        t[...] = weights[b:b + step, 0]
+        for h in range(1, H):
+            t += weights[b:b + step, h]
+    total /= weights.dtype.type(H)
     return total
 
 

@@ -3,12 +3,13 @@
 scaled_dot_product_attention computed by the C core on already-projected
 heads (_core._sdpa / _core._sdpa_backward, src/sdpa_forward_impl.h).
 
-Shapes (torch's): query (..., Hq, L, E), key (..., H, S, E), value
-(..., H, S, Ev); leading dims broadcast as torch broadcasts them; the
-result is (..., Hq, L, Ev).  2-D inputs (L, E) work too.
+Shapes (torch's): query (..., Hq, L, E), key (..., Hk, S, E), value
+(..., Hv, S, Ev); leading dims broadcast as torch broadcasts them (Hq, Hk
+and Hv too, or with enable_gqa each of Hk and Hv divides Hq); the result is
+(..., Hq, L, Ev).  2-D inputs (L, E) work too.
 
 Legend: L query length, S key length, E query/key width, Ev value width,
-Hq query heads, H key/value heads.
+Hq query heads, Hk key heads, Hv value heads.
 """
 from __future__ import annotations
 
@@ -140,8 +141,8 @@ def sdpa_layout(layout, q4, k4):
 
 def sdpa_head_mask(head_mask, q4, lead):
     """head_mask checked: None, or real numbers of shape (Hq,) (every
-    batch) or the result's leading shape (..., Hq) (the query's and the key's
-    broadcast), as the C side's contiguous
+    batch) or the result's leading shape (..., Hq) (the query's, key's and
+    value's broadcast), as the C side's contiguous
     (B, Hq) of q4's dtype; finite values only."""
     if head_mask is None:
         return None
@@ -150,7 +151,7 @@ def sdpa_head_mask(head_mask, q4, lead):
     lead = tuple(lead) if lead else (1,)
     if m.shape not in ((H,), lead):
         raise ValueError(f"head_mask must have shape (heads,) = ({H},) or the result's leading "
-                         f"shape {lead} (the query's and the key's broadcast), got {m.shape}")
+                         f"shape {lead} (the query's, key's and value's broadcast), got {m.shape}")
     m = np.array(np.broadcast_to(m, lead).reshape(B, H), dtype=q4.dtype, order="C", copy=True)
     if not np.isfinite(m).all():
         raise ValueError("head_mask must hold finite numbers")

@@ -58,7 +58,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
 
         out = softmax(query @ keyᵀ · scale + mask) @ value
 
-    query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev): any
+    query (..., Hq, L, E), key (..., Hk, S, E), value (..., Hv, S, Ev): any
     leading dimensions, broadcast as torch broadcasts them; returns
     (..., Hq, L, Ev).  NumPy arrays (or anything NumPy reads) in -> a NumPy
     array out, float64 when an input is float64, else float32; CPU torch
@@ -97,8 +97,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         layout.keep[..., qb, kb] is True (True = KEPT; shape (nqb, nkb),
         (Hq, nqb, nkb) or (B, Hq, nqb, nkb) with B the leading dimensions
         flattened).  The C kernels skip the key ranges it leaves empty.
-    head_mask: (Hq,) or the result's leading shape (..., Hq), the query's
-        and the key's broadcast (a keyword of ours): finite factors multiplying
+    head_mask: (Hq,) or the result's leading shape (..., Hq), the query's,
+        key's and value's broadcast (a keyword of ours): finite factors multiplying
         each head's attention weights after dropout, so its output (Hugging
         Face's head_mask: 0 switches a head off).  A tensor that requires
         grad gets dL/d head_mask.

@@ -24,7 +24,6 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
@@ -83,13 +82,12 @@ def _layer_would_fuse(layer, src):
 
 
 def _check_mask_dtype(mask, name):
-    """torch's dtype rule for a mask it may then drop (the is_causal hint):
-    bool (True = blocked) or floating (added to the scores)."""
-    dtype = mask.dtype if isinstance(mask, torch.Tensor) else _convert.as_array(mask, name).dtype
-    if dtype not in (torch.bool, np.bool_) and not (
-            dtype.is_floating_point if isinstance(dtype, torch.dtype) else dtype.kind == "f"):
+    """torch's dtype rule for a mask tensor it may then drop (the is_causal
+    hint): bool (True = blocked) or floating (added to the scores)."""
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool \
+            and not mask.is_floating_point():
         raise TypeError(f"{name} must be bool (True = blocked) or float (added to the "
-                        f"scores), got dtype {dtype}")
+                        f"scores), got dtype {mask.dtype}")
 
 
 class MultiheadAttention(nn.Module):

@@ -38,7 +38,7 @@ from numpy.typing import ArrayLike
 
 from . import _habits
 from ._core import MultiHeadAttention as _CoreModule
-from ._calls import score_scale
+from ._calls import head_mean, score_scale
 from .cache import KVCache
 from ._trace_masks import masks as _masks
 from ._convert import flag, to_numpy
@@ -342,8 +342,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     drew them; the call is then made with ``need_weights=True,
     average_weights=False`` (the draw does not depend on them) and
     ``trace.weights`` is reduced afterwards: ``None`` for
-    ``need_weights=False``, the NumPy mean over heads for
-    ``average_weights=True``.  ``trace.output`` is then the output of that
+    ``need_weights=False``, the mean over heads for ``average_weights=True``
+    (the call's own: the heads summed in order).  ``trace.output`` is then the output of that
     call with weights, which may differ in the last bit from a call with
     ``need_weights=False`` (which rounds the softmax in blocks).  In eval
     mode (or with p = 0) the call is made with exactly the given keywords.
@@ -385,7 +385,7 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
         if not need_weights:
             weights = None
         elif average and dropped is not None:  # not None: need_weights=True above
-            weights = dropped.mean(axis=-3)
+            weights = head_mean(dropped[None])[0] if dropped.ndim == 3 else head_mean(dropped)
 
     # The call has validated everything; now redo it in NumPy.
     key_defaulted = key is None

@@ -166,8 +166,16 @@ def test_batch_invariance_averaged_weights(isa, dtype):
     H = 8
     m = MultiHeadAttention(16, H, dtype=dtype, seed=0).eval()
     x = _data(3, 4, 16, dtype)
-    hm = np.random.default_rng(1).uniform(0, 2, H).astype(dtype)
+    hm = np.random.default_rng(4).uniform(0, 2, H).astype(dtype)
     _, full = m(x, is_causal=True, average_weights=True, head_mask=hm)
+    # the precondition: NumPy's mean of such a one-key call is not the
+    # in-order sum here (else this test could not tell the two apart)
+    _, one_heads = m(x[:1, :1], is_causal=True, head_mask=hm)
+    in_order = one_heads[:, 0].copy()
+    for h in range(1, H):
+        in_order += one_heads[:, h]
+    in_order /= one_heads.dtype.type(H)
+    assert not np.array_equal(one_heads.mean(axis=1), in_order)
     uint = np.uint32 if dtype == "float32" else np.uint64
     for b in range(3):
         _, one = m(x[b:b + 1, :1], is_causal=True, average_weights=True, head_mask=hm)

@@ -104,7 +104,7 @@ def test_gqa(torch, dtype, hq, hkv, causal):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_lead,k_lead,v_lead", [
     ((2, 4), (2, 2), (2, 1)), ((2, 4), (1, 1), (2, 2)), ((1, 6), (2, 3), (1, 2)),
-    ((4,), (2,), (1,))])
+    ((2, 12), (1, 2), (2, 3)), ((4,), (2,), (1,))])
 def test_gqa_key_and_value_heads_differ(torch, dtype, q_lead, k_lead, v_lead):
     # torch repeats key's and value's heads each to query's count (their
     # counts may differ); the batch axes broadcast as usual
@@ -289,11 +289,14 @@ def test_errors(torch):
         f(q, q, q, is_causal="upper_left")
     with pytest.raises(TypeError, match="scale"):
         f(q, q, q, scale="0.5")
-    # the head mask's (B, H) is the result's, the query's and the key's broadcast
-    with pytest.raises(ValueError, match=r"the result's leading shape \(2, 3\) \(the query's "
-                                         r"and the key's broadcast\), got \(1, 3\)"):
+    # the head mask's (B, H) is the result's: the query's, key's and value's broadcast
+    with pytest.raises(ValueError, match=r"the result's leading shape \(2, 3\) \(the query's, "
+                                         r"key's and value's broadcast\), got \(1, 3\)"):
         f(np.ones((1, 3, 4, 8)), np.ones((2, 3, 5, 8)), np.ones((2, 3, 5, 8)),
           head_mask=np.ones((1, 3)))
+    with pytest.raises(ValueError, match=r"leading shape \(3, 2\)"):  # value's batch counts
+        f(np.ones((1, 2, 4, 8)), np.ones((1, 2, 5, 8)), np.ones((3, 2, 5, 8)),
+          head_mask=np.ones((1, 2)))
     for nan in (float("nan"), np.float32("nan")):  # torch: zeros on one path, NaN on another
         with pytest.raises(ValueError, match="scale must be a real number, not NaN"):
             f(q, q, q, scale=nan)

@@ -330,6 +330,28 @@ def test_dropout_matches_call_and_consumes_one_draw(dtype):
           dtype)
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_dropout_trace_averages_the_heads_as_the_call(batched):
+    # with dropout the trace reduces the call's per-head weights itself:
+    # the heads summed in the call's order, so the same bits (one query and
+    # one key over 8 heads: NumPy's mean would sum them pairwise)
+    x = np.random.default_rng(5).standard_normal((1, 1, 32))
+    if not batched:
+        x = x[0]
+    hits = 0
+    for seed in range(8):
+        m = mha_ext.MultiHeadAttention(32, 8, dropout=0.3, seed=seed, dtype="float64")
+        twin = mha_ext.MultiHeadAttention(32, 8, dropout=0.3, seed=seed, dtype="float64")
+        twin.load_state_dict(m.state_dict())
+        tr = m.trace(x, average_weights=True)
+        _, w = twin(x, average_weights=True)
+        assert w.shape == ((1, 1, 1) if batched else (1, 1))
+        assert np.array_equal(tr.weights, w)
+        per_head = tr["dropout"].array
+        hits += not np.array_equal(per_head.mean(axis=-3), w)
+    assert hits  # some seed where NumPy's mean gives other bits
+
+
 def test_dropout_with_need_weights_false():
     x = np.random.default_rng(13).standard_normal((1, 5, 32))
     m = module(dropout=0.3, seed=14)
