@@ -343,9 +343,10 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     average_weights=False`` (the draw does not depend on them) and
     ``trace.weights`` is reduced afterwards: ``None`` for
     ``need_weights=False``, the mean over heads for ``average_weights=True``
-    (the call's own: the heads summed in order).  ``trace.output`` is then the output of that
-    call with weights, which may differ in the last bit from a call with
-    ``need_weights=False`` (which rounds the softmax in blocks).  In eval
+    (the call's own: the heads summed in order).  ``trace.output`` is then
+    the output of that call with weights, which may differ in the last bit
+    from a call with ``need_weights=False`` (which rounds the softmax in
+    blocks).  In eval
     mode (or with p = 0) the call is made with exactly the given keywords.
 
     Unbatched inputs (query (Sq, E)) are traced with the batch dimension
