@@ -63,7 +63,9 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa):
             # least common multiple Hkv, and query head h takes head
             # h // (Hq / Hkv): the same pairs
             Hq, Hk, Hv = lq[-1], lk[-1], lv[-1]
-            if Hk == 0 or Hv == 0 or Hq % Hk != 0 or Hq % Hv != 0:
+            # (no query head: an empty result whatever key's and value's
+            # counts, as torch's)
+            if Hq != 0 and (Hk == 0 or Hv == 0 or Hq % Hk != 0 or Hq % Hv != 0):
                 raise ValueError(f"enable_gqa=True: query's heads ({Hq}, dimension -3) must "
                                  f"be a multiple of key's ({Hk}) and value's ({Hv})")
             Hkv = math.lcm(Hk, Hv)
@@ -158,23 +160,55 @@ def sdpa_head_mask(head_mask, q4, lead):
     return m
 
 
+def _widened(q4, k4, v4, scale):
+    """q4, k4, v4 and scale as the C core takes them (a head and a width of
+    at least one): a zero width E or Ev becomes one column of zeros.  E = 0
+    gives every score 0 whatever the scale (an empty sum; torch scales q and
+    k by sqrt(scale) before their product), so the scale becomes 1 there (the
+    default 1/sqrt(0) would make 0·inf = NaN); Ev = 0 gives an empty output,
+    the weights unchanged."""
+    if q4.shape[3] == 0:
+        q4 = np.zeros(q4.shape[:3] + (1,), q4.dtype)
+        k4 = np.zeros(k4.shape[:3] + (1,), k4.dtype)
+        scale = 1.0
+    if v4.shape[3] == 0:
+        v4 = np.zeros(v4.shape[:3] + (1,), v4.dtype)
+    return q4, k4, v4, scale
+
+
 def sdpa_forward(q4, k4, v4, masks, is_causal, scale, p, seed, need_weights=False,
                  reference=False, window=None, layout=None, head_mask=None):
     """_core._sdpa: (out (B, H, L, Ev), weights (B, H, L, S) or None).
     Rows with no visible key give 0, as torch's SDPA does.  window: None or
     a pair checked by mha_ext._calls.sliding_window; layout: None or
-    sdpa_layout's; head_mask: None or sdpa_head_mask's."""
-    return _core._sdpa(q4, k4, v4, masks=masks, is_causal=is_causal, scale=scale,
-                       dropout=p, seed=seed, counter=0, need_weights=need_weights,
-                       zero_rows=True, reference=reference, window=window, layout=layout,
-                       head_mask=head_mask)
+    sdpa_layout's; head_mask: None or sdpa_head_mask's.  No head (H or Hkv
+    0) gives empty results; a zero width, _widened's."""
+    B, H, L = q4.shape[:3]
+    S, Ev = k4.shape[2], v4.shape[3]
+    if H == 0 or k4.shape[1] == 0:
+        return (np.zeros((B, H, L, Ev), q4.dtype),
+                np.zeros((B, H, L, S), q4.dtype) if need_weights else None)
+    q4, k4, v4, scale = _widened(q4, k4, v4, scale)
+    out, w = _core._sdpa(q4, k4, v4, masks=masks, is_causal=is_causal, scale=scale,
+                         dropout=p, seed=seed, counter=0, need_weights=need_weights,
+                         zero_rows=True, reference=reference, window=window, layout=layout,
+                         head_mask=head_mask)
+    return out[..., :Ev], w
 
 
 def sdpa_backward(q4, k4, v4, grad_out, masks, is_causal, scale, p, seed, reference=False,
                   window=None, layout=None, head_mask=None):
     """_core._sdpa_backward: (dq, dk, dv) of the sdpa_forward call with the
-    same arguments."""
-    return _core._sdpa_backward(q4, k4, v4, grad_out, masks=masks, is_causal=is_causal,
-                                scale=scale, dropout=p, seed=seed, counter=0, zero_rows=True,
-                                reference=reference, window=window, layout=layout,
-                                head_mask=head_mask)
+    same arguments (zeros where sdpa_forward computed nothing)."""
+    shapes = (q4.shape, k4.shape, v4.shape)
+    if q4.shape[1] == 0 or k4.shape[1] == 0:
+        return tuple(np.zeros(sh, q4.dtype) for sh in shapes)
+    q4, k4, v4, scale = _widened(q4, k4, v4, scale)
+    if grad_out.shape[3] != v4.shape[3]:  # Ev = 0: the widened column's gradient is 0
+        grad_out = np.zeros(grad_out.shape[:3] + (1,), grad_out.dtype)
+    grads = _core._sdpa_backward(q4, k4, v4, grad_out, masks=masks, is_causal=is_causal,
+                                 scale=scale, dropout=p, seed=seed, counter=0, zero_rows=True,
+                                 reference=reference, window=window, layout=layout,
+                                 head_mask=head_mask)
+    # a widened input's gradient: its real columns (none)
+    return tuple(g if g.shape == sh else np.zeros(sh, g.dtype) for g, sh in zip(grads, shapes))

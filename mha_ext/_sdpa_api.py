@@ -104,7 +104,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         grad gets dL/d head_mask.
 
     A query with no visible key gives a zero output row (and zero
-    gradients), as torch's SDPA does.
+    gradients), as torch's SDPA does.  Empty shapes (zero batches, heads,
+    L, S, E or Ev) give torch's results; with E = 0 every score is 0.
     """
     attn_mask, is_causal = _causal_bias(attn_mask, is_causal, query, key)
     if any(is_tensor(x) for x in (query, key, value)):

@@ -358,9 +358,34 @@ def test_half_tensors_are_computed_in_float32(torch, half):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shapes", [((2, 3, 5, 8), (2, 3, 0, 8), (2, 3, 0, 4)),   # S = 0
                                     ((2, 3, 0, 8), (2, 3, 7, 8), (2, 3, 7, 4)),   # L = 0
-                                    ((0, 3, 5, 8), (0, 3, 7, 8), (0, 3, 7, 4))])  # B = 0
-def test_empty_shapes(torch, dtype, shapes):
-    _compare(torch, dtype, *shapes)
+                                    ((0, 3, 5, 8), (0, 3, 7, 8), (0, 3, 7, 4)),   # B = 0
+                                    ((2, 0, 5, 8), (2, 0, 7, 8), (2, 0, 7, 4)),   # H = 0
+                                    ((0, 5, 8), (0, 7, 8), (0, 7, 4)),            # 3-D, H = 0
+                                    ((2, 0, 5, 8), (2, 1, 7, 8), (2, 1, 7, 4)),   # H = 0, Hkv 1
+                                    ((2, 3, 5, 0), (2, 3, 7, 0), (2, 3, 7, 4)),   # E = 0
+                                    ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 0)),   # Ev = 0
+                                    ((2, 3, 5, 0), (2, 3, 7, 0), (2, 3, 7, 0))])  # both
+@pytest.mark.parametrize("case", ["plain", "causal", "scale", "bool", "float"])
+def test_empty_shapes(torch, dtype, shapes, case):
+    # torch's results: empty ones, and for E = 0 every score 0 whatever the
+    # scale (softmax of the mask alone: the mean of the visible values);
+    # these were a ValueError (zero heads or a zero width)
+    L, S = shapes[0][-2], shapes[1][-2]
+    g = torch.Generator().manual_seed(5)
+    kw = {"plain": {}, "causal": {"is_causal": True}, "scale": {"scale": 2.5},
+          "bool": {"attn_mask": torch.rand(L, S, generator=g) > 0.4},
+          "float": {"attn_mask": torch.randn(L, S, generator=g, dtype=getattr(torch, dtype))}}
+    _compare(torch, dtype, *shapes, **kw[case])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shapes", [((2, 0, 5, 8), (2, 0, 7, 8), (2, 0, 7, 4)),
+                                    ((2, 0, 5, 8), (2, 2, 7, 8), (2, 0, 7, 4)),
+                                    ((2, 4, 5, 0), (2, 2, 7, 0), (2, 1, 7, 3))])
+def test_empty_shapes_with_gqa(torch, dtype, shapes):
+    # no query head is a multiple of any count of key or value heads (an
+    # empty result, as torch's); a zero width with repeated heads
+    _compare(torch, dtype, *shapes, enable_gqa=True)
 
 
 def test_long_sequences_without_weights_are_not_refused_for_memory():
