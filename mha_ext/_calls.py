@@ -237,8 +237,9 @@ def head_mean(weights):
 
 def shape_output(call, out, weights):
     """(output, weights) as the caller asked: weights averaged over heads with
-    average_weights, the batch axis dropped for unbatched inputs."""
-    if weights is not None and call.average_weights:
+    average_weights (the per-head ones of c_forward_train; c_forward's come
+    averaged, 3-D), the batch axis dropped for unbatched inputs."""
+    if weights is not None and call.average_weights and weights.ndim == 4:
         weights = head_mean(weights)
     if not call.batched:
         out = out[0]
@@ -287,28 +288,32 @@ def keep_level(mha, call, save_projections):
 
 def c_forward(mha, call, reference=False, params=None):
     """The module's call: (output (B, Sq, E), weights (B, H, Sq, Sk') or None,
-    Sk' = Sk plus the extra keys of add_bias_kv and add_zero_attn);
+    Sk' = Sk plus the extra keys of add_bias_kv and add_zero_attn; with
+    call.average_weights (B, Sq, Sk'), the heads' mean, which the core forms
+    with head_mean's bits and no per-head array);
     reference=True runs the core's plain reference forward (the tests' oracle).
     params: None (the module's own) or _params.Parts (read in place).
     With call.cache, the call writes its keys and values into the cache and
     attends over all of it (Sk' = the cache's length after the call); the
     cache's length advances only when the call succeeds."""
     cache = call.cache
+    average = bool(call.need_weights and call.average_weights)
     if cache is None:
         return mha._forward(call.query, call.key, call.value, params=params,
                             masks=call.masks, is_causal=call.is_causal,
                             need_weights=call.need_weights, zero_rows=call.zero_rows,
                             reference=bool(reference),
                             scale=call.scale, window=call.window, head_mask=call.head_mask,
-                            layout=call.layout)
+                            layout=call.layout, average_weights=average)
     cache._hold()
     try:
         result = mha._forward(call.query, call.key, call.value, params=params,
                               masks=call.masks, is_causal=call.is_causal,
                               need_weights=call.need_weights, zero_rows=call.zero_rows,
-                            reference=bool(reference),
+                              reference=bool(reference),
                               scale=call.scale, window=call.window, head_mask=call.head_mask,
-                              layout=call.layout, cache=cache._c_tuple())
+                              layout=call.layout, cache=cache._c_tuple(),
+                              average_weights=average)
         cache._length += call.key.shape[1]
     finally:
         cache._release()

@@ -337,7 +337,7 @@ static PyMethodDef mha_methods[] = {
     {"_forward", (PyCFunction)(void (*)(void))mha_forward_py, METH_VARARGS | METH_KEYWORDS,
      "_forward($self, query, key, value, *, params=None, masks=(), is_causal=False, "
      "need_weights=True, zero_rows=False, reference=False, scale=None, window=None, "
-     "head_mask=None, layout=None, cache=None)\n--\n\n"
+     "head_mask=None, layout=None, cache=None, average_weights=False)\n--\n\n"
      "The C forward pass -> (output, weights | None); use the module's __call__ instead."},
     {"_forward_train", (PyCFunction)(void (*)(void))mha_forward_train_py,
      METH_VARARGS | METH_KEYWORDS,

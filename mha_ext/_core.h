@@ -160,6 +160,7 @@ typedef struct {
     PyObject *dropout, *counter, *save, *save_p;
     PyObject *grad_output, *grad_weights, *saved, *head_mask, *layout;
     PyObject *cache; /* None, or (K (B, Hkv, Dk, cap), V (B, Hkv, cap, Dk), length) */
+    PyObject *average_weights; /* _forward's: the weights (B, Sq, Sk'), the heads' mean */
 } call_objects;
 
 struct call {

@@ -162,7 +162,7 @@ class MultiHeadAttention:
                  reference: _Flag = ..., scale: Optional[float] = ...,
                  window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
                  layout: _Layout = ...,
-                 cache: Optional[_Cache] = ...,
+                 cache: Optional[_Cache] = ..., average_weights: _Flag = ...,
                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]: ...
     def _forward_train(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike, *,
                        params: _Params = ..., masks: Sequence[_Mask] = ...,

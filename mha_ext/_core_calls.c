@@ -16,6 +16,9 @@
  *       arrays the call writes its keys and values into, at [length,
  *       length + Sk), then attends over all length + Sk (masks and weights
  *       over those); the caller advances length (mha_ext._calls).
+ *       average_weights=True: the weights are (B, Sq, Sk'), the mean over
+ *       the heads (summed head by head in order, then divided by H:
+ *       mha_ext._calls.head_mean's bits), no per-head array formed.
  *   _forward_train(query, key, value, *, params=None, masks=(),
  *                  is_causal=False, need_weights=True, zero_rows=False,
  *                  dropout=0.0, counter=0, save=True, save_p=False, scale=None)
@@ -105,17 +108,17 @@ PyObject *mha_forward_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "params", "masks", "is_causal",
                              "need_weights", "zero_rows", "reference", "scale", "window",
-                             "head_mask", "layout", "cache", NULL};
+                             "head_mask", "layout", "cache", "average_weights", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *out = NULL, *w = NULL;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOOO:_forward", kwlist, &o.query,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOOOO:_forward", kwlist, &o.query,
                                      &o.key, &o.value, &o.params, &o.masks, &o.is_causal,
                                      &o.need_weights,
                                      &o.zero_rows, &o.reference, &o.scale, &o.window,
-                                     &o.head_mask, &o.layout, &o.cache))
+                                     &o.head_mask, &o.layout, &o.cache, &o.average_weights))
         return NULL;
     if (call_parse(self, CALL_FORWARD, &o, &c) < 0) return NULL;
     {
@@ -123,8 +126,11 @@ PyObject *mha_forward_py(MHAObject *self, PyObject *args, PyObject *kwds)
         /* every key: the cached ones, the given ones, the extra ones */
         const int64_t Skx = c.ba.fwd.cache_len + c.ba.fwd.Sk + mha_extra_keys(&self->cfg);
         const int64_t od[3] = {B, Sq, self->cfg.d_model}, wd[4] = {B, self->cfg.n_heads, Sq, Skx};
+        const int64_t wa[3] = {B, Sq, Skx}; /* average_weights: the heads' mean */
         if (!(out = new_array(&c, 3, od, 0))) goto fail;
-        if (c.need_weights && !(w = new_array(&c, 4, wd, 0))) goto fail;
+        if (c.need_weights && !(w = c.ba.fwd.average_weights ? new_array(&c, 3, wa, 0)
+                                                             : new_array(&c, 4, wd, 0)))
+            goto fail;
     }
     c.ba.fwd.out = PyArray_DATA(out);
     c.ba.fwd.weights = w ? PyArray_DATA(w) : NULL;

@@ -163,7 +163,7 @@ static int check_memory(MHAObject *self, struct call *c)
                __builtin_mul_overflow(a->B * a->Sk, self->cfg.kdim, &n_k) ||
                __builtin_mul_overflow(a->B * a->Sk, self->cfg.vdim, &n_v) ||
                __builtin_mul_overflow(a->B * Skx, E, &n_kv) ||
-               __builtin_mul_overflow(a->B * H * a->Sq, Skx, &n_w) ||
+               __builtin_mul_overflow(a->B * (a->average_weights ? 1 : H) * a->Sq, Skx, &n_w) ||
                add_bytes(&need, n_q, es) || add_bytes(&need, n_k, es) ||
                add_bytes(&need, n_v, es) || add_bytes(&need, n_q, 3 * es) ||
                add_bytes(&need, n_kv, 2 * es) || (weights && add_bytes(&need, n_w, es));
@@ -346,7 +346,8 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
         FLAG(c->need_weights, o->need_weights, "need_weights") ||
         FLAG(zero_rows, o->zero_rows, "zero_rows") ||
         FLAG(c->reference, o->reference, "reference") || FLAG(c->save, o->save, "save") ||
-        FLAG(c->save_p, o->save_p, "save_p"))
+        FLAG(c->save_p, o->save_p, "save_p") ||
+        FLAG(a->average_weights, o->average_weights, "average_weights"))
         return -1;
     if (parse_window(o->window, &a->has_window, &a->window_left, &a->window_right) < 0)
         return -1;

@@ -68,7 +68,11 @@ typedef struct {
     int skip;             /* V finite, no extra keys: skip the keys causality
                              and the window block (att_kbeg, att_kend) */
     int grp;              /* tasks per (b, key/value head), rows the group's */
+    int avg;              /* the weights are (B, Sq, Sk), the mean over the heads
+                             (attend_avg_task) */
     int64_t n_qblk;
+    int64_t avg_rows;     /* with avg: queries per task (a multiple of the
+                             kernel's MR, at most QB) */
 } SUF(att);
 
 /* The weights alone, or P (kept for the backward, which reads it next) past
@@ -205,7 +209,20 @@ static void SUF(av_runs)(const SUF(att) *at, int64_t nq, int64_t nk, const T *a,
     SUF(plus_zero)(c, nq, Dv, ldc, accumulate);
 }
 
-/* Attention with the weights written: task = (b, h, block of queries).
+/* avg (nq, Sk) = A (head 0) or avg + A (the heads after it), in order */
+static void SUF(avg_add)(const SUF(att) *at, T *avg, const T *a, int64_t nq, int64_t h)
+{
+    const int64_t n = nq * at->Sk;
+    int64_t i;
+    if (h == 0)
+        memcpy(avg, a, (size_t)n * sizeof(T));
+    else
+        for (i = 0; i < n; i++) avg[i] += a[i];
+}
+
+/* Attention with the weights written: task = (b, h, block of queries)
+ * (attend_weights_task; attend_avg_task: its rows with avg, each head's in
+ * turn).
  * P (the softmax) is formed in the weights array itself, or in mha_saved's
  * P when that is kept; A = dropout(P), what multiplies V, is then the
  * weights array, P itself (no dropout, no weights asked for) or a scratch
@@ -216,23 +233,24 @@ static void SUF(av_runs)(const SUF(att) *at, int64_t nq, int64_t nk, const T *a,
  * weights (m·A) once the block is done.  The destinations are then
  * written once and never read, so no line of them is first read from
  * memory (as a store into the array itself reads each line). */
-static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
+static void SUF(attend_weights_rows)(const SUF(att) *at, int64_t bh, int64_t i0, int64_t nq,
+                                     int slot, T *avg)
 {
-    const SUF(att) *at = (const SUF(att) *)ctx;
-    int64_t bh = t / at->n_qblk, b = bh / at->H, h = bh % at->H;
+    int64_t b = bh / at->H, h = bh % at->H;
     int64_t bkv = b * at->Hkv + h / (at->H / at->Hkv);
-    int64_t i0 = (t % at->n_qblk) * QB, nq = at->Sq - i0 < QB ? at->Sq - i0 : QB;
     int64_t Sk = at->Sk, Dk = at->Dk, Dv = at->Dv, r, kend, kbeg;
     const T *q_bh = at->qh + (bh * at->Sq + i0) * Dk;          /* (nq, Dk) */
     const T *kt_bh = at->kt + bkv * Dk * at->kld;              /* (Dk, Sk), ld kld */
     const T *v_bh = at->vh + bkv * at->vld * Dv;               /* (Sk, Dv) */
     T *c_bh = at->ctx + b * at->cs_b + h * at->cs_h + i0 * at->ldc; /* (nq, Dv), ld ldc */
     T *gs = at->scratch + (int64_t)slot * at->scratch_len;
-    T *p_bh = (at->p_save ? at->p_save : at->weights) + (bh * at->Sq + i0) * Sk; /* (nq, Sk) */
-    T *a_bh = p_bh;                                                             /* (nq, Sk) */
+    /* P and A (nq, Sk); with avg both in the slot's scratch, A then added into avg */
+    T *p_bh = avg ? gs + MHA_GEMM_SCRATCH
+                  : (at->p_save ? at->p_save : at->weights) + (bh * at->Sq + i0) * Sk;
+    T *a_bh = p_bh;
     T *p_out = NULL, *w_out = NULL; /* with at->stream: where P and the weights go */
     int64_t ne[QB];
-    if (at->p_save && at->weights)
+    if (at->p_save && at->weights) /* (never with avg: no P kept then) */
         a_bh = at->weights + (bh * at->Sq + i0) * Sk;
     else if (at->p_save && at->dropout_on)
         a_bh = gs + MHA_GEMM_SCRATCH;
@@ -249,9 +267,10 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
         SUF(fill_rows)(p_bh, nq, Sk, Sk, value);
         if (a_bh != p_bh) SUF(fill_rows)(a_bh, nq, Sk, Sk, value);
         SUF(fill_rows)(c_bh, nq, Dv, at->ldc, value);
+        if (avg) SUF(avg_add)(at, avg, a_bh, nq, h);
         return;
     }
-    if (at->stream) {
+    if (at->stream && !avg) {
         p_out = at->p_save ? p_bh : NULL;
         w_out = at->weights ? at->weights + (bh * at->Sq + i0) * Sk : NULL;
         p_bh = a_bh = gs + MHA_GEMM_SCRATCH;
@@ -285,6 +304,36 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
         }
     }
     if (w_out) mha_copy_stream(w_out, a_bh, (size_t)(nq * Sk) * sizeof(T));
+    if (avg) SUF(avg_add)(at, avg, a_bh, nq, h);
+}
+
+static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
+{
+    const SUF(att) *at = (const SUF(att) *)ctx;
+    const int64_t i0 = (t % at->n_qblk) * QB;
+    SUF(attend_weights_rows)(at, t / at->n_qblk, i0, at->Sq - i0 < QB ? at->Sq - i0 : QB, slot,
+                             NULL);
+}
+
+/* The weights averaged over the heads (at->avg): task = (b, block of
+ * avg_rows queries), its heads in order, each one's A formed in the slot's
+ * scratch and added into the block of the (B, Sq, Sk) weights (which stays
+ * in cache across the heads: no (B, H, Sq, Sk) array is written), then
+ * divided by H: head 0's A, + head 1's, ..., / H, mha_ext._calls.head_mean's
+ * order, so the same bits as averaging the per-head weights that way.
+ * Blocks of fewer queries than QB when that leaves too few tasks (a row's
+ * bits do not depend on its block: see av_runs and attend_weights_task). */
+static void SUF(attend_avg_task)(void *ctx, int64_t t, int slot)
+{
+    const SUF(att) *at = (const SUF(att) *)ctx;
+    const int64_t nblk = (at->Sq + at->avg_rows - 1) / at->avg_rows;
+    const int64_t b = t / nblk, i0 = (t % nblk) * at->avg_rows, Sk = at->Sk;
+    const int64_t nq = at->Sq - i0 < at->avg_rows ? at->Sq - i0 : at->avg_rows;
+    T *avg = at->weights + (b * at->Sq + i0) * Sk;
+    const T H = (T)at->H;
+    int64_t h, n;
+    for (h = 0; h < at->H; h++) SUF(attend_weights_rows)(at, b * at->H + h, i0, nq, slot, avg);
+    for (n = 0; n < nq * Sk; n++) avg[n] /= H;
 }
 
 /* Attention without weights: an online softmax over blocks of KB keys.
@@ -425,6 +474,15 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
     /* grouped-query attention with few queries: one task per key/value head
      * (when that leaves a task for every thread) */
     at->stream = SUF(att_streams)(at);
+    if (at->avg) { /* blocks of queries small enough for four tasks a thread */
+        const int64_t MR = at->kern->mr;
+        int64_t rows = QB;
+        while (rows > MR && at->B * ((at->Sq + rows - 1) / rows) < 4 * (int64_t)slots)
+            rows -= MR;
+        at->avg_rows = rows;
+        return mha_parallel_for(at->B * ((at->Sq + rows - 1) / rows), slots,
+                                SUF(attend_avg_task), at, ps);
+    }
     at->grp = !at->weights && !at->p_save && at->H > at->Hkv && !at->rr.lay.keep &&
               at->Sq * (at->H / at->Hkv) <= ROWS && at->B * at->Hkv >= slots;
     if (at->grp)

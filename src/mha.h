@@ -192,6 +192,13 @@ typedef struct {
     void *weights;        /* (B, H, Sq, Sk + extra) written, after dropout; or
                              NULL: then no (Sq, Sk) buffer per head is
                              allocated (extra: mha_extra_keys) */
+    int average_weights;  /* nonzero: weights is (B, Sq, Sk + extra), the mean
+                             over the heads, summed head by head in order
+                             (head 0, + head 1, ...) then divided by H: the
+                             bits of averaging the per-head weights that way,
+                             with no per-head array formed.  Not with a kept P
+                             (mha_forward_save refuses it) nor in a backward's
+                             fwd */
     mha_poll_fn poll;     /* NULL, or asked between tasks whether to stop */
     void *poll_ctx;       /*   its argument */
     int has_scale;        /* nonzero: the scores are scaled by `scale` (any */

@@ -262,7 +262,8 @@ def test_type_has_a_text_signature():
                         "add_zero_attn=False, n_kv_heads=None)")
     assert str(inspect.signature(M(8, 2)._forward)).startswith(
         "(query, key, value, *, params=None, masks=()")
-    assert str(inspect.signature(M(8, 2)._forward)).endswith("layout=None, cache=None)")
+    assert str(inspect.signature(M(8, 2)._forward)).endswith(
+        "layout=None, cache=None, average_weights=False)")
     assert str(inspect.signature(M(8, 2)._backward)).startswith(
         "(query, key, value, grad_output, *, params=None")
 

@@ -115,8 +115,29 @@ static void problem_free(problem *pr)
     free(pr->add); free(pr->blk); free(pr->hm); free(pr->keep);
 }
 
-/* fast (mha_forward with and without weights, mha_forward_save, mha_backward,
- * mha_backward_saved) against the references */
+/* m (B, n) = the mean over the heads of w (B, H, n): head 0, + head 1, ...,
+ * then / H (mha_forward_args.average_weights' order) */
+static void heads_mean(mha_dtype dt, const void *w, void *m, int64_t B, int64_t H, int64_t n)
+{
+    int64_t b, h, i;
+    for (b = 0; b < B; b++)
+        for (i = 0; i < n; i++)
+            if (dt == MHA_FLOAT32) {
+                const float *x = (const float *)w + b * H * n + i;
+                float t = x[0];
+                for (h = 1; h < H; h++) t += x[h * n];
+                ((float *)m)[b * n + i] = t / (float)H;
+            } else {
+                const double *x = (const double *)w + b * H * n + i;
+                double t = x[0];
+                for (h = 1; h < H; h++) t += x[h * n];
+                ((double *)m)[b * n + i] = t / (double)H;
+            }
+}
+
+/* fast (mha_forward with and without weights, with the heads' mean,
+ * mha_forward_save, mha_backward, mha_backward_saved) against the
+ * references */
 static void module_case(mha_dtype dt, int64_t B, int64_t Sq, int64_t Sk, int64_t E, int64_t H,
                         int64_t Ek, int64_t Ev, opts o)
 {
@@ -149,6 +170,31 @@ static void module_case(mha_dtype dt, int64_t B, int64_t Sq, int64_t Sk, int64_t
     e_on = rel_err(dt, out2, ref, pr.nq, &nan_bad);
     e_sv = rel_err(dt, out3, ref, pr.nq, &nan_bad);
     e_w = rel_err(dt, w, wr, pr.nw, &nan_bad);
+    {   /* average_weights: the bits of heads_mean of the per-head weights,
+         * the output's bits unchanged, fast and reference (into out2, out3:
+         * their errors are taken) */
+        const int64_t nm = B * Sq * pr.Skx;
+        char *wa = malloc((size_t)(nm + 1) * es), *wm = malloc((size_t)(nm + 1) * es);
+        int pass;
+        for (pass = 0; pass < 2; pass++) {
+            a = pr.a;
+            a.out = pass ? out3 : out2;
+            a.weights = wa;
+            a.average_weights = 1;
+            CHECK((pass ? mha_forward_ref(&pr.c, &pr.p, &a) : mha_forward(&pr.c, &pr.p, &a)) ==
+                          MHA_OK,
+                  "averaged forward %d", pass);
+            heads_mean(dt, pass ? wr : w, wm, B, H, Sq * pr.Skx);
+            CHECK(memcmp(wa, wm, (size_t)nm * es) == 0 &&
+                          memcmp(pass ? out3 : out2, pass ? ref : out, (size_t)pr.nq * es) == 0,
+                  "%s %s B%lld Sq%lld Sk%lld H%lld: the heads' mean (%s) is not the per-head "
+                  "weights' mean, or the output changed",
+                  mha_get_isa(), dt == MHA_FLOAT32 ? "f32" : "f64", (long long)B,
+                  (long long)Sq, (long long)Sk, (long long)H, pass ? "reference" : "fast");
+        }
+        free(wa);
+        free(wm);
+    }
     memset(&ba, 0, sizeof ba);
     ba.fwd = pr.a;
     ba.grad_out = pr.G;
@@ -355,6 +401,33 @@ static void test_status(void)
     p = pr.p;
     p.bias_k = NULL;
     CHECK(mha_forward(&pr.c, &p, &a) == MHA_ERR_ARG, "add_bias_kv without bias_k accepted");
+    {   /* the heads' mean: not with a kept P, nor in a backward's call */
+        const int64_t nkv = 2 * (4 + mha_extra_keys(&pr.c)) * 4;
+        double w[2 * 3 * 6], q[2 * 3 * 4], k[64], v[64], c[2 * 3 * 4], pp[2 * 2 * 3 * 6];
+        double g[512];
+        mha_saved sv = {q, k, v, c, pp};
+        mha_backward_args ba;
+        CHECK(nkv <= 64, "the test's buffers");
+        a.weights = w;
+        a.average_weights = 1;
+        CHECK(mha_forward_save(&pr.c, &pr.p, &a, &sv, NULL) == MHA_ERR_ARG,
+              "the heads' mean with P kept accepted");
+        sv.p = NULL;
+        CHECK(mha_forward_save(&pr.c, &pr.p, &a, &sv, NULL) == MHA_OK,
+              "the heads' mean with Q, K, V, ctx kept refused");
+        memset(&ba, 0, sizeof ba);
+        ba.fwd = a;
+        ba.grad_out = out;
+        ba.grad_params = g;
+        ba.grad_query = g + 300;
+        ba.grad_key = g + 330;
+        ba.grad_value = g + 370;
+        CHECK(pr.total <= 300, "the test's gradient buffer");
+        CHECK(mha_backward(&pr.c, &pr.p, &ba) == MHA_ERR_ARG,
+              "a backward of an averaged call accepted");
+        a.average_weights = 0;
+        a.weights = NULL;
+    }
     {   /* block layouts (issue 14) that do not fit the call: Sq 3, Sk 4 */
         uint8_t keep[64] = {0};
         const int64_t bad[5][4] = {{2, 3, 2, 2}, {2, 2, 1, 2}, {1, 1, 0, 4}, {1, 1, 3, -4},

@@ -1,0 +1,120 @@
+"""The heads' mean of the weights formed by the C core (average_weights=True,
+torch's average_attn_weights, the default of torch's nn.MultiheadAttention):
+the attention runs one task per (batch, block of queries) over every head in
+turn and adds each head's weights into the (B, Sq, Sk) result, so no
+(B, H, Sq, Sk) array is written.  Its bits must be those of averaging the
+per-head weights head by head in order (mha_ext._calls.head_mean, docs/API.md
+§3.4), whatever the options, the thread count and the instruction set, and
+the output must not change.
+
+Legend: B batch, Sq queries, Sk keys, E = d_model, H = n_heads.
+"""
+import numpy as np
+import pytest
+
+import mha_ext
+from mha_ext import MultiHeadAttention, _calls
+
+
+def _same(a, b):
+    """the same shape, dtype and bits (NaN rows included)"""
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
+        a.view(np.uint8), b.view(np.uint8))
+
+
+def _call_pair(m, q, kv, **kw):
+    """(output, weights) of the core's averaged call, and (output, head_mean
+    of the per-head weights) of the plain one, the dropout stream the same"""
+    counter = m._counter
+    out, w = m._forward(q, kv, kv, need_weights=True, **kw)
+    m._counter = counter
+    out_a, w_a = m._forward(q, kv, kv, need_weights=True, average_weights=True, **kw)
+    return (out_a, w_a), (out, _calls.head_mean(w))
+
+
+SHAPES = [  # B, Sq, Sk, E, H
+    (2, 10, 10, 512, 8),    # tiny: one block of queries per batch, fewer rows a task
+    (1, 1, 1, 16, 4),       # a decode step's first token
+    (3, 100, 77, 64, 4),    # blocks of 48 queries and a part block
+    (1, 200, 200, 64, 1),   # one head
+    (8, 130, 130, 96, 3),   # several full blocks per batch
+    (0, 4, 4, 16, 2), (2, 0, 4, 16, 2), (2, 4, 0, 16, 2),  # empty
+]
+
+
+def _options(rng, B, H, Sq, Sk, dtype):
+    return {
+        "plain": {},
+        "causal": {"is_causal": True},
+        "blocking": {"masks": [(0, rng.random((Sq, Sk)) < 0.3)]},  # rows with NaN weights
+        "additive": {"masks": [(1, rng.standard_normal((B, H, Sq, Sk)).astype(dtype))],
+                     "zero_rows": True},
+        "head_mask": {"head_mask": rng.standard_normal((B, H)).astype(dtype)},
+        "window": {"window": (3, 2)},
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("B,Sq,Sk,E,H", SHAPES)
+@pytest.mark.parametrize("layout", [{}, {"add_bias_kv": True, "add_zero_attn": True},
+                                    {"n_kv_heads": 1}])
+@pytest.mark.parametrize("reference", [False, True])
+def test_core_mean_is_the_head_mean_of_the_weights(isa, dtype, B, Sq, Sk, E, H, layout,
+                                                   reference):
+    rng = np.random.default_rng(B * 1000 + Sq + 7 * Sk)
+    m = MultiHeadAttention(E, H, 0.3, dtype=dtype, seed=2, **layout)  # training: dropout on
+    q = rng.standard_normal((B, Sq, E)).astype(dtype)
+    kv = rng.standard_normal((B, Sk, E)).astype(dtype)
+    for name, kw in _options(rng, B, H, Sq, Sk, dtype).items():
+        (out_a, w_a), (out, w) = _call_pair(m, q, kv, reference=reference, **kw)
+        assert w_a.shape == (B, Sq, Sk + 2 * bool(layout.get("add_bias_kv"))), name
+        assert _same(w_a, w), name
+        assert _same(out_a, out), name
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_core_mean_at_any_thread_count(isa, threads):
+    # the tasks' blocks of queries shrink when there are few of them for the
+    # threads: the bits stay those of the per-head weights' mean
+    rng = np.random.default_rng(3)
+    m = MultiHeadAttention(128, 4, seed=5).eval()
+    before = mha_ext.get_num_threads()
+    try:
+        mha_ext.set_num_threads(threads)
+        for B, S in ((1, 5), (1, 60), (2, 49), (5, 130)):
+            x = rng.standard_normal((B, S, 128)).astype(np.float32)
+            (out_a, w_a), (out, w) = _call_pair(m, x, x, is_causal=True)
+            assert _same(w_a, w) and _same(out_a, out), (B, S)
+    finally:
+        mha_ext.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_cache_calls_average_in_the_core(isa, dtype):
+    # a decode loop with a cache: each step's averaged weights are the mean
+    # of its per-head ones (two caches fed the same steps)
+    rng = np.random.default_rng(4)
+    m = MultiHeadAttention(64, 4, dtype=dtype, seed=3).eval()
+    x = rng.standard_normal((2, 9, 64)).astype(dtype)
+    ca, cb = m.new_cache(2, 9), m.new_cache(2, 9)
+    for t0, t1 in ((0, 4), (4, 5), (5, 6), (6, 9)):
+        step = x[:, t0:t1]
+        out_a, w_a = m(step, cache=ca, is_causal=True, average_weights=True)
+        out, w = m(step, cache=cb, is_causal=True)
+        assert w_a.shape == (2, t1 - t0, t1)
+        assert _same(w_a, _calls.head_mean(w)) and _same(out_a, out), (t0, t1)
+
+
+def test_module_call_does_not_form_the_per_head_weights(monkeypatch):
+    # the module's and the torch classes' calls ask the core for the mean:
+    # Python's head_mean (over a (B, H, Sq, Sk) array) is not reached
+    def refuse(weights):
+        raise AssertionError(f"head_mean over {weights.shape} in an inference call")
+    monkeypatch.setattr(_calls, "head_mean", refuse)
+    x = np.random.default_rng(5).standard_normal((2, 7, 32)).astype(np.float32)
+    m = MultiHeadAttention(32, 4, seed=1).eval()
+    out, w = m(x, average_weights=True)
+    assert w.shape == (2, 7, 7)
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+    out, w = m(x[0], average_weights=True)  # unbatched
+    assert w.shape == (7, 7)
