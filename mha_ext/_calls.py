@@ -290,7 +290,7 @@ def c_forward(mha, call, reference=False, params=None):
     """The module's call: (output (B, Sq, E), weights (B, H, Sq, Sk') or None,
     Sk' = Sk plus the extra keys of add_bias_kv and add_zero_attn; with
     call.average_weights (B, Sq, Sk'), the heads' mean, which the core forms
-    with head_mean's bits and no per-head array);
+    with head_mean's bits);
     reference=True runs the core's plain reference forward (the tests' oracle).
     params: None (the module's own) or _params.Parts (read in place).
     With call.cache, the call writes its keys and values into the cache and

@@ -1,5 +1,5 @@
 /* _core_calls.c: call_run, and the three calls of the private protocol
- * (keyword arguments; each result has one fixed shape):
+ * (keyword arguments; each result's shape follows from them):
  *
  *   _forward(query, key, value, *, params=None, masks=(), is_causal=False,
  *            need_weights=True, zero_rows=False, reference=False, scale=None)
@@ -18,7 +18,7 @@
  *       over those); the caller advances length (mha_ext._calls).
  *       average_weights=True: the weights are (B, Sq, Sk'), the mean over
  *       the heads (summed head by head in order, then divided by H:
- *       mha_ext._calls.head_mean's bits), no per-head array formed.
+ *       mha_ext._calls.head_mean's bits); see mha_forward_args.average_weights.
  *   _forward_train(query, key, value, *, params=None, masks=(),
  *                  is_causal=False, need_weights=True, zero_rows=False,
  *                  dropout=0.0, counter=0, save=True, save_p=False, scale=None)

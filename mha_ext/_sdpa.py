@@ -64,7 +64,7 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa):
             # h // (Hq / Hkv): the same pairs
             Hq, Hk, Hv = lq[-1], lk[-1], lv[-1]
             # (no query head: an empty result whatever key's and value's
-            # counts, as torch's)
+            # counts)
             if Hq != 0 and (Hk == 0 or Hv == 0 or Hq % Hk != 0 or Hq % Hv != 0):
                 raise ValueError(f"enable_gqa=True: query's heads ({Hq}, dimension -3) must "
                                  f"be a multiple of key's ({Hk}) and value's ({Hv})")

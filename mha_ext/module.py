@@ -453,7 +453,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
           L + n.  Prefill (many tokens) and decode (one) are the same call.
           attn_mask is (Sq, L + n), key_padding_mask (B, L + n) (left-padded
           prompts: block the pad keys in every later call too), window and
-          head_mask work as usual; the weights are (B, H, Sq, L + n).  The
+          head_mask work as usual; the weights are (B, H, Sq, L + n)
+          ((B, Sq, L + n) with average_weights).  The
           outputs are bit-identical to those rows of one causal call over
           the whole sequence (same instruction set, finite inputs, eval
           mode).  More keys than the capacity: a ValueError, the cache

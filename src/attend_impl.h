@@ -52,7 +52,7 @@ typedef struct {
     const T *vh;          /* V per head: (B, Hkv, vld, Dv) */
     T *ctx;               /* row i of head (b, h): ctx + b*cs_b + h*cs_h + i*ldc, Dv wide */
     int64_t cs_b, cs_h, ldc;
-    T *weights;           /* NULL, or (B, H, Sq, Sk) */
+    T *weights;           /* NULL, or (B, H, Sq, Sk); with avg (B, Sq, Sk) */
     T *p_save;            /* NULL, or mha_saved's P (B, H, Sq, Sk) */
     T *scratch;           /* per slot: GEMM packing, then the task's state */
     int64_t scratch_len;  /* scalars per slot */
@@ -70,9 +70,9 @@ typedef struct {
     int grp;              /* tasks per (b, key/value head), rows the group's */
     int avg;              /* the weights are (B, Sq, Sk), the mean over the heads
                              (attend_avg_task) */
+    T *avg_heads;         /* with avg and too few tasks for it (att_avg_heads):
+                             room for the per-head weights (B, H, Sq, Sk) */
     int64_t n_qblk;
-    int64_t avg_rows;     /* with avg: queries per task (a multiple of the
-                             kernel's MR, at most QB) */
 } SUF(att);
 
 /* The weights alone, or P (kept for the backward, which reads it next) past
@@ -315,25 +315,56 @@ static void SUF(attend_weights_task)(void *ctx, int64_t t, int slot)
                              NULL);
 }
 
-/* The weights averaged over the heads (at->avg): task = (b, block of
- * avg_rows queries), its heads in order, each one's A formed in the slot's
- * scratch and added into the block of the (B, Sq, Sk) weights (which stays
- * in cache across the heads: no (B, H, Sq, Sk) array is written), then
- * divided by H: head 0's A, + head 1's, ..., / H, mha_ext._calls.head_mean's
- * order, so the same bits as averaging the per-head weights that way.
- * Blocks of fewer queries than QB when that leaves too few tasks (a row's
- * bits do not depend on its block: see av_runs and attend_weights_task). */
+/* The weights averaged over the heads (at->avg): task = (b, block of QB
+ * queries), its heads in order, each one's A formed in the slot's scratch
+ * and added into the block of the (B, Sq, Sk) weights (which stays in cache
+ * across the heads: no (B, H, Sq, Sk) array is written), then divided by
+ * H: head 0's A, + head 1's, ..., / H, mha_ext._calls.head_mean's order, so
+ * the same bits as averaging the per-head weights that way. */
 static void SUF(attend_avg_task)(void *ctx, int64_t t, int slot)
 {
     const SUF(att) *at = (const SUF(att) *)ctx;
-    const int64_t nblk = (at->Sq + at->avg_rows - 1) / at->avg_rows;
-    const int64_t b = t / nblk, i0 = (t % nblk) * at->avg_rows, Sk = at->Sk;
-    const int64_t nq = at->Sq - i0 < at->avg_rows ? at->Sq - i0 : at->avg_rows;
+    const int64_t b = t / at->n_qblk, i0 = (t % at->n_qblk) * QB, Sk = at->Sk;
+    const int64_t nq = at->Sq - i0 < QB ? at->Sq - i0 : QB;
     T *avg = at->weights + (b * at->Sq + i0) * Sk;
     const T H = (T)at->H;
     int64_t h, n;
     for (h = 0; h < at->H; h++) SUF(attend_weights_rows)(at, b * at->H + h, i0, nq, slot, avg);
     for (n = 0; n < nq * Sk; n++) avg[n] /= H;
+}
+
+/* Whether a call with the heads' mean has too few (b, block of queries)
+ * tasks for attend_avg_task to keep the threads busy (fewer than four a
+ * thread: a decode step, a short chunk of queries over a long cache, where
+ * the (b, h, block) tasks run the heads in parallel): it then forms the
+ * per-head weights in at->avg_heads and their mean after (attend_mean_task).
+ * Zen 5, two threads, E 512, H 8, one query over 16384 cached keys: the
+ * heads one after the other in one task took 2.6-3.3 ms, in parallel
+ * 1.7-2.3 (the per-head weights and NumPy's mean of them). */
+static int SUF(att_avg_heads)(const SUF(att) *at, int slots)
+{
+    return at->avg && at->B * ((at->Sq + QB - 1) / QB) < 4 * (int64_t)slots;
+}
+
+#define MEAN_CHUNK 16384 /* scalars of one batch's (Sq, Sk) per mean task */
+
+/* A chunk of the mean of at->avg_heads into the weights: head 0, + head 1,
+ * ..., then / H (attend_avg_task's order, element by element) */
+static void SUF(attend_mean_task)(void *ctx, int64_t t, int slot)
+{
+    const SUF(att) *at = (const SUF(att) *)ctx;
+    const int64_t per = at->Sq * at->Sk, nch = (per + MEAN_CHUNK - 1) / MEAN_CHUNK;
+    const int64_t b = t / nch, e0 = (t % nch) * MEAN_CHUNK;
+    const int64_t n = per - e0 < MEAN_CHUNK ? per - e0 : MEAN_CHUNK;
+    const T *w = at->avg_heads + b * at->H * per + e0;
+    T *avg = at->weights + b * per + e0;
+    const T H = (T)at->H;
+    int64_t h, i;
+    (void)slot;
+    memcpy(avg, w, (size_t)n * sizeof(T));
+    for (h = 1; h < at->H; h++)
+        for (i = 0; i < n; i++) avg[i] += w[h * per + i];
+    for (i = 0; i < n; i++) avg[i] /= H;
 }
 
 /* Attention without weights: an online softmax over blocks of KB keys.
@@ -465,24 +496,28 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     }
 }
 
-/* The attention pass: every (b, h, block of queries) on the pool. */
+/* The attention pass: every (b, h, block of queries) on the pool (with the
+ * heads' mean: every (b, block of queries), or see att_avg_heads). */
 static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
 {
     at->n_qblk = (at->Sq + QB - 1) / QB;
     if (at->kld == 0) at->kld = at->Sk;
     if (at->vld == 0) at->vld = at->kld;
+    if (at->avg && at->avg_heads) { /* the per-head weights, then their mean */
+        SUF(att) heads = *at;
+        const int64_t per = at->Sq * at->Sk;
+        heads.avg = 0;
+        heads.avg_heads = NULL;
+        heads.weights = at->avg_heads;
+        if (SUF(attend)(&heads, slots, ps)) return 1;
+        return mha_parallel_for(at->B * ((per + MEAN_CHUNK - 1) / MEAN_CHUNK), slots,
+                                SUF(attend_mean_task), at, ps);
+    }
+    at->stream = SUF(att_streams)(at);
+    if (at->avg)
+        return mha_parallel_for(at->B * at->n_qblk, slots, SUF(attend_avg_task), at, ps);
     /* grouped-query attention with few queries: one task per key/value head
      * (when that leaves a task for every thread) */
-    at->stream = SUF(att_streams)(at);
-    if (at->avg) { /* blocks of queries small enough for four tasks a thread */
-        const int64_t MR = at->kern->mr;
-        int64_t rows = QB;
-        while (rows > MR && at->B * ((at->Sq + rows - 1) / rows) < 4 * (int64_t)slots)
-            rows -= MR;
-        at->avg_rows = rows;
-        return mha_parallel_for(at->B * ((at->Sq + rows - 1) / rows), slots,
-                                SUF(attend_avg_task), at, ps);
-    }
     at->grp = !at->weights && !at->p_save && at->H > at->Hkv && !at->rr.lay.keep &&
               at->Sq * (at->H / at->Hkv) <= ROWS && at->B * at->Hkv >= slots;
     if (at->grp)
@@ -496,3 +531,4 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
 #undef QB
 #undef KB
 #undef ROWS
+#undef MEAN_CHUNK

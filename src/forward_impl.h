@@ -205,7 +205,8 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
     mha_sizes sz;
     SUF(fwd) f;
     SUF(att) at;
-    int64_t n_work = 0, n_scratch = 0, t, offset[MHA_NPARAM], size[MHA_NPARAM], total, Skx;
+    int64_t n_work = 0, n_scratch = 0, n_avg = 0, t, offset[MHA_NPARAM], size[MHA_NPARAM],
+            total, Skx;
     size_t bytes;
     int slots;
     const int keep = sv && sv->q; /* Q, K, V and ctx go to the caller's buffers */
@@ -293,6 +294,10 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
         mha_add(t, keep ? 0 : 2 * sz.n_out, &n_work) ||
         mha_mul(f.scratch_len, slots, &n_scratch) || mha_add(n_work, n_scratch, &n_work))
         return MHA_ERR_OVERFLOW;
+    /* the heads' mean over too few tasks: the per-head weights first */
+    if (SUF(att_avg_heads)(&at, slots) &&
+        (mha_mul(B * at.H * Sq, at.Sk, &n_avg) || mha_add(n_work, n_avg, &n_work)))
+        return MHA_ERR_OVERFLOW;
     if (mha_bytes(n_work, sizeof(T), &bytes)) return MHA_ERR_OVERFLOW;
     work = (T *)mha_work_alloc(bytes);
     if (!work) return MHA_ERR_NOMEM;
@@ -315,6 +320,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
         }
     }
     at.qh = qh; at.kt = kt; at.vh = vh;
+    if (n_avg > 0) at.avg_heads = f.scratch + slots * f.scratch_len;
     at.ctx = ctx;
     at.cs_b = Sq * E; at.cs_h = Dk; at.ldc = E;
     at.scratch = f.scratch;

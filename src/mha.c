@@ -230,9 +230,9 @@ mha_status mha_backward_saved(const mha_config *cfg, const mha_params *p,
     return MHA_ERR_ARG;
 }
 
-static mha_status forward_ref_dtype(const mha_config *cfg, const mha_params *p,
-                                    const mha_forward_args *a)
+mha_status mha_forward_ref(const mha_config *cfg, const mha_params *p, const mha_forward_args *a)
 {
+    if (!cfg || (a && (a->cache_k || a->cache_v))) return MHA_ERR_ARG;
     switch (cfg->dtype) {
     case MHA_FLOAT32: return mha_forward_ref_f32(cfg, p, a);
     case MHA_FLOAT64: return mha_forward_ref_f64(cfg, p, a);
@@ -240,57 +240,11 @@ static mha_status forward_ref_dtype(const mha_config *cfg, const mha_params *p,
     return MHA_ERR_ARG;
 }
 
-/* avg (B, Sq, Sk') = the mean over the heads of w (B, H, Sq, Sk'): head 0,
- * + head 1, ..., then / H (mha_forward_args.average_weights' order) */
-#define HEAD_MEAN(T)                                                                   \
-    do {                                                                               \
-        const T *w_ = (const T *)w;                                                    \
-        T *o_ = (T *)avg;                                                              \
-        for (b = 0; b < B; b++)                                                        \
-            for (i = 0; i < n; i++) {                                                  \
-                T x = w_[b * H * n + i];                                               \
-                for (h = 1; h < H; h++) x += w_[(b * H + h) * n + i];                  \
-                o_[b * n + i] = x / (T)H;                                              \
-            }                                                                          \
-    } while (0)
-static void head_mean(mha_dtype dt, const void *w, void *avg, int64_t B, int64_t H, int64_t n)
-{
-    int64_t b, h, i;
-    if (dt == MHA_FLOAT32)
-        HEAD_MEAN(float);
-    else
-        HEAD_MEAN(double);
-}
-#undef HEAD_MEAN
-
-mha_status mha_forward_ref(const mha_config *cfg, const mha_params *p, const mha_forward_args *a)
-{
-    mha_forward_args per_head;
-    mha_sizes sz;
-    mha_status st;
-    size_t bytes;
-    if (!cfg || (a && (a->cache_k || a->cache_v))) return MHA_ERR_ARG;
-    if (!a || !a->average_weights || !a->weights) return forward_ref_dtype(cfg, p, a);
-    /* averaged weights: the per-head ones first, then their mean */
-    st = mha_check_forward(cfg, p, a, &sz);
-    if (st != MHA_OK) return st;
-    if (mha_bytes(sz.n_weights, mha_dtype_size(cfg->dtype), &bytes)) return MHA_ERR_OVERFLOW;
-    per_head = *a;
-    per_head.average_weights = 0;
-    per_head.weights = mha_alloc(bytes ? bytes : 1);
-    if (!per_head.weights) return MHA_ERR_NOMEM;
-    st = forward_ref_dtype(cfg, p, &per_head);
-    if (st == MHA_OK)
-        head_mean(cfg->dtype, per_head.weights, a->weights, a->B, cfg->n_heads,
-                  a->Sq * (a->Sk + sz.extra));
-    mha_free(per_head.weights);
-    return st;
-}
-
 mha_status mha_backward_ref(const mha_config *cfg, const mha_params *p,
                             const mha_backward_args *a)
 {
-    if (!cfg || (a && (a->fwd.cache_k || a->fwd.cache_v))) return MHA_ERR_ARG;
+    if (!cfg || (a && (a->fwd.cache_k || a->fwd.cache_v || a->fwd.average_weights)))
+        return MHA_ERR_ARG;
     switch (cfg->dtype) {
     case MHA_FLOAT32: return mha_backward_ref_f32(cfg, p, a);
     case MHA_FLOAT64: return mha_backward_ref_f64(cfg, p, a);

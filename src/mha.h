@@ -195,10 +195,13 @@ typedef struct {
     int average_weights;  /* nonzero: weights is (B, Sq, Sk + extra), the mean
                              over the heads, summed head by head in order
                              (head 0, + head 1, ...) then divided by H: the
-                             bits of averaging the per-head weights that way,
-                             with no per-head array formed.  Not with a kept P
-                             (mha_forward_save refuses it) nor in a backward's
-                             fwd */
+                             bits of averaging the per-head weights that way.
+                             mha_forward adds each head's weights into the
+                             mean as it goes (no per-head array) when the
+                             call has four (batch, block of queries) tasks
+                             a thread, else forms them in its workspace
+                             first.  Not with a kept P (mha_forward_save
+                             refuses it) nor in a backward's fwd */
     mha_poll_fn poll;     /* NULL, or asked between tasks whether to stop */
     void *poll_ctx;       /*   its argument */
     int has_scale;        /* nonzero: the scores are scaled by `scale` (any */
@@ -226,7 +229,8 @@ typedef struct {
      * projects its Sk keys and values into keys cache_len .. cache_len+Sk-1
      * (cache_len + Sk <= cache_cap) and attends over all cache_len + Sk of
      * them: masks, causality and the window are over (B, H, Sq, cache_len +
-     * Sk) then, and the weights (B, H, Sq, cache_len + Sk).  The caller
+     * Sk) then, and the weights (B, H, Sq, cache_len + Sk) (average_weights:
+     * (B, Sq, cache_len + Sk)).  The caller
      * advances its length.  Sq == 0 only fills the cache.  A row's bits are
      * those of the same row in one call over the whole sequence. */
     void *cache_k, *cache_v; /* both NULL: no cache */

@@ -160,9 +160,16 @@ static mha_status SUF(forward_ref)(const mha_config *cfg, const mha_params *p,
                 for (j = 0; j < Skx && a->head_mask; j++)
                     row[j] *= ((const T *)a->head_mask)[b * a->head_mask_stride[0] +
                                                         h * a->head_mask_stride[1]];
-                if (a->weights)
+                if (a->weights && a->average_weights) { /* the heads' mean, in head order */
+                    T *o = (T *)a->weights + (b * Sq + i) * Skx;
+                    for (j = 0; j < Skx; j++) {
+                        o[j] = h == 0 ? row[j] : o[j] + row[j];
+                        if (h == H - 1) o[j] /= (T)H;
+                    }
+                } else if (a->weights) {
                     for (j = 0; j < Skx; j++)
                         ((T *)a->weights)[((b * H + h) * Sq + i) * Skx + j] = row[j];
+                }
                 for (d = 0; d < Dk; d++) {
                     T c = 0;
                     if (blocked_row && !a->zero_masked_rows) c = (T)NAN;

@@ -14,6 +14,7 @@ import pytest
 
 import mha_ext
 from mha_ext import MultiHeadAttention, _calls
+from _support import require_torch
 
 
 def _same(a, b):
@@ -105,12 +106,16 @@ def test_cache_calls_average_in_the_core(isa, dtype):
         assert _same(w_a, _calls.head_mean(w)) and _same(out_a, out), (t0, t1)
 
 
-def test_module_call_does_not_form_the_per_head_weights(monkeypatch):
-    # the module's and the torch classes' calls ask the core for the mean:
-    # Python's head_mean (over a (B, H, Sq, Sk) array) is not reached
+def _refuse_head_mean(monkeypatch):
     def refuse(weights):
         raise AssertionError(f"head_mean over {weights.shape} in an inference call")
     monkeypatch.setattr(_calls, "head_mean", refuse)
+
+
+def test_module_call_does_not_form_the_per_head_weights(monkeypatch):
+    # the module's call asks the core for the mean: Python's head_mean (over
+    # a (B, H, Sq, Sk) array) is not reached
+    _refuse_head_mean(monkeypatch)
     x = np.random.default_rng(5).standard_normal((2, 7, 32)).astype(np.float32)
     m = MultiHeadAttention(32, 4, seed=1).eval()
     out, w = m(x, average_weights=True)
@@ -118,3 +123,25 @@ def test_module_call_does_not_form_the_per_head_weights(monkeypatch):
     np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
     out, w = m(x[0], average_weights=True)  # unbatched
     assert w.shape == (7, 7)
+
+
+def test_torch_class_default_call_averages_in_the_core(monkeypatch):
+    # mha_ext.torch.MultiheadAttention's default call (need_weights and
+    # average_attn_weights True, as torch's) without autograd: the core's
+    # mean, torch's numbers
+    torch = require_torch()
+    import mha_ext.torch as mt
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    ours = mt.MultiheadAttention(32, 4, batch_first=True).eval()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 9, 32)
+    kpm = torch.zeros(3, 9, dtype=torch.bool)
+    kpm[1, 6:] = True
+    want = ref(x, x, x, key_padding_mask=kpm)
+    _refuse_head_mean(monkeypatch)
+    with torch.no_grad():
+        got = ours(x, x, x, key_padding_mask=kpm)
+    assert got[1].shape == want[1].shape == (3, 9, 9)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b.detach(), atol=2e-6, rtol=2e-5)
