@@ -237,8 +237,9 @@ def head_mean(weights):
 
 def shape_output(call, out, weights):
     """(output, weights) as the caller asked: weights averaged over heads with
-    average_weights (the per-head ones of c_forward_train; c_forward's come
-    averaged, 3-D), the batch axis dropped for unbatched inputs."""
+    average_weights (c_forward's and c_forward_train's come averaged by the
+    core, 3-D: only 4-D ones are averaged here), the batch axis dropped for
+    unbatched inputs."""
     if weights is not None and call.average_weights and weights.ndim == 4:
         weights = head_mean(weights)
     if not call.batched:
@@ -324,14 +325,16 @@ def c_forward_train(mha, call, block, dropout, counter, keep):
     """The training forward with parameters `block` (None: the module's,
     copied under its lock; a _params.Parts, copied as the projections read
     them): (output, weights, saved, (block, query, key,
-    value) copies) with the shapes of c_forward's results; saved is None
-    with keep 0, else (Q, K, V, ctx, P or None) (P with keep 2)."""
+    value) copies) with the shapes of c_forward's results (the weights
+    averaged by the core with call.average_weights, P per head); saved is
+    None with keep 0, else (Q, K, V, ctx, P or None) (P with keep 2)."""
     return mha._forward_train(call.query, call.key, call.value, params=block,
                               masks=list(call.masks), is_causal=call.is_causal,
                               need_weights=call.need_weights, zero_rows=call.zero_rows,
                               dropout=dropout, counter=counter, save=keep >= 1,
                               save_p=keep == 2, scale=call.scale, window=call.window,
-                              head_mask=call.head_mask, layout=call.layout)
+                              head_mask=call.head_mask, layout=call.layout,
+                              average_weights=bool(call.need_weights and call.average_weights))
 
 
 def c_backward(mha, block, query, key, value, masks, is_causal, zero_rows, dropout,

@@ -343,7 +343,7 @@ static PyMethodDef mha_methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "_forward_train($self, query, key, value, *, params=None, masks=(), is_causal=False, "
      "need_weights=True, zero_rows=False, dropout=0.0, counter=0, save=True, save_p=False, "
-     "scale=None, window=None, head_mask=None, layout=None)"
+     "scale=None, window=None, head_mask=None, layout=None, average_weights=False)"
      "\n--\n\n"
      "The forward with explicit parameters and dropout stream -> (output, weights | None, "
      "saved | None, copies): saved (Q, K, V, ctx, P | None) for _backward, copies "

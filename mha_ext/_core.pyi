@@ -170,7 +170,7 @@ class MultiHeadAttention:
                        zero_rows: _Flag = ..., dropout: float = ..., counter: int = ...,
                        save: _Flag = ..., save_p: _Flag = ..., scale: Optional[float] = ...,
                        window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
-                       layout: _Layout = ...,
+                       layout: _Layout = ..., average_weights: _Flag = ...,
                        ) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[_Saved], _Copies]: ...
     def _backward(self, query: npt.ArrayLike, key: npt.ArrayLike, value: npt.ArrayLike,
                   grad_output: npt.ArrayLike, *, params: _Params = ...,

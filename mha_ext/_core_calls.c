@@ -147,18 +147,19 @@ PyObject *mha_forward_train_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "params", "masks", "is_causal",
                              "need_weights", "zero_rows", "dropout", "counter", "save",
-                             "save_p", "scale", "window", "head_mask", "layout", NULL};
+                             "save_p", "scale", "window", "head_mask", "layout",
+                             "average_weights", NULL};
     call_objects o = {0};
     struct call c;
     PyArrayObject *out = NULL, *w = NULL, *kept[5] = {NULL}, *copies[4] = {NULL};
     PyObject *saved = NULL, *copied = NULL, *result = NULL;
     int i;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOOOOO:_forward_train", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOOOOOOOOOOOO:_forward_train", kwlist,
                                      &o.query, &o.key, &o.value, &o.params, &o.masks,
                                      &o.is_causal, &o.need_weights, &o.zero_rows, &o.dropout,
                                      &o.counter, &o.save, &o.save_p, &o.scale, &o.window,
-                                     &o.head_mask, &o.layout))
+                                     &o.head_mask, &o.layout, &o.average_weights))
         return NULL;
     if (call_parse(self, CALL_FORWARD_TRAIN, &o, &c) < 0) return NULL;
     {
@@ -166,14 +167,16 @@ PyObject *mha_forward_train_py(MHAObject *self, PyObject *args, PyObject *kwds)
         const int64_t Sk = c.ba.fwd.Sk + mha_extra_keys(&self->cfg); /* with the extra keys */
         const int64_t E = self->cfg.d_model, H = self->cfg.n_heads, Dk = E / H;
         const int64_t Hkv = mha_kv_heads(&self->cfg);
-        const int64_t od[3] = {B, Sq, E}, wd[4] = {B, H, Sq, Sk};
+        const int64_t od[3] = {B, Sq, E}, wd[4] = {B, H, Sq, Sk}, wa[3] = {B, Sq, Sk};
         /* mha_forward_save's layouts: Q, K (transposed), V per head, ctx, P */
         const int64_t kd[5][4] = {{B, H, Sq, Dk}, {B, Hkv, Dk, Sk}, {B, Hkv, Sk, Dk},
                                   {B, Sq, E, 0}, {B, H, Sq, Sk}};
         const int64_t pd[1] = {self->total};
         const int n_kept = !c.save ? 0 : c.save_p ? 5 : 4;
         if (!(out = new_array(&c, 3, od, 0))) goto fail;
-        if (c.need_weights && !(w = new_array(&c, 4, wd, 0))) goto fail;
+        if (c.need_weights && !(w = c.ba.fwd.average_weights ? new_array(&c, 3, wa, 0)
+                                                             : new_array(&c, 4, wd, 0)))
+            goto fail;
         /* zeroed only when B * Sq == 0 leaves K and V unwritten */
         for (i = 0; i < n_kept; i++)
             if (!(kept[i] = new_array(&c, i == 3 ? 3 : 4, kd[i], B * Sq == 0))) goto fail;

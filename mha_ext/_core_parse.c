@@ -156,20 +156,21 @@ static int check_memory(MHAObject *self, struct call *c)
     const int64_t Skx = a->Sk + mha_extra_keys(&self->cfg); /* with the extra keys */
     size_t es = mha_dtype_size(self->cfg.dtype);
     /* B*Sq, B*Sk and B*H*Sq are below products mha_check_sizes checked */
-    int64_t need = 0, n_q, n_k, n_v, n_kv, n_w;
+    int64_t need = 0, n_q, n_k, n_v, n_kv, n_w, n_p;
     int weights = c->op == CALL_BACKWARD ? c->grad_weights != NULL || c->saved[4] != NULL
                                          : c->need_weights;
     int over = __builtin_mul_overflow(a->B * a->Sq, E, &n_q) ||
                __builtin_mul_overflow(a->B * a->Sk, self->cfg.kdim, &n_k) ||
                __builtin_mul_overflow(a->B * a->Sk, self->cfg.vdim, &n_v) ||
                __builtin_mul_overflow(a->B * Skx, E, &n_kv) ||
+               __builtin_mul_overflow(a->B * H * a->Sq, Skx, &n_p) || /* per head: P */
                __builtin_mul_overflow(a->B * (a->average_weights ? 1 : H) * a->Sq, Skx, &n_w) ||
                add_bytes(&need, n_q, es) || add_bytes(&need, n_k, es) ||
                add_bytes(&need, n_v, es) || add_bytes(&need, n_q, 3 * es) ||
                add_bytes(&need, n_kv, 2 * es) || (weights && add_bytes(&need, n_w, es));
     if (!over && c->op == CALL_FORWARD_TRAIN)
         over = (c->save && (add_bytes(&need, n_q, 2 * es) || add_bytes(&need, n_kv, 2 * es))) ||
-               (c->save && c->save_p && add_bytes(&need, n_w, es)) ||
+               (c->save && c->save_p && add_bytes(&need, n_p, es)) ||
                add_bytes(&need, n_q, es) || add_bytes(&need, n_k, es) ||
                add_bytes(&need, n_v, es) || (!c->params && add_bytes(&need, self->total, es));
     if (!over && c->op == CALL_BACKWARD) /* the four gradients */

@@ -97,7 +97,7 @@ static int SUF(att_state)(const SUF(att) *at, int64_t *state)
     if (!at->weights && !at->p_save)
         return mha_mul(QB, at->Dv, state) || mha_add(*state, QB * KB + 2 * QB, state) ||
                (at->k_rows && mha_add(*state, at->Dk * at->kern->nr, state));
-    if (SUF(att_streams)(at) || (at->p_save && !at->weights && at->dropout_on))
+    if (SUF(att_streams)(at) || at->avg || (at->p_save && !at->weights && at->dropout_on))
         return mha_mul(QB, at->Sk, state);
     return 0;
 }
@@ -244,13 +244,17 @@ static void SUF(attend_weights_rows)(const SUF(att) *at, int64_t bh, int64_t i0,
     const T *v_bh = at->vh + bkv * at->vld * Dv;               /* (Sk, Dv) */
     T *c_bh = at->ctx + b * at->cs_b + h * at->cs_h + i0 * at->ldc; /* (nq, Dv), ld ldc */
     T *gs = at->scratch + (int64_t)slot * at->scratch_len;
-    /* P and A (nq, Sk); with avg both in the slot's scratch, A then added into avg */
-    T *p_bh = avg ? gs + MHA_GEMM_SCRATCH
-                  : (at->p_save ? at->p_save : at->weights) + (bh * at->Sq + i0) * Sk;
+    /* P and A (nq, Sk); with avg, A (and P when not kept) in the slot's
+     * scratch, A then added into avg */
+    T *p_bh = at->p_save ? at->p_save + (bh * at->Sq + i0) * Sk
+              : avg      ? gs + MHA_GEMM_SCRATCH
+                         : at->weights + (bh * at->Sq + i0) * Sk;
     T *a_bh = p_bh;
     T *p_out = NULL, *w_out = NULL; /* with at->stream: where P and the weights go */
     int64_t ne[QB];
-    if (at->p_save && at->weights) /* (never with avg: no P kept then) */
+    if (avg)
+        a_bh = gs + MHA_GEMM_SCRATCH;
+    else if (at->p_save && at->weights)
         a_bh = at->weights + (bh * at->Sq + i0) * Sk;
     else if (at->p_save && at->dropout_on)
         a_bh = gs + MHA_GEMM_SCRATCH;
@@ -270,9 +274,9 @@ static void SUF(attend_weights_rows)(const SUF(att) *at, int64_t bh, int64_t i0,
         if (avg) SUF(avg_add)(at, avg, a_bh, nq, h);
         return;
     }
-    if (at->stream && !avg) {
+    if (at->stream) {
         p_out = at->p_save ? p_bh : NULL;
-        w_out = at->weights ? at->weights + (bh * at->Sq + i0) * Sk : NULL;
+        w_out = at->weights && !avg ? at->weights + (bh * at->Sq + i0) * Sk : NULL;
         p_bh = a_bh = gs + MHA_GEMM_SCRATCH;
     }
     /* the keys before kbeg: 0 scores, which the window or the layout masks */

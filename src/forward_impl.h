@@ -273,7 +273,7 @@ static mha_status SUF(forward)(const mha_config *cfg, const mha_params *p,
 
     /* P kept: the attention forms it whole (the weights task) */
     at.p_save = keep && sv->p ? (T *)sv->p : NULL;
-    at.avg = a->average_weights && at.weights && !at.p_save; /* (mha.c refuses P with it) */
+    at.avg = a->average_weights && at.weights;
 
     /* per slot: the GEMM's packing, then what one pass needs after it: a
      * projection tile (at most RM rows and mha_gemm_nc columns), or the

@@ -201,7 +201,6 @@ mha_status mha_forward_save(const mha_config *cfg, const mha_params *p,
     if (s) { /* the four projections together or not at all; P only with them */
         const int n = !!s->q + !!s->k + !!s->v + !!s->ctx;
         if ((n != 0 && n != 4) || (s->p && n == 0)) return MHA_ERR_ARG;
-        if (s->p && a && a->average_weights) return MHA_ERR_ARG;
     }
     /* a cache is mha_forward's alone: nothing saved or copied beside it */
     if (a && (a->cache_k || a->cache_v) && (s || c)) return MHA_ERR_ARG;

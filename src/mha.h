@@ -200,8 +200,8 @@ typedef struct {
                              mean as it goes (no per-head array) when the
                              call has four (batch, block of queries) tasks
                              a thread, else forms them in its workspace
-                             first.  Not with a kept P (mha_forward_save
-                             refuses it) nor in a backward's fwd */
+                             first.  Not in a backward's fwd (the backwards
+                             refuse it) */
     mha_poll_fn poll;     /* NULL, or asked between tasks whether to stop */
     void *poll_ctx;       /*   its argument */
     int has_scale;        /* nonzero: the scores are scaled by `scale` (any */

@@ -145,3 +145,48 @@ def test_torch_class_default_call_averages_in_the_core(monkeypatch):
     assert got[1].shape == want[1].shape == (3, 9, 9)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b.detach(), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("B,Sq,Sk,E,H", [(2, 10, 10, 64, 4), (3, 100, 77, 64, 4),
+                                         (8, 130, 130, 96, 3), (1, 1, 1, 16, 4)])
+@pytest.mark.parametrize("save,save_p", [(False, False), (True, False), (True, True)])
+def test_training_forward_averages_in_the_core(isa, dtype, B, Sq, Sk, E, H, save, save_p):
+    # forward_train's averaged weights: head_mean's bits of its per-head
+    # ones, with P kept or not, dropout on; the saved tensors and the
+    # output the same bits either way
+    rng = np.random.default_rng(Sq + Sk)
+    m = MultiHeadAttention(E, H, 0.25, dtype=dtype, seed=4)
+    q = rng.standard_normal((B, Sq, E)).astype(dtype)
+    kv = rng.standard_normal((B, Sk, E)).astype(dtype)
+    for kw in ({}, {"is_causal": True} if Sq == Sk else {"window": (2, 1)},
+               {"masks": [(0, rng.random((Sq, Sk)) < 0.3)]}):
+        one = m._forward_train(q, kv, kv, dropout=0.25, counter=7, save=save, save_p=save_p,
+                               average_weights=True, **kw)
+        two = m._forward_train(q, kv, kv, dropout=0.25, counter=7, save=save, save_p=save_p,
+                               **kw)
+        assert _same(one[1], _calls.head_mean(two[1])) and _same(one[0], two[0]), list(kw)
+        assert (one[2] is None) == (two[2] is None)
+        for a, b in zip(one[2] or (), two[2] or ()):
+            assert (a is None and b is None) or _same(a, b), list(kw)
+
+
+def test_training_call_averages_in_the_core(monkeypatch):
+    # forward_train with average_weights: the core's mean (head_mean is not
+    # reached), and the backward of dL/d mean: that of dL/d weights = the
+    # mean's gradient / H on every head, to the bit
+    rng = np.random.default_rng(6)
+    m = MultiHeadAttention(32, 4, 0.1, seed=2)
+    x = rng.standard_normal((2, 7, 32)).astype(np.float32)
+    g = rng.standard_normal((2, 7, 32)).astype(np.float32)
+    gw = rng.standard_normal((2, 7, 7)).astype(np.float32)
+    per_head = m.forward_train(x, x, x, dropout_counter=3)
+    want = m.backward(per_head, g, np.repeat(gw[:, None] / np.float32(4), 4, axis=1))
+    _refuse_head_mean(monkeypatch)
+    ctx = m.forward_train(x, x, x, average_weights=True, dropout_counter=3)
+    assert ctx.weights.shape == (2, 7, 7)
+    assert _same(ctx.output, per_head.output)
+    got = m.backward(ctx, g, gw)
+    assert got.keys() == want.keys()
+    for name in got:
+        assert _same(got[name], want[name]), name

@@ -171,26 +171,30 @@ static void module_case(mha_dtype dt, int64_t B, int64_t Sq, int64_t Sk, int64_t
     e_sv = rel_err(dt, out3, ref, pr.nq, &nan_bad);
     e_w = rel_err(dt, w, wr, pr.nw, &nan_bad);
     {   /* average_weights: the bits of heads_mean of the per-head weights,
-         * the output's bits unchanged, fast and reference (into out2, out3:
-         * their errors are taken) */
+         * the output's bits unchanged, fast, reference and fast with the
+         * projections and P kept (into out2, out3: their errors are taken;
+         * sv is overwritten with the same bits) */
         const int64_t nm = B * Sq * pr.Skx;
         char *wa = malloc((size_t)(nm + 1) * es), *wm = malloc((size_t)(nm + 1) * es);
         int pass;
-        for (pass = 0; pass < 2; pass++) {
+        for (pass = 0; pass < 3; pass++) {
+            const int r = pass == 1;
             a = pr.a;
-            a.out = pass ? out3 : out2;
+            a.out = r ? out3 : out2;
             a.weights = wa;
             a.average_weights = 1;
-            CHECK((pass ? mha_forward_ref(&pr.c, &pr.p, &a) : mha_forward(&pr.c, &pr.p, &a)) ==
-                          MHA_OK,
+            CHECK((r ? mha_forward_ref(&pr.c, &pr.p, &a)
+               : pass ? mha_forward_save(&pr.c, &pr.p, &a, &sv, NULL)
+                      : mha_forward(&pr.c, &pr.p, &a)) == MHA_OK,
                   "averaged forward %d", pass);
-            heads_mean(dt, pass ? wr : w, wm, B, H, Sq * pr.Skx);
+            heads_mean(dt, r ? wr : w, wm, B, H, Sq * pr.Skx);
             CHECK(memcmp(wa, wm, (size_t)nm * es) == 0 &&
-                          memcmp(pass ? out3 : out2, pass ? ref : out, (size_t)pr.nq * es) == 0,
+                          memcmp(r ? out3 : out2, r ? ref : out, (size_t)pr.nq * es) == 0,
                   "%s %s B%lld Sq%lld Sk%lld H%lld: the heads' mean (%s) is not the per-head "
                   "weights' mean, or the output changed",
                   mha_get_isa(), dt == MHA_FLOAT32 ? "f32" : "f64", (long long)B,
-                  (long long)Sq, (long long)Sk, (long long)H, pass ? "reference" : "fast");
+                  (long long)Sq, (long long)Sk, (long long)H,
+                  r ? "reference" : pass ? "P kept" : "fast");
         }
         free(wa);
         free(wm);
@@ -401,7 +405,7 @@ static void test_status(void)
     p = pr.p;
     p.bias_k = NULL;
     CHECK(mha_forward(&pr.c, &p, &a) == MHA_ERR_ARG, "add_bias_kv without bias_k accepted");
-    {   /* the heads' mean: not with a kept P, nor in a backward's call */
+    {   /* the heads' mean: with a kept P too, not in a backward's call */
         const int64_t nkv = 2 * (4 + mha_extra_keys(&pr.c)) * 4;
         double w[2 * 3 * 6], q[2 * 3 * 4], k[64], v[64], c[2 * 3 * 4], pp[2 * 2 * 3 * 6];
         double g[512];
@@ -410,8 +414,8 @@ static void test_status(void)
         CHECK(nkv <= 64, "the test's buffers");
         a.weights = w;
         a.average_weights = 1;
-        CHECK(mha_forward_save(&pr.c, &pr.p, &a, &sv, NULL) == MHA_ERR_ARG,
-              "the heads' mean with P kept accepted");
+        CHECK(mha_forward_save(&pr.c, &pr.p, &a, &sv, NULL) == MHA_OK,
+              "the heads' mean with P kept refused");
         sv.p = NULL;
         CHECK(mha_forward_save(&pr.c, &pr.p, &a, &sv, NULL) == MHA_OK,
               "the heads' mean with Q, K, V, ctx kept refused");
@@ -425,6 +429,8 @@ static void test_status(void)
         CHECK(pr.total <= 300, "the test's gradient buffer");
         CHECK(mha_backward(&pr.c, &pr.p, &ba) == MHA_ERR_ARG,
               "a backward of an averaged call accepted");
+        CHECK(mha_backward_ref(&pr.c, &pr.p, &ba) == MHA_ERR_ARG,
+              "a reference backward of an averaged call accepted");
         a.average_weights = 0;
         a.weights = NULL;
     }
