@@ -403,8 +403,11 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         Anything NumPy can read as real numbers, torch tensors included.
 
         output is (B, Sq, E); weights (B, H, Sq, Sk) after dropout, the mean
-        over heads (B, Sq, Sk) with average_weights=True, or None with
-        need_weights=False (then no (Sq, Sk) buffer per head is made).  With
+        over heads (B, Sq, Sk) with average_weights=True (summed head by head
+        in order, then divided by H; formed by the C core, which writes no
+        per-head array when the call has enough rows for its threads), or
+        None with need_weights=False (then no (Sq, Sk) buffer per head is
+        made).  With
         add_bias_kv / add_zero_attn the weights have Sk + 1 (or + 2) keys.
 
         Masks (all that are given apply together; blocked scores become -inf):
