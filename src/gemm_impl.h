@@ -190,7 +190,8 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
      * place: the copy is cheap, and the packed panel takes ukr_impl.h's
      * unrolled loop.  Zen 3, (48, 1024)·(64, 1024): 40-50 -> 42-61 GFLOP/s
      * a core, (128, 1024): 39-44 -> 67; rows 1.5 KiB or 512 B apart ran
-     * faster in place (76 against 64) and stay so */
+     * faster in place (76 against 64) and stay so; on a wide kernel, rows
+     * a multiple of 4 KiB apart (mha_gemm_far_rows) */
     const int pack_far = !trans_b && a_cs == 1 && mha_gemm_far_rows(NR, ldb, sizeof(T));
     pack_all = pack_all || pack_far;
     int64_t jc, pc, jr, ir, i, j;

@@ -230,11 +230,17 @@ static inline int mha_gemm_narrow(int64_t nr, size_t scalar)
 {
     return nr * (int64_t)scalar <= 64;
 }
-/* ... which packs a row-major B whose rows lie a multiple of 2 KiB apart
- * (gemm_impl.h's pack_far) rather than read it in place */
+/* 1 when gemm_impl.h packs a row-major B rather than read it in place
+ * (pack_far): its rows a multiple of 2 KiB apart on a narrow kernel, of
+ * 4 KiB on a wide one (each step of k then reads its lines from the same
+ * few L1 sets, and the lines asked for ahead evict each other before use:
+ * see mha_kt_ld).  Intel Xeon (family 6, model 167), one core, (4096, 1024)
+ * with K 1024, B's rows 1024 floats apart (a training step's input
+ * gradient at E 1024): 80-84 -> 148-157 GFLOP/s; double, rows 512 or 1024
+ * doubles apart, 40-43 -> 65-73 */
 static inline int mha_gemm_far_rows(int64_t nr, int64_t ldb, size_t scalar)
 {
-    return mha_gemm_narrow(nr, scalar) && ldb * (int64_t)scalar % 2048 == 0;
+    return ldb * (int64_t)scalar % (mha_gemm_narrow(nr, scalar) ? 2048 : 4096) == 0;
 }
 /* The rows of a Kᵀ the attention reads as a GEMM's B (Sk keys a row): Sk,
  * or a line more (forward_impl.h's workspace, sdpa_forward_impl.h's kt)
@@ -250,9 +256,7 @@ static inline int mha_gemm_far_rows(int64_t nr, int64_t ldb, size_t scalar)
  *   S 4096, E 1024, H 16, two threads, alternated: 284-290 -> 271-274 ms */
 static inline int64_t mha_kt_ld(int64_t nr, int64_t Sk, size_t scalar)
 {
-    const int far = mha_gemm_narrow(nr, scalar) ? mha_gemm_far_rows(nr, Sk, scalar)
-                                                : Sk * (int64_t)scalar % 4096 == 0;
-    return far ? Sk + 64 / (int64_t)scalar : Sk;
+    return mha_gemm_far_rows(nr, Sk, scalar) ? Sk + 64 / (int64_t)scalar : Sk;
 }
 static inline int mha_tiles_enough(int64_t rows, int64_t N, int64_t nc, int slots)
 {
