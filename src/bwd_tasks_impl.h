@@ -11,9 +11,10 @@
  * B 4, S 1024, E 1024 a training step 3% faster than 96 x 64 tiles reading
  * W in place), when that gives every thread 4 tiles; else (medium and
  * smaller) RM_S x RN_S tiles reading B in place, whose rows of A stay in
- * L2 across the column tiles.  But where a narrow kernel would pack an NN
- * product's B anyway (rows a multiple of 2 KiB apart: gemm_impl.h's
- * pack_far; W at E 512, 1024, ...), each small tile would pack its own
+ * L2 across the column tiles.  But where the kernel would pack an NN
+ * product's B anyway (mha_gemm_far_rows: rows a multiple of 2 KiB apart on
+ * a narrow kernel, W at E 512, 1024, ...; of 4 KiB on a wide one, W at
+ * E 1024 float or 512 double), each small tile would pack its own
  * (K, 64) block of W again: there two tiles per thread are enough (Zen 3,
  * training step at B 8, S 128, E 512: the input gradients 5% faster) */
 static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const T *B,

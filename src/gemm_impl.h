@@ -190,9 +190,16 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
      * place: the copy is cheap, and the packed panel takes ukr_impl.h's
      * unrolled loop.  Zen 3, (48, 1024)·(64, 1024): 40-50 -> 42-61 GFLOP/s
      * a core, (128, 1024): 39-44 -> 67; rows 1.5 KiB or 512 B apart ran
-     * faster in place (76 against 64) and stay so; on a wide kernel, rows
-     * a multiple of 4 KiB apart (mha_gemm_far_rows) */
-    const int pack_far = !trans_b && a_cs == 1 && mha_gemm_far_rows(NR, ldb, sizeof(T));
+     * faster in place (76 against 64) and stay so.  On a wide kernel rows
+     * a multiple of 4 KiB apart (mha_gemm_far_rows) are packed too, where
+     * A has 8 panels of rows or more to share the copy: Intel Xeon (family
+     * 6, model 167), two threads, builds alternated process by process,
+     * new tokens over a cache of 2048 keys whose capacity is 4096 (Kᵀ's
+     * rows 16 KiB apart), E 1024, H 16, B 8, ms a call: 1 token 6.2-6.6
+     * (in place), 8.5-8.6 (packed); 24 tokens 22.6-23.1, 23.9-24.6; 48
+     * tokens 38.7-40.2, 37.0-38.3 */
+    const int pack_far = !trans_b && a_cs == 1 && mha_gemm_far_rows(NR, ldb, sizeof(T)) &&
+                         (narrow || M >= 8 * MR);
     pack_all = pack_all || pack_far;
     int64_t jc, pc, jr, ir, i, j;
     if (M <= 0 || N <= 0) return;

@@ -236,22 +236,23 @@ static inline int mha_gemm_narrow(int64_t nr, size_t scalar)
  * few L1 sets, and the lines asked for ahead evict each other before use:
  * see mha_kt_ld).  Intel Xeon (family 6, model 167), one core, (4096, 1024)
  * with K 1024, B's rows 1024 floats apart (a training step's input
- * gradient at E 1024): 80-84 -> 148-157 GFLOP/s; double, rows 512 or 1024
- * doubles apart, 40-43 -> 65-73 */
+ * gradient at E 1024): 80-84 -> 143-157 GFLOP/s; double, rows 512 or 1024
+ * doubles apart, 40-43 -> 65-73.  gemm_impl.h packs them only for a
+ * product of 48 rows or more (8 panels) on a wide kernel */
 static inline int mha_gemm_far_rows(int64_t nr, int64_t ldb, size_t scalar)
 {
     return ldb * (int64_t)scalar % (mha_gemm_narrow(nr, scalar) ? 2048 : 4096) == 0;
 }
 /* The rows of a Kᵀ the attention reads as a GEMM's B (Sk keys a row): Sk,
  * or a line more (forward_impl.h's workspace, sdpa_forward_impl.h's kt)
- * - on a narrow kernel when Sk's rows would lie a multiple of 2 KiB apart,
- *   so that S = Q·Kᵀ reads them in place instead of packing them for every
- *   block of queries;
- * - on a wide one when they would lie a multiple of 4 KiB apart (Sk 1024,
- *   2048, 4096 floats): each step of k then reads its lines from the same
- *   few L1 sets (4 KiB of L1 a way), and the lines asked for ahead evict
- *   each other before use.  Zen 5, one core, S (48, 256) = Q·Kᵀ with K 64
- *   (Dk), B's rows 1024 floats apart: 198-202 GFLOP/s, 1040 apart 220-222
+ * where mha_gemm_far_rows says rows Sk apart would be packed (a multiple of
+ * 2 KiB on a narrow kernel, of 4 KiB on a wide one: Sk 1024, 2048, 4096
+ * floats), so that S = Q·Kᵀ reads them in place instead of packing them
+ * for every block of queries.  Read in place 4 KiB apart, each step of k
+ * took its lines from the same few L1 sets (4 KiB of L1 a way), and the
+ * lines asked for ahead evicted each other before use.  Zen 5, one core,
+ * S (48, 256) = Q·Kᵀ with K 64 (Dk), B's rows 1024 floats apart, read in
+ * place: 198-202 GFLOP/s, 1040 apart 220-222
  *   (512, 768: 219-223); double 512 apart 101-103, 520 apart 114; B 1,
  *   S 4096, E 1024, H 16, two threads, alternated: 284-290 -> 271-274 ms */
 static inline int64_t mha_kt_ld(int64_t nr, int64_t Sk, size_t scalar)

@@ -21,6 +21,12 @@
  *                    lanes past n never read); x's first n lanes to p,
  *                    nothing past them (a row's last part vector without a
  *                    copy through a buffer)
+ * and may define, for ukr_impl.h's micro-kernel loops:
+ *   UKR_UNROLL       steps of k per pass of its unrolled loop (else the
+ *                    generic loop alone), with UKR_FMA_ACC(c, a, b): c =
+ *                    a*b + c in c's register
+ *   UKR_WHOLE        (with UKR_UNROLL) its whole-depth loop, accumulators
+ *                    in registers across the chain joins
  * T, KDOUBLE, VL, VT, VI, V_SET1, SUF and those seven are undefined at the
  * end of this file; the rest stay the includer's.
  * Each instance defines ukr_S, ukr_tail_S, ukr_narrow_S and ukr_row_S (ukr_impl.h), dot_S,

@@ -5,8 +5,9 @@
  *
  *   kt (B, Hkv, D, S) = k transposed per head (Q·Kᵀ reads it in place, as
  *                       the module's attention reads its K; rows a line
- *                       more apart when S's would lie a multiple of 2 KiB
- *                       apart, as forward_impl.h's)
+ *                       more apart where S's would lie a multiple of 2 KiB
+ *                       apart on a narrow kernel, 4 KiB on a wide one:
+ *                       mha_kt_ld, as forward_impl.h's)
  *   per (b, h, block of queries), h' = h / (H / Hkv):
  *     S = q_bh·kt_bh' · scale, masked, softmax, dropout;  out_bh = S·v_bh' */
 

@@ -138,13 +138,14 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
         a0 += (ASTEP);                                                                     \
         a3 += (ASTEP);                                                                     \
     } while (0)
-/* the row-major A's loop over k in [k, k1) (a multiple of UKR_UNROLL steps),
- * B's rows LDB scalars apart */
+/* the row-major A's passes over k from k while a whole pass fits before k1
+ * (the generic loop takes any steps left), B's rows LDB scalars apart */
 #define UKR_LOOP_RM(LDB)                                                                   \
     for (; k + UKR_UNROLL <= k1; k += UKR_UNROLL) {                                        \
         if ((k & (UKR_LINE - 1)) == 0) { /* A's rows: the line after next */               \
             _Pragma("GCC unroll 16")                                                       \
-            for (r = 0; r < UMR; r++) __builtin_prefetch((r < 3 ? a0 : a3) + (r % 3) * L + 128); \
+            for (r = 0; r < UMR; r++)                                                      \
+                __builtin_prefetch((r < 3 ? a0 : a3) + (r % 3) * L + 128);                 \
             _Pragma("GCC unroll 16")                                                       \
             for (r = 0; r < UMR; r++) /* the next panel's: this line */                    \
                 __builtin_prefetch((const void *)((uintptr_t)(r < 3 ? a0 : a3) +           \
@@ -153,6 +154,9 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
         UKR_PASS((r < 3 ? a0 : a3) + (r % 3) * L + u * sizeof(T), UKR_UNROLL * sizeof(T),  \
                  LDB);                                                                     \
     }
+#endif
+#if defined(UKR_WHOLE) && !defined(UKR_UNROLL)
+#error "UKR_WHOLE needs UKR_UNROLL"
 #endif
 #ifdef UKR_WHOLE
     /* all UMR rows real, A row-major, B's rows close together, the depth
@@ -163,8 +167,9 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
      * scalar work and those copies take FMA slots).  A packed B (ldbk
      * NR) has its own copy of the loop, its offsets constants.  The same
      * FMAs in the same order per element as the loops below.  Intel Xeon
-     * (family 6, model 167), one core, (1024, 1536) with K 512, B packed:
-     * 147-150 -> 160-165 GFLOP/s */
+     * (family 6, model 167), one core, (1024, 1536) with K 512, B packed,
+     * the generic loop against this one (with the unrolled loop below
+     * where it does not apply): 147-150 -> 158-161 GFLOP/s */
     if (!pin && mr == UMR && ak == 1 && ldbk <= 4160 / (int64_t)sizeof(T) &&
         kc % UKR_UNROLL == 0 && kb % UKR_UNROLL == 0) {
         VT cc[UMR][UNRV];
@@ -204,7 +209,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
          * many instructions on bookkeeping as on FMAs).  B's rows at most
          * 4 KiB apart (packed, V's rows of a head, Kᵀ's at Sk 128 or 384, a
          * weight's at E 768; B's rows a multiple of 2 KiB apart are packed
-         * on AVX2, gemm_impl.h's pack_far).  Zen 3, one core, the two loops
+         * on AVX2, of 4 KiB on AVX-512: gemm_impl.h's pack_far).  Zen 3, one core, the two loops
          * alternated call by call: (48, 64) with K 256 (P·V), B's rows
          * 512 B to 4 KiB apart, 1.24-1.37x (float and double); (48, 256)
          * with K 64 (Kᵀ at Sk 384) 1.18-1.27x; (512, 768) with K 768
@@ -227,9 +232,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
             for (r = 0; r < UMR; r++)
 #pragma GCC unroll 4
                 for (v = 0; v < UNRV; v++) cc[r][v] = c[r][v];
-            if (ak == 1 && ldbk == NR) {
-                UKR_LOOP_RM(NR)
-            } else if (ak == 1) {
+            if (ak == 1) {
                 UKR_LOOP_RM(ldbk)
             } else { /* the packed panel streams in order from L1 */
                 for (; k + UKR_UNROLL <= k1; k += UKR_UNROLL)

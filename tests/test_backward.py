@@ -188,14 +188,17 @@ def test_deep_weight_gradients_match_torch(isa, dtype):
 @pytest.mark.parametrize("isa", [n for n in ("portable", "avx2", "avx512")
                                  if mha_ext._core._isa_available(n)])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_packed_weight_input_gradients_match_torch(isa, dtype):
+@pytest.mark.parametrize("kib", [2, 4])
+def test_packed_weight_input_gradients_match_torch(isa, dtype, kib):
     """The input gradients dX = dY·W where W's rows lie 2 KiB apart (E 512
     float32, E 256 float64): the narrow kernels pack W's blocks (asking for
     its rows ahead of the copy) in tiles of every row by a packed block's
-    columns, two per thread at 2 threads (bwd_tasks_impl.h's prod_add).
+    columns, two per thread at 2 threads (bwd_tasks_impl.h's prod_add);
+    4 KiB apart (E 1024, 512), the wide kernel (AVX-512) packs them too,
+    its 80 rows of dY being more than 48 (gemm_impl.h's pack_far).
     Against torch autograd on every ISA this CPU has."""
     torch = need_torch()
-    E = 512 if dtype == "float32" else 256
+    E = (512 if dtype == "float32" else 256) * kib // 2
     before, threads = mha_ext._core._get_isa(), mha_ext.get_num_threads()
     mha_ext._core._set_isa(isa)
     mha_ext.set_num_threads(2)

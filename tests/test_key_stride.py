@@ -60,3 +60,27 @@ def test_sdpa(torch, isa, dtype, hq, hkv, causal, keys):
     got = mha_ext.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), **kw)
     tol = TOL[dtype]
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("chunks", [[1, 24, 60, 15], [48, 1, 51]], ids=["1-24-60", "48-1-51"])
+def test_cache_capacity_4kib(isa, dtype, chunks):
+    """A key/value cache whose capacity puts Kᵀ's rows 4 KiB apart (1024
+    float32 keys, 512 float64): S = Q·Kᵀ reads the cache's Kᵀ in place for
+    a chunk of fewer than 48 new tokens and packs it for more on the wide
+    kernel (gemm_impl.h's pack_far), at 2 KiB on a narrow one whatever the
+    chunk.  Decoding in chunks gives the full causal call's bits (the
+    same sums: the layout and the packing change no order), on every ISA
+    this CPU has."""
+    cap = KEYS[dtype] * 2
+    m = mha_ext.MultiHeadAttention(64, 4, dtype=dtype, seed=3).eval()
+    x = np.random.default_rng(4).standard_normal((2, sum(chunks), 64)).astype(dtype)
+    full, _ = m(x, is_causal=True, need_weights=False)
+    cache = m.new_cache(2, cap)
+    outs, L = [], 0
+    for n in chunks:
+        o, _ = m(x[:, L:L + n], cache=cache, need_weights=False)
+        outs.append(o)
+        L += n
+    got = np.concatenate(outs, axis=1)
+    assert np.array_equal(got, full), np.abs(got - full).max()
