@@ -27,6 +27,10 @@
  *                    a*b + c in c's register
  *   UKR_WHOLE        (with UKR_UNROLL) its whole-depth loop, accumulators
  *                    in registers across the chain joins
+ *   UKR_ASM_LOOP(kc, A, lda, Bp, ldbk, acc)
+ *                    (double, MR 6, NRV 4) a full panel's whole depth, A
+ *                    row-major: each element's one chain to acc (MR rows
+ *                    of NR), the generic loop's FMAs in its order
  * T, KDOUBLE, VL, VT, VI, V_SET1, SUF and those seven are undefined at the
  * end of this file; the rest stay the includer's.
  * Each instance defines ukr_S, ukr_tail_S, ukr_narrow_S and ukr_row_S (ukr_impl.h), dot_S,

@@ -158,6 +158,22 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #if defined(UKR_WHOLE) && !defined(UKR_UNROLL)
 #error "UKR_WHOLE needs UKR_UNROLL"
 #endif
+#if defined(UKR_ASM_LOOP) && !KDOUBLE
+#error "UKR_ASM_LOOP sums one chain per element: double only"
+#endif
+#if defined(UKR_ASM_LOOP) && UMR == 6 && UNRV == 4
+    /* the includer's loop over the whole depth in assembly (kern_avx512.c's
+     * float64 one: one chain per element in order, the generic loop's FMAs
+     * and bits), for the panels the unrolled loop would take */
+    if (!pin && mr == UMR && ak == 1 && ldbk <= 4160 / (int64_t)sizeof(T)) {
+        T acc[UMR][NR] __attribute__((aligned(64)));
+        UKR_ASM_LOOP(kc, A, lda, Bp, ldbk, &acc[0][0]);
+#pragma GCC unroll 16
+        for (r = 0; r < UMR; r++)
+#pragma GCC unroll 4
+            for (v = 0; v < UNRV; v++) c[r][v] = SUF(vload)(&acc[r][v * VL]);
+    } else
+#endif
 #ifdef UKR_WHOLE
     /* all UMR rows real, A row-major, B's rows close together, the depth
      * and the chains a whole number of passes: the whole depth in this

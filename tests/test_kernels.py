@@ -132,6 +132,17 @@ def test_tile_boundaries(isa, dtype):
     assert_same(m, *inputs(m, 2, 200, 300), causal=True)
 
 
+@pytest.mark.parametrize("depth", range(1, 18))
+def test_depth_remainders(isa, depth):
+    """every depth mod 8 and 16 (the AVX-512 float64 kernel's assembly loop
+    runs 8 steps a pass, then single steps; float's joins every 128): the
+    projections' depth (d_model, kdim), S = Q·Kᵀ's (head width) and P·V's
+    (Sk, with rows of Kᵀ and V read in place), float64 and float32"""
+    for dtype in ("float64", "float32"):
+        m = make(2 * depth, 2, kdim=depth + 1, vdim=3 * depth, dtype=dtype)
+        assert_same(m, *inputs(m, 2, 13, depth + 128 + 5))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_nonfinite_inputs(isa, dtype):
     """NaN and inf in the inputs reach the same places as in the reference,
