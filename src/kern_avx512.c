@@ -20,7 +20,7 @@
 /* float: ukr_impl.h's unrolled loop and its whole-depth form (UKR_WHOLE
  * below); double: the assembly loop below for full panels of a row-major
  * A (UKR_ASM_LOOP), the generic loop for the rest (gcc's unrolled loop
- * for double ran 10-17% slower than the generic one) */
+ * for double ran 10-18% slower than the generic one) */
 #define UKR_UNROLL 4
 
 /* The float64 micro-kernel's loop over the whole depth for a full panel
@@ -39,8 +39,12 @@
  * against this one, builds alternated: (1024, 1536) with K 512, B packed,
  * 71.6-73.4 -> 76.4-76.7 GFLOP/s; (1024, 512) with K 1024, B in place,
  * 69.0-71.6 -> 74.0-77.1; the kernel alone at a depth of 512 (B from L2)
- * 80 -> 85, at 64 (L1) 69 -> 78.  (Without A's prefetches it ran 1-5%
- * faster there; they stay, as measured on Zen, untried there.) */
+ * 80 -> 85, at 64 (L1) 69 -> 78.  Without A's prefetches it ran 1-5%
+ * faster on that Xeon; they stay, as ukr_impl.h measured them on Zen 5.
+ * Not yet timed on Zen 4 or 5, which take this path too; it asks for the
+ * first line of B's row 16 steps ahead, as the float loops do (the generic
+ * loop asked for all four, and for an in-place B's next panel over its
+ * last 16 steps). */
 #define F64_ROW(R, A) "vbroadcastsd " A ", %%zmm" #R "\n\t"
 #define F64_FMA4(R, C0, C1, C2, C3)                                                        \
     "vfmadd231pd %%zmm0, %%zmm" #R ", %%zmm" #C0 "\n\t"                                     \
@@ -176,6 +180,7 @@ typedef int64_t vi64x8 __attribute__((vector_size(64)));
 #include "kern_impl.h"
 #undef V_FMA
 #undef SUF
+#undef UKR_ASM_LOOP
 
 /* r[i] (row i of a 16 x 16 block) becomes column i: r[k][i] = old r[i][k].
  * Pairs of rows interleaved (unpack ps), then pairs of pairs (unpack pd):

@@ -17,9 +17,11 @@
  *   accumulate, no bias): the call goes on from them, the same bits as one
  *   call over the whole block (ukr_impl.h).  No caller passes one since
  *   gemm_impl.h's gemm_nest_nb runs each depth block in one call; it stays
- *   because taking it out changes the double kernel's register allocation
+ *   because taking it out changed the double kernel's register allocation
  *   (gcc 12: a float64 product (1024, 64) with K 512 ran 0.91x and 1.00x
- *   in two runs).
+ *   in two runs; measured before AVX-512's float64 loop went to assembly,
+ *   so it holds for the AVX2 and portable kernels and AVX-512's other
+ *   panels).
  * ukr_tail: the same for mr <= mr_tail (MR / 2) rows, in half the work (the
  *   last row panel of a product whose M leaves few rows); the same bits.
  * ukr_row: the same for one row (a decode step's query: S = q·Kᵀ and P·V

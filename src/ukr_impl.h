@@ -7,8 +7,9 @@
  * columns: S = Q·Kᵀ over few keys, P·V with a narrow head, took a full
  * NRV-vector pass; Zen 5, one thread, alternated process by process: SDPA
  * of 256 heads of 10 queries and keys, head size 64, 0.406 -> 0.332 ms).
- * Each C element's sum is the same code whatever UMR and UNRV: an
- * element's bits do not depend on the kernel that computed it.  The
+ * Each C element's sum is the same operations in the same order whatever
+ * UMR and UNRV and whichever loop below runs it: an element's bits do not
+ * depend on the kernel that computed it.  The
  * includer defines UKR_FN, UMR and UNRV (undefined here at the end).  B's
  * panels stay NR = NRV vectors wide whatever UNRV (ldbk).
  *
@@ -164,7 +165,8 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #if defined(UKR_ASM_LOOP) && UMR == 6 && UNRV == 4
     /* the includer's loop over the whole depth in assembly (kern_avx512.c's
      * float64 one: one chain per element in order, the generic loop's FMAs
-     * and bits), for the panels the unrolled loop would take */
+     * and bits), for a row-major A's full panels (packed Aᵀ, the float64
+     * weight gradients' panels, stay on the generic loop) */
     if (!pin && mr == UMR && ak == 1 && ldbk <= 4160 / (int64_t)sizeof(T)) {
         T acc[UMR][NR] __attribute__((aligned(64)));
         UKR_ASM_LOOP(kc, A, lda, Bp, ldbk, &acc[0][0]);

@@ -137,7 +137,8 @@ def test_depth_remainders(isa, depth):
     """every depth mod 8 and 16 (the AVX-512 float64 kernel's assembly loop
     runs 8 steps a pass, then single steps; float's joins every 128): the
     projections' depth (d_model, kdim), S = Q·Kᵀ's (head width) and P·V's
-    (Sk, with rows of Kᵀ and V read in place), float64 and float32"""
+    (Sk; Kᵀ's rows read in place, V's packed: narrower than a panel),
+    float64 and float32"""
     for dtype in ("float64", "float32"):
         m = make(2 * depth, 2, kdim=depth + 1, vdim=3 * depth, dtype=dtype)
         assert_same(m, *inputs(m, 2, 13, depth + 128 + 5))
