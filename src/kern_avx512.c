@@ -45,6 +45,9 @@
  * first line of B's row 16 steps ahead, as the float loops do (the generic
  * loop asked for all four, and for an in-place B's next panel over its
  * last 16 steps). */
+#if MR != 6 || NRV != 4
+#error "ukr_loop_f64_avx512 is written for 6 rows of 4 vectors"
+#endif
 #define F64_ROW(R, A) "vbroadcastsd " A ", %%zmm" #R "\n\t"
 #define F64_FMA4(R, C0, C1, C2, C3)                                                        \
     "vfmadd231pd %%zmm0, %%zmm" #R ", %%zmm" #C0 "\n\t"                                     \

@@ -43,6 +43,10 @@
  * S 128, E 512 18.8 -> 18.1.  A prefetch past the matrix (the last panel's
  * next) is computed as an integer and never faults. */
 #define UKR_LINE (64 / (int64_t)sizeof(T))
+/* the farthest apart B's rows may lie for the unrolled, whole-depth and
+ * assembly loops (4 KiB and a line; see the unrolled loop's note), a count
+ * of scalars */
+#define UKR_NEAR_LDB (4160 / (int64_t)sizeof(T))
 
 KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const T *Bp,
                          int64_t ldbk, T *C, int64_t ldc, int64_t mr, int64_t nr,
@@ -162,12 +166,12 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #if defined(UKR_ASM_LOOP) && !KDOUBLE
 #error "UKR_ASM_LOOP sums one chain per element: double only"
 #endif
-#if defined(UKR_ASM_LOOP) && UMR == 6 && UNRV == 4
+#if defined(UKR_ASM_LOOP) && UMR == MR && UNRV == NRV /* ukr_S, the full panel */
     /* the includer's loop over the whole depth in assembly (kern_avx512.c's
      * float64 one: one chain per element in order, the generic loop's FMAs
      * and bits), for a row-major A's full panels (packed Aᵀ, the float64
      * weight gradients' panels, stay on the generic loop) */
-    if (!pin && mr == UMR && ak == 1 && ldbk <= 4160 / (int64_t)sizeof(T)) {
+    if (!pin && mr == UMR && ak == 1 && ldbk <= UKR_NEAR_LDB) {
         T acc[UMR][NR] __attribute__((aligned(64)));
         UKR_ASM_LOOP(kc, A, lda, Bp, ldbk, &acc[0][0]);
 #pragma GCC unroll 16
@@ -188,7 +192,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
      * (family 6, model 167), one core, (1024, 1536) with K 512, B packed,
      * the generic loop against this one (with the unrolled loop below
      * where it does not apply): 147-150 -> 158-161 GFLOP/s */
-    if (!pin && mr == UMR && ak == 1 && ldbk <= 4160 / (int64_t)sizeof(T) &&
+    if (!pin && mr == UMR && ak == 1 && ldbk <= UKR_NEAR_LDB &&
         kc % UKR_UNROLL == 0 && kb % UKR_UNROLL == 0) {
         VT cc[UMR][UNRV];
         const int64_t L = lda * (int64_t)sizeof(T);
@@ -241,7 +245,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
          * bounds to the stack and copy accumulators in the double kernel's
          * unrolled loop, 1.17-1.40x slower (the code below compiles to the
          * fast variant's instructions, a disassembly diff of 0 lines). */
-        if (mr == UMR && ldbk <= 4160 / (int64_t)sizeof(T) &&
+        if (mr == UMR && ldbk <= UKR_NEAR_LDB &&
             (ak == 1 || (lda == 1 && ak == UMR))) {
             VT cc[UMR][UNRV]; /* the accumulators, in this block's registers */
             const int64_t L = ak == 1 ? lda * (int64_t)sizeof(T) : 0;
@@ -264,7 +268,7 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
             ko = k * ak;
         }
 #if !KDOUBLE
-        else if (ak == 1 && ldbk <= 4160 / (int64_t)sizeof(T)) {
+        else if (ak == 1 && ldbk <= UKR_NEAR_LDB) {
             /* fewer rows than UMR (a product's last panel: at M = 20 and MR
              * 6 the last 2 rows, on the half-height kernel): the same loop,
              * rows past mr repeating the last as ar[] does, each row at its
@@ -418,3 +422,4 @@ KATTR static void UKR_FN(int64_t kc, const T *A, int64_t lda, int64_t ak, const 
 #undef UMR
 #undef UNRV
 #undef UKR_LINE
+#undef UKR_NEAR_LDB
