@@ -436,7 +436,7 @@ def main(argv=None):
               f"L3 {ci['l3_bytes'] >> 10} KiB ({ci['cache_source']}); ISA {ci['isa']}, "
               f"{ci['fma512_per_cycle']} 512-bit FMA/cycle (fma_ratio {ci['fma_ratio']:.2f}); "
               f"GEMM KC {ci['gemm_kc']}, NC {ci['gemm_nc']['float32']} float32 / "
-              f"{ci['gemm_nc']['float64']} float64; weight gradients' Aᵀ "
+              f"{ci['gemm_nc']['float64']} float64; weight gradients' Aᵀ 4 KiB apart "
               + "/".join("packed" if ci.get("tn_pack", {}).get(d) else "in place"
                          for d in ("float32", "float64")))
     print(f"each library in its own process, {args.rounds} rounds alternated, "

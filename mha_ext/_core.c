@@ -513,8 +513,9 @@ static PyMethodDef module_methods[] = {
      "and fma_ratio (time of 256-bit / time of 512-bit FMAs, measured: about 0.5 with one\n"
      "512-bit unit, 1 with two; above 0.75 counts as two), gemm_kc and gemm_nc (the\n"
      "packed GEMM's block of B per dtype: KC x NC scalars in half the L2), tn_pack (per\n"
-     "dtype, 1 when the weight gradients' transposed-A products pack A, 0 when they read\n"
-     "it in place: measured at first use on AVX-512, MHA_EXT_TN_PACK=0/1 overrides) and\n"
+     "dtype, 1 when the weight gradients' transposed-A products pack an A whose rows lie\n"
+     "a multiple of 4 KiB apart, 0 when they read it in place: measured at first use on\n"
+     "AVX-512, which reads other such A in place; MHA_EXT_TN_PACK=0/1 overrides) and\n"
      "threads.  The probes take some tens of ms."},
     {"release_memory", release_memory, METH_NOARGS,
      "release_memory()\n--\n\n"

@@ -70,7 +70,8 @@ class _CpuInfo(TypedDict):
 def cpu_info() -> _CpuInfo:
     """What the CPU reports (cache sizes, FMA width, 512-bit FMAs per cycle
     measured) and the blocking drawn from it (the packed GEMM's NC; tn_pack:
-    whether the weight gradients' products pack Aᵀ, measured at first use);
+    whether the weight gradients' products pack an Aᵀ whose rows lie a
+    multiple of 4 KiB apart, measured at first use);
     the probes take some tens of ms."""
 
 class _MemoryInfo(TypedDict):

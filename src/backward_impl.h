@@ -38,13 +38,11 @@
 #define RM_S 96  /* unless that leaves under 4 tiles per thread: then 96 x 64 */
 #define RN_S 64  /* tiles, B read in place (medium: A's rows stay in L2) */
 #define RM_TN 1024 /* ... for TN: B's packed strip (one per tile) serves every row, */
-#define RN_TN (512 / (int64_t)sizeof(T)) /* and each MR-row panel of Aᵀ, read in
-                    place, meets 512 bytes of B's rows (float 128 columns, double 64):
-                    Zen 4, one core each with both busy, the weight gradients'
-                    (1024, 128) tiles with K 4096 ran at 95-98 GFLOP/s, 90-92 at
-                    (1024, 64), 92-95 at (1024, 256) */
-#define RN_TN_AT 256 /* ... where Aᵀ is packed (a narrow kernel, or mha_tn_pack's
-                        choice): wider tiles share each packed block */
+#define RN_TN MHA_TN_COLS(sizeof(T)) /* and each MR-row panel of Aᵀ, read in
+                    place, meets 512 bytes of B's rows (internal.h) */
+#define RN_TN_AT MHA_TN_COLS_AT /* ... where Aᵀ is packed (mha_tn_packs: a narrow
+                        kernel, or a wide one's measured choice for rows a
+                        multiple of 4 KiB apart): wider tiles share each packed block */
 #define TC 64   /* columns per column-sum task */
 
 /* colsum (C) = Σ_rows x for x (R, C), rows in order */

@@ -20,8 +20,9 @@
  * micro-kernel broadcasts element (i, k) from A[k*lda + i], MR neighbours
  * per k (the weight gradients dW = dYᵀ·X and the attention's dV = Aᵀ·dctx
  * without a transposed copy of the left side); on a narrow kernel (NR
- * scalars in one cache line: AVX2), and on a wide one where mha_tn_pack
- * measured it faster (tn_probe below), A's panels are packed instead,
+ * scalars in one cache line: AVX2), and on a wide one where A's rows lie a
+ * multiple of 4 KiB apart and mha_tn_pack measured packing faster
+ * (mha_tn_packs, tn_probe below), A's panels are packed instead,
  * MHA_GEMM_AT_PANELS at a time (see pack_at below), and past a depth of
  * MHA_GEMM_NB_K the product takes gemm_nest_nb, BLIS's own order, with the
  * same sums.
@@ -179,8 +180,8 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
      * of B per step: AVX2) is packed panel by panel: read in place, each
      * step of k reads a line of A (4 KiB apart: one L1 set) for MR values
      * (on AVX2 the TN products ran at a third of the peak).  A wide kernel
-     * packs it or reads it in place as mha_tn_pack measured faster (in
-     * place on Zen 4) */
+     * packs it where mha_tn_packs says (rows a multiple of 4 KiB apart, and
+     * packing measured faster: an Intel Xeon, not Zen 4) */
     const int narrow = mha_gemm_narrow(NR, sizeof(T));
     const int pack_at = a_rs == 1 && a_cs > 1 && at_pack && MR <= MHA_GEMM_MR_MAX;
     T *Ap = scratch + MHA_GEMM_KC * NC; /* MHA_GEMM_SCRATCH's room for it */
@@ -285,7 +286,7 @@ void SUF(mha_gemm_tn)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A,
                       const T *B, int64_t ldb, T *C, int64_t ldc, int accumulate, T *scratch)
 {
     SUF(gemm_nest)(kt, 0, 0, M, N, K, A, 1, lda, B, ldb, NULL, C, ldc, accumulate, scratch,
-                   SUF(mha_tn_pack)(kt));
+                   SUF(mha_tn_packs)(kt, lda));
 }
 
 void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A,
@@ -296,30 +297,39 @@ void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T 
 }
 
 /* mha_tn_pack's measurement (internal.h): a weight gradient's tile in
- * small, C (TNP_M, 2·NR) = Aᵀ·B with K = TNP_K and A's rows TNP_LDA scalars
+ * small, C (TNP_M, n) = Aᵀ·B with K = TNP_K and A's rows TNP_LDA scalars
  * apart (as at E 1024: 4 KiB for float, 8 for double; a power-of-two
  * stride, which maps the rows onto few cache sets), run with Aᵀ read in
- * place and packed, alternated, six times each; the first of each warms
- * up.  Packing wins when its fastest run is under 95% of the other's (a
- * tie keeps the in-place read: no copy).  Zen 4, one core: in place 90%
- * of the peak, packed 81% (float; double 87% and 77%).  A few ms, once. */
+ * place (n = MHA_TN_COLS, the backward's tile then) and packed (n =
+ * MHA_TN_COLS_AT, its tile then), alternated, eight times each; the first
+ * of each warms up.  Packing wins when its fastest run takes under 95% of
+ * the other's time per column (a tie keeps the in-place read: no copy).
+ * Zen 4, one core, both at 2·NR columns: in place 90% of the peak, packed
+ * 81% (float; double 87% and 77%).  Intel Xeon (family 6, model 167), one
+ * core, at these widths: float 91-96 GFLOP/s in place, 120-121 packed;
+ * double 46-50 and 59 (with both at 2·NR columns, as this probe was
+ * before, double always chose in place and float either way from process
+ * to process; the backward's tiles at B 4, S 1024, E 1024, float, ran at
+ * 102-109 GFLOP/s in place against 135-141 packed, and at B 8, S 128,
+ * E 512 double 51-56 against 71-72).  About 10 ms, once. */
 #define TNP_M 96
 #define TNP_K 1024
 #define TNP_LDA 1024
-static double SUF(tn_seconds)(const KT *kt, int at_pack, const T *A, const T *B, T *C,
-                              T *scratch)
+static double SUF(tn_seconds)(const KT *kt, int at_pack, int64_t n, const T *A, const T *B,
+                              T *C, T *scratch)
 {
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    SUF(gemm_nest)(kt, 0, 0, TNP_M, 2 * kt->nr, TNP_K, A, 1, TNP_LDA, B, 2 * kt->nr, NULL, C,
-                   2 * kt->nr, 0, scratch, at_pack);
+    SUF(gemm_nest)(kt, 0, 0, TNP_M, n, TNP_K, A, 1, TNP_LDA, B, n, NULL, C, n, 0, scratch,
+                   at_pack);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
 }
 
 static int SUF(tn_probe)(const KT *kt)
 {
-    const int64_t N = 2 * kt->nr;
+    const int64_t n[2] = {MHA_TN_COLS(sizeof(T)), MHA_TN_COLS_AT}; /* in place, packed */
+    const int64_t N = n[0] > n[1] ? n[0] : n[1];
     T *A = (T *)mha_alloc((size_t)(TNP_K * TNP_LDA) * sizeof(T));
     T *B = (T *)mha_alloc((size_t)(TNP_K * N) * sizeof(T));
     T *C = (T *)mha_alloc((size_t)(TNP_M * N) * sizeof(T));
@@ -332,9 +342,10 @@ static int SUF(tn_probe)(const KT *kt)
             for (i = 0; i < TNP_M; i++) A[k * TNP_LDA + i] = (T)((k * 7 + i) % 13) * (T)0.125;
             for (i = 0; i < N; i++) B[k * N + i] = (T)((k * 5 + i) % 11) * (T)0.25;
         }
-        for (rep = 0; rep < 6; rep++)
+        for (rep = 0; rep < 8; rep++)
             for (mode = 0; mode < 2; mode++) {
-                const double t = SUF(tn_seconds)(kt, mode, A, B, C, scratch);
+                const double t = SUF(tn_seconds)(kt, mode, n[mode], A, B, C, scratch) /
+                                 (double)n[mode];
                 if (rep > 0 && t < best[mode]) best[mode] = t;
             }
         packed = best[1] < 0.95 * best[0];
@@ -363,6 +374,12 @@ int SUF(mha_tn_pack)(const KT *kt)
         v = SUF(tn_probe)(kt);
     atomic_compare_exchange_strong(&choice, &expected, v);
     return atomic_load(&choice);
+}
+
+int SUF(mha_tn_packs)(const KT *kt, int64_t lda)
+{
+    if (mha_gemm_narrow(kt->nr, sizeof(T))) return 1;
+    return mha_gemm_far_rows(kt->nr, lda, sizeof(T)) && SUF(mha_tn_pack)(kt);
 }
 
 /* internal.h's mha_tile_gemm: one tile of a product of the task list */

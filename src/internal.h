@@ -122,12 +122,28 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
  * mha_gemm_tn: C (M, N) (+)= Aᵀ·B for A (K, M) and B (K, N), no bias: the
  *   same loop nest, Aᵀ read in place (column by column) or packed panel by
  *   panel, as mha_tn_pack says; scratch as mha_gemm's.
- * mha_tn_pack: 1 when mha_gemm_tn packs Aᵀ, 0 when it reads it in place.
- *   A narrow kernel (AVX2, portable) always packs; for a wide one the
- *   choice is measured at first use (gemm_impl.h's tn_probe: a weight
- *   gradient's tile in small, both ways) and kept; the environment
- *   variable MHA_EXT_TN_PACK (0 or 1, read then) sets it instead.  Every
- *   element is summed in the same order either way: no result changes.
+ * mha_tn_pack: 1 when mha_gemm_tn packs an Aᵀ whose rows lie a multiple
+ *   of 4 KiB apart (E 1024 float, 512 double: each step of k reads a line
+ *   in the same few L1 sets), 0 when it reads such an Aᵀ in place.  A
+ *   narrow kernel (AVX2, portable) always packs; for a wide one the choice
+ *   is measured at first use (gemm_impl.h's tn_probe: a weight gradient's
+ *   tile in small, both ways, each at the width the backward gives it)
+ *   and kept; the environment variable MHA_EXT_TN_PACK (0 or 1, read then)
+ *   sets it instead.  Every element is summed in the same order either
+ *   way: no result changes.
+ * mha_tn_packs: whether mha_gemm_tn packs an Aᵀ whose rows lie lda scalars
+ *   apart: always on a narrow kernel; on a wide one as mha_tn_pack says
+ *   where the rows are a multiple of 4 KiB apart, else never (in place ran
+ *   faster there: Intel Xeon (family 6, model 167), one core, the tiles
+ *   at the backward's widths, float (512, 128) with K 1024 and rows 2 KiB
+ *   apart 148-151 GFLOP/s in place against 139-141 packed (512, 256), 3 KiB
+ *   apart (768, 128) with K 6144 154-157 against 142-143).
+ * MHA_TN_COLS, MHA_TN_COLS_AT: the weight gradients' tiles' columns with
+ *   Aᵀ read in place (512 bytes of B's rows: float 128, double 64; Zen 4,
+ *   one core each with both busy, tiles (1024, 128) with K 4096 ran at
+ *   95-98 GFLOP/s, 90-92 at (1024, 64), 92-95 at (1024, 256)) and packed
+ *   (wider: each packed block of Aᵀ serves them all); tn_probe measures
+ *   each way at its width.
  * mha_gemm_small: the unpacked form for small M (trans_b only): dot
  *   products along K, nothing packed, no scratch. */
 #define MHA_GEMM_KC 512 /* depth of a packed block (fixed: it orders the sums) */
@@ -159,6 +175,10 @@ void mha_gemm_tn_f64(const mha_kern_f64 *kt, int64_t M, int64_t N, int64_t K, co
                      int accumulate, double *scratch);
 int mha_tn_pack_f32(const mha_kern_f32 *kt);
 int mha_tn_pack_f64(const mha_kern_f64 *kt);
+int mha_tn_packs_f32(const mha_kern_f32 *kt, int64_t lda);
+int mha_tn_packs_f64(const mha_kern_f64 *kt, int64_t lda);
+#define MHA_TN_COLS(scalar) (512 / (int64_t)(scalar))
+#define MHA_TN_COLS_AT 256
 void mha_gemm_small_f32(const mha_kern_f32 *kt, int64_t M, int64_t N, int64_t K,
                         const float *A, int64_t lda, const float *B, int64_t ldb,
                         const float *bias, float *C, int64_t ldc, int accumulate);

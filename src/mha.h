@@ -298,10 +298,11 @@ int mha_isa_available(const char *name);
  * 2, above 0.75); 0 without AVX-512.  gemm_kc, gemm_nc_*: the packed GEMM's block of B, KC x NC
  * scalars in half the L2 (MHA_EXT_GEMM_NC, a multiple of 64 in [64, 512],
  * read once, overrides NC).  tn_pack_*: 1 when the transposed-A products
- * (the weight gradients) pack Aᵀ, 0 when they read it in place: packed
- * on AVX2 and portable kernels; on AVX-512 whichever a probe of a few ms
- * at first use measured faster (MHA_EXT_TN_PACK, 0 or 1, read then,
- * overrides).  The blocking and tn_pack change no result. */
+ * (the weight gradients) pack an Aᵀ whose rows lie a multiple of 4 KiB
+ * apart, 0 when they read it in place: packed on AVX2 and portable kernels
+ * (every Aᵀ); on AVX-512 whichever a probe of about 10 ms at first use
+ * measured faster (MHA_EXT_TN_PACK, 0 or 1, read then, overrides), any
+ * other Aᵀ read in place.  The blocking and tn_pack change no result. */
 typedef struct {
     int64_t l1d_bytes, l2_bytes, l3_bytes;
     const char *cache_source; /* "cpuid", "sysconf" or "default" */
