@@ -40,9 +40,10 @@
 #define RM_TN 1024 /* ... for TN: B's packed strip (one per tile) serves every row, */
 #define RN_TN MHA_TN_COLS(sizeof(T)) /* and each MR-row panel of Aᵀ, read in
                     place, meets 512 bytes of B's rows (internal.h) */
-#define RN_TN_AT MHA_TN_COLS_AT /* ... where Aᵀ is packed (mha_tn_packs: a narrow
-                        kernel, or a wide one's measured choice for rows a
-                        multiple of 4 KiB apart): wider tiles share each packed block */
+#define RN_TN_AT(kt) MHA_TN_COLS_AT(mha_gemm_narrow((kt)->nr, sizeof(T))) /* ... where
+                    Aᵀ is packed (mha_tn_packs: a narrow kernel, or a wide one's
+                    measured choice for rows a multiple of 4 KiB apart): wider
+                    tiles share each packed block (internal.h) */
 #define TC 64   /* columns per column-sum task */
 
 /* colsum (C) = Σ_rows x for x (R, C), rows in order */

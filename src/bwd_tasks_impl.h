@@ -25,7 +25,7 @@ static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const 
     const int slots = mha_get_num_threads();
     if (kind == MHA_TN) /* where Aᵀ is packed (mha_tn_packs): wider tiles share it */
         mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM_TN,
-                         SUF(mha_tn_packs)(f->kern, lda) ? RN_TN_AT : RN_TN);
+                         SUF(mha_tn_packs)(f->kern, lda) ? RN_TN_AT(f->kern) : RN_TN);
     else if (mha_tiles_enough(rows, N, nc, slots) ||
              (kind == MHA_NN && mha_gemm_far_rows(f->kern->nr, ldb, sizeof(T)) &&
               rows * ((N + nc - 1) / nc) >= 2 * (int64_t)slots))

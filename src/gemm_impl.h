@@ -306,12 +306,12 @@ void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T 
  * the other's time per column (a tie keeps the in-place read: no copy).
  * Zen 4, one core, both at 2·NR columns: in place 90% of the peak, packed
  * 81% (float; double 87% and 77%).  Intel Xeon (family 6, model 167), one
- * core, at these widths: float 91-96 GFLOP/s in place, 120-121 packed;
- * double 46-50 and 59 (with both at 2·NR columns, as this probe was
+ * core, at these widths: float 95-97 GFLOP/s in place, 127-130 packed;
+ * double 49-52 and 59-61 (with both at 2·NR columns, as this probe was
  * before, double always chose in place and float either way from process
  * to process; the backward's tiles at B 4, S 1024, E 1024, float, ran at
- * 102-109 GFLOP/s in place against 135-141 packed, and at B 8, S 128,
- * E 512 double 51-56 against 71-72).  About 10 ms, once. */
+ * 102-109 GFLOP/s in place against 135-141 packed 256 wide, and at B 8,
+ * S 128, E 512 double 51-56 against 71-72).  10-20 ms, once a dtype. */
 #define TNP_M 96
 #define TNP_K 1024
 #define TNP_LDA 1024
@@ -328,7 +328,7 @@ static double SUF(tn_seconds)(const KT *kt, int at_pack, int64_t n, const T *A, 
 
 static int SUF(tn_probe)(const KT *kt)
 {
-    const int64_t n[2] = {MHA_TN_COLS(sizeof(T)), MHA_TN_COLS_AT}; /* in place, packed */
+    const int64_t n[2] = {MHA_TN_COLS(sizeof(T)), MHA_TN_COLS_AT(0)}; /* in place, packed */
     const int64_t N = n[0] > n[1] ? n[0] : n[1];
     T *A = (T *)mha_alloc((size_t)(TNP_K * TNP_LDA) * sizeof(T));
     T *B = (T *)mha_alloc((size_t)(TNP_K * N) * sizeof(T));

@@ -142,8 +142,12 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
  *   Aᵀ read in place (512 bytes of B's rows: float 128, double 64; Zen 4,
  *   one core each with both busy, tiles (1024, 128) with K 4096 ran at
  *   95-98 GFLOP/s, 90-92 at (1024, 64), 92-95 at (1024, 256)) and packed
- *   (wider: each packed block of Aᵀ serves them all); tn_probe measures
- *   each way at its width.
+ *   (wider: each packed block of Aᵀ serves them all; 512 on a wide kernel,
+ *   256 on a narrow one as measured on AVX2.  Intel Xeon (family 6, model
+ *   167), one core, float (1024, N) with K 4096, rows 4 KiB apart: N 256
+ *   126-131 GFLOP/s, 512 143, 1024 147; a training step at B 4, S 1024,
+ *   E 1024, two threads, alternated: 587-600 -> 558-588 ms); tn_probe
+ *   measures each way at its width.
  * mha_gemm_small: the unpacked form for small M (trans_b only): dot
  *   products along K, nothing packed, no scratch. */
 #define MHA_GEMM_KC 512 /* depth of a packed block (fixed: it orders the sums) */
@@ -178,7 +182,7 @@ int mha_tn_pack_f64(const mha_kern_f64 *kt);
 int mha_tn_packs_f32(const mha_kern_f32 *kt, int64_t lda);
 int mha_tn_packs_f64(const mha_kern_f64 *kt, int64_t lda);
 #define MHA_TN_COLS(scalar) (512 / (int64_t)(scalar))
-#define MHA_TN_COLS_AT 256
+#define MHA_TN_COLS_AT(narrow) ((narrow) ? 256 : 512)
 void mha_gemm_small_f32(const mha_kern_f32 *kt, int64_t M, int64_t N, int64_t K,
                         const float *A, int64_t lda, const float *B, int64_t ldb,
                         const float *bias, float *C, int64_t ldc, int accumulate);

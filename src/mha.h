@@ -300,7 +300,7 @@ int mha_isa_available(const char *name);
  * read once, overrides NC).  tn_pack_*: 1 when the transposed-A products
  * (the weight gradients) pack an Aᵀ whose rows lie a multiple of 4 KiB
  * apart, 0 when they read it in place: packed on AVX2 and portable kernels
- * (every Aᵀ); on AVX-512 whichever a probe of about 10 ms at first use
+ * (every Aᵀ); on AVX-512 whichever a probe of 10-20 ms at first use
  * measured faster (MHA_EXT_TN_PACK, 0 or 1, read then, overrides), any
  * other Aᵀ read in place.  The blocking and tn_pack change no result. */
 typedef struct {
