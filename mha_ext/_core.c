@@ -453,8 +453,9 @@ static PyObject *isa_available(PyObject *m, PyObject *arg)
     return PyBool_FromLong(mha_isa_available(name));
 }
 
-/* cpu_info(): src/cpu.c's mha_get_cpu_info as a dict (the FMA probe runs
- * without the GIL: a few milliseconds) */
+/* cpu_info(): src/cpu.c's mha_get_cpu_info as a dict (the FMA probe and,
+ * at first use, the weight gradients' packing probe run without the GIL:
+ * some tens of milliseconds) */
 static PyObject *cpu_info(PyObject *m, PyObject *Py_UNUSED(ignored))
 {
     mha_cpu_info ci;

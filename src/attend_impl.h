@@ -17,9 +17,10 @@
  * inf, which must still reach every row as 0·NaN does in the reference,
  * nor with extra keys). */
 
-#define QB 48        /* queries per attention task: a multiple of every kernel's MR (6, 6, 4).
-                        72 and 96 (K and V read from L3 for fewer blocks of queries)
-                        measured the same: Zen 5, two threads, builds alternated process
+#define QB 48        /* queries per block of an attention task (attend_blocks_task runs
+                        up to QGRP of them): a multiple of every kernel's MR (6, 6, 4).
+                        72 and 96 (before the groups: K and V read from L3 for fewer
+                        blocks of queries) measured the same: Zen 5, two threads, builds alternated process
                         by process, medians, B 1, S 4096, E 1024, H 16: 252-258 -> 251-254
                         ms (QB 96); B 4, S 1024: 121-123 both; BERT 88-90 both, with its
                         weights 86-90 -> 86-87; the SDPA alone at long's shape 175-179 ->
@@ -33,6 +34,12 @@
                         updated, the context rescaled, half as often); B 4,
                         S 1024: 121-124 -> 121-122; at S 128 and 384 the same */
 #define ROWS 48      /* grouped-query tasks: at most this many rows (G * Sq) */
+#define TASKS 32     /* attention tasks a thread (attend): blocks of queries of one
+                        head grouped until there are about this many */
+#define QGRP 8       /* ... at most this many blocks a group: the pool polls for
+                        Ctrl-C between tasks, and a group is at most 8 / 48 of a
+                        head's queries' work (long sequences: at S 4096 groups of 8
+                        and of 22 blocks ran the same, within the noise) */
 
 typedef struct {
     const KT *kern;
@@ -374,7 +381,7 @@ static void SUF(attend_mean_task)(void *ctx, int64_t t, int slot)
 }
 
 /* Attention without weights: an online softmax over blocks of KB keys.
- * Task = (b, h, block of queries), or with `grp` (grouped-query attention,
+ * Task = (b, h, block of queries) (one block of an attend_blocks_task), or with `grp` (grouped-query attention,
  * few queries: a decode step) task = (b, key/value head h'), its rows the
  * G query heads' Sq queries each (contiguous in qh), so that K and V of h'
  * are read once for the whole group (a row's bits are the same either way:
@@ -502,9 +509,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     }
 }
 
-/* The attention pass: every (b, h, block of queries) on the pool (with the
- * heads' mean: every (b, block of queries), or see att_avg_heads). */
-/* Task t of the pass below: the qgrp blocks of queries of one (b, h) from
+/* Task t of the attention pass (attend): the qgrp blocks of queries of one (b, h) from
  * block (t % groups)·qgrp, one after the other on this thread, which then
  * reads that head's K and V from its own cache after the first block (the
  * tasks of single blocks went to the threads in turn, so each thread read
@@ -514,8 +519,10 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
  * and 1.61 -> 1.46 and 1.41 ms; the module at B 8, S 128, E 512, H 8
  * (three blocks a head, a head a task) 7.74-7.90 -> 7.03-7.73 ms, with its
  * weights 7.75-8.04 -> 7.66-7.80, float64 with its weights 14.9-15.2 ->
- * 14.4-15.2; BERT (a head a task), B 4, S 1024 and B 1, S 4096 (22 blocks
- * a task) the same within the noise. */
+ * 14.4-15.2; BERT (B 16, S 384, E 768: a head a task), large (B 4, S 1024,
+ * E 1024: 22 blocks a head, measured as a head a task) and long (B 1,
+ * S 4096, E 1024: 86 blocks a head, measured as 22 a task) the same within
+ * the noise. */
 static void SUF(attend_blocks_task)(void *ctx, int64_t t, int slot)
 {
     const SUF(att) *at = (const SUF(att) *)ctx;
@@ -531,6 +538,9 @@ static void SUF(attend_blocks_task)(void *ctx, int64_t t, int slot)
     }
 }
 
+/* The attention pass: every (b, h, group of blocks of queries) on the pool
+ * (with the heads' mean: every (b, block of queries), or see att_avg_heads;
+ * grouped-query attention with few queries: every (b, key/value head)). */
 static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
 {
     at->n_qblk = (at->Sq + QB - 1) / QB;
@@ -555,16 +565,18 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
               at->Sq * (at->H / at->Hkv) <= ROWS && at->B * at->Hkv >= slots;
     if (at->grp)
         return mha_parallel_for(at->B * at->Hkv, slots, SUF(attend_online_task), at, ps);
-    {   /* about 32 tasks a thread: a head's blocks split into as many
-         * groups as that takes (one, a whole head, once there are 32 heads
-         * a thread), never more groups than blocks */
-        const int64_t heads = at->B * at->H;
-        int64_t ng = heads > 0 ? (32 * (int64_t)slots + heads - 1) / heads : 1;
+    {   /* about TASKS tasks a thread: a head's blocks split into as many
+         * groups as that takes (one, a whole head, once there are TASKS
+         * heads a thread), never more groups than blocks, at most QGRP
+         * blocks a group (B·H or Sq of 0: no task; qgrp stays 1) */
+        const int64_t nbh = at->B * at->H;
+        int64_t ng = nbh > 0 ? (TASKS * (int64_t)slots + nbh - 1) / nbh : 1;
         if (ng > at->n_qblk) ng = at->n_qblk;
         if (ng < 1) ng = 1;
         at->qgrp = (at->n_qblk + ng - 1) / ng;
+        if (at->qgrp > QGRP) at->qgrp = QGRP;
         if (at->qgrp < 1) at->qgrp = 1;
-        return mha_parallel_for(heads * ((at->n_qblk + at->qgrp - 1) / at->qgrp), slots,
+        return mha_parallel_for(nbh * ((at->n_qblk + at->qgrp - 1) / at->qgrp), slots,
                                 SUF(attend_blocks_task), at, ps);
     }
 }
@@ -572,4 +584,6 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
 #undef QB
 #undef KB
 #undef ROWS
+#undef TASKS
+#undef QGRP
 #undef MEAN_CHUNK

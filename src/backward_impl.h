@@ -30,7 +30,7 @@
  *   3. (in phase 4's pass) the bias gradients: the column sums of d out, and
  *      the batches' sums of phase 2's;
  *   4. the weight gradients (dW = dYᵀ·X: mha_gemm_tn reads dYᵀ in place
- *      or packs its panels, mha_tn_pack; no transposed copy) and the input
+ *      or packs its panels, mha_tn_packs; no transposed copy) and the input
  *      gradients, all tiles of all seven products in one pass. */
 
 #define QB 128  /* queries per block inside one (b, h) task */

@@ -2,11 +2,13 @@
  * column sums (btr_add, btr_task, colsum), and phase 4's task over both
  * (grad_task), written once for T = float and T = double; included by
  * backward_impl.h after its SUF(bwd) struct and its tile sizes (RM, RM_S,
- * RN_S, RM_TN, RN_TN, RN_TN_AT, TC). */
+ * RN_S, RM_TN, RN_TN, RN_TN_AT(kt), TC). */
 
 /* ------------------------------------------------------------ products */
 
-/* a product into the pass's list: TN in RM_TN x RN_TN tiles; NT and NN in
+/* a product into the pass's list: TN in RM_TN x RN_TN tiles (RN_TN_AT(kt)
+ * where Aᵀ is packed, halved while the four weight gradients would give
+ * fewer tiles than threads); NT and NN in
  * tiles of RM rows by the packed block's columns, op(B) packed (NN too: at
  * B 4, S 1024, E 1024 a training step 3% faster than 96 x 64 tiles reading
  * W in place), when that gives every thread 4 tiles; else (medium and
@@ -23,9 +25,12 @@ static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const 
 {
     const int64_t nc = mha_gemm_nc(sizeof(T)), rows = (M + RM - 1) / RM;
     const int slots = mha_get_num_threads();
-    if (kind == MHA_TN) /* where Aᵀ is packed (mha_tn_packs): wider tiles share it */
-        mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM_TN,
-                         SUF(mha_tn_packs)(f->kern, lda) ? RN_TN_AT(f->kern) : RN_TN);
+    if (kind == MHA_TN) { /* where Aᵀ is packed (mha_tn_packs): wider tiles share it */
+        const int64_t rows_tn = (M + RM_TN - 1) / RM_TN;
+        int64_t rn = SUF(mha_tn_packs)(f->kern, lda) ? RN_TN_AT(f->kern) : RN_TN;
+        while (rn > RN_TN && 4 * rows_tn * ((N + rn - 1) / rn) < (int64_t)slots) rn /= 2;
+        mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, RM_TN, rn);
+    }
     else if (mha_tiles_enough(rows, N, nc, slots) ||
              (kind == MHA_NN && mha_gemm_far_rows(f->kern->nr, ldb, sizeof(T)) &&
               rows * ((N + nc - 1) / nc) >= 2 * (int64_t)slots))

@@ -167,7 +167,7 @@ static void SUF(gemm_nest_nb)(const KT *kt, int64_t M, int64_t N, int64_t K, con
 }
 
 /* The loop nest; element (i, k) of A at A[i*a_rs + k*a_cs]; at_pack: a
- * transposed A (a_rs 1) is packed (mha_tn_pack), else read in place */
+ * transposed A (a_rs 1) is packed (mha_tn_packs), else read in place */
 static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, int64_t N,
                            int64_t K, const T *A, int64_t a_rs, int64_t a_cs, const T *B, int64_t ldb,
                            const T *bias, T *C, int64_t ldc, int accumulate, T *scratch,
@@ -181,7 +181,8 @@ static void SUF(gemm_nest)(const KT *kt, int trans_b, int pack_all, int64_t M, i
      * step of k reads a line of A (4 KiB apart: one L1 set) for MR values
      * (on AVX2 the TN products ran at a third of the peak).  A wide kernel
      * packs it where mha_tn_packs says (rows a multiple of 4 KiB apart, and
-     * packing measured faster: an Intel Xeon, not Zen 4) */
+     * packing measured faster: an Intel Xeon; Zen 4 read it in place under
+     * the probe's former widths, not measured since) */
     const int narrow = mha_gemm_narrow(NR, sizeof(T));
     const int pack_at = a_rs == 1 && a_cs > 1 && at_pack && MR <= MHA_GEMM_MR_MAX;
     T *Ap = scratch + MHA_GEMM_KC * NC; /* MHA_GEMM_SCRATCH's room for it */
@@ -298,10 +299,11 @@ void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T 
 
 /* mha_tn_pack's measurement (internal.h): a weight gradient's tile in
  * small, C (TNP_M, n) = Aᵀ·B with K = TNP_K and A's rows TNP_LDA scalars
- * apart (as at E 1024: 4 KiB for float, 8 for double; a power-of-two
+ * apart (4 KiB: E 1024 float, 512 double; a power-of-two
  * stride, which maps the rows onto few cache sets), run with Aᵀ read in
  * place (n = MHA_TN_COLS, the backward's tile then) and packed (n =
- * MHA_TN_COLS_AT, its tile then), alternated, eight times each; the first
+ * MHA_TN_COLS_AT, its tile then; B's rows TNP_LDA apart too, as X's are
+ * at such an E), alternated, eight times each; the first
  * of each warms up.  Packing wins when its fastest run takes under 95% of
  * the other's time per column (a tie keeps the in-place read: no copy).
  * Zen 4, one core, both at 2·NR columns: in place 90% of the peak, packed
@@ -314,25 +316,27 @@ void SUF(mha_gemm_small)(const KT *kt, int64_t M, int64_t N, int64_t K, const T 
  * S 128, E 512 double 51-56 against 71-72).  10-20 ms, once a dtype. */
 #define TNP_M 96
 #define TNP_K 1024
-#define TNP_LDA 1024
+#define TNP_LDA (4096 / (int64_t)sizeof(T))
 static double SUF(tn_seconds)(const KT *kt, int at_pack, int64_t n, const T *A, const T *B,
                               T *C, T *scratch)
 {
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    SUF(gemm_nest)(kt, 0, 0, TNP_M, n, TNP_K, A, 1, TNP_LDA, B, n, NULL, C, n, 0, scratch,
-                   at_pack);
+    SUF(gemm_nest)(kt, 0, 0, TNP_M, n, TNP_K, A, 1, TNP_LDA, B, TNP_LDA, NULL, C, n, 0,
+                   scratch, at_pack);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
 }
 
 static int SUF(tn_probe)(const KT *kt)
 {
-    const int64_t n[2] = {MHA_TN_COLS(sizeof(T)), MHA_TN_COLS_AT(0)}; /* in place, packed */
-    const int64_t N = n[0] > n[1] ? n[0] : n[1];
+    /* the widths in place and packed (the probe runs on a wide kernel only) */
+    const int64_t n[2] = {MHA_TN_COLS(sizeof(T)),
+                          MHA_TN_COLS_AT(mha_gemm_narrow(kt->nr, sizeof(T)))};
+    const int64_t N = TNP_LDA; /* B's rows, TNP_LDA apart as X's at such an E */
     T *A = (T *)mha_alloc((size_t)(TNP_K * TNP_LDA) * sizeof(T));
     T *B = (T *)mha_alloc((size_t)(TNP_K * N) * sizeof(T));
-    T *C = (T *)mha_alloc((size_t)(TNP_M * N) * sizeof(T));
+    T *C = (T *)mha_alloc((size_t)(TNP_M * (n[0] > n[1] ? n[0] : n[1])) * sizeof(T));
     T *scratch = (T *)mha_alloc((size_t)MHA_GEMM_SCRATCH * sizeof(T));
     double best[2] = {1e30, 1e30};
     int64_t i, k;

@@ -121,7 +121,7 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
  *   MHA_GEMM_SCRATCH scalars.
  * mha_gemm_tn: C (M, N) (+)= Aᵀ·B for A (K, M) and B (K, N), no bias: the
  *   same loop nest, Aᵀ read in place (column by column) or packed panel by
- *   panel, as mha_tn_pack says; scratch as mha_gemm's.
+ *   panel, as mha_tn_packs says; scratch as mha_gemm's.
  * mha_tn_pack: 1 when mha_gemm_tn packs an Aᵀ whose rows lie a multiple
  *   of 4 KiB apart (E 1024 float, 512 double: each step of k reads a line
  *   in the same few L1 sets), 0 when it reads such an Aᵀ in place.  A
@@ -134,20 +134,26 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
  * mha_tn_packs: whether mha_gemm_tn packs an Aᵀ whose rows lie lda scalars
  *   apart: always on a narrow kernel; on a wide one as mha_tn_pack says
  *   where the rows are a multiple of 4 KiB apart, else never (in place ran
- *   faster there: Intel Xeon (family 6, model 167), one core, the tiles
- *   at the backward's widths, float (512, 128) with K 1024 and rows 2 KiB
- *   apart 148-151 GFLOP/s in place against 139-141 packed (512, 256), 3 KiB
- *   apart (768, 128) with K 6144 154-157 against 142-143).
+ *   as fast or faster there: Intel Xeon (family 6, model 167), one core,
+ *   the tiles at the backward's widths, float (512, 128) with K 1024 and
+ *   rows 2 KiB apart 148-151 GFLOP/s in place against 139-141 packed 256
+ *   wide and 142-148 packed 512 wide; rows 3 KiB apart, (768, 128) with
+ *   K 6144, 137-157 against 142-143 and 142-146).  The weight gradients'
+ *   rows are E apart (multiples of 1024 float, 512 double, go packed), the
+ *   attention backward's dV and dK Sk apart.
  * MHA_TN_COLS, MHA_TN_COLS_AT: the weight gradients' tiles' columns with
  *   Aᵀ read in place (512 bytes of B's rows: float 128, double 64; Zen 4,
  *   one core each with both busy, tiles (1024, 128) with K 4096 ran at
  *   95-98 GFLOP/s, 90-92 at (1024, 64), 92-95 at (1024, 256)) and packed
  *   (wider: each packed block of Aᵀ serves them all; 512 on a wide kernel,
- *   256 on a narrow one as measured on AVX2.  Intel Xeon (family 6, model
- *   167), one core, float (1024, N) with K 4096, rows 4 KiB apart: N 256
- *   126-131 GFLOP/s, 512 143, 1024 147; a training step at B 4, S 1024,
- *   E 1024, two threads, alternated: 587-600 -> 558-588 ms); tn_probe
- *   measures each way at its width.
+ *   256 on a narrow one, AVX2's width since its TN products were packed,
+ *   not measured again.  Intel Xeon (family 6, model 167), one core,
+ *   float (1024, N) with K 4096, rows 4 KiB apart: N 256 126-131 GFLOP/s,
+ *   512 143, 1024 147; a training step at B 4, S 1024, E 1024, two
+ *   threads, alternated: 587-604 -> 558-589 ms), halved (down to
+ *   MHA_TN_COLS) while the four weight gradients' tiles would number fewer
+ *   than the threads (bwd_tasks_impl.h); tn_probe measures each way at its
+ *   width.
  * mha_gemm_small: the unpacked form for small M (trans_b only): dot
  *   products along K, nothing packed, no scratch. */
 #define MHA_GEMM_KC 512 /* depth of a packed block (fixed: it orders the sums) */
@@ -246,8 +252,6 @@ static inline mha_product *mha_products_add(mha_products *l, int kind, const voi
     return pr;
 }
 
-/* 1 when `rows` row tiles by N columns in tiles nc wide give every one of
- * `slots` threads four tiles */
 /* A narrow GEMM kernel: NR scalars in one cache line (AVX2, portable);
  * gemm_impl.h packs differently for it */
 static inline int mha_gemm_narrow(int64_t nr, size_t scalar)
@@ -262,7 +266,9 @@ static inline int mha_gemm_narrow(int64_t nr, size_t scalar)
  * with K 1024, B's rows 1024 floats apart (a training step's input
  * gradient at E 1024): 80-84 -> 143-157 GFLOP/s; double, rows 512 or 1024
  * doubles apart, 40-43 -> 65-73.  gemm_impl.h packs them only for a
- * product of 48 rows or more (8 panels) on a wide kernel */
+ * product of 48 rows or more (8 panels) on a wide kernel.  The same test
+ * on a transposed A's rows decides whether a wide kernel may pack Aᵀ
+ * (gemm_impl.h's mha_tn_packs) */
 static inline int mha_gemm_far_rows(int64_t nr, int64_t ldb, size_t scalar)
 {
     return ldb * (int64_t)scalar % (mha_gemm_narrow(nr, scalar) ? 2048 : 4096) == 0;
@@ -283,6 +289,8 @@ static inline int64_t mha_kt_ld(int64_t nr, int64_t Sk, size_t scalar)
 {
     return mha_gemm_far_rows(nr, Sk, scalar) ? Sk + 64 / (int64_t)scalar : Sk;
 }
+/* 1 when `rows` row tiles by N columns in tiles nc wide give every one of
+ * `slots` threads four tiles */
 static inline int mha_tiles_enough(int64_t rows, int64_t N, int64_t nc, int slots)
 {
     return rows * ((N + nc - 1) / nc) >= 4 * (int64_t)slots;

@@ -112,6 +112,7 @@ import hashlib, numpy as np, mha_ext
 h = hashlib.sha256()
 for dtype, E, H, S in (("float32", 1088, 8, 40), ("float64", 1088, 8, 40),
                        ("float32", 640, 10, 200), ("float32", 1024, 8, 40),
+                       ("float32", 1024, 8, 200), ("float64", 512, 8, 40),
                        ("float64", 512, 8, 200)):
     m = mha_ext.MultiHeadAttention(E, H, dtype=dtype, seed=3)
     rng = np.random.default_rng(5)
@@ -163,9 +164,9 @@ def test_tn_pack_changes_no_bits():
     # dK) with Aᵀ read in place and packed: the same bits, as the measured
     # default gives.  A wide kernel packs only an Aᵀ whose rows lie a
     # multiple of 4 KiB apart (mha_tn_packs): E 1024 float and 512 double
-    # in BITS, whose backwards reach both packed forms: depth B·S = 120
-    # (panels packed as the nest goes) and 600 (past MHA_GEMM_NB_K:
-    # gemm_nest_nb).  On a narrow kernel both runs pack: the test then only
+    # in BITS, whose backwards reach both packed forms in both dtypes:
+    # depth B·S = 120 (panels packed as the nest goes) and 600 (past
+    # MHA_GEMM_NB_K: gemm_nest_nb).  On a narrow kernel both runs pack: the test then only
     # checks the override is harmless
     code = BITS.replace('mha_ext.cpu_info()["gemm_nc"]["float32"]',
                         'mha_ext.cpu_info()["tn_pack"]["float64"]')
