@@ -20,11 +20,12 @@
 #define QB 48        /* queries per block of an attention task (attend_blocks_task runs
                         up to QGRP of them): a multiple of every kernel's MR (6, 6, 4).
                         72 and 96 (before the groups: K and V read from L3 for fewer
-                        blocks of queries) measured the same: Zen 5, two threads, builds alternated process
-                        by process, medians, B 1, S 4096, E 1024, H 16: 252-258 -> 251-254
-                        ms (QB 96); B 4, S 1024: 121-123 both; BERT 88-90 both, with its
-                        weights 86-90 -> 86-87; the SDPA alone at long's shape 175-179 ->
-                        174-176 (QB 72 and 96).  S = Q·Kᵀ inside the call (rdtsc around
+                        blocks of queries) measured the same: Zen 5, two threads,
+                        builds alternated process by process, medians, B 1, S 4096,
+                        E 1024, H 16: 252-258 -> 251-254 ms (QB 96); B 4, S 1024:
+                        121-123 both; BERT 88-90 both, with its weights 86-90 ->
+                        86-87; the SDPA alone at long's shape 175-179 -> 174-176
+                        (QB 72 and 96).  S = Q·Kᵀ inside the call (rdtsc around
                         each product, one thread, long's SDPA): 81% of a core, P·V 91%,
                         the softmax 15% of the pass; Kᵀ laid out in contiguous 64-key
                         panels left S's rate unchanged */
@@ -381,11 +382,12 @@ static void SUF(attend_mean_task)(void *ctx, int64_t t, int slot)
 }
 
 /* Attention without weights: an online softmax over blocks of KB keys.
- * Task = (b, h, block of queries) (one block of an attend_blocks_task), or with `grp` (grouped-query attention,
- * few queries: a decode step) task = (b, key/value head h'), its rows the
- * G query heads' Sq queries each (contiguous in qh), so that K and V of h'
- * are read once for the whole group (a row's bits are the same either way:
- * mha_gemm's sums do not depend on the rows beside it). */
+ * Task = (b, h, block of queries) (one block of an attend_blocks_task), or
+ * with `grp` (grouped-query attention, few queries: a decode step) task =
+ * (b, key/value head h'), its rows the G query heads' Sq queries each
+ * (contiguous in qh), so that K and V of h' are read once for the whole
+ * group (a row's bits are the same either way: mha_gemm's sums do not
+ * depend on the rows beside it). */
 static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
 {
     const SUF(att) *at = (const SUF(att) *)ctx;
