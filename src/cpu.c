@@ -174,7 +174,7 @@ mha_status mha_get_cpu_info(mha_cpu_info *out)
     out->l3_bytes = c->l3;
     out->cache_source = c->from == 1 ? "cpuid" : c->from == 2 ? "sysconf" : "default";
     isa = mha_get_isa();
-    out->fma_bits = strcmp(isa, "avx512") == 0 ? 512 : strcmp(isa, "avx2") == 0 ? 256 : 0;
+    out->fma_bits = strcmp(isa, "avx512") == 0 || strcmp(isa, "amx") == 0 ? 512 : strcmp(isa, "avx2") == 0 ? 256 : 0;
     out->gemm_kc = MHA_GEMM_KC;
     out->gemm_nc_f32 = mha_gemm_nc(sizeof(float));
     out->gemm_nc_f64 = mha_gemm_nc(sizeof(double));

@@ -1,8 +1,13 @@
 /* isa.c: which kernel table the fast path uses.
  *
- * The default is the widest instruction set the CPU has (AVX-512F, else
- * AVX2 + FMA, else the portable kernels).  The environment variable
- * MHA_EXT_ISA=portable|avx2|avx512, read once at first use, or
+ * The default is the widest instruction set the CPU has (AMX, else
+ * AVX-512F, else AVX2 + FMA, else the portable kernels).  "amx" is
+ * AVX-512's kernels with the float products (projections and gradients)
+ * on the AMX tiles (amx_impl.h); it needs AMX-TILE and AMX-BF16 in CPUID,
+ * the tile state enabled by the kernel (XCR0 bits 17 and 18) and, on
+ * Linux, the process's leave to use it (arch_prctl ARCH_REQ_XCOMP_PERM,
+ * asked once).  The environment variable
+ * MHA_EXT_ISA=portable|avx2|avx512|amx, read once at first use, or
  * mha_set_isa() choose a narrower one (tests run every path this way);
  * asking for one the CPU lacks is refused. */
 #include <stdatomic.h>
@@ -12,8 +17,46 @@
 #include "internal.h"
 #include "kernels.h"
 
-static const char *const g_names[MHA_ISA_COUNT] = {"portable", "avx2", "avx512"};
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+static const char *const g_names[MHA_ISA_COUNT] = {"portable", "avx2", "avx512", "amx"};
 static atomic_int g_isa = -1; /* -1: not decided yet */
+static atomic_int g_amx = -1; /* -1: not asked yet */
+
+/* 1 when this process may use the AMX tiles with bfloat16 products */
+static int amx_usable(void)
+{
+    int v = atomic_load(&g_amx);
+    if (v >= 0) return v;
+    v = 0;
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+    {
+        unsigned a, b, c, d, lo, hi;
+        if (__get_cpuid_max(0, 0) >= 7) {
+            __cpuid_count(7, 0, a, b, c, d);
+            /* EDX 22: AMX-BF16, 24: AMX-TILE; ECX 27: OSXSAVE (leaf 1) */
+            if ((d >> 22 & 1) && (d >> 24 & 1) && __get_cpuid(1, &a, &b, &c, &d) &&
+                (c >> 27 & 1)) {
+                __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+                /* XTILECFG (17) and XTILEDATA (18) enabled by the kernel, then
+                 * the process's leave for XTILEDATA (ARCH_REQ_XCOMP_PERM) */
+                if ((lo >> 17 & 3) == 3 && syscall(SYS_arch_prctl, 0x1023, 18) == 0) v = 1;
+            }
+        }
+    }
+#endif
+    {
+        int expected = -1;
+        atomic_compare_exchange_strong(&g_amx, &expected, v);
+    }
+    return atomic_load(&g_amx);
+}
 
 static int cpu_has(int isa)
 {
@@ -27,6 +70,10 @@ static int cpu_has(int isa)
         return mha_kern_avx512_f32_p && __builtin_cpu_supports("avx512f") &&
                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx2") &&
                __builtin_cpu_supports("fma");
+    if (isa == MHA_ISA_AMX)
+        return mha_kern_amx_f32_p && cpu_has(MHA_ISA_AVX512) &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+               amx_usable();
 #endif
     return 0;
 }
@@ -47,7 +94,7 @@ static int current(void)
     {
         int want = isa_by_name(getenv("MHA_EXT_ISA"));
         if (want < 0 || !cpu_has(want)) {
-            want = MHA_ISA_AVX512;
+            want = MHA_ISA_AMX;
             while (!cpu_has(want)) want--;
         }
         int expected = -1;
@@ -75,15 +122,18 @@ int mha_isa_available(const char *name)
 const mha_kern_f32 *mha_kern_for_f32(int isa)
 {
     if (isa < 0 || isa >= MHA_ISA_COUNT || !cpu_has(isa)) return NULL;
-    return isa == MHA_ISA_AVX512 ? mha_kern_avx512_f32_p
-         : isa == MHA_ISA_AVX2 ? mha_kern_avx2_f32_p : &mha_kern_portable_f32;
+    return isa == MHA_ISA_AMX      ? mha_kern_amx_f32_p
+         : isa == MHA_ISA_AVX512 ? mha_kern_avx512_f32_p
+         : isa == MHA_ISA_AVX2   ? mha_kern_avx2_f32_p
+                                 : &mha_kern_portable_f32;
 }
 
 const mha_kern_f64 *mha_kern_for_f64(int isa)
 {
     if (isa < 0 || isa >= MHA_ISA_COUNT || !cpu_has(isa)) return NULL;
-    return isa == MHA_ISA_AVX512 ? mha_kern_avx512_f64_p
-         : isa == MHA_ISA_AVX2 ? mha_kern_avx2_f64_p : &mha_kern_portable_f64;
+    return isa >= MHA_ISA_AVX512 ? mha_kern_avx512_f64_p /* amx: no double products */
+         : isa == MHA_ISA_AVX2   ? mha_kern_avx2_f64_p
+                                 : &mha_kern_portable_f64;
 }
 
 const mha_kern_f32 *mha_kern_get_f32(void) { return mha_kern_for_f32(current()); }

@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -332,23 +333,30 @@ KATTR static void transpose_f64_avx512(int64_t R, int64_t C, const double *x, in
         for (r = r0; r < R; r++) y[c * ldy + r] = x[r * ldx + c];
 }
 
-static const mha_kern_f32 avx512_f32 = {
-    .name = "avx512", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 16, .nr_narrow = 16,
-    .ukr = ukr_f32_avx512,
-    .ukr_tail = ukr_tail_f32_avx512,
-    .ukr_narrow = ukr_narrow_f32_avx512,
-    .ukr_row = ukr_row_f32_avx512,
-    .dot_rows = 0,
-    .dot = dot_f32_avx512,
-    .scale_max = scale_max_f32_avx512,
-    .max = max_f32_avx512,
-    .exp_sum = exp_sum_f32_avx512,
-    .scale = scale_f32_avx512,
-    .exp = exp_row_f32_avx512,
-    .softmax_grad = softmax_grad_f32_avx512,
-    .pack_bt = pack_bt_f32_avx512,
-    .transpose = transpose_f32_avx512,
-};
+/* the AVX-512 float table's entries but its name (the AMX one shares them) */
+#define AVX512_F32_TABLE                                                       \
+    .mr = MR, .mr_tail = MR / 2, .nr = NRV * 16, .nr_narrow = 16,              \
+    .ukr = ukr_f32_avx512,                                                     \
+    .ukr_tail = ukr_tail_f32_avx512,                                           \
+    .ukr_narrow = ukr_narrow_f32_avx512,                                       \
+    .ukr_row = ukr_row_f32_avx512,                                             \
+    .dot_rows = 0,                                                             \
+    .dot = dot_f32_avx512,                                                     \
+    .scale_max = scale_max_f32_avx512,                                         \
+    .max = max_f32_avx512,                                                     \
+    .exp_sum = exp_sum_f32_avx512,                                             \
+    .scale = scale_f32_avx512,                                                 \
+    .exp = exp_row_f32_avx512,                                                 \
+    .softmax_grad = softmax_grad_f32_avx512,                                   \
+    .pack_bt = pack_bt_f32_avx512,                                             \
+    .transpose = transpose_f32_avx512
+static const mha_kern_f32 avx512_f32 = {.name = "avx512", AVX512_F32_TABLE};
+
+#include "amx_impl.h"
+
+/* AVX-512's float table, its products on the AMX tiles (isa.c's "amx") */
+static const mha_kern_f32 amx_f32 = {.name = "amx", AVX512_F32_TABLE, .amx_gemm = amx_gemm_f32};
+
 static const mha_kern_f64 avx512_f64 = {
     .name = "avx512", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 8, .nr_narrow = 8,
     .ukr = ukr_f64_avx512,
@@ -398,9 +406,11 @@ KATTR static void fma_loop_avx512(int64_t n, int wide, float *out)
 
 const mha_kern_f32 *const mha_kern_avx512_f32_p = &avx512_f32;
 const mha_kern_f64 *const mha_kern_avx512_f64_p = &avx512_f64;
+const mha_kern_f32 *const mha_kern_amx_f32_p = &amx_f32;
 void (*const mha_fma_loop_avx512_p)(int64_t, int, float *) = fma_loop_avx512;
 #else
 const mha_kern_f32 *const mha_kern_avx512_f32_p = 0;
 const mha_kern_f64 *const mha_kern_avx512_f64_p = 0;
+const mha_kern_f32 *const mha_kern_amx_f32_p = 0;
 void (*const mha_fma_loop_avx512_p)(int64_t, int, float *) = 0;
 #endif

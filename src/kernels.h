@@ -58,6 +58,7 @@
 #ifndef MHA_KERNELS_H
 #define MHA_KERNELS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* the micro-kernels' signature (ukr, ukr_tail, ukr_narrow and ukr_row above) */
@@ -67,6 +68,18 @@ typedef void (*mha_ukr_f32)(int64_t kc, const float *A, int64_t lda, int64_t ak,
 typedef void (*mha_ukr_f64)(int64_t kc, const double *A, int64_t lda, int64_t ak,
                             const double *Bp, int64_t ldbk, double *C, int64_t ldc, int64_t mr,
                             int64_t nr, int accumulate, const double *bias, const double *pin);
+
+/* amx_gemm's signature (amx_impl.h): C (M, N) = A·op(B) (+ bias), element
+ * (i, k) of A at A[i*a_rs + k*a_cs], op(B)(k, j) at B[j*ldb + k]
+ * (trans_b) or B[k*ldb + j]; 0 when done, 1 when the caller's kernels must
+ * (a B holding an infinity or NaN, or too little scratch) */
+typedef int (*mha_amx_gemm)(int trans_b, int64_t M, int64_t N, int64_t K, const void *A,
+                            int64_t a_rs, int64_t a_cs, const void *B, int64_t ldb,
+                            const void *bias, void *C, int64_t ldc, void *scratch,
+                            size_t scratch_bytes);
+
+/* the scratch bytes an amx_gemm needs (amx_impl.h's layout, 64 aligned) */
+#define MHA_AMX_SCRATCH ((int64_t)1088 * 1024)
 
 /* the table for float */
 typedef struct {
@@ -85,6 +98,7 @@ typedef struct {
     void (*pack_bt)(int64_t kc, const float *B, int64_t ldb, float *Bp);
     void (*transpose)(int64_t R, int64_t C, const float *x, int64_t ldx, float *y,
                       int64_t ldy);
+    mha_amx_gemm amx_gemm;
 } mha_kern_f32;
 
 /* the same for double */
@@ -104,13 +118,14 @@ typedef struct {
     void (*pack_bt)(int64_t kc, const double *B, int64_t ldb, double *Bp);
     void (*transpose)(int64_t R, int64_t C, const double *x, int64_t ldx, double *y,
                       int64_t ldy);
+    mha_amx_gemm amx_gemm; /* always NULL: the tiles multiply bfloat16 pieces of floats */
 } mha_kern_f64;
 
-enum { MHA_ISA_PORTABLE = 0, MHA_ISA_AVX2 = 1, MHA_ISA_AVX512 = 2, MHA_ISA_COUNT };
+enum { MHA_ISA_PORTABLE = 0, MHA_ISA_AVX2 = 1, MHA_ISA_AVX512 = 2, MHA_ISA_AMX = 3, MHA_ISA_COUNT };
 
 /* the tables, NULL where this build or compiler has none */
 extern const mha_kern_f32 mha_kern_portable_f32, *const mha_kern_avx2_f32_p,
-    *const mha_kern_avx512_f32_p;
+    *const mha_kern_avx512_f32_p, *const mha_kern_amx_f32_p;
 extern const mha_kern_f64 mha_kern_portable_f64, *const mha_kern_avx2_f64_p,
     *const mha_kern_avx512_f64_p;
 

@@ -18,7 +18,7 @@ PKG_ROOT = str(Path(mha_ext.__file__).resolve().parent.parent)
 
 # the instruction sets whose kernels this CPU can run (conftest.py's `isa`
 # fixture runs a test on each)
-ISAS = [name for name in ("portable", "avx2", "avx512") if _core._isa_available(name)]
+ISAS = [name for name in ("portable", "avx2", "avx512", "amx") if _core._isa_available(name)]
 
 
 def required(name):

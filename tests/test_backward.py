@@ -158,7 +158,7 @@ def test_grads_match_torch_seed_module(dtype, masked):
     assert_grads(grads, want, dtype, f"seed module {dtype}")
 
 
-@pytest.mark.parametrize("isa", [n for n in ("portable", "avx2", "avx512")
+@pytest.mark.parametrize("isa", [n for n in ("portable", "avx2", "avx512", "amx")
                                  if mha_ext._core._isa_available(n)])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_deep_weight_gradients_match_torch(isa, dtype):
@@ -185,7 +185,7 @@ def test_deep_weight_gradients_match_torch(isa, dtype):
     assert_grads(grads, want, dtype, f"deep products {isa} {dtype}")
 
 
-@pytest.mark.parametrize("isa", [n for n in ("portable", "avx2", "avx512")
+@pytest.mark.parametrize("isa", [n for n in ("portable", "avx2", "avx512", "amx")
                                  if mha_ext._core._isa_available(n)])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("kib", [2, 4])

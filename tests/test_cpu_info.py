@@ -55,13 +55,13 @@ def test_cpu_info_fields():
                          "threads"}
     assert set(info["tn_pack"]) == {"float32", "float64"}
     assert set(info["tn_pack"].values()) <= {0, 1}
-    if info["isa"] != "avx512":  # the narrow kernels always pack Aᵀ
+    if info["isa"] not in ("avx512", "amx"):  # the narrow kernels always pack Aᵀ
         assert info["tn_pack"] == {"float32": 1, "float64": 1}
     assert info["isa"] == _core._get_isa()
     assert info["cache_source"] in ("cpuid", "sysconf", "default")
     assert 4096 <= info["l1d_bytes"] < info["l2_bytes"]
     assert info["l3_bytes"] == 0 or info["l3_bytes"] >= info["l2_bytes"]
-    assert info["fma_bits"] == {"avx512": 512, "avx2": 256, "portable": 0}[info["isa"]]
+    assert info["fma_bits"] == {"amx": 512, "avx512": 512, "avx2": 256, "portable": 0}[info["isa"]]
     assert info["gemm_kc"] == KC
     assert info["threads"] == mha_ext.get_num_threads()
     if _core._isa_available("avx512"):
@@ -148,7 +148,7 @@ TN = "import mha_ext; d = mha_ext.cpu_info()['tn_pack']; print(d['float32'], d['
 
 
 def wide():
-    return _core._get_isa() == "avx512"
+    return _core._get_isa() in ("avx512", "amx")
 
 
 @pytest.mark.parametrize("value", ["0", "1"])

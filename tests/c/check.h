@@ -78,6 +78,6 @@ static double tol(mha_dtype dt)
     return dt == MHA_FLOAT32 ? 2e-5 : 1e-12;
 }
 
-static const char *const g_isas[3] = {"portable", "avx2", "avx512"};
+static const char *const g_isas[4] = {"portable", "avx2", "avx512", "amx"};
 
 #endif /* MHA_TEST_CHECK_H */

@@ -195,11 +195,11 @@ static void test_cache_status(void)
 
 int main(void)
 {
-    const char *isas[3] = {"portable", "avx2", "avx512"};
+    const char *isas[4] = {"portable", "avx2", "avx512", "amx"};
     int i;
     test_layout();
     test_cache_status();
-    for (i = 0; i < 3; i++) {
+    for (i = 0; i < 4; i++) {
         if (!mha_isa_available(isas[i])) continue;
         mha_set_isa(isas[i]);
         test_gqa_vs_ref(MHA_FLOAT32, 32, 8, 2, 1);

@@ -877,7 +877,7 @@ static void test_poll(void)
 
 int main(void)
 {
-    const char *isas[3] = {"portable", "avx2", "avx512"};
+    const char *isas[4] = {"portable", "avx2", "avx512", "amx"};
     int n, d;
     test_exp();
     test_exp_far_below();
@@ -892,7 +892,7 @@ int main(void)
     test_poll();
     /* sizes that are multiples of no tile, masks, causal, dropout, cross;
      * on every instruction set this CPU runs */
-    for (n = 0; n < 3; n++) {
+    for (n = 0; n < 4; n++) {
         if (mha_set_isa(isas[n]) != MHA_OK) continue;
         test_fast_vs_ref(1, 1, 1, 1, 1, 1, 1, 0, 0, 0.0);
         test_fast_vs_ref(2, 7, 5, 6, 3, 6, 6, 1, 0, 0.0);

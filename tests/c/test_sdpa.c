@@ -312,7 +312,7 @@ int main(void)
 {
     int n, d, k;
     test_status();
-    for (n = 0; n < 3; n++) {
+    for (n = 0; n < 4; n++) {
         if (mha_set_isa(g_isas[n]) != MHA_OK) continue;
         for (d = 0; d < 2; d++) {
             const mha_dtype dt = d ? MHA_FLOAT64 : MHA_FLOAT32;

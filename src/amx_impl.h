@@ -1,0 +1,359 @@
+/* amx_impl.h: the float GEMM on Intel's AMX tiles (kernels.h's amx_gemm),
+ * included by kern_avx512.c after its transposes; isa.c's "amx" uses it
+ * where the CPU has AMX-BF16 and Linux lets the process use the tiles.
+ *
+ * The tiles multiply bfloat16 (8 significant bits) and add in float.  A
+ * float x is cut into three bfloat16 pieces x = h + m + l, exactly: h is
+ * x's top 8 bits (x with its low 16 bits cleared), m the top 8 of x - h
+ * (exact in float: the same exponent), l what is left (8 bits at most).
+ * The product of two floats is then the sum of nine piece products, each
+ * exact in float; the six of the largest orders (hh; hm, mh; hl, lh, mm)
+ * are summed, the three of order 2^-24 and below (ml, lm, ll) dropped:
+ * each product's error is then under 2^-22 of it, below the rounding of
+ * the sums it goes into.  Every piece product goes into the same float
+ * accumulator, in a fixed order per 32 of depth (hh, hm, hl, mm, mh, lh),
+ * so an element's bits depend on K and its row and column only, never on
+ * M, the tiling or the threads.  Measured against a float64 truth,
+ * K 512, uniform inputs: mean error 4.8e-8 against 1.05e-7 for a float
+ * FMA chain.
+ *
+ * The tiles treat bfloat16 subnormals as zero and flush subnormal results:
+ * pieces below 2^-126 (of inputs under about 2^-110) are lost, sums under
+ * 2^-126 become 0.  Infinities and NaNs do not survive the cut (inf - inf
+ * is NaN, and inf times a zero piece is NaN): a row of A holding one is
+ * computed by a plain float loop (row_fma below: the same row, the same
+ * method, in any batch), and a B holding one sends the whole product back
+ * to the caller's float kernels (return 1).
+ *
+ * Blocking: depth blocks of AMX_KC (C's sums carried between them in C,
+ * exact: a float store and load); column blocks of AMX_NB, whose B pieces
+ * (3 x AMX_KC x AMX_NB bfloat16, 768 KiB) stay in L2; rows 32 at a time,
+ * whose A pieces (96 KiB) are cut once per depth and column block; each
+ * 32 x 32 block of C is four accumulator tiles (tmm0-3), A's two row
+ * tiles tmm4-5, B's two column tiles tmm6-7: per 32 of depth 24 tile
+ * products and 16 tile loads. */
+
+#define AMX_KC 512
+#define AMX_NB 256
+#define AATTR __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,amx-tile,amx-bf16")))
+
+/* the scratch's layout: B's pieces, B's depth-major block, A's pieces, A's
+ * rows (a transposed A), a block of C; kernels.h's MHA_AMX_SCRATCH */
+#define AMX_SCRATCH_USED                                                                   \
+    (3 * AMX_KC / 2 * AMX_NB * 4 + AMX_KC * 64 * 4 + 3 * 32 * AMX_KC * 2 + 32 * AMX_KC * 4 + \
+     32 * 32 * 4 + 64)
+_Static_assert(AMX_SCRATCH_USED <= MHA_AMX_SCRATCH, "amx_impl.h: MHA_AMX_SCRATCH too small");
+
+/* the tile configuration (palette 1: tiles 0-7 of 16 rows of 64 bytes),
+ * in read-only memory: built on the stack, gcc 12 dropped the stores of
+ * the rows and columns as dead before ldtilecfg (which then faulted) */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+static const amx_cfg g_amx_cfg __attribute__((aligned(64))) = {
+        .palette = 1,
+        .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+        .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+/* the three pieces of 16 floats, each in its lanes' upper 16 bits (the
+ * lower 16 zero), and the lanes holding an infinity or NaN */
+AATTR static inline __mmask16 amx_split(__m512 x, __m512i *h, __m512i *m, __m512i *l)
+{
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i expo = _mm512_set1_epi32(0x7f800000);
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i hb = _mm512_and_si512(u, top);
+    const __m512 r1 = _mm512_sub_ps(x, _mm512_castsi512_ps(hb));
+    const __m512i mb = _mm512_and_si512(_mm512_castps_si512(r1), top);
+    const __m512 r2 = _mm512_sub_ps(r1, _mm512_castsi512_ps(mb));
+    *h = hb;
+    *m = mb;
+    *l = _mm512_and_si512(_mm512_castps_si512(r2), top);
+    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, expo), expo);
+}
+
+static inline __mmask16 amx_first(int64_t n) /* lanes 0 .. n-1 (n clamped to 0..16) */
+{
+    return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+}
+
+/* One row of A's pieces: a (kc floats, contiguous) into ah, am, al (kcp
+ * bfloat16 each, zero past kc); 1 when a holds an infinity or NaN */
+AATTR static int amx_cut_row(const float *a, int64_t kc, int64_t kcp, uint16_t *ah, uint16_t *am,
+                             uint16_t *al)
+{
+    /* bfloat16 j of the result: the upper half of float j of (x0, x1) */
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37,
+                                         35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7,
+                                         5, 3, 1);
+    __mmask16 bad = 0;
+    int64_t k;
+    for (k = 0; k < kcp; k += 32) {
+        const __m512 x0 = _mm512_maskz_loadu_ps(amx_first(kc - k), a + k);
+        const __m512 x1 = _mm512_maskz_loadu_ps(amx_first(kc - k - 16), a + k + 16);
+        __m512i h0, m0, l0, h1, m1, l1;
+        bad |= amx_split(x0, &h0, &m0, &l0);
+        bad |= amx_split(x1, &h1, &m1, &l1);
+        _mm512_storeu_si512(ah + k, _mm512_permutex2var_epi16(h0, odd, h1));
+        _mm512_storeu_si512(am + k, _mm512_permutex2var_epi16(m0, odd, m1));
+        _mm512_storeu_si512(al + k, _mm512_permutex2var_epi16(l0, odd, l1));
+    }
+    return bad != 0;
+}
+
+/* B's pieces for 32 columns from a depth-major float block (src (k, c) at
+ * src[k*lds + c], `cols` valid columns, kc rows): bp[p][k2*32 + c] holds
+ * the pair (2·k2, 2·k2 + 1) of column c as the tiles read it (bfloat16
+ * for k even in the low half), zero past kc and past cols.  1 when src
+ * holds an infinity or NaN. */
+AATTR static int amx_cut_cols(const float *src, int64_t lds, int64_t kc, int64_t kcp,
+                              int64_t cols, uint32_t *bh, uint32_t *bm, uint32_t *bl)
+{
+    __mmask16 bad = 0;
+    int64_t k2, half;
+    for (k2 = 0; k2 < kcp / 2; k2++)
+        for (half = 0; half < 2; half++) {
+            const __mmask16 c = amx_first(cols - 16 * half);
+            const int64_t e = 2 * k2, o = e + 1;
+            const __m512 xe = e < kc ? _mm512_maskz_loadu_ps(c, src + e * lds + 16 * half)
+                                     : _mm512_setzero_ps();
+            const __m512 xo = o < kc ? _mm512_maskz_loadu_ps(c, src + o * lds + 16 * half)
+                                     : _mm512_setzero_ps();
+            __m512i he, me, le, ho, mo, lo;
+            bad |= amx_split(xe, &he, &me, &le);
+            bad |= amx_split(xo, &ho, &mo, &lo);
+            _mm512_storeu_si512(bh + k2 * 32 + 16 * half,
+                                _mm512_or_si512(_mm512_srli_epi32(he, 16), ho));
+            _mm512_storeu_si512(bm + k2 * 32 + 16 * half,
+                                _mm512_or_si512(_mm512_srli_epi32(me, 16), mo));
+            _mm512_storeu_si512(bl + k2 * 32 + 16 * half,
+                                _mm512_or_si512(_mm512_srli_epi32(le, 16), lo));
+        }
+    return bad != 0;
+}
+
+/* C's 32 x 32 block (tiles 0-3) += the pieces' products over kcp: A's
+ * pieces a[p] rows of lda_b bytes, B's b[p] (kcp/2 rows of 32 pairs).
+ * Per 32 of depth the products in the order hl, hh, hm, mm, mh, lh (a
+ * piece of A, then of B), 14 tile loads: from one product to the next
+ * only A's two tiles (tmm4-5) or B's two (tmm6-7) change, and each tile is
+ * loaded as soon as its last product has been issued, so that the load
+ * runs under the products still to come */
+#define AMX_DP_AFIRST /* the products, A's tmm4 read first (then tmm5) */ \
+    _tile_dpbf16ps(0, 4, 6);                                          \
+    _tile_dpbf16ps(1, 4, 7)
+#define AMX_DP_ALAST                                                   \
+    _tile_dpbf16ps(2, 5, 6);                                          \
+    _tile_dpbf16ps(3, 5, 7)
+#define AMX_DP_BFIRST /* B's tmm6 read first (then tmm7) */            \
+    _tile_dpbf16ps(0, 4, 6);                                          \
+    _tile_dpbf16ps(2, 5, 6)
+#define AMX_DP_BLAST                                                   \
+    _tile_dpbf16ps(1, 4, 7);                                          \
+    _tile_dpbf16ps(3, 5, 7)
+AATTR static void amx_block(int64_t kcp, const uint16_t *const a[3], int64_t lda_b,
+                            const uint32_t *const b[3])
+{
+    const int64_t r16 = 16 * lda_b / 2; /* 16 rows of A, in bfloat16 */
+    int64_t k;
+    for (k = 0; k < kcp; k += 32) {
+        const uint16_t *ah = a[0] + k, *am = a[1] + k, *al = a[2] + k;
+        const uint32_t *bh = b[0] + k / 2 * 32, *bm = b[1] + k / 2 * 32, *bl = b[2] + k / 2 * 32;
+        _tile_loadd(4, ah, lda_b);
+        _tile_loadd(6, bl, 128);
+        _tile_loadd(5, ah + r16, lda_b);
+        _tile_loadd(7, bl + 16, 128);
+        AMX_DP_BFIRST; /* hl */
+        _tile_loadd(6, bh, 128);
+        AMX_DP_BLAST;
+        _tile_loadd(7, bh + 16, 128);
+        AMX_DP_BFIRST; /* hh */
+        _tile_loadd(6, bm, 128);
+        AMX_DP_BLAST;
+        _tile_loadd(7, bm + 16, 128);
+        AMX_DP_AFIRST; /* hm */
+        _tile_loadd(4, am, lda_b);
+        AMX_DP_ALAST;
+        _tile_loadd(5, am + r16, lda_b);
+        AMX_DP_BFIRST; /* mm */
+        _tile_loadd(6, bh, 128);
+        AMX_DP_BLAST;
+        _tile_loadd(7, bh + 16, 128);
+        AMX_DP_AFIRST; /* mh */
+        _tile_loadd(4, al, lda_b);
+        AMX_DP_ALAST;
+        _tile_loadd(5, al + r16, lda_b);
+        AMX_DP_AFIRST; /* lh */
+        AMX_DP_ALAST;
+    }
+}
+#undef AMX_DP_AFIRST
+#undef AMX_DP_ALAST
+#undef AMX_DP_BFIRST
+#undef AMX_DP_BLAST
+
+/* A row of C by float FMAs (a row of A holding an infinity or NaN): C[j]
+ * = Σ_k a(k)·op(B)(k, j) in order of k, plus the bias */
+AATTR static void amx_row_fma(int trans_b, int64_t N, int64_t K, const float *A, int64_t a_cs,
+                              const float *B, int64_t ldb, const float *bias, float *C)
+{
+    int64_t j, k;
+    for (j = 0; j < N; j += 16) {
+        const __mmask16 c = amx_first(N - j);
+        __m512 acc = _mm512_setzero_ps();
+        for (k = 0; k < K; k++) {
+            __m512 b;
+            if (trans_b) {
+                float t[16] = {0};
+                int64_t q;
+                for (q = 0; q < 16 && j + q < N; q++) t[q] = B[(j + q) * ldb + k];
+                b = _mm512_loadu_ps(t);
+            } else {
+                b = _mm512_maskz_loadu_ps(c, B + k * ldb + j);
+            }
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(A[k * a_cs]), b, acc);
+        }
+        if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(c, bias + j));
+        _mm512_mask_storeu_ps(C + j, c, acc);
+    }
+}
+
+/* kernels.h's amx_gemm for float: C (M, N) = A·op(B) (+ bias), element
+ * (i, k) of A at A[i*a_rs + k*a_cs] (a_cs 1, or a_rs 1: a transposed A),
+ * op(B)(k, j) at B[j*ldb + k] (trans_b) or B[k*ldb + j]; C written, not
+ * added to.  0 when done; 1 (C then unspecified) when B holds an infinity
+ * or NaN, or the scratch is too small: the caller's float kernels then. */
+AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, const void *Av,
+                              int64_t a_rs, int64_t a_cs, const void *Bv, int64_t ldb,
+                              const void *biasv, void *Cv, int64_t ldc, void *scratch,
+                              size_t scratch_bytes)
+{
+    const float *A = (const float *)Av, *B = (const float *)Bv, *bias = (const float *)biasv;
+    float *C = (float *)Cv;
+    uint8_t *s = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    uint32_t *bp = (uint32_t *)s;                             /* 3 x AMX_KC/2 x AMX_NB */
+    float *bt = (float *)(bp + 3 * AMX_KC / 2 * AMX_NB);      /* AMX_KC x 64 */
+    uint16_t *ap = (uint16_t *)(bt + AMX_KC * 64);            /* 3 x 32 x AMX_KC */
+    float *at = (float *)(ap + 3 * 32 * AMX_KC);              /* 32 x AMX_KC */
+    float *cb = at + 32 * AMX_KC;                             /* 32 x 32 */
+    int64_t pc, jb, ib, g, i, r, q, k;
+    int bad = 0; /* a row of A holds an infinity or NaN */
+    if (M <= 0 || N <= 0 || K <= 0 || scratch_bytes < (size_t)MHA_AMX_SCRATCH) return 1;
+    _tile_loadconfig(&g_amx_cfg);
+    for (pc = 0; pc < K; pc += AMX_KC) {
+        const int64_t kc = K - pc < AMX_KC ? K - pc : AMX_KC, kcp = (kc + 31) / 32 * 32;
+        const int first = pc == 0, last = pc + kc >= K;
+        for (jb = 0; jb < N; jb += AMX_NB) {
+            const int64_t nb = N - jb < AMX_NB ? N - jb : AMX_NB, ng = (nb + 31) / 32;
+            /* B's pieces for these nb columns: group g at bp[p] + g*kcp*16 */
+            for (g = 0; g < ng; g++) {
+                const int64_t c0 = jb + 32 * g, cols = N - c0 < 32 ? N - c0 : 32;
+                const float *src;
+                int64_t lds;
+                uint32_t *dst = bp + g * kcp * 16;
+                const int64_t piece = (int64_t)AMX_KC / 2 * AMX_NB;
+                if (trans_b) { /* through bt, depth-major, 64 columns at a time */
+                    const int64_t p64 = (32 * g) % 64, c64 = c0 - p64;
+                    if (p64 == 0) {
+                        const int64_t w = N - c64 < 64 ? N - c64 : 64;
+                        if (w == 64) {
+                            pack_bt_f32_avx512(kc, B + c64 * ldb + pc, ldb, bt);
+                        } else {
+                            int64_t k, c;
+                            for (k = 0; k < kc; k++)
+                                for (c = 0; c < 64; c++)
+                                    bt[k * 64 + c] = c < w ? B[(c64 + c) * ldb + pc + k] : 0.0f;
+                        }
+                    }
+                    src = bt + p64;
+                    lds = 64;
+                } else {
+                    src = B + pc * ldb + c0;
+                    lds = ldb;
+                }
+                if (amx_cut_cols(src, lds, kc, kcp, cols, dst, dst + piece, dst + 2 * piece)) {
+                    _tile_release();
+                    return 1;
+                }
+            }
+            for (ib = 0; ib < M; ib += 32) {
+                const int64_t mb = M - ib < 32 ? M - ib : 32;
+                const uint16_t *pa[3] = {ap, ap + 32 * kcp, ap + 64 * kcp};
+                /* A's pieces for these 32 rows (zero past M) */
+                if (a_cs != 1) { /* a transposed A: its rows through at */
+                    transpose_f32_avx512(kc, mb, A + ib * a_rs + pc * a_cs, a_cs, at, AMX_KC);
+                }
+                for (r = 0; r < 32; r++) {
+                    uint16_t *d = ap + r * kcp;
+                    if (r >= mb) {
+                        memset(d, 0, (size_t)kcp * 2);
+                        memset(d + 32 * kcp, 0, (size_t)kcp * 2);
+                        memset(d + 64 * kcp, 0, (size_t)kcp * 2);
+                        continue;
+                    }
+                    bad |= amx_cut_row(a_cs == 1 ? A + (ib + r) * a_rs + pc : at + r * AMX_KC,
+                                       kc, kcp, d, d + 32 * kcp, d + 64 * kcp);
+                }
+                for (g = 0; g < ng; g++) {
+                    const int64_t c0 = jb + 32 * g, cols = N - c0 < 32 ? N - c0 : 32;
+                    const int64_t piece = (int64_t)AMX_KC / 2 * AMX_NB;
+                    const uint32_t *pb[3] = {bp + g * kcp * 16, bp + g * kcp * 16 + piece,
+                                             bp + g * kcp * 16 + 2 * piece};
+                    float *c = C + ib * ldc + c0;
+                    const int full = mb == 32 && cols == 32;
+                    if (first) {
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                    } else if (full) {
+                        _tile_loadd(0, c, ldc * 4);
+                        _tile_loadd(1, c + 16, ldc * 4);
+                        _tile_loadd(2, c + 16 * ldc, ldc * 4);
+                        _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+                    } else {
+                        memset(cb, 0, 32 * 32 * 4);
+                        for (i = 0; i < mb; i++) memcpy(cb + i * 32, c + i * ldc, (size_t)cols * 4);
+                        _tile_loadd(0, cb, 128);
+                        _tile_loadd(1, cb + 16, 128);
+                        _tile_loadd(2, cb + 16 * 32, 128);
+                        _tile_loadd(3, cb + 16 * 32 + 16, 128);
+                    }
+                    amx_block(kcp, pa, kcp * 2, pb);
+                    if (full) {
+                        _tile_stored(0, c, ldc * 4);
+                        _tile_stored(1, c + 16, ldc * 4);
+                        _tile_stored(2, c + 16 * ldc, ldc * 4);
+                        _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+                    } else {
+                        _tile_stored(0, cb, 128);
+                        _tile_stored(1, cb + 16, 128);
+                        _tile_stored(2, cb + 16 * 32, 128);
+                        _tile_stored(3, cb + 16 * 32 + 16, 128);
+                        for (i = 0; i < mb; i++) memcpy(c + i * ldc, cb + i * 32, (size_t)cols * 4);
+                    }
+                    if (last && bias) /* the bias last, as the float kernels add it */
+                        for (i = 0; i < mb; i++) {
+                            const __mmask16 lo = amx_first(cols), hi = amx_first(cols - 16);
+                            float *ci = c + i * ldc;
+                            _mm512_mask_storeu_ps(ci, lo, _mm512_add_ps(_mm512_maskz_loadu_ps(lo, ci),
+                                                                        _mm512_maskz_loadu_ps(lo, bias + c0)));
+                            _mm512_mask_storeu_ps(ci + 16, hi,
+                                                  _mm512_add_ps(_mm512_maskz_loadu_ps(hi, ci + 16),
+                                                                _mm512_maskz_loadu_ps(hi, bias + c0 + 16)));
+                        }
+                }
+            }
+        }
+    }
+    _tile_release();
+    if (bad) /* the rows holding one, again by float FMAs */
+        for (q = 0; q < M; q++) {
+            for (k = 0; k < K && isfinite(A[q * a_rs + k * a_cs]); k++) {}
+            if (k < K) amx_row_fma(trans_b, N, K, A + q * a_rs, a_cs, B, ldb, bias, C + q * ldc);
+        }
+    return 0;
+}

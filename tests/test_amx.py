@@ -1,0 +1,168 @@
+"""The float products on Intel's AMX tiles (src/amx_impl.h, ISA "amx").
+
+Each float is cut into three bfloat16 pieces and six piece products are
+summed per pair of floats: these tests check that the path is really taken
+(its bits differ from AVX-512's), that it is as accurate as torch's float32
+against a float64 truth on ragged shapes (sizes that are not multiples of
+the tiles' 16 rows, 16 columns or 32 of depth), that an infinity or NaN in a
+row of the input reaches the output as it does in torch (the row is then
+computed by float FMAs) without touching the other rows' bits, and that one
+in the weights falls back to the float kernels.  Skipped where the CPU or
+the kernel has no AMX (an AMD EPYC, a Linux before 5.16).  No timing.
+"""
+import numpy as np
+import pytest
+
+import mha_ext
+from mha_ext import MultiHeadAttention, _core
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.skipif(not _core._isa_available("amx"),
+                                reason="this CPU or kernel has no AMX tiles")
+
+
+@pytest.fixture
+def amx():
+    before = _core._get_isa()
+    _core._set_isa("amx")
+    yield
+    _core._set_isa(before)
+
+
+def _on(isa, fn):
+    before = _core._get_isa()
+    _core._set_isa(isa)
+    try:
+        return fn()
+    finally:
+        _core._set_isa(before)
+
+
+def test_amx_path_taken(amx):
+    # the default on such a machine, and not the AVX-512 kernels' bits
+    assert mha_ext.cpu_info()["isa"] == "amx"
+    m = MultiHeadAttention(512, 8, seed=3).eval()
+    x = np.random.default_rng(0).standard_normal((2, 40, 512)).astype(np.float32)
+    a = m(x, need_weights=False)[0]
+    b = _on("avx512", lambda: m(x, need_weights=False)[0])
+    assert not np.array_equal(a, b)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# (B, Sq, Sk, E, H, kdim, vdim): rows, columns and depths off the tiles'
+# multiples, one projection of a single row and one of two depth blocks
+RAGGED = [(3, 37, 21, 200, 5, 77, 45), (1, 1, 5, 96, 4, 33, 1), (2, 19, 19, 1040, 8, 1040, 1040),
+          (5, 17, 50, 48, 3, 48, 48)]
+
+
+@pytest.mark.parametrize("B,Sq,Sk,E,H,kdim,vdim", RAGGED)
+def test_amx_accuracy_ragged(amx, B, Sq, Sk, E, H, kdim, vdim):
+    # against torch's float64 on the same float32 weights: at most torch's
+    # own float32 error (plus 20%: the spread between seeds), elementwise
+    # within the parity tolerance
+    torch.manual_seed(B * 1000 + E)
+    tm = torch.nn.MultiheadAttention(E, H, batch_first=True, kdim=kdim, vdim=vdim).eval()
+    t64 = torch.nn.MultiheadAttention(E, H, batch_first=True, kdim=kdim, vdim=vdim,
+                                      dtype=torch.float64).eval()
+    t64.load_state_dict({k: v.double() for k, v in tm.state_dict().items()})
+    q, k, v = torch.randn(B, Sq, E), torch.randn(B, Sk, kdim), torch.randn(B, Sk, vdim)
+    with torch.inference_mode():
+        truth = t64(q.double(), k.double(), v.double(), need_weights=False)[0].numpy()
+        theirs = tm(q, k, v, need_weights=False)[0].double().numpy()
+    ours = MultiHeadAttention.from_torch(tm).eval()
+    out = ours(q.numpy(), k.numpy(), v.numpy(), need_weights=False)[0].astype(np.float64)
+    np.testing.assert_allclose(out, truth, rtol=1e-5, atol=1e-5)
+    err_ours, err_torch = np.abs(out - truth).max(), np.abs(theirs - truth).max()
+    assert err_ours <= 1.2 * err_torch + 1e-7, (err_ours, err_torch)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_amx_nonfinite_input_row(amx, bad):
+    # a row holding one gives torch's NaNs and infinities; the other rows
+    # keep the bits they have without it
+    E, H, S = 512, 8, 24
+    torch.manual_seed(1)
+    tm = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    m = MultiHeadAttention.from_torch(tm).eval()
+    x = np.random.default_rng(1).standard_normal((2, S, E)).astype(np.float32)
+    clean = m(x, need_weights=False)[0]
+    xb = x.copy()
+    xb[1, 5, 17] = bad
+    out = m(xb, xb, xb, need_weights=False)[0]
+    with torch.inference_mode():
+        t = torch.from_numpy(xb)
+        ref = tm(t, t, t, need_weights=False)[0].numpy()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+    assert np.isnan(out[1]).any()
+    assert np.array_equal(out[0], clean[0])  # the other batch row, bit for bit
+
+
+def test_amx_nonfinite_weight(amx):
+    # a NaN in W_v: the float kernels take the product, torch's NaNs
+    E, H, S = 256, 4, 20
+    torch.manual_seed(2)
+    tm = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    with torch.no_grad():
+        tm.in_proj_weight[2 * E + 7, 100] = float("nan")
+    m = MultiHeadAttention.from_torch(tm).eval()
+    x = np.random.default_rng(2).standard_normal((2, S, E)).astype(np.float32)
+    out = m(x, need_weights=False)[0]
+    with torch.inference_mode():
+        t = torch.from_numpy(x)
+        ref = tm(t, t, t, need_weights=False)[0].numpy()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    assert np.isnan(out).all()
+    # without it, the same module's bits are the AMX ones again
+    with torch.no_grad():
+        tm.in_proj_weight[2 * E + 7, 100] = 0.5
+    m2 = MultiHeadAttention.from_torch(tm).eval()
+    a = m2(x, need_weights=False)[0]
+    assert np.isfinite(a).all()
+    assert not np.array_equal(a, _on("avx512", lambda: m2(x, need_weights=False)[0]))
+
+
+def test_amx_training_matches_torch(amx):
+    # the backward's products (input and weight gradients) on the tiles too
+    E, H, B, S = 96, 4, 3, 33
+    torch.manual_seed(4)
+    tm = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    m = MultiHeadAttention.from_torch(tm.float())
+    tm = tm.double()
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((B, S, E)).astype(np.float32)
+    g = rng.standard_normal((B, S, E)).astype(np.float32)
+    ctx = m.forward_train(x, x, x, need_weights=False)
+    grads = m.backward(ctx, g)
+    t = torch.from_numpy(x.astype(np.float64)).requires_grad_()
+    out = tm(t, t, t, need_weights=False)[0]
+    out.backward(torch.from_numpy(g.astype(np.float64)))
+    wo = tm.out_proj.weight.grad.numpy()
+    np.testing.assert_allclose(grads["W_o.weight"], wo, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(grads["W_q.weight"], tm.in_proj_weight.grad.numpy()[:E],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_amx_infinite_row_keeps_torchs_infinities(amx):
+    # an overflow in V's column 5 (3e38 x 10) puts +inf in that column of
+    # every context row, so the output projection's rows each hold one
+    # infinity: torch gives +-inf there (inf times a nonzero weight), and so
+    # must we (the cut pieces would give NaN: inf - inf); the row goes to
+    # the float FMAs
+    E, H, S = 64, 2, 6
+    torch.manual_seed(5)
+    tm = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    with torch.no_grad():
+        tm.in_proj_weight[2 * E:, 17] = 1e-3
+        tm.in_proj_weight[2 * E + 5, 17] = 10.0
+    m = MultiHeadAttention.from_torch(tm).eval()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, S, E)).astype(np.float32)
+    xv = rng.standard_normal((1, S, E)).astype(np.float32)
+    xv[0, 2, 17] = 3e38
+    out = m(x, x, xv, need_weights=False)[0]
+    with torch.inference_mode():
+        ref = tm(*(torch.from_numpy(a) for a in (x, x, xv)), need_weights=False)[0].numpy()
+    assert np.isinf(ref).all()
+    np.testing.assert_array_equal(out, ref)  # the same signed infinities
