@@ -18,14 +18,20 @@
  * a narrow kernel, W at E 512, 1024, ...; of 4 KiB on a wide one, W at
  * E 1024 float or 512 double), each small tile would pack its own
  * (K, 64) block of W again: there two tiles per thread are enough (Zen 3,
- * training step at B 8, S 128, E 512: the input gradients 5% faster) */
+ * training step at B 8, S 128, E 512: the input gradients 5% faster).  On
+ * the AMX tiles (float, ISA amx) mha_amx_tiles' tiles instead */
 static void SUF(prod_add)(SUF(bwd) *f, int kind, const T *A, int64_t lda, const T *B,
                           int64_t ldb, const T *bias, T *C, int64_t ldc,
                           int64_t M, int64_t N, int64_t K)
 {
     const int64_t nc = mha_gemm_nc(sizeof(T)), rows = (M + RM - 1) / RM;
     const int slots = mha_get_num_threads();
-    if (kind == MHA_TN) { /* where Aᵀ is packed (mha_tn_packs): wider tiles share it */
+    if (f->kern->amx_gemm) { /* on the AMX tiles: mha_amx_tiles' */
+        int64_t rm, rn;
+        mha_amx_tiles(M, N, nc, slots, &rm, &rn);
+        mha_products_add(&f->prods, kind, A, lda, B, ldb, bias, C, ldc, M, N, K, rm, rn);
+    }
+    else if (kind == MHA_TN) { /* where Aᵀ is packed (mha_tn_packs): wider tiles share it */
         const int64_t rows_tn = (M + RM_TN - 1) / RM_TN;
         int64_t rn = SUF(mha_tn_packs)(f->kern, lda) ? RN_TN_AT(f->kern) : RN_TN;
         while (rn > RN_TN && 4 * rows_tn * ((N + rn - 1) / rn) < (int64_t)slots) rn /= 2;

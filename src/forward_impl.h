@@ -121,14 +121,16 @@ static void SUF(linear_task)(void *ctx, int64_t t, int slot)
 
 /* A projection y (M, N) = x (M, K)·w (N, K)ᵀ + b into the pass's list, in
  * RM-row tiles; column tiles wide for the packed GEMM, narrower when that
- * leaves too few tasks for the threads.  Returns its extra, cleared. */
+ * leaves too few tasks for the threads; on the AMX tiles mha_amx_tiles'.
+ * Returns its extra, cleared. */
 static SUF(proj_extra) *SUF(add_proj)(SUF(fwd) *f, const T *x, const T *w, const T *b, T *y,
                                       int64_t M, int64_t N, int64_t K, int slots)
 {
     const int64_t rows = (M + RM - 1) / RM;
-    const int64_t rn = mha_tile_cols(rows, N, mha_gemm_nc(sizeof(T)), slots);
+    int64_t rm = RM, rn = mha_tile_cols(rows, N, mha_gemm_nc(sizeof(T)), slots);
     SUF(proj_extra) *ex = &f->extra[f->prods.n];
-    mha_products_add(&f->prods, MHA_NT, x, K, w, K, b, y, N, M, N, K, RM, rn);
+    if (f->kern->amx_gemm) mha_amx_tiles(M, N, mha_gemm_nc(sizeof(T)), slots, &rm, &rn);
+    mha_products_add(&f->prods, MHA_NT, x, K, w, K, b, y, N, M, N, K, rm, rn);
     memset(ex, 0, sizeof *ex);
     return ex;
 }

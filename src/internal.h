@@ -308,6 +308,33 @@ static inline int64_t mha_tile_cols(int64_t rows, int64_t N, int64_t nc, int slo
     return nc;
 }
 
+/* Tiles rm x rn of a product on the AMX tiles (kernels.h's amx_gemm):
+ * each tile cuts its rows of A into bfloat16 pieces once for all its
+ * columns, and its columns of B once for all its rows, so the tiles are as
+ * large and as square as still give every one of `slots` threads two:
+ * from 1024 x min(256, nc) (no larger than M and N need), the larger side
+ * halved (down to 32) until so.  Intel Xeon (family 6, model 167), two
+ * threads, medium (B 8, S 128, E 512): the forward's 1024 x 64 tiles of
+ * the float kernels spent 72% of the call in amx_gemm, most of it cutting
+ * the same rows of A for every 64 columns */
+static inline void mha_amx_tiles(int64_t M, int64_t N, int64_t nc, int slots, int64_t *rm,
+                                 int64_t *rn)
+{
+    int64_t m = 1024, n = nc < 256 ? nc : 256;
+    while (m > 32 && m / 2 >= M) m /= 2;
+    while (n > 32 && n / 2 >= N) n /= 2;
+    while ((M + m - 1) / m * ((N + n - 1) / n) < 2 * (int64_t)slots) {
+        if (m >= n && m > 32)
+            m /= 2;
+        else if (n > 32)
+            n /= 2;
+        else
+            break;
+    }
+    *rm = m;
+    *rn = n;
+}
+
 /* the tile of task t (0 <= t < l->tiles) */
 static inline mha_tile mha_products_tile(const mha_products *l, int64_t t)
 {
