@@ -37,11 +37,10 @@
 #define AMX_NB 256
 #define AATTR __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,amx-tile,amx-bf16")))
 
-/* the scratch's layout: B's pieces, B's depth-major block, A's pieces, A's
- * rows (a transposed A), a block of C; kernels.h's MHA_AMX_SCRATCH */
-#define AMX_SCRATCH_USED                                                                   \
-    (3 * AMX_KC / 2 * AMX_NB * 4 + AMX_KC * 64 * 4 + 3 * 32 * AMX_KC * 2 + 32 * AMX_KC * 4 + \
-     32 * 32 * 4 + 64)
+/* the scratch's layout: B's pieces, A's pieces, A's rows (a transposed A),
+ * a block of C; kernels.h's MHA_AMX_SCRATCH */
+#define AMX_SCRATCH_USED \
+    (3 * AMX_KC / 2 * AMX_NB * 4 + 3 * 32 * AMX_KC * 2 + 32 * AMX_KC * 4 + 32 * 32 * 4 + 64)
 _Static_assert(AMX_SCRATCH_USED <= MHA_AMX_SCRATCH, "amx_impl.h: MHA_AMX_SCRATCH too small");
 
 /* the tile configuration (palette 1: tiles 0-7 of 16 rows of 64 bytes),
@@ -135,6 +134,38 @@ AATTR static int amx_cut_cols(const float *src, int64_t lds, int64_t kc, int64_t
     return bad != 0;
 }
 
+/* amx_cut_cols for a B given as rows of columns (trans_b: op(B)(k, c) at
+ * w[c*ldb + k], `cols` of them): 16 columns by 16 of depth through the
+ * registers (transpose16_f32), each pair of depth rows then cut as
+ * amx_cut_cols does; no depth-major copy in memory.  1 when w holds an
+ * infinity or NaN. */
+AATTR static int amx_cut_rows(const float *w, int64_t ldb, int64_t kc, int64_t kcp, int64_t cols,
+                              uint32_t *bh, uint32_t *bm, uint32_t *bl)
+{
+    __mmask16 bad = 0;
+    int64_t half, k0, i, j;
+    for (half = 0; half < 2; half++)
+        for (k0 = 0; k0 < kcp; k0 += 16) {
+            const __mmask16 kmask = amx_first(kc - k0);
+            __m512 r[16];
+            for (i = 0; i < 16; i++)
+                r[i] = 16 * half + i < cols
+                               ? _mm512_maskz_loadu_ps(kmask, w + (16 * half + i) * ldb + k0)
+                               : _mm512_setzero_ps();
+            transpose16_f32(r); /* r[j]: depth k0 + j of the 16 columns */
+            for (j = 0; j < 16; j += 2) {
+                __m512i he, me, le, ho, mo, lo;
+                const int64_t o = (k0 + j) / 2 * 32 + 16 * half;
+                bad |= amx_split(r[j], &he, &me, &le);
+                bad |= amx_split(r[j + 1], &ho, &mo, &lo);
+                _mm512_storeu_si512(bh + o, _mm512_or_si512(_mm512_srli_epi32(he, 16), ho));
+                _mm512_storeu_si512(bm + o, _mm512_or_si512(_mm512_srli_epi32(me, 16), mo));
+                _mm512_storeu_si512(bl + o, _mm512_or_si512(_mm512_srli_epi32(le, 16), lo));
+            }
+        }
+    return bad != 0;
+}
+
 /* C's 32 x 32 block (tiles 0-3) += the pieces' products over kcp: A's
  * pieces a[p] rows of lda_b bytes, B's b[p] (kcp/2 rows of 32 pairs).
  * Per 32 of depth the products in the order hl, hh, hm, mm, mh, lh (a
@@ -195,6 +226,41 @@ AATTR static void amx_block(int64_t kcp, const uint16_t *const a[3], int64_t lda
 #undef AMX_DP_BFIRST
 #undef AMX_DP_BLAST
 
+/* amx_block for a block of at most 16 rows: A's one row tile (tmm4) and
+ * the accumulators tmm0-1 only, the products in the same order (each
+ * element the same bits as in a block of 32: a tile's row is summed alone) */
+AATTR static void amx_block16(int64_t kcp, const uint16_t *const a[3], int64_t lda_b,
+                              const uint32_t *const b[3])
+{
+    int64_t k;
+    for (k = 0; k < kcp; k += 32) {
+        const uint32_t *bh = b[0] + k / 2 * 32, *bm = b[1] + k / 2 * 32, *bl = b[2] + k / 2 * 32;
+        _tile_loadd(4, a[0] + k, lda_b);
+        _tile_loadd(6, bl, 128);
+        _tile_loadd(7, bl + 16, 128);
+        _tile_dpbf16ps(0, 4, 6); /* hl */
+        _tile_loadd(6, bh, 128);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(7, bh + 16, 128);
+        _tile_dpbf16ps(0, 4, 6); /* hh */
+        _tile_loadd(6, bm, 128);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(7, bm + 16, 128);
+        _tile_dpbf16ps(0, 4, 6); /* hm */
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(4, a[1] + k, lda_b);
+        _tile_dpbf16ps(0, 4, 6); /* mm */
+        _tile_loadd(6, bh, 128);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(7, bh + 16, 128);
+        _tile_dpbf16ps(0, 4, 6); /* mh */
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(4, a[2] + k, lda_b);
+        _tile_dpbf16ps(0, 4, 6); /* lh */
+        _tile_dpbf16ps(1, 4, 7);
+    }
+}
+
 /* A row of C by float FMAs (a row of A holding an infinity or NaN): C[j]
  * = Σ_k a(k)·op(B)(k, j) in order of k, plus the bias */
 AATTR static void amx_row_fma(int trans_b, int64_t N, int64_t K, const float *A, int64_t a_cs,
@@ -235,8 +301,7 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
     float *C = (float *)Cv;
     uint8_t *s = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     uint32_t *bp = (uint32_t *)s;                             /* 3 x AMX_KC/2 x AMX_NB */
-    float *bt = (float *)(bp + 3 * AMX_KC / 2 * AMX_NB);      /* AMX_KC x 64 */
-    uint16_t *ap = (uint16_t *)(bt + AMX_KC * 64);            /* 3 x 32 x AMX_KC */
+    uint16_t *ap = (uint16_t *)(bp + 3 * AMX_KC / 2 * AMX_NB); /* 3 x 32 x AMX_KC */
     float *at = (float *)(ap + 3 * 32 * AMX_KC);              /* 32 x AMX_KC */
     float *cb = at + 32 * AMX_KC;                             /* 32 x 32 */
     int64_t pc, jb, ib, g, i, r, q, k;
@@ -251,30 +316,12 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
             /* B's pieces for these nb columns: group g at bp[p] + g*kcp*16 */
             for (g = 0; g < ng; g++) {
                 const int64_t c0 = jb + 32 * g, cols = N - c0 < 32 ? N - c0 : 32;
-                const float *src;
-                int64_t lds;
                 uint32_t *dst = bp + g * kcp * 16;
                 const int64_t piece = (int64_t)AMX_KC / 2 * AMX_NB;
-                if (trans_b) { /* through bt, depth-major, 64 columns at a time */
-                    const int64_t p64 = (32 * g) % 64, c64 = c0 - p64;
-                    if (p64 == 0) {
-                        const int64_t w = N - c64 < 64 ? N - c64 : 64;
-                        if (w == 64) {
-                            pack_bt_f32_avx512(kc, B + c64 * ldb + pc, ldb, bt);
-                        } else {
-                            int64_t k, c;
-                            for (k = 0; k < kc; k++)
-                                for (c = 0; c < 64; c++)
-                                    bt[k * 64 + c] = c < w ? B[(c64 + c) * ldb + pc + k] : 0.0f;
-                        }
-                    }
-                    src = bt + p64;
-                    lds = 64;
-                } else {
-                    src = B + pc * ldb + c0;
-                    lds = ldb;
-                }
-                if (amx_cut_cols(src, lds, kc, kcp, cols, dst, dst + piece, dst + 2 * piece)) {
+                if (trans_b ? amx_cut_rows(B + c0 * ldb + pc, ldb, kc, kcp, cols, dst,
+                                           dst + piece, dst + 2 * piece)
+                            : amx_cut_cols(B + pc * ldb + c0, ldb, kc, kcp, cols, dst,
+                                           dst + piece, dst + 2 * piece)) {
                     _tile_release();
                     return 1;
                 }
@@ -286,7 +333,7 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
                 if (a_cs != 1) { /* a transposed A: its rows through at */
                     transpose_f32_avx512(kc, mb, A + ib * a_rs + pc * a_cs, a_cs, at, AMX_KC);
                 }
-                for (r = 0; r < 32; r++) {
+                for (r = 0; r < (mb > 16 ? 32 : 16); r++) {
                     uint16_t *d = ap + r * kcp;
                     if (r >= mb) {
                         memset(d, 0, (size_t)kcp * 2);
@@ -303,38 +350,41 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
                     const uint32_t *pb[3] = {bp + g * kcp * 16, bp + g * kcp * 16 + piece,
                                              bp + g * kcp * 16 + 2 * piece};
                     float *c = C + ib * ldc + c0;
-                    const int full = mb == 32 && cols == 32;
+                    const int two = mb > 16; /* the second row of tiles (2, 3) in use */
+                    const int full = mb == (two ? 32 : 16) && cols == 32;
+                    float *cc = full ? c : cb; /* the block, or its copy (32 wide) */
+                    const int64_t ldb4 = full ? ldc * 4 : 128;
+                    if (!full && !first) {
+                        memset(cb, 0, 32 * 32 * 4);
+                        for (i = 0; i < mb; i++) memcpy(cb + i * 32, c + i * ldc, (size_t)cols * 4);
+                    }
                     if (first) {
                         _tile_zero(0);
                         _tile_zero(1);
-                        _tile_zero(2);
-                        _tile_zero(3);
-                    } else if (full) {
-                        _tile_loadd(0, c, ldc * 4);
-                        _tile_loadd(1, c + 16, ldc * 4);
-                        _tile_loadd(2, c + 16 * ldc, ldc * 4);
-                        _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+                        if (two) {
+                            _tile_zero(2);
+                            _tile_zero(3);
+                        }
                     } else {
-                        memset(cb, 0, 32 * 32 * 4);
-                        for (i = 0; i < mb; i++) memcpy(cb + i * 32, c + i * ldc, (size_t)cols * 4);
-                        _tile_loadd(0, cb, 128);
-                        _tile_loadd(1, cb + 16, 128);
-                        _tile_loadd(2, cb + 16 * 32, 128);
-                        _tile_loadd(3, cb + 16 * 32 + 16, 128);
+                        _tile_loadd(0, cc, ldb4);
+                        _tile_loadd(1, cc + 16, ldb4);
+                        if (two) {
+                            _tile_loadd(2, cc + 16 * ldb4 / 4, ldb4);
+                            _tile_loadd(3, cc + 16 * ldb4 / 4 + 16, ldb4);
+                        }
                     }
-                    amx_block(kcp, pa, kcp * 2, pb);
-                    if (full) {
-                        _tile_stored(0, c, ldc * 4);
-                        _tile_stored(1, c + 16, ldc * 4);
-                        _tile_stored(2, c + 16 * ldc, ldc * 4);
-                        _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
-                    } else {
-                        _tile_stored(0, cb, 128);
-                        _tile_stored(1, cb + 16, 128);
-                        _tile_stored(2, cb + 16 * 32, 128);
-                        _tile_stored(3, cb + 16 * 32 + 16, 128);
+                    if (two)
+                        amx_block(kcp, pa, kcp * 2, pb);
+                    else
+                        amx_block16(kcp, pa, kcp * 2, pb);
+                    _tile_stored(0, cc, ldb4);
+                    _tile_stored(1, cc + 16, ldb4);
+                    if (two) {
+                        _tile_stored(2, cc + 16 * ldb4 / 4, ldb4);
+                        _tile_stored(3, cc + 16 * ldb4 / 4 + 16, ldb4);
+                    }
+                    if (!full)
                         for (i = 0; i < mb; i++) memcpy(c + i * ldc, cb + i * 32, (size_t)cols * 4);
-                    }
                     if (last && bias) /* the bias last, as the float kernels add it */
                         for (i = 0; i < mb; i++) {
                             const __mmask16 lo = amx_first(cols), hi = amx_first(cols - 16);

@@ -79,7 +79,7 @@ typedef int (*mha_amx_gemm)(int trans_b, int64_t M, int64_t N, int64_t K, const 
                             size_t scratch_bytes);
 
 /* the scratch bytes an amx_gemm needs (amx_impl.h's layout, 64 aligned) */
-#define MHA_AMX_SCRATCH ((int64_t)1088 * 1024)
+#define MHA_AMX_SCRATCH ((int64_t)960 * 1024)
 
 /* the table for float */
 typedef struct {
