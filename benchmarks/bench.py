@@ -195,7 +195,7 @@ def main():
                     help="and keep going for at least this many seconds per case")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--cases", default=",".join([*CASES, *BWD_CASES]))
-    ap.add_argument("--isa", default=None, help="force mha_ext's ISA (portable, avx2, avx512)")
+    ap.add_argument("--isa", default=None, help="force mha_ext's ISA (portable, avx2, avx512, amx)")
     ap.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active"],
                     help="OMP_WAIT_POLICY for torch's OpenMP threads (default passive)")
     ap.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)

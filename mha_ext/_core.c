@@ -418,7 +418,7 @@ static PyObject *get_num_threads(PyObject *m, PyObject *Py_UNUSED(ignored))
 }
 
 /* _set_isa(name) / _get_isa() / _isa_available(name): the instruction set of
- * the fast kernels ("portable", "avx2", "avx512"), for tests and benchmarks
+ * the fast kernels ("portable", "avx2", "avx512", "amx"), for tests and benchmarks
  * (src/isa.c; the environment variable MHA_EXT_ISA sets the start value). */
 static PyObject *set_isa(PyObject *m, PyObject *arg)
 {
@@ -430,7 +430,7 @@ static PyObject *set_isa(PyObject *m, PyObject *arg)
     }
     if (mha_set_isa(name) != MHA_OK) {
         PyErr_Format(PyExc_ValueError, "instruction set %R is unknown or not supported by "
-                     "this CPU (portable, avx2, avx512)", arg);
+                     "this CPU (portable, avx2, avx512, amx)", arg);
         return NULL;
     }
     Py_RETURN_NONE;

@@ -3,35 +3,45 @@
  * where the CPU has AMX-BF16 and Linux lets the process use the tiles.
  *
  * The tiles multiply bfloat16 (8 significant bits) and add in float.  A
- * float x is cut into three bfloat16 pieces x = h + m + l, exactly: h is
- * x's top 8 bits (x with its low 16 bits cleared), m the top 8 of x - h
- * (exact in float: the same exponent), l what is left (8 bits at most).
- * The product of two floats is then the sum of nine piece products, each
+ * float x is cut into three bfloat16 pieces x = h + m + l, exactly: h is x
+ * rounded to bfloat16 (to nearest, ties to even), m is x - h rounded (x - h
+ * is exact in float), l what is left (8 significant bits at most, so
+ * exact), |m| <= 2^-8 |x|, |l| <= 2^-16 |x|, each of either sign.  The
+ * product of two floats is then the sum of nine piece products, each
  * exact in float; the six of the largest orders (hh; hm, mh; hl, lh, mm)
  * are summed, the three of order 2^-24 and below (ml, lm, ll) dropped:
- * each product's error is then under 2^-22 of it, below the rounding of
- * the sums it goes into.  Every piece product goes into the same float
- * accumulator, in a fixed order per 32 of depth (hh, hm, hl, mm, mh, lh),
- * so an element's bits depend on K and its row and column only, never on
- * M, the tiling or the threads.  Measured against a float64 truth,
- * K 512, uniform inputs: mean error 4.8e-8 against 1.05e-7 for a float
- * FMA chain.
+ * under 2^-23 of the product together and, the pieces' signs varying, not
+ * biased one way.  Every piece product goes into the same float
+ * accumulator, in a fixed order per 32 of depth (hl, hh, hm, mm, mh, lh:
+ * amx_block), so an element's bits depend on K and its row and column
+ * only, never on M, the tiling or the threads.  Against a float64 truth,
+ * one 16 x 16 tile, K 512, 20 draws (/tmp harness, this order but hh
+ * first): mean error 4.8e-8 against 1.05e-7 for a float FMA chain (inputs
+ * of both signs); 3.1e-6 against 6.8e-6 with all inputs positive, mean
+ * relative bias 1.4e-9 (3.9e-8 toward zero when the pieces were cut by
+ * truncation, all of x's sign).  The tiles sum each instruction's 32
+ * products with more care than a chain of float FMAs would.
  *
  * The tiles treat bfloat16 subnormals as zero and flush subnormal results:
- * pieces below 2^-126 (of inputs under about 2^-110) are lost, sums under
- * 2^-126 become 0.  Infinities and NaNs do not survive the cut (inf - inf
- * is NaN, and inf times a zero piece is NaN): a row of A holding one is
- * computed by a plain float loop (row_fma below: the same row, the same
- * method, in any batch), and a B holding one sends the whole product back
- * to the caller's float kernels (return 1).
+ * pieces below 2^-126 (of inputs under about 2^-110) are lost, products
+ * and sums under 2^-126 become 0.  Infinities and NaNs do not survive the
+ * cut (inf - inf is NaN, and inf times a zero piece is NaN): a row of A or
+ * a column of B holding one is computed again by one float FMA chain per
+ * element (amx_fix_elem, amx_fix_row: the same bits either way), so such
+ * an element is torch's kind of infinity or NaN, and the others keep
+ * their tile bits.
  *
- * Blocking: depth blocks of AMX_KC (C's sums carried between them in C,
- * exact: a float store and load); column blocks of AMX_NB, whose B pieces
- * (3 x AMX_KC x AMX_NB bfloat16, 768 KiB) stay in L2; rows 32 at a time,
- * whose A pieces (96 KiB) are cut once per depth and column block; each
- * 32 x 32 block of C is four accumulator tiles (tmm0-3), A's two row
- * tiles tmm4-5, B's two column tiles tmm6-7: per 32 of depth 24 tile
- * products and 16 tile loads. */
+ * Blocking: column blocks of AMX_NB, each over the depth in blocks of
+ * AMX_KC (C's sums carried between them in C, exact: a float store and
+ * load); a block's B pieces (3 x AMX_KC x AMX_NB bfloat16, 768 KiB) stay
+ * in L2; rows 32 at a time, whose A pieces (96 KiB) are cut once per depth
+ * and column block; each 32 x 32 block of C is four accumulator tiles
+ * (tmm0-3), A's two row tiles tmm4-5, B's two column tiles tmm6-7: per 32
+ * of depth 24 tile products and 14 tile loads (a block of at most 16 rows:
+ * tmm0-1 and tmm4, 12 products).  Intel Xeon (family 6, model 167), one
+ * core, amx_block alone: 566 GFLOP/s (float-equivalent) with its pieces in
+ * L1, 490 from L2 (the FMA probe: 240); a whole (1024, 512) product with
+ * K 1024 about 300. */
 
 #define AMX_KC 512
 #define AMX_NB 256
@@ -57,20 +67,38 @@ static const amx_cfg g_amx_cfg __attribute__((aligned(64))) = {
         .rows = {16, 16, 16, 16, 16, 16, 16, 16},
 };
 
-/* the three pieces of 16 floats, each in its lanes' upper 16 bits (the
- * lower 16 zero), and the lanes holding an infinity or NaN */
-AATTR static inline __mmask16 amx_split(__m512 x, __m512i *h, __m512i *m, __m512i *l)
+/* x's bfloat16 nearest (ties to even), in the upper 16 bits; where that
+ * would round a finite x up to infinity (|x| within half a bfloat16 step
+ * of FLT_MAX), x truncated instead, so that the rest stays finite */
+AATTR static inline __m512i amx_round(__m512i u)
 {
     const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i r = _mm512_and_si512(
+            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+            top);
+    const __m512i inf = _mm512_set1_epi32(0x7f800000), abs = _mm512_set1_epi32(0x7fffffff);
+    const __mmask16 up = _mm512_cmpeq_epi32_mask(_mm512_and_si512(r, abs), inf) &
+                         _mm512_cmpneq_epi32_mask(_mm512_and_si512(u, inf), inf);
+    return _mm512_mask_and_epi32(r, up, u, top);
+}
+
+/* the three pieces of 16 floats, each in its lanes' upper 16 bits (the
+ * lower 16 zero), and the lanes holding an infinity or NaN: h = x rounded
+ * to bfloat16, m = x - h rounded, l = x - h - m (exact: at most 8
+ * significant bits are left), so x = h + m + l exactly, |m| <= 2^-8 |x|,
+ * |l| <= 2^-16 |x|, of either sign */
+AATTR static inline __mmask16 amx_split(__m512 x, __m512i *h, __m512i *m, __m512i *l)
+{
     const __m512i expo = _mm512_set1_epi32(0x7f800000);
     const __m512i u = _mm512_castps_si512(x);
-    const __m512i hb = _mm512_and_si512(u, top);
+    const __m512i hb = amx_round(u);
     const __m512 r1 = _mm512_sub_ps(x, _mm512_castsi512_ps(hb));
-    const __m512i mb = _mm512_and_si512(_mm512_castps_si512(r1), top);
+    const __m512i mb = amx_round(_mm512_castps_si512(r1));
     const __m512 r2 = _mm512_sub_ps(r1, _mm512_castsi512_ps(mb));
     *h = hb;
     *m = mb;
-    *l = _mm512_and_si512(_mm512_castps_si512(r2), top);
+    *l = amx_round(_mm512_castps_si512(r2));
     return _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, expo), expo);
 }
 
@@ -106,12 +134,12 @@ AATTR static int amx_cut_row(const float *a, int64_t kc, int64_t kcp, uint16_t *
 /* B's pieces for 32 columns from a depth-major float block (src (k, c) at
  * src[k*lds + c], `cols` valid columns, kc rows): bp[p][k2*32 + c] holds
  * the pair (2·k2, 2·k2 + 1) of column c as the tiles read it (bfloat16
- * for k even in the low half), zero past kc and past cols.  1 when src
- * holds an infinity or NaN. */
-AATTR static int amx_cut_cols(const float *src, int64_t lds, int64_t kc, int64_t kcp,
-                              int64_t cols, uint32_t *bh, uint32_t *bm, uint32_t *bl)
+ * for k even in the low half), zero past kc and past cols.  Returns the
+ * columns (bit c) holding an infinity or NaN. */
+AATTR static uint32_t amx_cut_cols(const float *src, int64_t lds, int64_t kc, int64_t kcp,
+                                   int64_t cols, uint32_t *bh, uint32_t *bm, uint32_t *bl)
 {
-    __mmask16 bad = 0;
+    uint32_t bad = 0;
     int64_t k2, half;
     for (k2 = 0; k2 < kcp / 2; k2++)
         for (half = 0; half < 2; half++) {
@@ -122,8 +150,8 @@ AATTR static int amx_cut_cols(const float *src, int64_t lds, int64_t kc, int64_t
             const __m512 xo = o < kc ? _mm512_maskz_loadu_ps(c, src + o * lds + 16 * half)
                                      : _mm512_setzero_ps();
             __m512i he, me, le, ho, mo, lo;
-            bad |= amx_split(xe, &he, &me, &le);
-            bad |= amx_split(xo, &ho, &mo, &lo);
+            bad |= (uint32_t)(amx_split(xe, &he, &me, &le) | amx_split(xo, &ho, &mo, &lo))
+                   << (16 * half);
             _mm512_storeu_si512(bh + k2 * 32 + 16 * half,
                                 _mm512_or_si512(_mm512_srli_epi32(he, 16), ho));
             _mm512_storeu_si512(bm + k2 * 32 + 16 * half,
@@ -131,18 +159,18 @@ AATTR static int amx_cut_cols(const float *src, int64_t lds, int64_t kc, int64_t
             _mm512_storeu_si512(bl + k2 * 32 + 16 * half,
                                 _mm512_or_si512(_mm512_srli_epi32(le, 16), lo));
         }
-    return bad != 0;
+    return bad;
 }
 
 /* amx_cut_cols for a B given as rows of columns (trans_b: op(B)(k, c) at
  * w[c*ldb + k], `cols` of them): 16 columns by 16 of depth through the
  * registers (transpose16_f32), each pair of depth rows then cut as
- * amx_cut_cols does; no depth-major copy in memory.  1 when w holds an
- * infinity or NaN. */
-AATTR static int amx_cut_rows(const float *w, int64_t ldb, int64_t kc, int64_t kcp, int64_t cols,
-                              uint32_t *bh, uint32_t *bm, uint32_t *bl)
+ * amx_cut_cols does; no depth-major copy in memory.  Returns the columns
+ * (bit c) holding an infinity or NaN. */
+AATTR static uint32_t amx_cut_rows(const float *w, int64_t ldb, int64_t kc, int64_t kcp,
+                                   int64_t cols, uint32_t *bh, uint32_t *bm, uint32_t *bl)
 {
-    __mmask16 bad = 0;
+    uint32_t bad = 0;
     int64_t half, k0, i, j;
     for (half = 0; half < 2; half++)
         for (k0 = 0; k0 < kcp; k0 += 16) {
@@ -156,14 +184,15 @@ AATTR static int amx_cut_rows(const float *w, int64_t ldb, int64_t kc, int64_t k
             for (j = 0; j < 16; j += 2) {
                 __m512i he, me, le, ho, mo, lo;
                 const int64_t o = (k0 + j) / 2 * 32 + 16 * half;
-                bad |= amx_split(r[j], &he, &me, &le);
-                bad |= amx_split(r[j + 1], &ho, &mo, &lo);
+                bad |= (uint32_t)(amx_split(r[j], &he, &me, &le) |
+                                  amx_split(r[j + 1], &ho, &mo, &lo))
+                       << (16 * half);
                 _mm512_storeu_si512(bh + o, _mm512_or_si512(_mm512_srli_epi32(he, 16), ho));
                 _mm512_storeu_si512(bm + o, _mm512_or_si512(_mm512_srli_epi32(me, 16), mo));
                 _mm512_storeu_si512(bl + o, _mm512_or_si512(_mm512_srli_epi32(le, 16), lo));
             }
         }
-    return bad != 0;
+    return bad;
 }
 
 /* C's 32 x 32 block (tiles 0-3) += the pieces' products over kcp: A's
@@ -261,37 +290,100 @@ AATTR static void amx_block16(int64_t kcp, const uint16_t *const a[3], int64_t l
     }
 }
 
-/* A row of C by float FMAs (a row of A holding an infinity or NaN): C[j]
- * = Σ_k a(k)·op(B)(k, j) in order of k, plus the bias */
-AATTR static void amx_row_fma(int trans_b, int64_t N, int64_t K, const float *A, int64_t a_cs,
-                              const float *B, int64_t ldb, const float *bias, float *C)
+/* The float FMA form of an element, for the rows and columns an infinity
+ * or NaN keeps off the tiles: C(i, j) = Σ_k a(i, k)·b(k, j), each step one
+ * rounding (fmaf), k in order from 0, then + bias(j).  Row by row
+ * (amx_fix_row: 16 columns a vector) and element by element (amx_fix_elem)
+ * give the same bits, so an element is the same whichever finds it. */
+AATTR static float amx_fix_elem(const float *a, int64_t a_cs, const float *b, int64_t b_cs,
+                                int64_t K, const float *bias)
 {
-    int64_t j, k;
+    float acc = 0.0f;
+    int64_t k;
+    for (k = 0; k < K; k++) acc = fmaf(a[k * a_cs], b[k * b_cs], acc);
+    return bias ? acc + *bias : acc;
+}
+
+AATTR static void amx_fix_row(int trans_b, int64_t N, int64_t K, const float *a, int64_t a_cs,
+                              const float *B, int64_t ldb, const float *bias, float *c)
+{
+    int64_t j, k, k0, i;
     for (j = 0; j < N; j += 16) {
-        const __mmask16 c = amx_first(N - j);
+        const __mmask16 cm = amx_first(N - j);
         __m512 acc = _mm512_setzero_ps();
-        for (k = 0; k < K; k++) {
-            __m512 b;
-            if (trans_b) {
-                float t[16] = {0};
-                int64_t q;
-                for (q = 0; q < 16 && j + q < N; q++) t[q] = B[(j + q) * ldb + k];
-                b = _mm512_loadu_ps(t);
-            } else {
-                b = _mm512_maskz_loadu_ps(c, B + k * ldb + j);
+        if (trans_b) { /* op(B)(k, j) = B[j*ldb + k]: 16 columns by 16 of depth transposed */
+            for (k0 = 0; k0 < K; k0 += 16) {
+                const __mmask16 km = amx_first(K - k0);
+                __m512 r[16];
+                for (i = 0; i < 16; i++)
+                    r[i] = j + i < N ? _mm512_maskz_loadu_ps(km, B + (j + i) * ldb + k0)
+                                     : _mm512_setzero_ps();
+                transpose16_f32(r);
+                for (k = k0; k < K && k < k0 + 16; k++)
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(a[k * a_cs]), r[k - k0], acc);
             }
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(A[k * a_cs]), b, acc);
+        } else {
+            for (k = 0; k < K; k++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(a[k * a_cs]),
+                                      _mm512_maskz_loadu_ps(cm, B + k * ldb + j), acc);
         }
-        if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(c, bias + j));
-        _mm512_mask_storeu_ps(C + j, c, acc);
+        if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(cm, bias + j));
+        _mm512_mask_storeu_ps(c + j, cm, acc);
     }
+}
+
+/* C's 32 x 32 block at c (cols, mb valid) from the tiles' accumulators:
+ * loaded (unless first: zero), the products over kcp, stored */
+AATTR static void amx_run_block(int first, int64_t mb, int64_t cols, float *c, int64_t ldc,
+                                float *cb, int64_t kcp, const uint16_t *const pa[3],
+                                const uint32_t *const pb[3])
+{
+    const int two = mb > 16; /* the second row of tiles (2, 3) in use */
+    const int full = mb == (two ? 32 : 16) && cols == 32;
+    float *cc = full ? c : cb; /* the block, or its copy (32 wide) */
+    const int64_t ld = full ? ldc : 32;
+    int64_t i;
+    if (!full && !first) {
+        memset(cb, 0, 32 * 32 * 4);
+        for (i = 0; i < mb; i++) memcpy(cb + i * 32, c + i * ldc, (size_t)cols * 4);
+    }
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+    } else {
+        _tile_loadd(0, cc, ld * 4);
+        _tile_loadd(1, cc + 16, ld * 4);
+        if (two) {
+            _tile_loadd(2, cc + 16 * ld, ld * 4);
+            _tile_loadd(3, cc + 16 * ld + 16, ld * 4);
+        }
+    }
+    if (two)
+        amx_block(kcp, pa, kcp * 2, pb);
+    else
+        amx_block16(kcp, pa, kcp * 2, pb);
+    _tile_stored(0, cc, ld * 4);
+    _tile_stored(1, cc + 16, ld * 4);
+    if (two) {
+        _tile_stored(2, cc + 16 * ld, ld * 4);
+        _tile_stored(3, cc + 16 * ld + 16, ld * 4);
+    }
+    if (!full)
+        for (i = 0; i < mb; i++) memcpy(c + i * ldc, cb + i * 32, (size_t)cols * 4);
 }
 
 /* kernels.h's amx_gemm for float: C (M, N) = A·op(B) (+ bias), element
  * (i, k) of A at A[i*a_rs + k*a_cs] (a_cs 1, or a_rs 1: a transposed A),
  * op(B)(k, j) at B[j*ldb + k] (trans_b) or B[k*ldb + j]; C written, not
- * added to.  0 when done; 1 (C then unspecified) when B holds an infinity
- * or NaN, or the scratch is too small: the caller's float kernels then. */
+ * added to.  0 when done; 1 (C untouched) when the scratch is too small.
+ * Blocks of AMX_NB columns, each over the depth in blocks of AMX_KC: B's
+ * pieces cut for the block, then for each 32 rows A's, then the 32 x 32
+ * blocks of C.  The columns of B and the rows of A holding an infinity or
+ * NaN are then computed again by float FMAs (amx_fix_elem, amx_fix_row). */
 AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, const void *Av,
                               int64_t a_rs, int64_t a_cs, const void *Bv, int64_t ldb,
                               const void *biasv, void *Cv, int64_t ldc, void *scratch,
@@ -300,39 +392,36 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
     const float *A = (const float *)Av, *B = (const float *)Bv, *bias = (const float *)biasv;
     float *C = (float *)Cv;
     uint8_t *s = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    uint32_t *bp = (uint32_t *)s;                             /* 3 x AMX_KC/2 x AMX_NB */
+    uint32_t *bp = (uint32_t *)s;                              /* 3 x AMX_KC/2 x AMX_NB */
     uint16_t *ap = (uint16_t *)(bp + 3 * AMX_KC / 2 * AMX_NB); /* 3 x 32 x AMX_KC */
-    float *at = (float *)(ap + 3 * 32 * AMX_KC);              /* 32 x AMX_KC */
-    float *cb = at + 32 * AMX_KC;                             /* 32 x 32 */
-    int64_t pc, jb, ib, g, i, r, q, k;
+    float *at = (float *)(ap + 3 * 32 * AMX_KC);               /* 32 x AMX_KC */
+    float *cb = at + 32 * AMX_KC;                              /* 32 x 32 */
+    const int64_t piece = (int64_t)AMX_KC / 2 * AMX_NB;
+    int64_t pc, jb, ib, g, i, r, q, k, j;
     int bad = 0; /* a row of A holds an infinity or NaN */
     if (M <= 0 || N <= 0 || K <= 0 || scratch_bytes < (size_t)MHA_AMX_SCRATCH) return 1;
     _tile_loadconfig(&g_amx_cfg);
-    for (pc = 0; pc < K; pc += AMX_KC) {
-        const int64_t kc = K - pc < AMX_KC ? K - pc : AMX_KC, kcp = (kc + 31) / 32 * 32;
-        const int first = pc == 0, last = pc + kc >= K;
-        for (jb = 0; jb < N; jb += AMX_NB) {
-            const int64_t nb = N - jb < AMX_NB ? N - jb : AMX_NB, ng = (nb + 31) / 32;
+    for (jb = 0; jb < N; jb += AMX_NB) {
+        const int64_t nb = N - jb < AMX_NB ? N - jb : AMX_NB, ng = (nb + 31) / 32;
+        uint32_t badc[AMX_NB / 32] = {0}; /* the block's columns of B holding one */
+        for (pc = 0; pc < K; pc += AMX_KC) {
+            const int64_t kc = K - pc < AMX_KC ? K - pc : AMX_KC, kcp = (kc + 31) / 32 * 32;
+            const int first = pc == 0, last = pc + kc >= K;
             /* B's pieces for these nb columns: group g at bp[p] + g*kcp*16 */
             for (g = 0; g < ng; g++) {
                 const int64_t c0 = jb + 32 * g, cols = N - c0 < 32 ? N - c0 : 32;
                 uint32_t *dst = bp + g * kcp * 16;
-                const int64_t piece = (int64_t)AMX_KC / 2 * AMX_NB;
-                if (trans_b ? amx_cut_rows(B + c0 * ldb + pc, ldb, kc, kcp, cols, dst,
-                                           dst + piece, dst + 2 * piece)
-                            : amx_cut_cols(B + pc * ldb + c0, ldb, kc, kcp, cols, dst,
-                                           dst + piece, dst + 2 * piece)) {
-                    _tile_release();
-                    return 1;
-                }
+                badc[g] |= trans_b ? amx_cut_rows(B + c0 * ldb + pc, ldb, kc, kcp, cols, dst,
+                                                  dst + piece, dst + 2 * piece)
+                                   : amx_cut_cols(B + pc * ldb + c0, ldb, kc, kcp, cols, dst,
+                                                  dst + piece, dst + 2 * piece);
             }
             for (ib = 0; ib < M; ib += 32) {
                 const int64_t mb = M - ib < 32 ? M - ib : 32;
                 const uint16_t *pa[3] = {ap, ap + 32 * kcp, ap + 64 * kcp};
-                /* A's pieces for these 32 rows (zero past M) */
-                if (a_cs != 1) { /* a transposed A: its rows through at */
+                /* A's pieces for these rows (zero past M, to 16 or 32) */
+                if (a_cs != 1) /* a transposed A: its rows through at */
                     transpose_f32_avx512(kc, mb, A + ib * a_rs + pc * a_cs, a_cs, at, AMX_KC);
-                }
                 for (r = 0; r < (mb > 16 ? 32 : 16); r++) {
                     uint16_t *d = ap + r * kcp;
                     if (r >= mb) {
@@ -346,64 +435,38 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
                 }
                 for (g = 0; g < ng; g++) {
                     const int64_t c0 = jb + 32 * g, cols = N - c0 < 32 ? N - c0 : 32;
-                    const int64_t piece = (int64_t)AMX_KC / 2 * AMX_NB;
                     const uint32_t *pb[3] = {bp + g * kcp * 16, bp + g * kcp * 16 + piece,
                                              bp + g * kcp * 16 + 2 * piece};
                     float *c = C + ib * ldc + c0;
-                    const int two = mb > 16; /* the second row of tiles (2, 3) in use */
-                    const int full = mb == (two ? 32 : 16) && cols == 32;
-                    float *cc = full ? c : cb; /* the block, or its copy (32 wide) */
-                    const int64_t ldb4 = full ? ldc * 4 : 128;
-                    if (!full && !first) {
-                        memset(cb, 0, 32 * 32 * 4);
-                        for (i = 0; i < mb; i++) memcpy(cb + i * 32, c + i * ldc, (size_t)cols * 4);
-                    }
-                    if (first) {
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        if (two) {
-                            _tile_zero(2);
-                            _tile_zero(3);
-                        }
-                    } else {
-                        _tile_loadd(0, cc, ldb4);
-                        _tile_loadd(1, cc + 16, ldb4);
-                        if (two) {
-                            _tile_loadd(2, cc + 16 * ldb4 / 4, ldb4);
-                            _tile_loadd(3, cc + 16 * ldb4 / 4 + 16, ldb4);
-                        }
-                    }
-                    if (two)
-                        amx_block(kcp, pa, kcp * 2, pb);
-                    else
-                        amx_block16(kcp, pa, kcp * 2, pb);
-                    _tile_stored(0, cc, ldb4);
-                    _tile_stored(1, cc + 16, ldb4);
-                    if (two) {
-                        _tile_stored(2, cc + 16 * ldb4 / 4, ldb4);
-                        _tile_stored(3, cc + 16 * ldb4 / 4 + 16, ldb4);
-                    }
-                    if (!full)
-                        for (i = 0; i < mb; i++) memcpy(c + i * ldc, cb + i * 32, (size_t)cols * 4);
+                    amx_run_block(first, mb, cols, c, ldc, cb, kcp, pa, pb);
                     if (last && bias) /* the bias last, as the float kernels add it */
                         for (i = 0; i < mb; i++) {
                             const __mmask16 lo = amx_first(cols), hi = amx_first(cols - 16);
                             float *ci = c + i * ldc;
-                            _mm512_mask_storeu_ps(ci, lo, _mm512_add_ps(_mm512_maskz_loadu_ps(lo, ci),
-                                                                        _mm512_maskz_loadu_ps(lo, bias + c0)));
-                            _mm512_mask_storeu_ps(ci + 16, hi,
-                                                  _mm512_add_ps(_mm512_maskz_loadu_ps(hi, ci + 16),
-                                                                _mm512_maskz_loadu_ps(hi, bias + c0 + 16)));
+                            _mm512_mask_storeu_ps(
+                                    ci, lo, _mm512_add_ps(_mm512_maskz_loadu_ps(lo, ci),
+                                                          _mm512_maskz_loadu_ps(lo, bias + c0)));
+                            _mm512_mask_storeu_ps(
+                                    ci + 16, hi,
+                                    _mm512_add_ps(_mm512_maskz_loadu_ps(hi, ci + 16),
+                                                  _mm512_maskz_loadu_ps(hi, bias + c0 + 16)));
                         }
                 }
             }
         }
+        for (g = 0; g < ng; g++) /* the columns of B holding one, by float FMAs */
+            for (j = jb + 32 * g; badc[g] && j < jb + 32 * g + 32 && j < N; j++)
+                if (badc[g] >> (j - jb - 32 * g) & 1)
+                    for (q = 0; q < M; q++)
+                        C[q * ldc + j] = amx_fix_elem(A + q * a_rs, a_cs,
+                                                      trans_b ? B + j * ldb : B + j,
+                                                      trans_b ? 1 : ldb, K, bias ? bias + j : NULL);
     }
     _tile_release();
-    if (bad) /* the rows holding one, again by float FMAs */
+    if (bad) /* the rows of A holding one, by float FMAs */
         for (q = 0; q < M; q++) {
             for (k = 0; k < K && isfinite(A[q * a_rs + k * a_cs]); k++) {}
-            if (k < K) amx_row_fma(trans_b, N, K, A + q * a_rs, a_cs, B, ldb, bias, C + q * ldc);
+            if (k < K) amx_fix_row(trans_b, N, K, A + q * a_rs, a_cs, B, ldb, bias, C + q * ldc);
         }
     return 0;
 }

@@ -162,14 +162,20 @@ int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
  * a multiple of 64, so of every micro-kernel's NR; fixed at first use) */
 int64_t mha_gemm_nc(size_t scalar);
 /* scratch for one mha_gemm (inside the T templates): B's packed block (KC,
- * up to 2·NC), then Aᵀ's packed panels; at least the AMX products' own
- * (kernels.h), whatever the NC, so that NC never decides between them */
+ * up to 2·NC), then Aᵀ's packed panels; for float, where the AMX products
+ * can run, at least their own (kernels.h), whatever the NC, so that NC
+ * never decides between them */
 #define MHA_GEMM_SCRATCH_NC \
     (MHA_GEMM_KC * (2 * mha_gemm_nc(sizeof(T)) + MHA_GEMM_NB_PANELS * MHA_GEMM_MR_MAX))
 #define MHA_GEMM_SCRATCH                                                                   \
-    (MHA_GEMM_SCRATCH_NC * (int64_t)sizeof(T) >= MHA_AMX_SCRATCH                          \
-             ? MHA_GEMM_SCRATCH_NC                                                         \
-             : MHA_AMX_SCRATCH / (int64_t)sizeof(T))
+    (sizeof(T) == sizeof(float) && mha_amx_available() &&                                 \
+                     MHA_GEMM_SCRATCH_NC * (int64_t)sizeof(T) < MHA_AMX_SCRATCH            \
+             ? MHA_AMX_SCRATCH / (int64_t)sizeof(T)                                        \
+             : MHA_GEMM_SCRATCH_NC)
+/* 1 when this CPU, kernel and build can run the AMX products (isa.c's
+ * "amx"), whichever ISA is in use: the float scratch is then sized for
+ * them (fixed at first use) */
+int mha_amx_available(void);
 #define MHA_GEMM_MR_MAX 8    /* rows of a packed panel of Aᵀ at most (kernels.h's mr) */
 #define MHA_GEMM_AT_PANELS 8 /* panels of Aᵀ packed at once (gemm_impl.h) */
 /* gemm_impl.h's gemm_nest_nb: panels of Aᵀ packed at once, and the depth

@@ -103,6 +103,17 @@ static int current(void)
     return atomic_load(&g_isa);
 }
 
+int mha_amx_available(void)
+{
+    static atomic_int avail = -1;
+    int v = atomic_load_explicit(&avail, memory_order_relaxed);
+    if (v < 0) {
+        v = cpu_has(MHA_ISA_AMX);
+        atomic_store(&avail, v);
+    }
+    return v;
+}
+
 mha_status mha_set_isa(const char *name)
 {
     int isa = isa_by_name(name);

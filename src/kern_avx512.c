@@ -352,10 +352,19 @@ KATTR static void transpose_f64_avx512(int64_t R, int64_t C, const double *x, in
     .transpose = transpose_f32_avx512
 static const mha_kern_f32 avx512_f32 = {.name = "avx512", AVX512_F32_TABLE};
 
+/* AMX needs gcc 11 or clang 12, and an assembler that knows the tile
+ * instructions (binutils 2.36): setup.py compiles a probe and defines
+ * MHA_NO_AMX where it fails; the table is then absent (isa.c: no "amx") */
+#if !defined(MHA_NO_AMX) && \
+        ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #include "amx_impl.h"
 
 /* AVX-512's float table, its products on the AMX tiles (isa.c's "amx") */
 static const mha_kern_f32 amx_f32 = {.name = "amx", AVX512_F32_TABLE, .amx_gemm = amx_gemm_f32};
+#define MHA_AMX_TABLE (&amx_f32)
+#else
+#define MHA_AMX_TABLE 0
+#endif
 
 static const mha_kern_f64 avx512_f64 = {
     .name = "avx512", .mr = MR, .mr_tail = MR / 2, .nr = NRV * 8, .nr_narrow = 8,
@@ -406,7 +415,7 @@ KATTR static void fma_loop_avx512(int64_t n, int wide, float *out)
 
 const mha_kern_f32 *const mha_kern_avx512_f32_p = &avx512_f32;
 const mha_kern_f64 *const mha_kern_avx512_f64_p = &avx512_f64;
-const mha_kern_f32 *const mha_kern_amx_f32_p = &amx_f32;
+const mha_kern_f32 *const mha_kern_amx_f32_p = MHA_AMX_TABLE;
 void (*const mha_fma_loop_avx512_p)(int64_t, int, float *) = fma_loop_avx512;
 #else
 const mha_kern_f32 *const mha_kern_avx512_f32_p = 0;

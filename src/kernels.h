@@ -1,5 +1,7 @@
 /* kernels.h: the per-ISA kernel tables (internal).  One table per
- * (instruction set, dtype); kern_portable.c, kern_avx2.c and kern_avx512.c
+ * (instruction set, dtype), but "amx" shares AVX-512's double table and its
+ * float one differs from AVX-512's only in amx_gemm (amx_impl.h, included
+ * by kern_avx512.c); kern_portable.c, kern_avx2.c and kern_avx512.c
  * instantiate the one template kern_impl.h (ukr_f32_avx2, exp_sum_f64_portable,
  * ...) and list each instance by name in their tables, and isa.c picks one
  * at run time from the CPU's features (or MHA_EXT_ISA / mha_set_isa).

@@ -278,7 +278,9 @@ int mha_get_num_threads(void);
 void mha_release_workspace(void);
 
 /* The instruction set of mha_forward's kernels: "portable", "avx2" (AVX2 +
- * FMA) or "avx512" (AVX-512F).  The default is the widest this CPU has; the
+ * FMA), "avx512" (AVX-512F) or "amx" (AVX-512's kernels, the float matrix
+ * products on Intel's AMX tiles: src/amx_impl.h).  The default is the
+ * widest this CPU, kernel and build can run; the
  * environment variable MHA_EXT_ISA (read once, at first use) or
  * mha_set_isa choose another.  mha_set_isa returns MHA_ERR_ARG for an unknown
  * name or one this CPU (or build) cannot run, and changes nothing then.

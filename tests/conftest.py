@@ -4,7 +4,7 @@ Shape legend (as everywhere in the project): B batch, Sq query length,
 Sk key length, E = d_model, H = n_heads, Dk = E / H.
 
 * ``isa``: runs a test once on each instruction set's kernels this CPU has
-  (portable, avx2, avx512), switched with ``_core._set_isa`` and restored.
+  (portable, avx2, avx512, amx), switched with ``_core._set_isa`` and restored.
 * ``torch`` / ``require_torch()``: torch is the reference.  Without it the
   parity tests are skipped on a developer machine, but they *fail* when the
   ``CI`` environment variable is set, so CI can never pass by skipping them.
