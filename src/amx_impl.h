@@ -4,9 +4,9 @@
  *
  * The tiles multiply bfloat16 (8 significant bits) and add in float.  A
  * float x is cut into three bfloat16 pieces x = h + m + l, exactly: h is x
- * rounded to bfloat16 (to nearest, ties to even), m is x - h rounded (x - h
- * is exact in float), l what is left (8 significant bits at most, so
- * exact), |m| <= 2^-8 |x|, |l| <= 2^-16 |x|, each of either sign.  The
+ * rounded to bfloat16 (to nearest), m is x - h rounded (x - h is exact in
+ * float), l what is left (7 significant bits at most, so exact), |m| <=
+ * 2^-8 |x|, |l| <= 2^-16 |x|, each of either sign (amx_split).  The
  * product of two floats is then the sum of nine piece products, each
  * exact in float; the six of the largest orders (hh; hm, mh; hl, lh, mm)
  * are summed, the three of order 2^-24 and below (ml, lm, ll) dropped:
@@ -25,8 +25,9 @@
  * The tiles treat bfloat16 subnormals as zero and flush subnormal results:
  * pieces below 2^-126 (of inputs under about 2^-110) are lost, products
  * and sums under 2^-126 become 0.  Infinities and NaNs do not survive the
- * cut (inf - inf is NaN, and inf times a zero piece is NaN): a row of A or
- * a column of B holding one is computed again by one float FMA chain per
+ * cut (inf - inf is NaN, and inf times a zero piece is NaN), nor do floats
+ * that round to infinity: a row of A or a column of B holding one is
+ * computed again by one float FMA chain per
  * element (amx_fix_elem, amx_fix_row: the same bits either way), so such
  * an element is torch's kind of infinity or NaN, and the others keep
  * their tile bits.
@@ -67,39 +68,29 @@ static const amx_cfg g_amx_cfg __attribute__((aligned(64))) = {
         .rows = {16, 16, 16, 16, 16, 16, 16, 16},
 };
 
-/* x's bfloat16 nearest (ties to even), in the upper 16 bits; where that
- * would round a finite x up to infinity (|x| within half a bfloat16 step
- * of FLT_MAX), x truncated instead, so that the rest stays finite */
-AATTR static inline __m512i amx_round(__m512i u)
-{
-    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i r = _mm512_and_si512(
-            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
-            top);
-    const __m512i inf = _mm512_set1_epi32(0x7f800000), abs = _mm512_set1_epi32(0x7fffffff);
-    const __mmask16 up = _mm512_cmpeq_epi32_mask(_mm512_and_si512(r, abs), inf) &
-                         _mm512_cmpneq_epi32_mask(_mm512_and_si512(u, inf), inf);
-    return _mm512_mask_and_epi32(r, up, u, top);
-}
-
 /* the three pieces of 16 floats, each in its lanes' upper 16 bits (the
- * lower 16 zero), and the lanes holding an infinity or NaN: h = x rounded
- * to bfloat16, m = x - h rounded, l = x - h - m (exact: at most 8
- * significant bits are left), so x = h + m + l exactly, |m| <= 2^-8 |x|,
- * |l| <= 2^-16 |x|, of either sign */
+ * lower 16 zero), and the lanes the pieces cannot carry: an infinity, a
+ * NaN, or a float within half a bfloat16 step of FLT_MAX (|x| >=
+ * 0x7f7f8000's 3.39e38, which rounds to infinity); amx_gemm_f32 computes
+ * their rows and columns by float FMAs.  h = x rounded to bfloat16 (to
+ * nearest, ties away from zero: + half a step, cut), m = x - h rounded
+ * (x - h is exact in float), l = x - h - m (exact: at most 7 significant
+ * bits are left), so x = h + m + l exactly, |m| <= 2^-8 |x|, |l| <= 2^-16
+ * |x|, each of either sign.  (A tie leaves one bit for m and none for l.) */
 AATTR static inline __mmask16 amx_split(__m512 x, __m512i *h, __m512i *m, __m512i *l)
 {
-    const __m512i expo = _mm512_set1_epi32(0x7f800000);
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i half = _mm512_set1_epi32(0x8000);
     const __m512i u = _mm512_castps_si512(x);
-    const __m512i hb = amx_round(u);
+    const __m512i hb = _mm512_and_si512(_mm512_add_epi32(u, half), top);
     const __m512 r1 = _mm512_sub_ps(x, _mm512_castsi512_ps(hb));
-    const __m512i mb = amx_round(_mm512_castps_si512(r1));
+    const __m512i mb = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(r1), half), top);
     const __m512 r2 = _mm512_sub_ps(r1, _mm512_castsi512_ps(mb));
     *h = hb;
     *m = mb;
-    *l = amx_round(_mm512_castps_si512(r2));
-    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, expo), expo);
+    *l = _mm512_and_si512(_mm512_castps_si512(r2), top);
+    return _mm512_cmpge_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                   _mm512_set1_epi32(0x7f7f8000));
 }
 
 static inline __mmask16 amx_first(int64_t n) /* lanes 0 .. n-1 (n clamped to 0..16) */
