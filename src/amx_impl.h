@@ -13,8 +13,9 @@
  * under 2^-23 of the product together and, the pieces' signs varying, not
  * biased one way.  Every piece product goes into the same float
  * accumulator, in a fixed order per 32 of depth (hl, hh, hm, mm, mh, lh:
- * amx_block), so an element's bits depend on K and its row and column
- * only, never on M, the tiling or the threads.  Against a float64 truth,
+ * amx_block), chains of 128 of depth added in order (amx_run_block), so an
+ * element's bits depend on K and its row and column only, never on M, the
+ * tiling or the threads.  Against a float64 truth,
  * one 16 x 16 tile, K 512, 20 draws (/tmp harness, this order but hh
  * first): mean error 4.8e-8 against 1.05e-7 for a float FMA chain (inputs
  * of both signs); 3.1e-6 against 6.8e-6 with all inputs positive, mean
@@ -33,8 +34,8 @@
  * their tile bits.
  *
  * Blocking: column blocks of AMX_NB, each over the depth in blocks of
- * AMX_KC (C's sums carried between them in C, exact: a float store and
- * load); a block's B pieces (3 x AMX_KC x AMX_NB bfloat16, 768 KiB) stay
+ * AMX_KC, summed on the tiles in chains of AMX_CHAIN added to C in float
+ * (amx_run_block); a block's B pieces (3 x AMX_KC x AMX_NB bfloat16, 768 KiB) stay
  * in L2; rows 32 at a time, whose A pieces (96 KiB) are cut once per depth
  * and column block; each 32 x 32 block of C is four accumulator tiles
  * (tmm0-3), A's two row tiles tmm4-5, B's two column tiles tmm6-7: per 32
@@ -323,48 +324,51 @@ AATTR static void amx_fix_row(int trans_b, int64_t N, int64_t K, const float *a,
     }
 }
 
-/* C's 32 x 32 block at c (cols, mb valid) from the tiles' accumulators:
- * loaded (unless first: zero), the products over kcp, stored */
+/* C's 32 x 32 block at c (cols, mb valid) += the products over kcp, in
+ * chains of AMX_CHAIN of depth: each chain summed on the tiles from zero,
+ * then added to C in float, chain after chain (the first of the product,
+ * first and k0 0, written); as the float kernels' UKR_KB chains: one
+ * running sum over a depth of 1024 had 1.15x the float kernels' RMS error
+ * at B 4, S 1024, E 1024 (benchmarks/accuracy.py: 7.2e-9 against 6.3e-9,
+ * the largest 6.6e-8 against torch's 6.4e-8) */
+#define AMX_CHAIN 128
 AATTR static void amx_run_block(int first, int64_t mb, int64_t cols, float *c, int64_t ldc,
                                 float *cb, int64_t kcp, const uint16_t *const pa[3],
                                 const uint32_t *const pb[3])
 {
     const int two = mb > 16; /* the second row of tiles (2, 3) in use */
-    const int full = mb == (two ? 32 : 16) && cols == 32;
-    float *cc = full ? c : cb; /* the block, or its copy (32 wide) */
-    const int64_t ld = full ? ldc : 32;
-    int64_t i;
-    if (!full && !first) {
-        memset(cb, 0, 32 * 32 * 4);
-        for (i = 0; i < mb; i++) memcpy(cb + i * 32, c + i * ldc, (size_t)cols * 4);
-    }
-    if (first) {
+    const __mmask16 lo = amx_first(cols), hi = amx_first(cols - 16);
+    int64_t k0, i;
+    for (k0 = 0; k0 < kcp; k0 += AMX_CHAIN) {
+        const int64_t ch = kcp - k0 < AMX_CHAIN ? kcp - k0 : AMX_CHAIN;
+        const uint16_t *a[3] = {pa[0] + k0, pa[1] + k0, pa[2] + k0};
+        const uint32_t *b[3] = {pb[0] + k0 / 2 * 32, pb[1] + k0 / 2 * 32, pb[2] + k0 / 2 * 32};
         _tile_zero(0);
         _tile_zero(1);
         if (two) {
             _tile_zero(2);
             _tile_zero(3);
+            amx_block(ch, a, kcp * 2, b);
+        } else {
+            amx_block16(ch, a, kcp * 2, b);
         }
-    } else {
-        _tile_loadd(0, cc, ld * 4);
-        _tile_loadd(1, cc + 16, ld * 4);
+        _tile_stored(0, cb, 128);
+        _tile_stored(1, cb + 16, 128);
         if (two) {
-            _tile_loadd(2, cc + 16 * ld, ld * 4);
-            _tile_loadd(3, cc + 16 * ld + 16, ld * 4);
+            _tile_stored(2, cb + 16 * 32, 128);
+            _tile_stored(3, cb + 16 * 32 + 16, 128);
+        }
+        for (i = 0; i < mb; i++) {
+            float *ci = c + i * ldc;
+            __m512 x0 = _mm512_loadu_ps(cb + i * 32), x1 = _mm512_loadu_ps(cb + i * 32 + 16);
+            if (!first || k0 > 0) {
+                x0 = _mm512_add_ps(_mm512_maskz_loadu_ps(lo, ci), x0);
+                x1 = _mm512_add_ps(_mm512_maskz_loadu_ps(hi, ci + 16), x1);
+            }
+            _mm512_mask_storeu_ps(ci, lo, x0);
+            _mm512_mask_storeu_ps(ci + 16, hi, x1);
         }
     }
-    if (two)
-        amx_block(kcp, pa, kcp * 2, pb);
-    else
-        amx_block16(kcp, pa, kcp * 2, pb);
-    _tile_stored(0, cc, ld * 4);
-    _tile_stored(1, cc + 16, ld * 4);
-    if (two) {
-        _tile_stored(2, cc + 16 * ld, ld * 4);
-        _tile_stored(3, cc + 16 * ld + 16, ld * 4);
-    }
-    if (!full)
-        for (i = 0; i < mb; i++) memcpy(c + i * ldc, cb + i * 32, (size_t)cols * 4);
 }
 
 /* kernels.h's amx_gemm for float: C (M, N) = A·op(B) (+ bias), element
