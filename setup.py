@@ -65,7 +65,7 @@ class build_ext_checked(build_ext):
             with open(probe, "w") as f:
                 f.write(AMX_PROBE)
             try:
-                if os.environ.get("MHA_EXT_NO_AMX"):
+                if os.environ.get("MHA_EXT_NO_AMX", "0") not in ("", "0"):
                     raise RuntimeError("MHA_EXT_NO_AMX")
                 self.compiler.compile([probe], output_dir=tmp)
             except Exception:

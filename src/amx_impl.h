@@ -3,7 +3,8 @@
  * where the CPU has AMX-BF16 and Linux lets the process use the tiles.
  *
  * The tiles multiply bfloat16 (8 significant bits) and add in float.  A
- * float x is cut into three bfloat16 pieces x = h + m + l, exactly: h is x
+ * float x is cut into three bfloat16 pieces x = h + m + l, exactly (for
+ * |x| >= 2^-110; below, see the subnormals further down): h is x
  * rounded to bfloat16 (to nearest), m is x - h rounded (x - h is exact in
  * float), l what is left (7 significant bits at most, so exact), |m| <=
  * 2^-8 |x|, |l| <= 2^-16 |x|, each of either sign (amx_split).  The
@@ -94,13 +95,18 @@ AATTR static inline __mmask16 amx_split(__m512 x, __m512i *h, __m512i *m, __m512
                                    _mm512_set1_epi32(0x7f7f8000));
 }
 
+/* the smallest float amx_split cannot carry (0x7f7f8000: it rounds to
+ * infinity); infinities and NaNs fail `fabsf(x) < AMX_UNCUT` too */
+#define AMX_UNCUT 0x1.ff0000p+127f
+
 static inline __mmask16 amx_first(int64_t n) /* lanes 0 .. n-1 (n clamped to 0..16) */
 {
     return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
 }
 
 /* One row of A's pieces: a (kc floats, contiguous) into ah, am, al (kcp
- * bfloat16 each, zero past kc); 1 when a holds an infinity or NaN */
+ * bfloat16 each, zero past kc); 1 when a holds a float amx_split cannot
+ * carry (an infinity, a NaN, |x| >= AMX_UNCUT) */
 AATTR static int amx_cut_row(const float *a, int64_t kc, int64_t kcp, uint16_t *ah, uint16_t *am,
                              uint16_t *al)
 {
@@ -127,7 +133,7 @@ AATTR static int amx_cut_row(const float *a, int64_t kc, int64_t kcp, uint16_t *
  * src[k*lds + c], `cols` valid columns, kc rows): bp[p][k2*32 + c] holds
  * the pair (2·k2, 2·k2 + 1) of column c as the tiles read it (bfloat16
  * for k even in the low half), zero past kc and past cols.  Returns the
- * columns (bit c) holding an infinity or NaN. */
+ * columns (bit c) holding a float amx_split cannot carry. */
 AATTR static uint32_t amx_cut_cols(const float *src, int64_t lds, int64_t kc, int64_t kcp,
                                    int64_t cols, uint32_t *bh, uint32_t *bm, uint32_t *bl)
 {
@@ -158,7 +164,7 @@ AATTR static uint32_t amx_cut_cols(const float *src, int64_t lds, int64_t kc, in
  * w[c*ldb + k], `cols` of them): 16 columns by 16 of depth through the
  * registers (transpose16_f32), each pair of depth rows then cut as
  * amx_cut_cols does; no depth-major copy in memory.  Returns the columns
- * (bit c) holding an infinity or NaN. */
+ * (bit c) holding a float amx_split cannot carry. */
 AATTR static uint32_t amx_cut_rows(const float *w, int64_t ldb, int64_t kc, int64_t kcp,
                                    int64_t cols, uint32_t *bh, uint32_t *bm, uint32_t *bl)
 {
@@ -458,9 +464,9 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
                                                       trans_b ? 1 : ldb, K, bias ? bias + j : NULL);
     }
     _tile_release();
-    if (bad) /* the rows of A holding one, by float FMAs */
+    if (bad) /* the rows of A holding one (amx_split's test), by float FMAs */
         for (q = 0; q < M; q++) {
-            for (k = 0; k < K && isfinite(A[q * a_rs + k * a_cs]); k++) {}
+            for (k = 0; k < K && fabsf(A[q * a_rs + k * a_cs]) < AMX_UNCUT; k++) {}
             if (k < K) amx_fix_row(trans_b, N, K, A + q * a_rs, a_cs, B, ldb, bias, C + q * ldc);
         }
     return 0;

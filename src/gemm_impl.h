@@ -392,8 +392,8 @@ void SUF(mha_tile_gemm)(const KT *kt, const mha_product *pr, const mha_tile *tl,
 {
     const T *A = (const T *)pr->A, *B = (const T *)pr->B, *bias = (const T *)pr->bias;
     const int nt = pr->kind == MHA_NT;
-    /* on the AMX tiles where the table has them (float; 1: B holds an
-     * infinity or NaN, the float kernels below then) */
+    /* on the AMX tiles where the table has them (float; 1: too little
+     * scratch, the float kernels below then) */
     if (kt->amx_gemm && pr->K > 0 && !(nt && small)) {
         const int tn = pr->kind == MHA_TN;
         if (kt->amx_gemm(nt, tl->m, tl->n, pr->K, tn ? A + tl->i0 : A + tl->i0 * pr->lda,

@@ -172,9 +172,9 @@ int64_t mha_gemm_nc(size_t scalar);
                      MHA_GEMM_SCRATCH_NC * (int64_t)sizeof(T) < MHA_AMX_SCRATCH            \
              ? MHA_AMX_SCRATCH / (int64_t)sizeof(T)                                        \
              : MHA_GEMM_SCRATCH_NC)
-/* 1 when this CPU, kernel and build can run the AMX products (isa.c's
- * "amx"), whichever ISA is in use: the float scratch is then sized for
- * them (fixed at first use) */
+/* 1 when this CPU, kernel and build have the AMX products (isa.c's "amx";
+ * CPUID and XCR0 only, no arch_prctl), whichever ISA is in use: the float
+ * scratch is then sized for them (fixed at first use) */
 int mha_amx_available(void);
 #define MHA_GEMM_MR_MAX 8    /* rows of a packed panel of Aᵀ at most (kernels.h's mr) */
 #define MHA_GEMM_AT_PANELS 8 /* panels of Aᵀ packed at once (gemm_impl.h) */

@@ -29,27 +29,35 @@ static const char *const g_names[MHA_ISA_COUNT] = {"portable", "avx2", "avx512",
 static atomic_int g_isa = -1; /* -1: not decided yet */
 static atomic_int g_amx = -1; /* -1: not asked yet */
 
-/* 1 when this process may use the AMX tiles with bfloat16 products */
+/* 1 when the CPU reports AMX-TILE and AMX-BF16 and the kernel enables the
+ * tile state (XCR0 bits 17 and 18); asks nothing of the kernel */
+static int amx_cpuid(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+    unsigned a, b, c, d, lo, hi;
+    if (__get_cpuid_max(0, 0) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    /* EDX 22: AMX-BF16, 24: AMX-TILE; ECX 27: OSXSAVE (leaf 1) */
+    if (!(d >> 22 & 1) || !(d >> 24 & 1) || !__get_cpuid(1, &a, &b, &c, &d) || !(c >> 27 & 1))
+        return 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (lo >> 17 & 3) == 3;
+#else
+    return 0;
+#endif
+}
+
+/* 1 when this process may use the AMX tiles with bfloat16 products: the
+ * CPU's and kernel's, and the process's leave for XTILEDATA, asked once
+ * (arch_prctl ARCH_REQ_XCOMP_PERM; Linux 5.16) */
 static int amx_usable(void)
 {
     int v = atomic_load(&g_amx);
     if (v >= 0) return v;
-    v = 0;
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-    {
-        unsigned a, b, c, d, lo, hi;
-        if (__get_cpuid_max(0, 0) >= 7) {
-            __cpuid_count(7, 0, a, b, c, d);
-            /* EDX 22: AMX-BF16, 24: AMX-TILE; ECX 27: OSXSAVE (leaf 1) */
-            if ((d >> 22 & 1) && (d >> 24 & 1) && __get_cpuid(1, &a, &b, &c, &d) &&
-                (c >> 27 & 1)) {
-                __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-                /* XTILECFG (17) and XTILEDATA (18) enabled by the kernel, then
-                 * the process's leave for XTILEDATA (ARCH_REQ_XCOMP_PERM) */
-                if ((lo >> 17 & 3) == 3 && syscall(SYS_arch_prctl, 0x1023, 18) == 0) v = 1;
-            }
-        }
-    }
+    v = amx_cpuid() && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    v = 0;
 #endif
     {
         int expected = -1;
@@ -105,10 +113,12 @@ static int current(void)
 
 int mha_amx_available(void)
 {
+    /* the CPU and the build only: sizing the scratch asks no leave of the
+     * kernel (that comes with the first use of "amx") */
     static atomic_int avail = -1;
     int v = atomic_load_explicit(&avail, memory_order_relaxed);
     if (v < 0) {
-        v = cpu_has(MHA_ISA_AMX);
+        v = mha_kern_amx_f32_p != NULL && amx_cpuid();
         atomic_store(&avail, v);
     }
     return v;

@@ -74,7 +74,7 @@ typedef void (*mha_ukr_f64)(int64_t kc, const double *A, int64_t lda, int64_t ak
 /* amx_gemm's signature (amx_impl.h): C (M, N) = A·op(B) (+ bias), element
  * (i, k) of A at A[i*a_rs + k*a_cs], op(B)(k, j) at B[j*ldb + k]
  * (trans_b) or B[k*ldb + j]; 0 when done, 1 when the caller's kernels must
- * (a B holding an infinity or NaN, or too little scratch) */
+ * (too little scratch, or an empty product) */
 typedef int (*mha_amx_gemm)(int trans_b, int64_t M, int64_t N, int64_t K, const void *A,
                             int64_t a_rs, int64_t a_cs, const void *B, int64_t ldb,
                             const void *bias, void *C, int64_t ldc, void *scratch,

@@ -7,7 +7,8 @@ against a float64 truth on ragged shapes (sizes that are not multiples of
 the tiles' 16 rows, 16 columns or 32 of depth), that an infinity or NaN in a
 row of the input reaches the output as it does in torch (the row is then
 computed by float FMAs) without touching the other rows' bits, and that one
-in the weights falls back to the float kernels.  Skipped where the CPU or
+in the weights sends its column to float FMAs, the other columns keeping
+their tile bits at any thread count.  Skipped where the CPU or
 the kernel has no AMX (an AMD EPYC, a Linux before 5.16).  No timing.
 """
 import os
@@ -169,7 +170,8 @@ def test_amx_training_matches_torch(amx):
     np.testing.assert_allclose(dx, t.grad.numpy(), **tol)
 
 
-def test_amx_infinite_row_keeps_torchs_infinities(amx):
+@pytest.mark.parametrize("big", [3e38, 3.4e38])  # 3.4e38 rounds to inf in bfloat16
+def test_amx_infinite_row_keeps_torchs_infinities(amx, big):
     # an overflow in V's column 5 (3e38 x 10) puts +inf in that column of
     # every context row, so the output projection's rows each hold one
     # infinity: torch gives +-inf there (inf times a nonzero weight), and so
@@ -185,7 +187,7 @@ def test_amx_infinite_row_keeps_torchs_infinities(amx):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1, S, E)).astype(np.float32)
     xv = rng.standard_normal((1, S, E)).astype(np.float32)
-    xv[0, 2, 17] = 3e38
+    xv[0, 2, 17] = big
     out = m(x, x, xv, need_weights=False)[0]
     with torch.inference_mode():
         ref = tm(*(torch.from_numpy(a) for a in (x, x, xv)), need_weights=False)[0].numpy()
