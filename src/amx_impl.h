@@ -13,12 +13,16 @@
  * are summed, the three of order 2^-24 and below (ml, lm, ll) dropped:
  * under 2^-23 of the product together and, the pieces' signs varying, not
  * biased one way.  Every piece product goes into the same float
- * accumulator, in a fixed order per 32 of depth (hl, hh, hm, mm, mh, lh:
+ * accumulator, in a fixed order per 32 of depth (lh, mh, mm, hm, hh, hl:
  * amx_block), chains of 128 of depth added in order (amx_run_block), so an
  * element's bits depend on K and its row and column only, never on M, the
- * tiling or the threads.  Against a float64 truth,
- * one 16 x 16 tile, K 512, 20 draws (/tmp harness, this order but hh
- * first): mean error 4.8e-8 against 1.05e-7 for a float FMA chain (inputs
+ * tiling or the threads.  The order makes a product by a power of two
+ * exact, as a float FMA's: times 1 (pieces 1, 0, 0) the sum is (m + h) + l
+ * or (l + m) + h, each step exact (h + m and m + l fit in 16 bits), so a
+ * query that sees a single key gets its value bit for bit (hl first, as
+ * this was, rounded l + h: tests/test_sdpa.py's window (0, 0)).  Against
+ * a float64 truth, one 16 x 16 tile, K 512, 20 draws (/tmp harness, an
+ * earlier order, hh first): mean error 4.8e-8 against 1.05e-7 for a float FMA chain (inputs
  * of both signs); 3.1e-6 against 6.8e-6 with all inputs positive, mean
  * relative bias 1.4e-9 (3.9e-8 toward zero when the pieces were cut by
  * truncation, all of x's sign).  The tiles sum each instruction's 32
@@ -102,6 +106,21 @@ AATTR static inline __mmask16 amx_split(__m512 x, __m512i *h, __m512i *m, __m512
 static inline __mmask16 amx_first(int64_t n) /* lanes 0 .. n-1 (n clamped to 0..16) */
 {
     return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+}
+
+/* 1 when the rows x cols floats at x (rows ld apart) hold one amx_split
+ * cannot carry (an infinity, a NaN, |x| >= AMX_UNCUT) */
+AATTR static int amx_uncut_any(const float *x, int64_t rows, int64_t cols, int64_t ld)
+{
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff), lim = _mm512_set1_epi32(0x7f7f8000);
+    __mmask16 bad = 0;
+    int64_t r, k;
+    for (r = 0; r < rows; r++)
+        for (k = 0; k < cols; k += 16) {
+            const __m512i u = _mm512_maskz_loadu_epi32(amx_first(cols - k), x + r * ld + k);
+            bad |= _mm512_cmpge_epu32_mask(_mm512_and_si512(u, absm), lim);
+        }
+    return bad != 0;
 }
 
 /* One row of A's pieces: a (kc floats, contiguous) into ah, am, al (kcp
@@ -195,7 +214,7 @@ AATTR static uint32_t amx_cut_rows(const float *w, int64_t ldb, int64_t kc, int6
 
 /* C's 32 x 32 block (tiles 0-3) += the pieces' products over kcp: A's
  * pieces a[p] rows of lda_b bytes, B's b[p] (kcp/2 rows of 32 pairs).
- * Per 32 of depth the products in the order hl, hh, hm, mm, mh, lh (a
+ * Per 32 of depth the products in the order lh, mh, mm, hm, hh, hl (a
  * piece of A, then of B), 14 tile loads: from one product to the next
  * only A's two tiles (tmm4-5) or B's two (tmm6-7) change, and each tile is
  * loaded as soon as its last product has been issued, so that the load
@@ -220,31 +239,31 @@ AATTR static void amx_block(int64_t kcp, const uint16_t *const a[3], int64_t lda
     for (k = 0; k < kcp; k += 32) {
         const uint16_t *ah = a[0] + k, *am = a[1] + k, *al = a[2] + k;
         const uint32_t *bh = b[0] + k / 2 * 32, *bm = b[1] + k / 2 * 32, *bl = b[2] + k / 2 * 32;
+        _tile_loadd(4, al, lda_b);
+        _tile_loadd(6, bh, 128);
+        _tile_loadd(5, al + r16, lda_b);
+        _tile_loadd(7, bh + 16, 128);
+        AMX_DP_AFIRST; /* lh */
+        _tile_loadd(4, am, lda_b);
+        AMX_DP_ALAST;
+        _tile_loadd(5, am + r16, lda_b);
+        AMX_DP_BFIRST; /* mh */
+        _tile_loadd(6, bm, 128);
+        AMX_DP_BLAST;
+        _tile_loadd(7, bm + 16, 128);
+        AMX_DP_AFIRST; /* mm */
         _tile_loadd(4, ah, lda_b);
-        _tile_loadd(6, bl, 128);
+        AMX_DP_ALAST;
         _tile_loadd(5, ah + r16, lda_b);
-        _tile_loadd(7, bl + 16, 128);
-        AMX_DP_BFIRST; /* hl */
+        AMX_DP_BFIRST; /* hm */
         _tile_loadd(6, bh, 128);
         AMX_DP_BLAST;
         _tile_loadd(7, bh + 16, 128);
         AMX_DP_BFIRST; /* hh */
-        _tile_loadd(6, bm, 128);
+        _tile_loadd(6, bl, 128);
         AMX_DP_BLAST;
-        _tile_loadd(7, bm + 16, 128);
-        AMX_DP_AFIRST; /* hm */
-        _tile_loadd(4, am, lda_b);
-        AMX_DP_ALAST;
-        _tile_loadd(5, am + r16, lda_b);
-        AMX_DP_BFIRST; /* mm */
-        _tile_loadd(6, bh, 128);
-        AMX_DP_BLAST;
-        _tile_loadd(7, bh + 16, 128);
-        AMX_DP_AFIRST; /* mh */
-        _tile_loadd(4, al, lda_b);
-        AMX_DP_ALAST;
-        _tile_loadd(5, al + r16, lda_b);
-        AMX_DP_AFIRST; /* lh */
+        _tile_loadd(7, bl + 16, 128);
+        AMX_DP_AFIRST; /* hl */
         AMX_DP_ALAST;
     }
 }
@@ -262,28 +281,28 @@ AATTR static void amx_block16(int64_t kcp, const uint16_t *const a[3], int64_t l
     int64_t k;
     for (k = 0; k < kcp; k += 32) {
         const uint32_t *bh = b[0] + k / 2 * 32, *bm = b[1] + k / 2 * 32, *bl = b[2] + k / 2 * 32;
+        _tile_loadd(4, a[2] + k, lda_b);
+        _tile_loadd(6, bh, 128);
+        _tile_loadd(7, bh + 16, 128);
+        _tile_dpbf16ps(0, 4, 6); /* lh */
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(4, a[1] + k, lda_b);
+        _tile_dpbf16ps(0, 4, 6); /* mh */
+        _tile_loadd(6, bm, 128);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(7, bm + 16, 128);
+        _tile_dpbf16ps(0, 4, 6); /* mm */
+        _tile_dpbf16ps(1, 4, 7);
         _tile_loadd(4, a[0] + k, lda_b);
-        _tile_loadd(6, bl, 128);
-        _tile_loadd(7, bl + 16, 128);
-        _tile_dpbf16ps(0, 4, 6); /* hl */
+        _tile_dpbf16ps(0, 4, 6); /* hm */
         _tile_loadd(6, bh, 128);
         _tile_dpbf16ps(1, 4, 7);
         _tile_loadd(7, bh + 16, 128);
         _tile_dpbf16ps(0, 4, 6); /* hh */
-        _tile_loadd(6, bm, 128);
+        _tile_loadd(6, bl, 128);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(7, bm + 16, 128);
-        _tile_dpbf16ps(0, 4, 6); /* hm */
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(4, a[1] + k, lda_b);
-        _tile_dpbf16ps(0, 4, 6); /* mm */
-        _tile_loadd(6, bh, 128);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(7, bh + 16, 128);
-        _tile_dpbf16ps(0, 4, 6); /* mh */
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(4, a[2] + k, lda_b);
-        _tile_dpbf16ps(0, 4, 6); /* lh */
+        _tile_loadd(7, bl + 16, 128);
+        _tile_dpbf16ps(0, 4, 6); /* hl */
         _tile_dpbf16ps(1, 4, 7);
     }
 }
@@ -358,6 +377,17 @@ AATTR static void amx_run_block(int first, int64_t mb, int64_t cols, float *c, i
         } else {
             amx_block16(ch, a, kcp * 2, b);
         }
+        if (first && k0 == 0 && cols == 32 && (mb == 16 || mb == 32)) {
+            /* C's block written whole by this chain: the tiles straight
+             * into C (the same floats, no copy through cb) */
+            _tile_stored(0, c, ldc * 4);
+            _tile_stored(1, c + 16, ldc * 4);
+            if (two) {
+                _tile_stored(2, c + 16 * ldc, ldc * 4);
+                _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+            }
+            continue;
+        }
         _tile_stored(0, cb, 128);
         _tile_stored(1, cb + 16, 128);
         if (two) {
@@ -379,16 +409,20 @@ AATTR static void amx_run_block(int first, int64_t mb, int64_t cols, float *c, i
 
 /* kernels.h's amx_gemm for float: C (M, N) = A·op(B) (+ bias), element
  * (i, k) of A at A[i*a_rs + k*a_cs] (a_cs 1, or a_rs 1: a transposed A),
- * op(B)(k, j) at B[j*ldb + k] (trans_b) or B[k*ldb + j]; C written, not
- * added to.  0 when done; 1 (C untouched) when the scratch is too small.
+ * op(B)(k, j) at B[j*ldb + k] (trans_b) or B[k*ldb + j]; C written, or
+ * with accumulate added to (the first chain added to C as the later
+ * ones are).  0 when done; 1 (C untouched) when the scratch is too
+ * small, or with accumulate when A or B holds a float amx_split cannot
+ * carry (the float kernels then take the whole product: recomputing its
+ * rows and columns by FMAs needs C as it was).
  * Blocks of AMX_NB columns, each over the depth in blocks of AMX_KC: B's
  * pieces cut for the block, then for each 32 rows A's, then the 32 x 32
  * blocks of C.  The columns of B and the rows of A holding an infinity or
  * NaN are then computed again by float FMAs (amx_fix_elem, amx_fix_row). */
 AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, const void *Av,
                               int64_t a_rs, int64_t a_cs, const void *Bv, int64_t ldb,
-                              const void *biasv, void *Cv, int64_t ldc, void *scratch,
-                              size_t scratch_bytes)
+                              const void *biasv, void *Cv, int64_t ldc, int accumulate,
+                              void *scratch, size_t scratch_bytes)
 {
     const float *A = (const float *)Av, *B = (const float *)Bv, *bias = (const float *)biasv;
     float *C = (float *)Cv;
@@ -401,6 +435,13 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
     int64_t pc, jb, ib, g, i, r, q, k, j;
     int bad = 0; /* a row of A holds an infinity or NaN */
     if (M <= 0 || N <= 0 || K <= 0 || scratch_bytes < (size_t)MHA_AMX_SCRATCH) return 1;
+    /* C += ...: a row or column the FMAs would compute again needs C as
+     * it was, so a product holding an infinity or NaN goes to the float
+     * kernels whole */
+    if (accumulate && (amx_uncut_any(A, a_cs == 1 ? M : K, a_cs == 1 ? K : M,
+                                     a_cs == 1 ? a_rs : a_cs) ||
+                       amx_uncut_any(B, trans_b ? N : K, trans_b ? K : N, ldb)))
+        return 1;
     _tile_loadconfig(&g_amx_cfg);
     for (jb = 0; jb < N; jb += AMX_NB) {
         const int64_t nb = N - jb < AMX_NB ? N - jb : AMX_NB, ng = (nb + 31) / 32;
@@ -439,7 +480,7 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
                     const uint32_t *pb[3] = {bp + g * kcp * 16, bp + g * kcp * 16 + piece,
                                              bp + g * kcp * 16 + 2 * piece};
                     float *c = C + ib * ldc + c0;
-                    amx_run_block(first, mb, cols, c, ldc, cb, kcp, pa, pb);
+                    amx_run_block(first && !accumulate, mb, cols, c, ldc, cb, kcp, pa, pb);
                     if (last && bias) /* the bias last, as the float kernels add it */
                         for (i = 0; i < mb; i++) {
                             const __mmask16 lo = amx_first(cols), hi = amx_first(cols - 16);
@@ -468,6 +509,84 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
         for (q = 0; q < M; q++) {
             for (k = 0; k < K && fabsf(A[q * a_rs + k * a_cs]) < AMX_UNCUT; k++) {}
             if (k < K) amx_fix_row(trans_b, N, K, A + q * a_rs, a_cs, B, ldb, bias, C + q * ldc);
+        }
+    return 0;
+}
+
+/* kernels.h's amx_cut for float: B (K, N) depth-major, cut into the
+ * tiles' pieces for every product that reads it (the backward's K and V
+ * of a head, read by each block of its queries): column group g of 32 at
+ * dst + g*MHA_AMX_GROUP(K), its three pieces MHA_AMX_GROUP(K)/3 apart,
+ * each as amx_gemm_f32 cuts a group (amx_cut_cols), zero past K and past
+ * N.  1 when B holds a float amx_split cannot carry. */
+AATTR static int amx_cut_f32(int64_t K, int64_t N, const void *Bv, int64_t ldb, void *dst)
+{
+    const float *B = (const float *)Bv;
+    const int64_t kp = (K + 31) / 32 * 32, gsz = MHA_AMX_GROUP(K), psz = gsz / 3;
+    uint32_t bad = 0;
+    int64_t g;
+    for (g = 0; g < (N + 31) / 32; g++) {
+        uint32_t *d = (uint32_t *)dst + g * gsz;
+        bad |= amx_cut_cols(B + 32 * g, ldb, K, kp, N - 32 * g < 32 ? N - 32 * g : 32, d,
+                            d + psz, d + 2 * psz);
+    }
+    return bad != 0;
+}
+
+/* kernels.h's amx_gemm_cut for float: C (M, N) (+)= A·B with B's pieces
+ * cut before (amx_cut_f32), the same chains in the same order as
+ * amx_gemm_f32 (depth blocks of AMX_KC, each added to C chain by chain),
+ * so the same bits.  A's rows 32 at a time, each depth block of them cut
+ * once for all the columns; its rows holding a float amx_split cannot
+ * carry are computed again by float FMAs (amx_fix_row), or with
+ * accumulate (C as it was is gone by then) the product is left to the
+ * caller, 1, as amx_gemm_f32 leaves it. */
+AATTR static int amx_gemm_cut_f32(int64_t M, int64_t N, int64_t K, const void *Av, int64_t lda,
+                                  const void *bpv, int64_t gs, int64_t ps, const void *Bv,
+                                  int64_t ldb, void *Cv, int64_t ldc, int accumulate,
+                                  void *scratch, size_t scratch_bytes)
+{
+    const float *A = (const float *)Av, *B = (const float *)Bv;
+    const uint32_t *bp = (const uint32_t *)bpv;
+    float *C = (float *)Cv;
+    uint8_t *s = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    uint16_t *ap = (uint16_t *)s;                /* 3 x 32 x AMX_KC */
+    float *cb = (float *)(ap + 3 * 32 * AMX_KC); /* 32 x 32 */
+    int64_t ib, pc, g, r, q;
+    int bad = 0;
+    if (M <= 0 || N <= 0 || K <= 0 || scratch_bytes < (size_t)MHA_AMX_SCRATCH) return 1;
+    if (accumulate && amx_uncut_any(A, M, K, lda)) return 1;
+    _tile_loadconfig(&g_amx_cfg);
+    for (ib = 0; ib < M; ib += 32) {
+        const int64_t mb = M - ib < 32 ? M - ib : 32;
+        for (pc = 0; pc < K; pc += AMX_KC) {
+            const int64_t kc = K - pc < AMX_KC ? K - pc : AMX_KC, kcp = (kc + 31) / 32 * 32;
+            const uint16_t *pa[3] = {ap, ap + 32 * kcp, ap + 64 * kcp};
+            for (r = 0; r < (mb > 16 ? 32 : 16); r++) {
+                uint16_t *d = ap + r * kcp;
+                if (r >= mb) {
+                    memset(d, 0, (size_t)kcp * 2);
+                    memset(d + 32 * kcp, 0, (size_t)kcp * 2);
+                    memset(d + 64 * kcp, 0, (size_t)kcp * 2);
+                    continue;
+                }
+                bad |= amx_cut_row(A + (ib + r) * lda + pc, kc, kcp, d, d + 32 * kcp,
+                                   d + 64 * kcp);
+            }
+            for (g = 0; g < (N + 31) / 32; g++) {
+                const uint32_t *b0 = bp + g * gs + pc / 2 * 32;
+                const uint32_t *pb[3] = {b0, b0 + ps, b0 + 2 * ps};
+                amx_run_block(pc == 0 && !accumulate, mb, N - 32 * g < 32 ? N - 32 * g : 32,
+                              C + ib * ldc + 32 * g, ldc, cb, kcp, pa, pb);
+            }
+        }
+    }
+    _tile_release();
+    if (bad)
+        for (q = 0; q < M; q++) {
+            int64_t k;
+            for (k = 0; k < K && fabsf(A[q * lda + k]) < AMX_UNCUT; k++) {}
+            if (k < K) amx_fix_row(0, N, K, A + q * lda, 1, B, ldb, NULL, C + q * ldc);
         }
     return 0;
 }

@@ -15,7 +15,20 @@
  * visible range are never computed, and P·V takes each run of rows only
  * up to its last visible key (skip, av_runs; not when V holds a NaN or
  * inf, which must still reach every row as 0·NaN does in the reference,
- * nor with extra keys). */
+ * nor with extra keys).
+ *
+ * The products take the float kernels (mha_gemm_fma) on every ISA, amx
+ * too: a decode step must give the full call's bits (docs/API.md §3.3),
+ * and on the AMX tiles it would cut the cache's whole K and V into pieces
+ * every step.  Intel Xeon (family 6, model 167), two threads, a prototype
+ * with these products on the tiles (each head's K and V cut once for all
+ * its blocks of 192 queries): B 1, S 4096, E 1024, H 16 330-335 -> 279-282
+ * ms, B 4, S 1024 137 -> 127, BERT the same, but a decode step at B 8 over
+ * 2048 keys, E 1024, H 16 3.8 -> 10.1 ms (4 key/value heads 1.2 -> 2.2).
+ * FMAs cannot give the tiles' bits in a decode step instead: one
+ * tdpbf16ps differs from sequential float FMAs (with or without flushing
+ * subnormals) in 39% of its elements, from the exact sum rounded once in
+ * 42%, pairwise in 45% (/tmp harness, random bfloat16 of both signs). */
 
 #define QB 48        /* queries per block of an attention task (attend_blocks_task runs
                         up to QGRP of them): a multiple of every kernel's MR (6, 6, 4).
@@ -193,7 +206,7 @@ static void SUF(av_runs)(const SUF(att) *at, int64_t nq, int64_t nk, const T *a,
     const int64_t CH = 2 * at->kern->mr, Dv = at->Dv;
     int64_t r0, r1, r;
     if (!at->skip) {
-        SUF(mha_gemm)(at->kern, 0, nq, Dv, nk, a, lda, v, Dv, NULL, c, ldc, accumulate, gs);
+        SUF(mha_gemm_fma)(at->kern, 0, nq, Dv, nk, a, lda, v, Dv, NULL, c, ldc, accumulate, gs);
         SUF(plus_zero)(c, nq, Dv, ldc, accumulate);
         return;
     }
@@ -211,7 +224,7 @@ static void SUF(av_runs)(const SUF(att) *at, int64_t nq, int64_t nk, const T *a,
             r1 = e;
         }
         if (kc > 0)
-            SUF(mha_gemm)(at->kern, 0, r1 - r0, Dv, kc, a + r0 * lda, lda, v, Dv, NULL,
+            SUF(mha_gemm_fma)(at->kern, 0, r1 - r0, Dv, kc, a + r0 * lda, lda, v, Dv, NULL,
                           c + r0 * ldc, ldc, accumulate, gs);
         else if (!accumulate)
             SUF(fill_rows)(c + r0 * ldc, r1 - r0, Dv, ldc, (T)0);
@@ -291,7 +304,7 @@ static void SUF(attend_weights_rows)(const SUF(att) *at, int64_t bh, int64_t i0,
     }
     /* the keys before kbeg: 0 scores, which the window or the layout masks */
     if (kbeg > 0) SUF(fill_rows)(p_bh, nq, kbeg, Sk, (T)0);
-    SUF(mha_gemm)(at->kern, 0, nq, kend - kbeg, Dk, q_bh, Dk, kt_bh + kbeg, at->kld, NULL,
+    SUF(mha_gemm_fma)(at->kern, 0, nq, kend - kbeg, Dk, q_bh, Dk, kt_bh + kbeg, at->kld, NULL,
                   p_bh + kbeg, Sk, 0, gs);
     for (r = 0; r < nq; r++) { /* P = softmax(masked S · scale); ne < 0: every key blocked */
         ne[r] = SUF(softmax_row)(at->kern, &at->rr, at->scale, p_bh + r * Sk, b, h, i0 + r, 0,
@@ -460,11 +473,11 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
                 pn = ns - p < NR ? ns - p : NR;
                 SUF(transpose)(at->kern, at->k_rows + (bkv * Sk + j0 + p) * Dk, pn, Dk, Dk, kb,
                                NR);
-                SUF(mha_gemm)(at->kern, 0, nq, pn, Dk, q_bh, Dk, kb, NR, NULL, s + p, KB, 0,
+                SUF(mha_gemm_fma)(at->kern, 0, nq, pn, Dk, q_bh, Dk, kb, NR, NULL, s + p, KB, 0,
                               gs);
             }
         } else {
-            SUF(mha_gemm)(at->kern, 0, nq, ns, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB,
+            SUF(mha_gemm_fma)(at->kern, 0, nq, ns, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB,
                           0, gs);
         }
         for (r = 0; r < nq; r++) {

@@ -279,6 +279,17 @@ void SUF(mha_gemm)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
                    const T *A, int64_t lda, const T *B, int64_t ldb, const T *bias,
                    T *C, int64_t ldc, int accumulate, T *scratch)
 {
+    if (kt->amx_gemm && K > 0 &&
+        kt->amx_gemm(trans_b, M, N, K, A, lda, 1, B, ldb, bias, C, ldc, accumulate, scratch,
+                     (size_t)MHA_GEMM_SCRATCH * sizeof(T)) == 0)
+        return;
+    SUF(mha_gemm_fma)(kt, trans_b, M, N, K, A, lda, B, ldb, bias, C, ldc, accumulate, scratch);
+}
+
+void SUF(mha_gemm_fma)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
+                       const T *A, int64_t lda, const T *B, int64_t ldb, const T *bias,
+                       T *C, int64_t ldc, int accumulate, T *scratch)
+{
     SUF(gemm_nest)(kt, trans_b, 0, M, N, K, A, lda, 1, B, ldb, bias, C, ldc, accumulate,
                    scratch, 0);
 }
@@ -286,6 +297,10 @@ void SUF(mha_gemm)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t K,
 void SUF(mha_gemm_tn)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A, int64_t lda,
                       const T *B, int64_t ldb, T *C, int64_t ldc, int accumulate, T *scratch)
 {
+    if (kt->amx_gemm && K > 0 &&
+        kt->amx_gemm(0, M, N, K, A, 1, lda, B, ldb, NULL, C, ldc, accumulate, scratch,
+                     (size_t)MHA_GEMM_SCRATCH * sizeof(T)) == 0)
+        return;
     SUF(gemm_nest)(kt, 0, 0, M, N, K, A, 1, lda, B, ldb, NULL, C, ldc, accumulate, scratch,
                    SUF(mha_tn_packs)(kt, lda));
 }
@@ -399,7 +414,7 @@ void SUF(mha_tile_gemm)(const KT *kt, const mha_product *pr, const mha_tile *tl,
         if (kt->amx_gemm(nt, tl->m, tl->n, pr->K, tn ? A + tl->i0 : A + tl->i0 * pr->lda,
                          tn ? 1 : pr->lda, tn ? pr->lda : 1,
                          B + (nt ? tl->n0 * pr->ldb : tl->n0), pr->ldb,
-                         bias ? bias + tl->n0 : NULL, c, ldc, scratch,
+                         bias ? bias + tl->n0 : NULL, c, ldc, 0, scratch,
                          (size_t)MHA_GEMM_SCRATCH * sizeof(T)) == 0)
             return;
     }

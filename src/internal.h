@@ -188,6 +188,17 @@ void mha_gemm_f32(const mha_kern_f32 *kt, int trans_b, int64_t M, int64_t N, int
 void mha_gemm_f64(const mha_kern_f64 *kt, int trans_b, int64_t M, int64_t N, int64_t K,
                   const double *A, int64_t lda, const double *B, int64_t ldb,
                   const double *bias, double *C, int64_t ldc, int accumulate, double *scratch);
+/* mha_gemm on the float kernels, never the AMX tiles (the forward's
+ * attention, attend_impl.h: its bits are a cached decode step's); mha_gemm
+ * and mha_gemm_tn take the tiles where the table has them (amx_gemm, C
+ * written or added to), else these kernels */
+void mha_gemm_fma_f32(const mha_kern_f32 *kt, int trans_b, int64_t M, int64_t N, int64_t K,
+                      const float *A, int64_t lda, const float *B, int64_t ldb,
+                      const float *bias, float *C, int64_t ldc, int accumulate, float *scratch);
+void mha_gemm_fma_f64(const mha_kern_f64 *kt, int trans_b, int64_t M, int64_t N, int64_t K,
+                      const double *A, int64_t lda, const double *B, int64_t ldb,
+                      const double *bias, double *C, int64_t ldc, int accumulate,
+                      double *scratch);
 void mha_gemm_tn_f32(const mha_kern_f32 *kt, int64_t M, int64_t N, int64_t K, const float *A,
                      int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
                      int accumulate, float *scratch);

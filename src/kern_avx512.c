@@ -360,7 +360,8 @@ static const mha_kern_f32 avx512_f32 = {.name = "avx512", AVX512_F32_TABLE};
 #include "amx_impl.h"
 
 /* AVX-512's float table, its products on the AMX tiles (isa.c's "amx") */
-static const mha_kern_f32 amx_f32 = {.name = "amx", AVX512_F32_TABLE, .amx_gemm = amx_gemm_f32};
+static const mha_kern_f32 amx_f32 = {.name = "amx", AVX512_F32_TABLE, .amx_gemm = amx_gemm_f32,
+                                    .amx_cut = amx_cut_f32, .amx_gemm_cut = amx_gemm_cut_f32};
 #define MHA_AMX_TABLE (&amx_f32)
 #else
 #define MHA_AMX_TABLE 0

@@ -71,14 +71,36 @@ typedef void (*mha_ukr_f64)(int64_t kc, const double *A, int64_t lda, int64_t ak
                             const double *Bp, int64_t ldbk, double *C, int64_t ldc, int64_t mr,
                             int64_t nr, int accumulate, const double *bias, const double *pin);
 
-/* amx_gemm's signature (amx_impl.h): C (M, N) = A·op(B) (+ bias), element
- * (i, k) of A at A[i*a_rs + k*a_cs], op(B)(k, j) at B[j*ldb + k]
- * (trans_b) or B[k*ldb + j]; 0 when done, 1 when the caller's kernels must
- * (too little scratch, or an empty product) */
+/* amx_gemm's signature (amx_impl.h): C (M, N) = A·op(B) (+ bias), or
+ * with accumulate C += A·op(B) (+ bias), element (i, k) of A at
+ * A[i*a_rs + k*a_cs], op(B)(k, j) at B[j*ldb + k] (trans_b) or
+ * B[k*ldb + j]; 0 when done, 1 (C untouched) when the caller's kernels
+ * must (too little scratch, an empty product, or with accumulate an
+ * infinity or NaN in A or B) */
 typedef int (*mha_amx_gemm)(int trans_b, int64_t M, int64_t N, int64_t K, const void *A,
                             int64_t a_rs, int64_t a_cs, const void *B, int64_t ldb,
-                            const void *bias, void *C, int64_t ldc, void *scratch,
-                            size_t scratch_bytes);
+                            const void *bias, void *C, int64_t ldc, int accumulate,
+                            void *scratch, size_t scratch_bytes);
+
+/* amx_cut's signature (amx_impl.h): B (K, N), B[k*ldb + j], cut into
+ * the tiles' pieces once for many products: column group g of 32 at
+ * dst + g*MHA_AMX_GROUP(K), uint32; 1 when B holds a float the tiles
+ * cannot carry (an infinity, a NaN: the pieces are then not to be used) */
+typedef int (*mha_amx_cut)(int64_t K, int64_t N, const void *B, int64_t ldb, void *dst);
+/* uint32 of one column group of an amx_cut of depth K: 3 pieces of
+ * K rounded up to 32, halved, times 32 columns */
+#define MHA_AMX_GROUP(K) ((int64_t)48 * (((K) + 31) / 32 * 32))
+/* amx_gemm_cut's (amx_impl.h): C (M, N) = A·B, or with accumulate
+ * C += A·B, A's rows lda apart, B's pieces at bp (an amx_cut's, from a
+ * column group and an even depth on, its groups gs uint32 apart, its
+ * pieces ps apart), B itself at B (B[k*ldb + j]) for the rows of A the
+ * tiles cannot carry; the same bits as amx_gemm's.  0 when done, 1 (C
+ * untouched) when the caller must use mha_gemm (too little scratch, an
+ * empty product, or with accumulate an infinity or NaN in A) */
+typedef int (*mha_amx_gemm_cut)(int64_t M, int64_t N, int64_t K, const void *A, int64_t lda,
+                                const void *bp, int64_t gs, int64_t ps, const void *B,
+                                int64_t ldb, void *C, int64_t ldc, int accumulate,
+                                void *scratch, size_t scratch_bytes);
 
 /* the scratch bytes an amx_gemm needs (amx_impl.h's layout, 64 aligned) */
 #define MHA_AMX_SCRATCH ((int64_t)960 * 1024)
@@ -101,6 +123,8 @@ typedef struct {
     void (*transpose)(int64_t R, int64_t C, const float *x, int64_t ldx, float *y,
                       int64_t ldy);
     mha_amx_gemm amx_gemm;
+    mha_amx_cut amx_cut;           /* with amx_gemm: B cut once for many products */
+    mha_amx_gemm_cut amx_gemm_cut; /* ... and a product from such pieces */
 } mha_kern_f32;
 
 /* the same for double */
@@ -121,6 +145,8 @@ typedef struct {
     void (*transpose)(int64_t R, int64_t C, const double *x, int64_t ldx, double *y,
                       int64_t ldy);
     mha_amx_gemm amx_gemm; /* always NULL: the tiles multiply bfloat16 pieces of floats */
+    mha_amx_cut amx_cut;   /* NULL */
+    mha_amx_gemm_cut amx_gemm_cut; /* NULL */
 } mha_kern_f64;
 
 enum { MHA_ISA_PORTABLE = 0, MHA_ISA_AVX2 = 1, MHA_ISA_AVX512 = 2, MHA_ISA_AMX = 3, MHA_ISA_COUNT };

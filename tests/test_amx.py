@@ -193,3 +193,90 @@ def test_amx_infinite_row_keeps_torchs_infinities(amx, big):
         ref = tm(*(torch.from_numpy(a) for a in (x, x, xv)), need_weights=False)[0].numpy()
     assert np.isinf(ref).all()
     np.testing.assert_array_equal(out, ref)  # the same signed infinities
+
+
+
+def test_amx_attention_products_stay_on_the_float_kernels(amx):
+    # Q·Kᵀ and P·V of the forward take the float kernels on amx too: a
+    # decode step over a cache must give the full call's bits (docs/API.md
+    # §3.3), and on the tiles it would cut the whole cache into pieces at
+    # every step; so the SDPA (no projection) is AVX-512's bit for bit, with
+    # and without weights, many queries and one
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 4, 300, 40)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 250, 40)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 250, 40)).astype(np.float32)
+    for qq in (q, q[:, :, :1]):
+        a = mha_ext.scaled_dot_product_attention(qq, k, v, enable_gqa=True)
+        b = _on("avx512", lambda: mha_ext.scaled_dot_product_attention(qq, k, v,
+                                                                        enable_gqa=True))
+        np.testing.assert_array_equal(a, b)
+
+
+def test_amx_product_by_one_is_exact(amx):
+    # the piece products are summed small before large (lh, mh, mm, hm, hh,
+    # hl), so x times 1 is x whichever side the 1 is on: one-hot value rows
+    # (an embedding lookup's kind) through W_v give W_v's columns plus b_v,
+    # and an identity output projection over a single key passes the
+    # context through, bit for bit, as torch does
+    E, H = 64, 4
+    torch.manual_seed(0)
+    tm = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    with torch.no_grad():
+        tm.in_proj_weight[2 * E:] *= torch.logspace(-20, 20, E).reshape(1, E)
+        tm.out_proj.weight.copy_(torch.eye(E))
+        tm.out_proj.bias.zero_()
+    m = MultiHeadAttention.from_torch(tm).eval()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 5, E)).astype(np.float32)
+    v = np.zeros((3, 1, E), np.float32)
+    v[np.arange(3), 0, rng.integers(0, E, 3)] = 1.0
+    out = m(x, v, v, need_weights=False)[0]
+    with torch.inference_mode():
+        ref = tm(*(torch.from_numpy(a) for a in (x, v, v)), need_weights=False)[0].numpy()
+    col = (tm.in_proj_weight[2 * E:].detach().numpy() @ v[:, 0].T).T \
+        + tm.in_proj_bias[2 * E:].detach().numpy()
+    np.testing.assert_array_equal(ref, np.broadcast_to(col[:, None], ref.shape))
+    np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("Hkv,mask", [(4, False), (2, True)])
+def test_amx_backward_cut_once_matches_each_block_alone(amx, Hkv, mask):
+    # 300 queries: three blocks of the backward's 128, so each head's K and
+    # V are cut into the tiles' pieces once for all of them (bwd_cut_len);
+    # 100 queries: one block, each product cutting its own.  A query's
+    # input gradient depends on its own row alone, so its bits must agree;
+    # and every gradient must be torch's to float32 rounding
+    E, H, Sk = 96, 4, 170
+    m = MultiHeadAttention(E, H, n_kv_heads=Hkv, seed=2)
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, 300, E)).astype(np.float32)
+    kv = rng.standard_normal((2, Sk, E)).astype(np.float32)
+    g = rng.standard_normal((2, 300, E)).astype(np.float32)
+    kpm = rng.random((2, Sk)) < 0.2 if mask else None
+
+    def grads(n):
+        ctx = m.forward_train(q[:, :n], kv, kv, key_padding_mask=kpm, need_weights=False)
+        return m.backward(ctx, g[:, :n])
+
+    full, part = grads(300), grads(100)
+    np.testing.assert_array_equal(full["query"][:, :100], part["query"])
+    # torch in float64 on the same parameters: the truth
+    t = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (q, kv)]
+    w = {k: torch.tensor(v, dtype=torch.float64) for k, v in m.state_dict().items()}
+    Dk = E // H
+
+    def heads(x, n):
+        return x.reshape(2, -1, n, Dk).transpose(1, 2)
+
+    Q = heads(t[0] @ w["W_q.weight"].T + w["W_q.bias"], H)
+    K = heads(t[1] @ w["W_k.weight"].T + w["W_k.bias"], Hkv)
+    V = heads(t[1] @ w["W_v.weight"].T + w["W_v.bias"], Hkv)
+    am = None if kpm is None else ~torch.from_numpy(kpm)[:, None, None, :]
+    C = torch.nn.functional.scaled_dot_product_attention(Q, K, V, attn_mask=am,
+                                                         enable_gqa=True)
+    y = C.transpose(1, 2).reshape(2, 300, E) @ w["W_o.weight"].T + w["W_o.bias"]
+    y.backward(torch.from_numpy(g).double())
+    np.testing.assert_allclose(full["query"], t[0].grad.numpy(), rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(full["key"] + full["value"], t[1].grad.numpy(), rtol=1e-4,
+                               atol=2e-5)
