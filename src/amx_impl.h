@@ -1,5 +1,6 @@
-/* amx_impl.h: the float GEMM on Intel's AMX tiles (kernels.h's amx_gemm),
- * included by kern_avx512.c after its transposes; isa.c's "amx" uses it
+/* amx_impl.h: the float GEMM on Intel's AMX tiles (kernels.h's amx_gemm;
+ * amx_cut and amx_gemm_cut: B cut once for many products, the backward's
+ * K and V), included by kern_avx512.c after its transposes; isa.c's "amx" uses it
  * where the CPU has AMX-BF16 and Linux lets the process use the tiles.
  *
  * The tiles multiply bfloat16 (8 significant bits) and add in float.  A
@@ -19,8 +20,9 @@
  * tiling or the threads.  The order makes a product by a power of two
  * exact, as a float FMA's: times 1 (pieces 1, 0, 0) the sum is (m + h) + l
  * or (l + m) + h, each step exact (h + m and m + l fit in 16 bits), so a
- * query that sees a single key gets its value bit for bit (hl first, as
- * this was, rounded l + h: tests/test_sdpa.py's window (0, 0)).  Against
+ * one-hot row through a projection gives the weights' column bit for bit
+ * (the order before, hl first, rounded l + h: 2 - 2^-9 + 2^-23 came out
+ * 2 - 2^-9; tests/test_amx.py).  Against
  * a float64 truth, one 16 x 16 tile, K 512, 20 draws (/tmp harness, an
  * earlier order, hh first): mean error 4.8e-8 against 1.05e-7 for a float FMA chain (inputs
  * of both signs); 3.1e-6 against 6.8e-6 with all inputs positive, mean
@@ -36,7 +38,8 @@
  * computed again by one float FMA chain per
  * element (amx_fix_elem, amx_fix_row: the same bits either way), so such
  * an element is torch's kind of infinity or NaN, and the others keep
- * their tile bits.
+ * their tile bits; a product added to C (accumulate) holding one is left
+ * whole to the float kernels (recomputing needs C as it was).
  *
  * Blocking: column blocks of AMX_NB, each over the depth in blocks of
  * AMX_KC, summed on the tiles in chains of AMX_CHAIN added to C in float
@@ -349,22 +352,22 @@ AATTR static void amx_fix_row(int trans_b, int64_t N, int64_t K, const float *a,
     }
 }
 
-/* C's 32 x 32 block at c (cols, mb valid) += the products over kcp, in
- * chains of AMX_CHAIN of depth: each chain summed on the tiles from zero,
- * then added to C in float, chain after chain (the first of the product,
- * first and k0 0, written); as the float kernels' UKR_KB chains: one
+/* C's 32 x 32 block at c (cols, mb valid) += the products of the chain
+ * of AMX_CHAIN of depth from k0 (of kcp): each chain summed on the tiles
+ * from zero, then added to C in float, the callers taking the chains in
+ * order (the first of the product, first and k0 0, written); as the float kernels' UKR_KB chains: one
  * running sum over a depth of 1024 had 1.15x the float kernels' RMS error
  * at B 4, S 1024, E 1024 (benchmarks/accuracy.py: 7.2e-9 against 6.3e-9,
  * the largest 6.6e-8 against torch's 6.4e-8) */
 #define AMX_CHAIN 128
 AATTR static void amx_run_block(int first, int64_t mb, int64_t cols, float *c, int64_t ldc,
                                 float *cb, int64_t kcp, const uint16_t *const pa[3],
-                                const uint32_t *const pb[3])
+                                const uint32_t *const pb[3], int64_t k0)
 {
     const int two = mb > 16; /* the second row of tiles (2, 3) in use */
     const __mmask16 lo = amx_first(cols), hi = amx_first(cols - 16);
-    int64_t k0, i;
-    for (k0 = 0; k0 < kcp; k0 += AMX_CHAIN) {
+    int64_t i;
+    {
         const int64_t ch = kcp - k0 < AMX_CHAIN ? kcp - k0 : AMX_CHAIN;
         const uint16_t *a[3] = {pa[0] + k0, pa[1] + k0, pa[2] + k0};
         const uint32_t *b[3] = {pb[0] + k0 / 2 * 32, pb[1] + k0 / 2 * 32, pb[2] + k0 / 2 * 32};
@@ -386,7 +389,7 @@ AATTR static void amx_run_block(int first, int64_t mb, int64_t cols, float *c, i
                 _tile_stored(2, c + 16 * ldc, ldc * 4);
                 _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
             }
-            continue;
+            return;
         }
         _tile_stored(0, cb, 128);
         _tile_stored(1, cb + 16, 128);
@@ -432,7 +435,7 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
     float *at = (float *)(ap + 3 * 32 * AMX_KC);               /* 32 x AMX_KC */
     float *cb = at + 32 * AMX_KC;                              /* 32 x 32 */
     const int64_t piece = (int64_t)AMX_KC / 2 * AMX_NB;
-    int64_t pc, jb, ib, g, i, r, q, k, j;
+    int64_t pc, jb, ib, g, i, r, q, k, j, k0;
     int bad = 0; /* a row of A holds an infinity or NaN */
     if (M <= 0 || N <= 0 || K <= 0 || scratch_bytes < (size_t)MHA_AMX_SCRATCH) return 1;
     /* C += ...: a row or column the FMAs would compute again needs C as
@@ -475,12 +478,20 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
                     bad |= amx_cut_row(a_cs == 1 ? A + (ib + r) * a_rs + pc : at + r * AMX_KC,
                                        kc, kcp, d, d + 32 * kcp, d + 64 * kcp);
                 }
+                /* chain by chain, each over every column group: A's pieces
+                 * of a chain (24 KiB) stay in L1 for all of them (each
+                 * element still takes its chains in order) */
+                for (k0 = 0; k0 < kcp; k0 += AMX_CHAIN)
+                    for (g = 0; g < ng; g++) {
+                        const int64_t c0 = jb + 32 * g, cols = N - c0 < 32 ? N - c0 : 32;
+                        const uint32_t *pb[3] = {bp + g * kcp * 16, bp + g * kcp * 16 + piece,
+                                                 bp + g * kcp * 16 + 2 * piece};
+                        amx_run_block(first && !accumulate, mb, cols, C + ib * ldc + c0, ldc,
+                                      cb, kcp, pa, pb, k0);
+                    }
                 for (g = 0; g < ng; g++) {
                     const int64_t c0 = jb + 32 * g, cols = N - c0 < 32 ? N - c0 : 32;
-                    const uint32_t *pb[3] = {bp + g * kcp * 16, bp + g * kcp * 16 + piece,
-                                             bp + g * kcp * 16 + 2 * piece};
                     float *c = C + ib * ldc + c0;
-                    amx_run_block(first && !accumulate, mb, cols, c, ldc, cb, kcp, pa, pb);
                     if (last && bias) /* the bias last, as the float kernels add it */
                         for (i = 0; i < mb; i++) {
                             const __mmask16 lo = amx_first(cols), hi = amx_first(cols - 16);
@@ -552,7 +563,7 @@ AATTR static int amx_gemm_cut_f32(int64_t M, int64_t N, int64_t K, const void *A
     uint8_t *s = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     uint16_t *ap = (uint16_t *)s;                /* 3 x 32 x AMX_KC */
     float *cb = (float *)(ap + 3 * 32 * AMX_KC); /* 32 x 32 */
-    int64_t ib, pc, g, r, q;
+    int64_t ib, pc, g, r, q, k0;
     int bad = 0;
     if (M <= 0 || N <= 0 || K <= 0 || scratch_bytes < (size_t)MHA_AMX_SCRATCH) return 1;
     if (accumulate && amx_uncut_any(A, M, K, lda)) return 1;
@@ -573,12 +584,13 @@ AATTR static int amx_gemm_cut_f32(int64_t M, int64_t N, int64_t K, const void *A
                 bad |= amx_cut_row(A + (ib + r) * lda + pc, kc, kcp, d, d + 32 * kcp,
                                    d + 64 * kcp);
             }
-            for (g = 0; g < (N + 31) / 32; g++) {
-                const uint32_t *b0 = bp + g * gs + pc / 2 * 32;
-                const uint32_t *pb[3] = {b0, b0 + ps, b0 + 2 * ps};
-                amx_run_block(pc == 0 && !accumulate, mb, N - 32 * g < 32 ? N - 32 * g : 32,
-                              C + ib * ldc + 32 * g, ldc, cb, kcp, pa, pb);
-            }
+            for (k0 = 0; k0 < kcp; k0 += AMX_CHAIN) /* as amx_gemm_f32: A's chain in L1 */
+                for (g = 0; g < (N + 31) / 32; g++) {
+                    const uint32_t *b0 = bp + g * gs + pc / 2 * 32;
+                    const uint32_t *pb[3] = {b0, b0 + ps, b0 + 2 * ps};
+                    amx_run_block(pc == 0 && !accumulate, mb, N - 32 * g < 32 ? N - 32 * g : 32,
+                                  C + ib * ldc + 32 * g, ldc, cb, kcp, pa, pb, k0);
+                }
         }
     }
     _tile_release();

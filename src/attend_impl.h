@@ -399,7 +399,7 @@ static void SUF(attend_mean_task)(void *ctx, int64_t t, int slot)
  * with `grp` (grouped-query attention, few queries: a decode step) task =
  * (b, key/value head h'), its rows the G query heads' Sq queries each
  * (contiguous in qh), so that K and V of h' are read once for the whole
- * group (a row's bits are the same either way: mha_gemm's sums do not
+ * group (a row's bits are the same either way: mha_gemm_fma's sums do not
  * depend on the rows beside it). */
 static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
 {

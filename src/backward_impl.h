@@ -34,11 +34,12 @@
  *      gradients, all tiles of all seven products in one pass. */
 
 /* The attention's products (mha_gemm, mha_gemm_tn) take the AMX tiles on
- * amx: no cached call has to give the backward's bits.  Intel Xeon
- * (family 6, model 167), two threads, builds alternated process by
- * process, a training step at B 8, S 128, E 512: 21.4-21.6 -> 19.9-20.5
- * ms; at B 4, S 1024, E 1024 465-481 -> 475-500 (each product cuts its K
- * or V into pieces again for each block of queries). */
+ * amx: no cached call has to give the backward's bits (bwd_cut_len: K and
+ * V cut once per task, dKᵀ and dVᵀ summed).  Intel Xeon (family 6, model
+ * 167), two threads, builds alternated process by process, a training
+ * step at B 8, S 128, E 512: 19.4-20.2 ms both; at B 4, S 1024, E 1024
+ * 469-477 -> 423-452 ms.  The recomputed P is then not the forward's bit
+ * for bit (its S took the float kernels): the same to float rounding. */
 #define QB 128  /* queries per block inside one (b, h) task */
 #define RM 1024 /* rows per NT / NN product tile: B packed once serves them all, */
 #define RM_S 96  /* unless that leaves under 4 tiles per thread: then 96 x 64 */
@@ -84,7 +85,8 @@ typedef struct {
     T *bsum;              /* NULL, or (3, B, E): Σ over each batch's rows of dQ, dK, dV
                              (the given keys' rows; dK's, dV's (B, Ekv) at B*E, 2*B*E) */
     T *scratch;           /* per slot: P, D (QB, Sk), then dQ_bh's block (QB, Dk),
-                             dK_bh (Sk, Dk) and dV_bh (Sk, Dv) */
+                             dK_bh (Sk, Dk), dV_bh (Sk, Dv), V_bhᵀ, K_bh in the other
+                             layout, and on the tiles bwd_cut_len's */
     T *pack;              /* per slot: MHA_GEMM_SCRATCH scalars for mha_gemm's packing */
     const KT *kern;       /* the kernels of the ISA in use */
     int64_t scratch_len;  /* scalars per slot */
@@ -142,15 +144,15 @@ static void SUF(bwd_cut_sizes)(const SUF(bwd) *f, int64_t n[4])
     n[3] = (f->Dk + 31) / 32 * MHA_AMX_GROUP(f->Sk);
 }
 
-/* scalars of a slot's room for dK_bhᵀ, dV_bhᵀ and the pieces (0: not on
- * the tiles); nonzero on overflow */
+/* scalars of a slot's room for dK_bhᵀ (Dk, Sk), dV_bhᵀ (Dv, Sk) and the
+ * pieces (0: not on the tiles); nonzero on overflow */
 static int SUF(bwd_cut_len)(const SUF(bwd) *f, int64_t *len)
 {
     int64_t n[4], t = 0, i;
     *len = 0;
     if (!f->kern->amx_cut || f->Sk == 0 || f->Dk == 0 || f->Dv == 0) return 0;
     if (f->Sk > ((int64_t)1 << 40) || f->Dk > ((int64_t)1 << 20) || f->Dv > ((int64_t)1 << 20))
-        return 1;
+        return 0; /* past any memory: the float kernels' layout, which checks its own sizes */
     if (f->Sq > QB) {
         SUF(bwd_cut_sizes)(f, n);
         for (i = 0; i < 4; i++)
@@ -162,7 +164,9 @@ static int SUF(bwd_cut_len)(const SUF(bwd) *f, int64_t *len)
 
 /* C (M, N) (+)= A·B: from B's pieces cut for the task (bp + off, groups
  * gsz uint32 apart; bwd_cut_len) on the AMX tiles, else mha_gemm (the
- * same bits either way) */
+ * same bits either way).  The callers pass bp only at a column or depth
+ * offset that is a multiple of 32: the product reads its depth rounded up
+ * to 32, which then stays inside the cut (Sk rounded up to 32) */
 static void SUF(bwd_gemm)(const SUF(bwd) *f, const uint32_t *bp, int64_t gsz, int64_t off,
                           int64_t M, int64_t N, int64_t K, const T *A, int64_t lda, const T *B,
                           int64_t ldb, T *C, int64_t ldc, int accumulate, T *gs)
@@ -291,7 +295,8 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                                   ldq, (hm ? k_bh : kx) + rs, Sk, p + rs, Sk, 0, gs);
                 }
             }
-            for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: the same P */
+            for (r = 0; r < nq && !f->p_saved; r++) /* the forward's row: its P (on amx
+                                                        to float rounding: S on the tiles) */
                 blocked[r] = SUF(softmax_row)(f->kern, &f->rr, f->scale, p + r * Sk + ks, b, h,
                                               i0 + r, ks, n, n) < 0;
             if (n < Sk || runs) /* a NaN row must reach every key, as in the reference */
@@ -332,7 +337,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                 SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
                 if (rs >= ke) break;
                 if (!f->saved)
-                    SUF(bwd_gemm)(f, rs % 2 ? NULL : cc, MHA_AMX_GROUP(Sk), rs / 2 * 32, nq, Dv,
+                    SUF(bwd_gemm)(f, rs % 32 ? NULL : cc, MHA_AMX_GROUP(Sk), rs / 2 * 32, nq, Dv,
                                   re - rs, a_blk + rs, Sk, v_bh + rs * ldv, ldv, c_bh + i0 * E, E,
                                   nr > 0, gs);
                 if (dvt)
@@ -373,7 +378,7 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                 SUF(bwd_run)(f, runs, b, h, i0, nq, rj, ke, &rs, &re);
                 if (rs >= ke) break;
                 if (dq_bh)
-                    SUF(bwd_gemm)(f, rs % 2 ? NULL : cq, MHA_AMX_GROUP(Sk), rs / 2 * 32, nq, Dk,
+                    SUF(bwd_gemm)(f, rs % 32 ? NULL : cq, MHA_AMX_GROUP(Sk), rs / 2 * 32, nq, Dk,
                                   re - rs, d + rs, Sk, hm ? kx + rs * Dk : k_bh + rs * Ekv,
                                   hm ? Dk : Ekv, dqs, Dk, nr > 0, gs);
                 if (dkt)
@@ -440,9 +445,13 @@ static void SUF(drop_extra)(const mha_config *cfg, T *dy, T *dbias, int64_t B, i
         memmove(dy + b * Sk * E, dy + b * Skx * E, (size_t)(Sk * E) * sizeof(T));
 }
 
+/* bytes of a slot's dropout mask: (QB, Sk) */
+static int64_t SUF(bwd_keep_len)(const SUF(bwd) *f) { return QB * f->Sk; }
+
 /* scalars per slot of the attention task's scratch: P, D (QB, Sk), dQ_bh's
  * block (QB, Dk), dK_bh (Sk, Dk) and dV_bh (Sk, Dv), V_bhᵀ (Dv, Sk) and K_bh
- * transposed (Sk, Dk); nonzero on overflow */
+ * transposed (Sk, Dk); on the tiles then bwd_cut_len's; nonzero on
+ * overflow */
 static int SUF(bwd_scratch_len)(SUF(bwd) *f)
 {
     int64_t cut;
@@ -536,7 +545,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
         mha_mul(MHA_GEMM_SCRATCH, slots, &t) || mha_add(n_work, t, &n_work) ||
         mha_bytes(n_work, sizeof(T), &bytes))
         return MHA_ERR_OVERFLOW;
-    f.keep_len = f.dropout_on ? QB * f.Sk : 0;
+    f.keep_len = f.dropout_on ? SUF(bwd_keep_len)(&f) : 0;
     {
         int64_t keep_total;
         if (mha_mul(f.keep_len, slots, &keep_total)) return MHA_ERR_OVERFLOW;

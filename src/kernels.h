@@ -1,7 +1,7 @@
 /* kernels.h: the per-ISA kernel tables (internal).  One table per
  * (instruction set, dtype), but "amx" shares AVX-512's double table and its
- * float one differs from AVX-512's only in amx_gemm (amx_impl.h, included
- * by kern_avx512.c); kern_portable.c, kern_avx2.c and kern_avx512.c
+ * float one differs from AVX-512's only in amx_gemm, amx_cut and
+ * amx_gemm_cut (amx_impl.h, included by kern_avx512.c); kern_portable.c, kern_avx2.c and kern_avx512.c
  * instantiate the one template kern_impl.h (ukr_f32_avx2, exp_sum_f64_portable,
  * ...) and list each instance by name in their tables, and isa.c picks one
  * at run time from the CPU's features (or MHA_EXT_ISA / mha_set_isa).
@@ -76,7 +76,7 @@ typedef void (*mha_ukr_f64)(int64_t kc, const double *A, int64_t lda, int64_t ak
  * A[i*a_rs + k*a_cs], op(B)(k, j) at B[j*ldb + k] (trans_b) or
  * B[k*ldb + j]; 0 when done, 1 (C untouched) when the caller's kernels
  * must (too little scratch, an empty product, or with accumulate an
- * infinity or NaN in A or B) */
+ * infinity, a NaN or a float of |x| >= 3.39e38 in A or B) */
 typedef int (*mha_amx_gemm)(int trans_b, int64_t M, int64_t N, int64_t K, const void *A,
                             int64_t a_rs, int64_t a_cs, const void *B, int64_t ldb,
                             const void *bias, void *C, int64_t ldc, int accumulate,
@@ -92,8 +92,9 @@ typedef int (*mha_amx_cut)(int64_t K, int64_t N, const void *B, int64_t ldb, voi
 #define MHA_AMX_GROUP(K) ((int64_t)48 * (((K) + 31) / 32 * 32))
 /* amx_gemm_cut's (amx_impl.h): C (M, N) = A·B, or with accumulate
  * C += A·B, A's rows lda apart, B's pieces at bp (an amx_cut's, from a
- * column group and an even depth on, its groups gs uint32 apart, its
- * pieces ps apart), B itself at B (B[k*ldb + j]) for the rows of A the
+ * column group or a depth that is a multiple of 32 on: K rounded up to
+ * 32 is read, so past K it reads the cut's own zero rows; its groups gs
+ * uint32 apart, its pieces ps apart), B itself at B (B[k*ldb + j]) for the rows of A the
  * tiles cannot carry; the same bits as amx_gemm's.  0 when done, 1 (C
  * untouched) when the caller must use mha_gemm (too little scratch, an
  * empty product, or with accumulate an infinity or NaN in A) */

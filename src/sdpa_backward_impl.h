@@ -76,7 +76,7 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
         (fa->head_mask && mha_add(n_work, sz.n_out, &n_work)) || /* dout times the head mask */
         mha_bytes(n_work, sizeof(T), &bytes))
         return MHA_ERR_OVERFLOW;
-    f.keep_len = f.dropout_on ? f.scratch_len : 0; /* >= (QB, S) bytes */
+    f.keep_len = f.dropout_on ? SUF(bwd_keep_len)(&f) : 0; /* (QB, S) bytes */
     if (mha_mul(f.keep_len, slots, &keep_total)) return MHA_ERR_OVERFLOW;
     work = (T *)mha_work_alloc(bytes);
     f.keep = (uint8_t *)mha_alloc((size_t)keep_total);

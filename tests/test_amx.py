@@ -222,8 +222,14 @@ def test_amx_product_by_one_is_exact(amx):
     E, H = 64, 4
     torch.manual_seed(0)
     tm = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    # 2 - 2^-9 + 2^-23 is cut into 2, -2^-9 and 2^-23: hl first (the order
+    # before) rounded 2 + 2^-23 to 2 and gave 2 - 2^-9
+    g = torch.Generator().manual_seed(3)
+    sign = torch.randint(0, 2, (E, E), generator=g) * 2 - 1
+    scale = 2.0 ** torch.randint(-20, 21, (E, E), generator=g)
     with torch.no_grad():
-        tm.in_proj_weight[2 * E:] *= torch.logspace(-20, 20, E).reshape(1, E)
+        tm.in_proj_weight[2 * E:] = sign * scale * (2 - 2 ** -9 + 2 ** -23)
+        tm.in_proj_bias.zero_()
         tm.out_proj.weight.copy_(torch.eye(E))
         tm.out_proj.bias.zero_()
     m = MultiHeadAttention.from_torch(tm).eval()
@@ -234,20 +240,26 @@ def test_amx_product_by_one_is_exact(amx):
     out = m(x, v, v, need_weights=False)[0]
     with torch.inference_mode():
         ref = tm(*(torch.from_numpy(a) for a in (x, v, v)), need_weights=False)[0].numpy()
-    col = (tm.in_proj_weight[2 * E:].detach().numpy() @ v[:, 0].T).T \
-        + tm.in_proj_bias[2 * E:].detach().numpy()
+    col = (tm.in_proj_weight[2 * E:].detach().numpy() @ v[:, 0].T).T
     np.testing.assert_array_equal(ref, np.broadcast_to(col[:, None], ref.shape))
     np.testing.assert_array_equal(out, ref)
 
 
-@pytest.mark.parametrize("Hkv,mask", [(4, False), (2, True)])
-def test_amx_backward_cut_once_matches_each_block_alone(amx, Hkv, mask):
+@pytest.mark.parametrize("Hkv,mask,window,save", [(4, False, None, False),
+                                                (2, True, None, True),
+                                                (2, False, (100, None), False)])
+def test_amx_backward_cut_once_matches_each_block_alone(amx, Hkv, mask, window, save):
     # 300 queries: three blocks of the backward's 128, so each head's K and
     # V are cut into the tiles' pieces once for all of them (bwd_cut_len);
     # 100 queries: one block, each product cutting its own.  A query's
     # input gradient depends on its own row alone, so its bits must agree;
-    # and every gradient must be torch's to float32 rounding
-    E, H, Sk = 96, 4, 170
+    # and every gradient must be torch's to float32 rounding.  600 keys:
+    # two depth blocks of the tiles (512); a width of 40; nothing kept
+    # (save_projections=False: S and the context recomputed on the tiles)
+    # or everything; a window whose blocks start between multiples of 32
+    # and run to the last key (those read K and V's pieces only from a
+    # multiple of 32, else cut their own)
+    E, H, Sk = 160, 4, 640
     m = MultiHeadAttention(E, H, n_kv_heads=Hkv, seed=2)
     rng = np.random.default_rng(4)
     q = rng.standard_normal((2, 300, E)).astype(np.float32)
@@ -256,14 +268,16 @@ def test_amx_backward_cut_once_matches_each_block_alone(amx, Hkv, mask):
     kpm = rng.random((2, Sk)) < 0.2 if mask else None
 
     def grads(n):
-        ctx = m.forward_train(q[:, :n], kv, kv, key_padding_mask=kpm, need_weights=False)
+        ctx = m.forward_train(q[:, :n], kv, kv, key_padding_mask=kpm, window=window,
+                              need_weights=False, save_projections=save)
         return m.backward(ctx, g[:, :n])
 
     full, part = grads(300), grads(100)
     np.testing.assert_array_equal(full["query"][:, :100], part["query"])
     # torch in float64 on the same parameters: the truth
     t = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (q, kv)]
-    w = {k: torch.tensor(v, dtype=torch.float64) for k, v in m.state_dict().items()}
+    w = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True)
+         for k, v in m.state_dict().items()}
     Dk = E // H
 
     def heads(x, n):
@@ -272,11 +286,18 @@ def test_amx_backward_cut_once_matches_each_block_alone(amx, Hkv, mask):
     Q = heads(t[0] @ w["W_q.weight"].T + w["W_q.bias"], H)
     K = heads(t[1] @ w["W_k.weight"].T + w["W_k.bias"], Hkv)
     V = heads(t[1] @ w["W_v.weight"].T + w["W_v.bias"], Hkv)
-    am = None if kpm is None else ~torch.from_numpy(kpm)[:, None, None, :]
+    am = torch.ones(2, 1, 300, Sk, dtype=torch.bool)
+    if kpm is not None:
+        am &= ~torch.from_numpy(kpm)[:, None, None, :]
+    if window is not None:
+        i, j = torch.arange(300)[:, None], torch.arange(Sk)[None, :]
+        am &= (j >= i - window[0])
     C = torch.nn.functional.scaled_dot_product_attention(Q, K, V, attn_mask=am,
                                                          enable_gqa=True)
     y = C.transpose(1, 2).reshape(2, 300, E) @ w["W_o.weight"].T + w["W_o.bias"]
     y.backward(torch.from_numpy(g).double())
-    np.testing.assert_allclose(full["query"], t[0].grad.numpy(), rtol=1e-4, atol=2e-5)
-    np.testing.assert_allclose(full["key"] + full["value"], t[1].grad.numpy(), rtol=1e-4,
-                               atol=2e-5)
+    tol = {"rtol": 1e-4, "atol": 2e-5}
+    np.testing.assert_allclose(full["query"], t[0].grad.numpy(), **tol)
+    np.testing.assert_allclose(full["key"] + full["value"], t[1].grad.numpy(), **tol)
+    for name in ("W_q.weight", "W_k.weight", "W_v.weight", "W_o.weight", "W_o.bias"):
+        np.testing.assert_allclose(full[name], w[name].grad.numpy(), err_msg=name, **tol)
