@@ -151,6 +151,28 @@ AATTR static int amx_cut_row(const float *a, int64_t kc, int64_t kcp, uint16_t *
     return bad != 0;
 }
 
+/* A's pieces for a block of mb rows (x + r*ldx, kc floats each) into ap:
+ * three pieces of 32 rows of kcp bfloat16 each (ap, ap + 32*kcp, ap +
+ * 64*kcp), rows past mb zero up to 16 or 32; 1 when a row holds a float
+ * amx_split cannot carry */
+AATTR static int amx_cut_a(const float *x, int64_t ldx, int64_t mb, int64_t kc, int64_t kcp,
+                           uint16_t *ap)
+{
+    int bad = 0;
+    int64_t r;
+    for (r = 0; r < (mb > 16 ? 32 : 16); r++) {
+        uint16_t *d = ap + r * kcp;
+        if (r >= mb) {
+            memset(d, 0, (size_t)kcp * 2);
+            memset(d + 32 * kcp, 0, (size_t)kcp * 2);
+            memset(d + 64 * kcp, 0, (size_t)kcp * 2);
+            continue;
+        }
+        bad |= amx_cut_row(x + r * ldx, kc, kcp, d, d + 32 * kcp, d + 64 * kcp);
+    }
+    return bad;
+}
+
 /* B's pieces for 32 columns from a depth-major float block (src (k, c) at
  * src[k*lds + c], `cols` valid columns, kc rows): bp[p][k2*32 + c] holds
  * the pair (2·k2, 2·k2 + 1) of column c as the tiles read it (bfloat16
@@ -435,7 +457,7 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
     float *at = (float *)(ap + 3 * 32 * AMX_KC);               /* 32 x AMX_KC */
     float *cb = at + 32 * AMX_KC;                              /* 32 x 32 */
     const int64_t piece = (int64_t)AMX_KC / 2 * AMX_NB;
-    int64_t pc, jb, ib, g, i, r, q, k, j, k0;
+    int64_t pc, jb, ib, g, i, q, k, j, k0;
     int bad = 0; /* a row of A holds an infinity or NaN */
     if (M <= 0 || N <= 0 || K <= 0 || scratch_bytes < (size_t)MHA_AMX_SCRATCH) return 1;
     /* C += ...: a row or column the FMAs would compute again needs C as
@@ -467,17 +489,8 @@ AATTR static int amx_gemm_f32(int trans_b, int64_t M, int64_t N, int64_t K, cons
                 /* A's pieces for these rows (zero past M, to 16 or 32) */
                 if (a_cs != 1) /* a transposed A: its rows through at */
                     transpose_f32_avx512(kc, mb, A + ib * a_rs + pc * a_cs, a_cs, at, AMX_KC);
-                for (r = 0; r < (mb > 16 ? 32 : 16); r++) {
-                    uint16_t *d = ap + r * kcp;
-                    if (r >= mb) {
-                        memset(d, 0, (size_t)kcp * 2);
-                        memset(d + 32 * kcp, 0, (size_t)kcp * 2);
-                        memset(d + 64 * kcp, 0, (size_t)kcp * 2);
-                        continue;
-                    }
-                    bad |= amx_cut_row(a_cs == 1 ? A + (ib + r) * a_rs + pc : at + r * AMX_KC,
-                                       kc, kcp, d, d + 32 * kcp, d + 64 * kcp);
-                }
+                bad |= a_cs == 1 ? amx_cut_a(A + ib * a_rs + pc, a_rs, mb, kc, kcp, ap)
+                                 : amx_cut_a(at, AMX_KC, mb, kc, kcp, ap);
                 /* chain by chain, each over every column group: A's pieces
                  * of a chain (24 KiB) stay in L1 for all of them (each
                  * element still takes its chains in order) */
@@ -563,7 +576,7 @@ AATTR static int amx_gemm_cut_f32(int64_t M, int64_t N, int64_t K, const void *A
     uint8_t *s = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     uint16_t *ap = (uint16_t *)s;                /* 3 x 32 x AMX_KC */
     float *cb = (float *)(ap + 3 * 32 * AMX_KC); /* 32 x 32 */
-    int64_t ib, pc, g, r, q, k0;
+    int64_t ib, pc, g, q, k0;
     int bad = 0;
     if (M <= 0 || N <= 0 || K <= 0 || scratch_bytes < (size_t)MHA_AMX_SCRATCH) return 1;
     if (accumulate && amx_uncut_any(A, M, K, lda)) return 1;
@@ -573,17 +586,7 @@ AATTR static int amx_gemm_cut_f32(int64_t M, int64_t N, int64_t K, const void *A
         for (pc = 0; pc < K; pc += AMX_KC) {
             const int64_t kc = K - pc < AMX_KC ? K - pc : AMX_KC, kcp = (kc + 31) / 32 * 32;
             const uint16_t *pa[3] = {ap, ap + 32 * kcp, ap + 64 * kcp};
-            for (r = 0; r < (mb > 16 ? 32 : 16); r++) {
-                uint16_t *d = ap + r * kcp;
-                if (r >= mb) {
-                    memset(d, 0, (size_t)kcp * 2);
-                    memset(d + 32 * kcp, 0, (size_t)kcp * 2);
-                    memset(d + 64 * kcp, 0, (size_t)kcp * 2);
-                    continue;
-                }
-                bad |= amx_cut_row(A + (ib + r) * lda + pc, kc, kcp, d, d + 32 * kcp,
-                                   d + 64 * kcp);
-            }
+            bad |= amx_cut_a(A + ib * lda + pc, lda, mb, kc, kcp, ap);
             for (k0 = 0; k0 < kcp; k0 += AMX_CHAIN) /* as amx_gemm_f32: A's chain in L1 */
                 for (g = 0; g < (N + 31) / 32; g++) {
                     const uint32_t *b0 = bp + g * gs + pc / 2 * 32;
