@@ -93,7 +93,7 @@ typedef int (*mha_amx_cut)(int64_t K, int64_t N, const void *B, int64_t ldb, voi
 /* amx_gemm_cut's (amx_impl.h): C (M, N) = A·B, or with accumulate
  * C += A·B, A's rows lda apart, B's pieces at bp (an amx_cut's, from a
  * column group or a depth that is a multiple of 32 on: K rounded up to
- * 32 is read, so past K it reads the cut's own zero rows; its groups gs
+ * 32 is read: rows of the cut past K (real or its zero padding) meet A's zero pieces; its groups gs
  * uint32 apart, its pieces ps apart), B itself at B (B[k*ldb + j]) for the rows of A the
  * tiles cannot carry; the same bits as amx_gemm's.  0 when done, 1 (C
  * untouched) when the caller must use mha_gemm (too little scratch, an

@@ -214,8 +214,8 @@ def test_amx_attention_products_stay_on_the_float_kernels(amx):
 
 
 def test_amx_product_by_one_is_exact(amx):
-    # the piece products are summed small before large (lh, mh, mm, hm, hh,
-    # hl), so x times 1 is x whichever side the 1 is on: one-hot value rows
+    # the piece products are summed in the order lh, mh, mm, hm, hh,
+    # hl, so x times 1 is x whichever side the 1 is on: one-hot value rows
     # (an embedding lookup's kind) through W_v give W_v's columns plus b_v,
     # and an identity output projection over a single key passes the
     # context through, bit for bit, as torch does
@@ -253,7 +253,7 @@ def test_amx_backward_cut_once_matches_each_block_alone(amx, Hkv, mask, window, 
     # V are cut into the tiles' pieces once for all of them (bwd_cut_len);
     # 100 queries: one block, each product cutting its own.  A query's
     # input gradient depends on its own row alone, so its bits must agree;
-    # and every gradient must be torch's to float32 rounding.  600 keys:
+    # and every gradient must be torch's to float32 rounding.  640 keys:
     # two depth blocks of the tiles (512); a width of 40; nothing kept
     # (save_projections=False: S and the context recomputed on the tiles)
     # or everything; a window whose blocks start between multiples of 32
