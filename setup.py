@@ -4,9 +4,9 @@ The flags stay portable: no tuning for the build machine and no fast-math
 flags (those would break the -inf masks and NaN rows); the instruction set
 is chosen at run time (src/isa.c).
 MHA_EXT_CFLAGS adds flags (for example sanitizers in CI).  The AMX kernels
-(src/amx_impl.h) are built when a probe with the tile instructions compiles
-(gcc 11 / clang 12 and binutils 2.36), else left out; MHA_EXT_NO_AMX=1
-leaves them out.
+(src/amx_impl.h, src/amx_cut_impl.h) are built when a probe with the tile
+instructions compiles (gcc 11 / clang 12 and binutils 2.36), else left out;
+MHA_EXT_NO_AMX=1 leaves them out.
 
 A C compiler is required (gcc or clang; CC selects another): build_ext
 first compiles an empty C file and, if that fails, stops with a message

@@ -18,17 +18,11 @@
  * nor with extra keys).
  *
  * The products take the float kernels (mha_gemm_fma) on every ISA, amx
- * too: a decode step must give the full call's bits (docs/API.md §3.3),
- * and on the AMX tiles it would cut the cache's whole K and V into pieces
- * every step.  Intel Xeon (family 6, model 167), two threads, a prototype
- * with these products on the tiles (each head's K and V cut once for all
- * its blocks of 192 queries): B 1, S 4096, E 1024, H 16 330-335 -> 279-282
- * ms, B 4, S 1024 137 -> 127, BERT the same, but a decode step at B 8 over
- * 2048 keys, E 1024, H 16 3.8 -> 10.1 ms (4 key/value heads 1.2 -> 2.2).
- * FMAs cannot give the tiles' bits in a decode step instead: one
- * tdpbf16ps differs from sequential float FMAs (with or without flushing
- * subnormals) in 39% of its elements, from the exact sum rounded once in
- * 42%, pairwise in 45% (/tmp harness, random bfloat16 of both signs). */
+ * too: a decode step must give the full call's bits (docs/API.md §3.3).
+ * A prototype on the tiles (Xeon, two threads; benchmarks/RESULTS.md): long
+ * 330-335 -> 279-282 ms, decode (B 8, 2048 keys) 3.8 -> 10.1 ms, as it cut
+ * the cache's whole K and V; nor can FMAs give the tiles' bits: a tdpbf16ps
+ * differs from sequential FMAs, exact and pairwise sums in 39%/42%/45%. */
 
 #define QB 48        /* queries per block of an attention task (attend_blocks_task runs
                         up to QGRP of them): a multiple of every kernel's MR (6, 6, 4).

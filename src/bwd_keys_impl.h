@@ -1,7 +1,9 @@
 /* bwd_keys_impl.h: which keys a block of queries of the backward's
  * attention task works on (bwd_range: the causal / window / layout hull;
- * bwd_run: the layout's kept runs inside it), written once for T = float and
- * T = double; included by backward_impl.h after its SUF(bwd) struct. */
+ * bwd_run: the layout's kept runs inside it), and the extra keys' rows the
+ * module's backward appends to K and V and drops from dK and dV
+ * (append_extra, drop_extra), written once for T = float and T = double;
+ * included by backward_impl.h after its SUF(bwd) struct. */
 
 /* The keys [*ks, *ke) the queries i0 .. i0+nq-1 may see (with f->skip;
  * else every key).  Outside, P is exactly 0 and, V, dctx and grad_weights
@@ -48,4 +50,35 @@ static void SUF(bwd_zero)(T *x, int64_t rows, int64_t cols, int64_t ld)
 {
     int64_t r;
     for (r = 0; r < rows; r++) memset(x + r * ld, 0, (size_t)cols * sizeof(T));
+}
+
+/* Append the extra rows (add_bias_kv's bias_k, add_zero_attn's zeros) to
+ * the Sk rows of each batch of x (B*Sk, E), into y (B, Sk', E). */
+static void SUF(append_extra)(const mha_config *cfg, const T *x, const T *bias, T *y, int64_t B,
+                              int64_t Sk, int64_t Skx, int64_t E)
+{
+    int64_t b, j;
+    for (b = B - 1; b >= 0; b--) { /* from the end: x may be y */
+        T *y_b = y + b * Skx * E;
+        j = Sk;
+        memmove(y_b, x + b * Sk * E, (size_t)(Sk * E) * sizeof(T));
+        if (cfg->add_bias_kv) memcpy(y_b + (j++) * E, bias, (size_t)E * sizeof(T));
+        if (cfg->add_zero_attn) memset(y_b + j * E, 0, (size_t)E * sizeof(T));
+    }
+}
+
+/* Drop the extra rows of each batch of dy (B, Sk', E) in place, leaving
+ * (B*Sk, E); the gradient of bias (E) (add_bias_kv) is Σ_b dy[b, Sk]. */
+static void SUF(drop_extra)(const mha_config *cfg, T *dy, T *dbias, int64_t B, int64_t Sk,
+                            int64_t Skx, int64_t E)
+{
+    int64_t b, c;
+    if (dbias) {
+        for (c = 0; c < E; c++) dbias[c] = 0;
+        if (cfg->add_bias_kv)
+            for (b = 0; b < B; b++)
+                for (c = 0; c < E; c++) dbias[c] += dy[(b * Skx + Sk) * E + c];
+    }
+    for (b = 1; b < B; b++)
+        memmove(dy + b * Sk * E, dy + b * Skx * E, (size_t)(Sk * E) * sizeof(T));
 }

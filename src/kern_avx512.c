@@ -358,6 +358,7 @@ static const mha_kern_f32 avx512_f32 = {.name = "avx512", AVX512_F32_TABLE};
 #if !defined(MHA_NO_AMX) && \
         ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #include "amx_impl.h"
+#include "amx_cut_impl.h"
 
 /* AVX-512's float table, its products on the AMX tiles (isa.c's "amx") */
 static const mha_kern_f32 amx_f32 = {.name = "amx", AVX512_F32_TABLE, .amx_gemm = amx_gemm_f32,

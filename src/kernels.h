@@ -1,7 +1,8 @@
 /* kernels.h: the per-ISA kernel tables (internal).  One table per
  * (instruction set, dtype), but "amx" shares AVX-512's double table and its
  * float one differs from AVX-512's only in amx_gemm, amx_cut and
- * amx_gemm_cut (amx_impl.h, included by kern_avx512.c); kern_portable.c, kern_avx2.c and kern_avx512.c
+ * amx_gemm_cut (amx_impl.h and amx_cut_impl.h, included by kern_avx512.c);
+ * kern_portable.c, kern_avx2.c and kern_avx512.c
  * instantiate the one template kern_impl.h (ukr_f32_avx2, exp_sum_f64_portable,
  * ...) and list each instance by name in their tables, and isa.c picks one
  * at run time from the CPU's features (or MHA_EXT_ISA / mha_set_isa).
@@ -82,22 +83,29 @@ typedef int (*mha_amx_gemm)(int trans_b, int64_t M, int64_t N, int64_t K, const 
                             const void *bias, void *C, int64_t ldc, int accumulate,
                             void *scratch, size_t scratch_bytes);
 
-/* amx_cut's signature (amx_impl.h): B (K, N), B[k*ldb + j], cut into
+/* amx_cut's signature (amx_cut_impl.h): B (K, N), B[k*ldb + j], cut into
  * the tiles' pieces once for many products: column group g of 32 at
  * dst + g*MHA_AMX_GROUP(K), uint32; 1 when B holds a float the tiles
- * cannot carry (an infinity, a NaN: the pieces are then not to be used) */
+ * cannot carry (an infinity, a NaN, or |x| >= 3.39e38, a float that rounds
+ * to infinity in bfloat16): the pieces are then not to be used, and the
+ * products that would read them take mha_gemm instead (on amx its
+ * amx_gemm, which computes B's columns holding one by float FMAs, or with
+ * accumulate leaves the whole product to the float kernels) */
 typedef int (*mha_amx_cut)(int64_t K, int64_t N, const void *B, int64_t ldb, void *dst);
 /* uint32 of one column group of an amx_cut of depth K: 3 pieces of
  * K rounded up to 32, halved, times 32 columns */
 #define MHA_AMX_GROUP(K) ((int64_t)48 * (((K) + 31) / 32 * 32))
-/* amx_gemm_cut's (amx_impl.h): C (M, N) = A·B, or with accumulate
+/* amx_gemm_cut's (amx_cut_impl.h): C (M, N) = A·B, or with accumulate
  * C += A·B, A's rows lda apart, B's pieces at bp (an amx_cut's, from a
  * column group or a depth that is a multiple of 32 on: K rounded up to
  * 32 is read: rows of the cut past K (real or its zero padding) meet A's zero pieces; its groups gs
  * uint32 apart, its pieces ps apart), B itself at B (B[k*ldb + j]) for the rows of A the
- * tiles cannot carry; the same bits as amx_gemm's.  0 when done, 1 (C
- * untouched) when the caller must use mha_gemm (too little scratch, an
- * empty product, or with accumulate an infinity or NaN in A) */
+ * tiles cannot carry (an infinity, a NaN, or |x| >= 3.39e38, a float that
+ * rounds to infinity in bfloat16: those rows by float FMAs, the others
+ * keeping their tile bits); the same bits as amx_gemm's.  0 when done, 1
+ * (C untouched) when the caller must use mha_gemm (too little scratch, an
+ * empty product, or with accumulate such a float in A: mha_gemm's amx_gemm
+ * then refuses it too, and the float kernels take the whole product) */
 typedef int (*mha_amx_gemm_cut)(int64_t M, int64_t N, int64_t K, const void *A, int64_t lda,
                                 const void *bp, int64_t gs, int64_t ps, const void *B,
                                 int64_t ldb, void *C, int64_t ldc, int accumulate,
@@ -124,8 +132,12 @@ typedef struct {
     void (*transpose)(int64_t R, int64_t C, const float *x, int64_t ldx, float *y,
                       int64_t ldy);
     mha_amx_gemm amx_gemm;
-    mha_amx_cut amx_cut;           /* with amx_gemm: B cut once for many products */
-    mha_amx_gemm_cut amx_gemm_cut; /* ... and a product from such pieces */
+    mha_amx_cut amx_cut;           /* with amx_gemm: B cut once for many products; 1, no
+                                      pieces, where B holds an inf, a NaN or |x| >= 3.39e38
+                                      (its products then take mha_gemm) */
+    mha_amx_gemm_cut amx_gemm_cut; /* ... and a product from such pieces: A's rows holding
+                                      one by float FMAs, or with accumulate 1 (mha_gemm,
+                                      whose amx_gemm leaves it to the float kernels) */
 } mha_kern_f32;
 
 /* the same for double */
