@@ -512,7 +512,7 @@ static PyMethodDef module_methods[] = {
      "'cpuid', 'sysconf' or 'default'), fma_bits (vector FMA width of the ISA in use),\n"
      "fma512_per_cycle (512-bit FMAs a core starts per cycle: 1, 2, or 0 without AVX-512)\n"
      "and fma_ratio (time of 256-bit / time of 512-bit FMAs, measured: about 0.5 with one\n"
-     "512-bit unit, 1 with two; above 0.75 counts as two), gemm_kc and gemm_nc (the\n"
+     "512-bit unit, 1 with two; above 0.9 counts as two), gemm_kc and gemm_nc (the\n"
      "packed GEMM's block of B per dtype: KC x NC scalars in half the L2), tn_pack (per\n"
      "dtype, 1 when the weight gradients' transposed-A products pack an A whose rows lie\n"
      "a multiple of 4 KiB apart, 0 when they read it in place: measured at first use on\n"

@@ -146,8 +146,14 @@ static double fma_seconds(void (*loop)(int64_t, int, float *), int64_t n, int wi
  * 11 runs at each width (the least disturbed), the widths alternated so that
  * a change of clock or a neighbour's load reaches both alike.  (The fastest
  * of 5 runs at one width, then of 5 at the other, read 0.73-0.79 at times on
- * a loaded Zen 4, which starts one 512-bit FMA a cycle: near the 0.75 that
- * counts as two.) */
+ * a loaded Zen 4, which starts one 512-bit FMA a cycle.)
+ *
+ * Above FMA_TWO counts as two 512-bit FMAs a cycle.  Read over the runs in
+ * benchmarks/RESULTS.md and the README: Zen 4 0.45-0.70 quiet, 0.76 once on
+ * a loaded host (2026-12-04: then reported as two under the former
+ * threshold, 0.75), 40 calls in a row there 0.58-0.71; Zen 5 and the Intel
+ * Xeon (family 6, model 167), two 512-bit FMAs a cycle, 1.04-1.12. */
+#define FMA_TWO 0.9
 static double fma_ratio(void (*loop)(int64_t, int, float *))
 {
     const int64_t n = 200000; /* 2e5 rounds of 24 FMAs: ~1.5 ms per width on Zen 4 */
@@ -183,7 +189,7 @@ mha_status mha_get_cpu_info(mha_cpu_info *out)
     out->fma512_per_cycle = 0;
     if (mha_isa_available("avx512") && mha_fma_loop_avx512_p) {
         out->fma_ratio = fma_ratio(mha_fma_loop_avx512_p);
-        out->fma512_per_cycle = out->fma_ratio > 0.75 ? 2 : 1;
+        out->fma512_per_cycle = out->fma_ratio > FMA_TWO ? 2 : 1;
     }
     return MHA_OK;
 }

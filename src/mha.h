@@ -297,7 +297,7 @@ int mha_isa_available(const char *name);
  * fma512_per_cycle: 512-bit FMAs a core starts per cycle, measured (tens of
  * ms, on each call) from fma_ratio = time(256-bit) / time(512-bit) of the
  * same FMA count (about 0.5 on Zen 4: 1; about 1 with two 512-bit ports:
- * 2, above 0.75); 0 without AVX-512.  gemm_kc, gemm_nc_*: the packed GEMM's block of B, KC x NC
+ * 2, above 0.9); 0 without AVX-512.  gemm_kc, gemm_nc_*: the packed GEMM's block of B, KC x NC
  * scalars in half the L2 (MHA_EXT_GEMM_NC, a multiple of 64 in [64, 512],
  * read once, overrides NC).  tn_pack_*: 1 when the transposed-A products
  * (the weight gradients) pack an Aᵀ whose rows lie a multiple of 4 KiB
