@@ -268,6 +268,42 @@ def test_private_calls_against_the_reference(dtype, causal, zero_rows, p):
         np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
 
 
+def test_is_causal_with_attn_mask_raises_on_every_input(torch):
+    # README "Differences from torch": torch documents an error, its math
+    # path raises, its fused CPU kernel (4-D inputs) applies both; we raise
+    # on every input, the empty ones too
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (4, 6, 6))
+    m = torch.randn(4, 6, generator=g)
+    both = m.masked_fill(~torch.ones(4, 6, dtype=torch.bool).tril(), float("-inf"))
+    fused = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
+    torch.testing.assert_close(fused, F.scaled_dot_product_attention(q, k, v, attn_mask=both))
+    with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
+        F.scaled_dot_product_attention(q[0], k[0], v[0], attn_mask=m, is_causal=True)
+    f = mha_ext.scaled_dot_product_attention
+    for args, mask in (((q, k, v), m), ((q[0], k[0], v[0]), m), ((q, k, v), m > 0),
+                       ((q.numpy(), k.numpy(), v.numpy()), m.numpy()),
+                       ((q[:, :, :0], k, v), m[:0]), ((q, k[:, :, :0], v[:, :, :0]), m[:, :0])):
+        with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
+            f(*args, attn_mask=mask, is_causal=True)
+    # the combination the fused kernel computes, spelled as one mask
+    torch.testing.assert_close(f(q, k, v, attn_mask=both), fused, rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_head_count_that_does_not_divide_raises_when_empty(torch):
+    # torch returns an empty or zero result when L or S is 0 (a RuntimeError
+    # otherwise); a head count that does not divide is a ValueError either way
+    F = torch.nn.functional
+    q = torch.randn(1, 1, 4, 8)
+    k, v = torch.randn(1, 3, 0, 8), torch.randn(1, 1, 0, 8)
+    assert F.scaled_dot_product_attention(q, k, v, enable_gqa=True).shape == (1, 1, 4, 8)
+    for args in ((q, k, v), (q[:, :, :0], torch.randn(1, 3, 2, 8), torch.randn(1, 1, 2, 8)),
+                 (q.numpy(), k.numpy(), v.numpy())):
+        with pytest.raises(ValueError, match="enable_gqa|multiple|heads"):
+            mha_ext.scaled_dot_product_attention(*args, enable_gqa=True)
+
+
 def test_errors(torch):
     f = mha_ext.scaled_dot_product_attention
     q, k, v = np.ones((2, 4, 3, 8)), np.ones((2, 2, 5, 8)), np.ones((2, 2, 5, 8))

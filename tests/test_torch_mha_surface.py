@@ -397,30 +397,35 @@ def test_inputs_of_another_dtype_are_computed_in_the_parameters():
     assert torch.equal(got, want) and torch.equal(w, ww)
 
 
+@pytest.mark.parametrize("mask", ["key_padding_mask", "attn_mask"])
 @pytest.mark.parametrize("empty", ["batch", "keys"])
-def test_empty_batch_or_keys_with_a_mask_without_weights(empty):
+def test_empty_batch_or_keys_with_a_mask_without_weights(empty, mask):
     t, m = pair(batch_first=True)
     b, s = (0, S) if empty == "batch" else (B, 0)
     q, k = x(b, L, E), x(b, s, E, seed=2)
-    kpm = torch.zeros(b, s, dtype=torch.bool)
+    kw = ({"key_padding_mask": torch.zeros(b, s, dtype=torch.bool)} if mask == "key_padding_mask"
+          else {"attn_mask": torch.zeros(b * H, L, s, dtype=torch.bool)})  # 3-D
     with pytest.raises(RuntimeError, match="0 elements"):
-        t(q, k, k, key_padding_mask=kpm, need_weights=False)
-    got, _ = m(q, k, k, key_padding_mask=kpm, need_weights=False)
+        t(q, k, k, need_weights=False, **kw)
+    got, _ = m(q, k, k, need_weights=False, **kw)
     assert got.shape == (b, L, E)
     if empty == "keys":  # the context is an empty sum: out_proj.bias
         close(got, m.out_proj.bias.expand(B, L, E), torch.float64)
 
 
-def test_empty_self_attention_weights_have_the_other_paths_shape():
+@pytest.mark.parametrize("b,n", [(3, 0), (0, 5)])
+def test_empty_self_attention_weights_have_the_other_paths_shape(b, n):
     t, m = pair(batch_first=True)
     t.eval()
     m.eval()
-    q = x(3, 0, E)
+    q = x(b, n, E)
     with torch.no_grad():
         _, fast = t(q, q, q, need_weights=True, average_attn_weights=False)
         _, ours = m(q, q, q, need_weights=True, average_attn_weights=False)
+        _, mean = m(q, q, q, need_weights=True)
     assert fast is None
-    assert ours.shape == (3, H, 0, 0)
+    assert ours.shape == (b, H, n, n)
+    assert mean.shape == (b, n, n)
 
 
 def test_swapped_encoder_layer_adds_a_finite_float_mask():
