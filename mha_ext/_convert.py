@@ -64,6 +64,34 @@ def check_tensor(x, name):
         raise ValueError(f"{name} is a tensor on the meta device, which has no data; "
                          f"materialise it on the CPU first (for a module: "
                          f"module.to_empty(device='cpu'), then initialise or load its weights)")
+    check_storage(x, name)
+
+
+def check_storage(x, name):
+    """RuntimeError naming `name` when x's storage is smaller than its view
+    needs (untyped_storage().resize_() shrank or freed it, as FSDP-style code
+    does): torch's own operations refuse such a tensor, and reading it would
+    go past the end of the block (or, freed, NumPy would hand back a fresh
+    uninitialised array).  Tensors without a plain storage (a subclass or a
+    tracing wrapper) are left to torch."""
+    try:
+        have = x.untyped_storage().nbytes()
+        n = x.numel()
+        if n == 0:
+            return
+        if x.is_contiguous():  # the usual case, without the loop over the dimensions
+            need = (x.storage_offset() + n) * x.element_size()
+        else:
+            need = (x.storage_offset() + 1 + sum((d - 1) * s for d, s in
+                                                 zip(x.shape, x.stride()))) * x.element_size()
+    except Exception:  # noqa: BLE001 (no storage to check: torch's own checks apply)
+        return
+    if need > have:
+        raise RuntimeError(f"{name}: its storage holds {have} bytes, but a tensor of shape "
+                           f"{tuple(x.shape)}, strides {tuple(x.stride())} and storage offset "
+                           f"{x.storage_offset()} needs {need} (the storage was resized or "
+                           f"freed, e.g. by untyped_storage().resize_(); torch's own "
+                           f"operations refuse it too)")
 
 
 def to_numpy(x, name="tensor"):

@@ -166,7 +166,7 @@ typedef struct {
 struct call {
     MHAObject *self;
     call_op op;
-    const char *name;           /* "_forward", ... for messages */
+    const char *name;           /* "forward", ... the public method, for messages */
     int need_weights, reference, save, save_p;
     /* owned references, converted to the module's dtype, C-contiguous */
     PyArrayObject *params;      /* NULL: the module's own (under its lock) */

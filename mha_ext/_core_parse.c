@@ -328,7 +328,7 @@ static int parse_cache(MHAObject *self, PyObject *obj, struct call *c)
 
 int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *c)
 {
-    static const char *names[3] = {"_forward", "_forward_train", "_backward"};
+    static const char *names[3] = {"forward", "forward_train", "backward"}; /* public */
     mha_forward_args *a = &c->ba.fwd;
     int is_causal = 0, zero_rows = 0, has_scale = 0;
     double scale = 0.0;

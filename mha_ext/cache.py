@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,7 +48,9 @@ class KVCache:
     and is extended by one call at a time (a concurrent second call with
     the same cache is a RuntimeError).  Its contents were computed with the
     module's parameters at the time: after changing them, reset() the cache
-    and feed the sequence again.
+    and feed the sequence again.  copy.copy / copy.deepcopy give a cache of
+    the same module with its own keys and values (a beam's branch); pickle
+    stores it with its module.
     """
 
     __slots__ = ("_module", "_k", "_v", "_length", "_cross", "_busy", "_owner",
@@ -104,16 +107,45 @@ class KVCache:
     @property
     def keys(self) -> np.ndarray:
         """The cached keys K per head, (B, Hkv, length, Dk), a read-only view."""
-        v = self._k[..., :self._length].swapaxes(2, 3)
+        n = self._length  # read once: a call in another thread may extend it
+        v = self._k[..., :n].swapaxes(2, 3)
         v.flags.writeable = False
         return v
 
     @property
     def values(self) -> np.ndarray:
         """The cached values V per head, (B, Hkv, length, Dk), a read-only view."""
-        v = self._v[:, :, :self._length]
+        n = self._length
+        v = self._v[:, :, :n]
         v.flags.writeable = False
         return v
+
+    # ---- copies: each its own keys and values (a shared buffer would let
+    # one copy's call overwrite the other's keys)
+    def _state(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """K, V (copies) and the length, taken while no call extends it."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this cache is in use by a call: copy it after the call")
+        try:
+            return self._k.copy(), self._v.copy(), self._length
+        finally:
+            self._busy.release()
+
+    def __copy__(self) -> "KVCache":
+        """copy.copy: a cache of the same module with its own copy of the
+        keys and values (a branch of a decoding, e.g. a beam)."""
+        return _rebuild(self._module, *self._state(), self._cross)
+
+    def __deepcopy__(self, memo: dict) -> "KVCache":
+        """copy.deepcopy: as copy.copy; the module stays the same one
+        unless the deep copy copies it too (then the copy's)."""
+        module = memo.get(id(self._module), self._module)
+        return _rebuild(module, *self._state(), self._cross)
+
+    def __reduce__(self) -> tuple[Callable[..., KVCache], tuple[object, ...]]:
+        """pickle: the module, the keys and values and the length (a
+        pickle that holds the module too restores one module for both)."""
+        return (_rebuild, (self._module, *self._state(), self._cross))
 
     def reset(self) -> "KVCache":
         """Forget every cached key (length 0); returns self.  A cross cache
@@ -152,6 +184,31 @@ class KVCache:
         return (f"KVCache({kind}batch_size={self.batch_size}, length={self._length}, "
                 f"capacity={self.capacity}, n_kv_heads={self._k.shape[1]}, "
                 f"d_k={self._k.shape[2]}, dtype={self._k.dtype})")
+
+
+def _rebuild(module: MultiHeadAttention, k: np.ndarray, v: np.ndarray, length: int,
+             cross: bool) -> KVCache:
+    """A KVCache of `module` holding k, v (taken over, not copied) and
+    `length` keys: copies and unpickling."""
+    if not all(hasattr(module, a) for a in ("new_cache", "n_kv_heads", "d_k", "dtype")):
+        raise TypeError(f"a KVCache belongs to a MultiHeadAttention, got "
+                        f"{type(module).__name__}")
+    c = KVCache.__new__(KVCache)
+    B, Hkv, Dk, cap = k.shape
+    if (Hkv, Dk) != (module.n_kv_heads, module.d_k) or v.shape != (B, Hkv, cap, Dk) or \
+            k.dtype != module.dtype or v.dtype != module.dtype or not 0 <= length <= cap:
+        raise ValueError(f"the keys {k.shape}, values {v.shape} ({k.dtype}) and length "
+                         f"{length} do not make a cache of this module (n_kv_heads "
+                         f"{module.n_kv_heads}, d_k {module.d_k}, {np.dtype(module.dtype)})")
+    c._module = module
+    c._k = np.ascontiguousarray(k)
+    c._v = np.ascontiguousarray(v)
+    c._length = int(length)
+    c._cross = bool(cross)
+    c._busy = threading.Lock()
+    c._owner = None
+    _LIVE.add(c)
+    return c
 
 
 def _after_fork_in_child():

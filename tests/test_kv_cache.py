@@ -316,6 +316,53 @@ def test_a_cache_is_an_ordinary_object():
         m2(_x(2, 1, 64, "float64"), cache=cache)
 
 
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle with its module"])
+def test_a_copied_cache_is_its_own_and_decodes_the_same_bits(how):
+    # a branch of a decoding (a beam): the copy has its own keys and values,
+    # so extending one never changes the other, and each continues exactly
+    # as the original would have
+    import copy
+    m = _module(64, 4, 2, "float32")
+    x = _x(2, 7, 64, "float32")
+    cache = m.new_cache(2, 8)
+    m(x[:, :4], cache=cache, need_weights=False)
+    if how == "copy":
+        mc, c2 = m, copy.copy(cache)
+    elif how == "deepcopy":
+        mc, c2 = m, copy.deepcopy(cache)
+        m3, c3 = copy.deepcopy((m, cache))  # with its module: the copy's module
+        assert c3._module is m3 and m3 is not m
+    else:
+        mc, c2 = pickle.loads(pickle.dumps((m, cache)))
+        assert c2._module is mc and mc is not m
+    assert c2.length == 4 and c2.capacity == 8 and c2._k is not cache._k
+    np.testing.assert_array_equal(c2.keys, cache.keys)
+    np.testing.assert_array_equal(c2.values, cache.values)
+    branch, _ = mc(x[:, 4:6] * 3, cache=c2, need_weights=False)  # other tokens
+    assert cache.length == 4 and c2.length == 6
+    keys = cache.keys.copy()
+    main, _ = m(x[:, 4:7], cache=cache, need_weights=False)  # as if alone
+    np.testing.assert_array_equal(c2.keys[:, :, :4], keys)
+    full, _ = m(x, is_causal=True, need_weights=False)
+    np.testing.assert_array_equal(main, full[:, 4:7])
+    alt = np.concatenate([x[:, :4], x[:, 4:6] * 3], axis=1)
+    np.testing.assert_array_equal(branch, m(alt, is_causal=True, need_weights=False)[0][:, 4:6])
+
+
+def test_a_cache_in_use_refuses_a_copy():
+    import copy
+    m = _module(64, 4, 2, "float32")
+    cache = m.new_cache(1, 4)
+    cache._hold()  # as a call in another thread holds it
+    try:
+        for f in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(RuntimeError, match="in use by a call"):
+                f(cache)
+    finally:
+        cache._release()
+    assert copy.copy(cache).length == 0
+
+
 def test_the_binding_keeps_no_reference_to_the_cache_arrays():
     import sys
     m = _module(64, 4, 2, "float32")

@@ -294,6 +294,38 @@ def test_numpy_module_meta_tensor_names_the_argument():
         _module()(torch.ones(2, 3, E, device="meta"))
 
 
+@pytest.mark.parametrize("nbytes", [16, 0])
+def test_a_shrunk_or_freed_storage_is_refused_not_read(nbytes):
+    # untyped_storage().resize_() (FSDP-style code frees parameters so):
+    # torch's own operations refuse the tensor; reading it would run past
+    # the block (16 bytes) or take NumPy's fresh uninitialised array (0)
+    torch = need("torch")
+    import mha_ext.torch as mt
+
+    def shrunk(t):
+        t.untyped_storage().resize_(nbytes)
+        return t
+
+    tm = mt.MultiHeadAttention(E, H, seed=0).eval()
+    x = torch.from_numpy(X.copy())
+    shrunk(tm.W_q.weight.data)
+    with pytest.raises(RuntimeError):
+        torch.nn.functional.linear(x, tm.W_q.weight)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=f"holds {nbytes} bytes.*needs 256"):
+        tm(x, x, x)
+    with pytest.raises(RuntimeError, match=f"query: its storage holds {nbytes} bytes"):
+        _module()(shrunk(torch.tensor(X)))
+    q = torch.tensor(X)
+    with pytest.raises(RuntimeError, match=f"holds {nbytes} bytes"):
+        mha_ext.scaled_dot_product_attention(q, shrunk(q.clone()), q)
+    # a view inside its storage is still read (the bound is the view's, not
+    # the whole storage's)
+    big = torch.tensor(np.concatenate([X, X]))
+    np.testing.assert_array_equal(_module()(big[2:])[0], _module()(X)[0])
+    strided = torch.tensor(X.transpose(1, 0, 2)).transpose(0, 1)  # not contiguous
+    np.testing.assert_array_equal(_module()(strided)[0], _module()(X)[0])
+
+
 @pytest.mark.parametrize("bad, exc", [([[1.0, 2.0], [3.0]], ValueError),
                                       (np.array([["a"]]), TypeError),
                                       (np.ones((2, 3, E), complex), TypeError)])
