@@ -304,6 +304,33 @@ def test_gqa_head_count_that_does_not_divide_raises_when_empty(torch):
             mha_ext.scaled_dot_product_attention(*args, enable_gqa=True)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_row_blocked_by_the_lowest_finite_value_has_the_softmax_gradients(torch, dtype):
+    # T5 folds padding into its position bias with finfo.min: such a row is
+    # a uniform average (every score shifted alike), and its gradients are
+    # the softmax's, 1/S per key.  torch 2.13's SDPA backward gives 1 each
+    # (its logsumexp loses log S next to finfo.min); eager attention and
+    # ours agree with the explicit softmax
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 2, 4, generator=g, dtype=dt)
+    k, v = (torch.randn(1, 1, 3, 4, generator=g, dtype=dt) for _ in range(2))
+    mask = torch.zeros(1, 1, 2, 3, dtype=dt)
+    mask[..., 0, :] = torch.finfo(dt).min
+    grads = []
+    for f in (mha_ext.scaled_dot_product_attention,
+              lambda q, k, v, attn_mask: torch.softmax(
+                  q @ k.transpose(-1, -2) / 2 + attn_mask, -1) @ v):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = f(qq, kk, vv, attn_mask=mask)
+        (out * torch.arange(1.0, 9.0, dtype=dt).reshape(2, 4)).sum().backward()
+        grads.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=1e-10, atol=1e-12)
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(grads[0][0][0, 0, 0], v[0, 0].mean(0), **tol)  # uniform
+
+
 def test_errors(torch):
     f = mha_ext.scaled_dot_product_attention
     q, k, v = np.ones((2, 4, 3, 8)), np.ones((2, 2, 5, 8)), np.ones((2, 2, 5, 8))
