@@ -138,7 +138,8 @@ class KVCache:
 
     def __deepcopy__(self, memo: dict) -> "KVCache":
         """copy.deepcopy: as copy.copy; the module stays the same one
-        unless the deep copy copies it too (then the copy's)."""
+        unless the deep copy has copied it already (then the copy's: a
+        module met before its cache, as in deepcopy((module, cache)))."""
         module = memo.get(id(self._module), self._module)
         return _rebuild(module, *self._state(), self._cross)
 
