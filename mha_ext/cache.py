@@ -70,15 +70,23 @@ class KVCache:
             raise MemoryError(f"a cache of batch_size {B} and max_len {cap} would take "
                               f"{nbytes} bytes (2 x batch_size x n_kv_heads {Hkv} x d_k {Dk} "
                               f"x max_len scalars): too large to allocate")
-        self._module = module
         try:
-            self._k = np.zeros((B, Hkv, Dk, cap), dtype=module.dtype)
-            self._v = np.zeros((B, Hkv, cap, Dk), dtype=module.dtype)
+            k = np.zeros((B, Hkv, Dk, cap), dtype=module.dtype)
+            v = np.zeros((B, Hkv, cap, Dk), dtype=module.dtype)
         except MemoryError:
             raise MemoryError(f"a cache of batch_size {B} and max_len {cap} needs {nbytes} "
                               f"bytes (2 x batch_size x n_kv_heads {Hkv} x d_k {Dk} x "
                               f"max_len scalars): more than can be allocated") from None
-        self._length = 0
+        self._adopt(module, k, v, 0, cross)
+
+    def _adopt(self, module: MultiHeadAttention, k: np.ndarray, v: np.ndarray, length: int,
+               cross: Flag) -> None:
+        """The state: `module`'s cache holding k, v (taken over, not copied)
+        and `length` keys (a new cache, a copy, an unpickled one)."""
+        self._module = module
+        self._k = k
+        self._v = v
+        self._length = int(length)
         self._cross = bool(cross)
         self._busy = threading.Lock()
         self._owner: int | None = None
@@ -189,26 +197,10 @@ class KVCache:
 
 def _rebuild(module: MultiHeadAttention, k: np.ndarray, v: np.ndarray, length: int,
              cross: bool) -> KVCache:
-    """A KVCache of `module` holding k, v (taken over, not copied) and
-    `length` keys: copies and unpickling."""
-    if not all(hasattr(module, a) for a in ("new_cache", "n_kv_heads", "d_k", "dtype")):
-        raise TypeError(f"a KVCache belongs to a MultiHeadAttention, got "
-                        f"{type(module).__name__}")
+    """copy.copy, copy.deepcopy and unpickling: a KVCache of `module`
+    holding k, v and `length` keys (each call checks them, as any cache's)."""
     c = KVCache.__new__(KVCache)
-    B, Hkv, Dk, cap = k.shape
-    if (Hkv, Dk) != (module.n_kv_heads, module.d_k) or v.shape != (B, Hkv, cap, Dk) or \
-            k.dtype != module.dtype or v.dtype != module.dtype or not 0 <= length <= cap:
-        raise ValueError(f"the keys {k.shape}, values {v.shape} ({k.dtype}) and length "
-                         f"{length} do not make a cache of this module (n_kv_heads "
-                         f"{module.n_kv_heads}, d_k {module.d_k}, {np.dtype(module.dtype)})")
-    c._module = module
-    c._k = np.ascontiguousarray(k)
-    c._v = np.ascontiguousarray(v)
-    c._length = int(length)
-    c._cross = bool(cross)
-    c._busy = threading.Lock()
-    c._owner = None
-    _LIVE.add(c)
+    c._adopt(module, k, v, length, cross)
     return c
 
 
