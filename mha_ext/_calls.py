@@ -119,9 +119,11 @@ def head_mask_array(head_mask, B, H, dtype):
     if m.shape not in ((H,), (B, H)):
         raise ValueError(f"head_mask must have shape (n_heads,) = ({H},) or (batch, n_heads) "
                          f"= ({B}, {H}), got {m.shape}")
-    m = np.array(np.broadcast_to(m, (B, H)), dtype=dtype, order="C", copy=True)  # kept
+    with np.errstate(over="ignore", invalid="ignore"):  # too large for dtype: said below
+        m = np.array(np.broadcast_to(m, (B, H)), dtype=dtype, order="C", copy=True)  # kept
     if not np.isfinite(m).all():
-        raise ValueError("head_mask must hold finite numbers")
+        raise ValueError(f"head_mask must hold finite numbers (in the module's "
+                         f"{np.dtype(dtype).name})")
     return m
 
 

@@ -96,7 +96,15 @@ static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     if (o_kvh != Py_None) { /* grouped-query attention: Hkv divides H */
-        if (positive_int(o_kvh, "n_kv_heads", &cfg.n_kv_heads) < 0) return NULL;
+        if (positive_int(o_kvh, "n_kv_heads", &cfg.n_kv_heads) < 0) {
+            if (PyErr_ExceptionMatches(PyExc_ValueError)) { /* name both numbers */
+                PyErr_Clear();
+                PyErr_Format(PyExc_ValueError,
+                             "n_kv_heads must be a positive int dividing n_heads (%lld), "
+                             "got %R", (long long)cfg.n_heads, o_kvh);
+            }
+            return NULL;
+        }
         if (cfg.n_heads % cfg.n_kv_heads != 0) {
             PyErr_Format(PyExc_ValueError,
                          "n_kv_heads (%lld) must divide n_heads (%lld)",

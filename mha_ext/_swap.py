@@ -8,9 +8,8 @@ in the model's own parameters and an optimiser built on
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import TypeVar
+import warnings
+from typing import Generic, TypeVar
 
 from torch import nn
 
@@ -104,14 +103,40 @@ def restore(model, record):
 _Model = TypeVar("_Model", bound=nn.Module)
 
 
-@contextlib.contextmanager
-def swapped(model: _Model) -> Iterator[_Model]:
+class swapped(Generic[_Model]):
     """``with mha_ext.torch.swapped(model): model(x)`` -- inside the block
     every torch.nn.MultiheadAttention of model is computed by mha_ext (the
     same parameters, shared); after it the original modules are back, also
-    when the block raised.  Yields the model."""
-    record = swap_in(model)
-    try:
-        yield model
-    finally:
-        restore(model, record)
+    when the block raised.  Entering yields the model.
+
+    A context manager, not a function: ``swapped(model)`` alone changes
+    nothing (a RuntimeWarning says so when such an object is dropped
+    unused).  `model` must be a torch.nn.Module (a TypeError otherwise);
+    the swap itself happens on entering the block."""
+
+    def __init__(self, model: _Model) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"swapped() takes a torch.nn.Module (a model holding "
+                            f"torch.nn.MultiheadAttention layers), got {type(model).__name__}")
+        self._model = model
+        self._record: list | None = None
+        self._used = False
+
+    def __enter__(self) -> _Model:
+        if self._record is not None:
+            raise RuntimeError("this swapped() block is already entered: use a new "
+                               "swapped(model) for a nested block")
+        self._used = True
+        self._record = swap_in(self._model)
+        return self._model
+
+    def __exit__(self, *exc: object) -> None:
+        record, self._record = self._record, None
+        if record is not None:
+            restore(self._model, record)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_used", True):
+            warnings.warn("mha_ext.torch.swapped(model) was never entered, so it changed "
+                          "nothing: use it as `with mha_ext.torch.swapped(model): ...`",
+                          RuntimeWarning, stacklevel=2)

@@ -134,8 +134,10 @@ class AttentionFunction(torch.autograd.Function):
 def records(core, opts, tensors) -> bool:
     """Whether a call must go through AttentionFunction: autograd records it
     (grad mode on and a tensor requiring grad), it has dropout or a head mask
-    to differentiate, or a tensor carries a forward-mode tangent."""
+    to differentiate, a tensor carries a forward-mode tangent, or torch.jit.trace
+    is recording (the plain path's result would be traced as a constant)."""
     return bool((torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+                or torch.jit.is_tracing()  # the trace's PythonOp: not a constant
                 or opts.get("dropout") or opts.get("head_mask_input")
                 or (core.training and core.dropout > 0) or _has_tangent(tensors))
 

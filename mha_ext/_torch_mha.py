@@ -411,6 +411,15 @@ class MultiheadAttention(nn.Module):
             out = out.transpose(0, 1)
         return out, (weights if need_weights else None)
 
+    def merge_masks(self, attn_mask: torch.Tensor | None,
+                    key_padding_mask: torch.Tensor | None,
+                    query: torch.Tensor) -> tuple[torch.Tensor | None, int | None]:
+        """torch.nn.MultiheadAttention.merge_masks, torch's own code (it reads
+        num_heads only): the mask type (0, 1 or 2) and the merged mask that
+        torch's fused paths take.  Our forward does not use it."""
+        return nn.MultiheadAttention.merge_masks(self, attn_mask,  # type: ignore[arg-type]
+                                                 key_padding_mask, query)
+
     def _causal_over_extra_keys(self, dtype, opts, q, k, v, params):
         # torch's SDPA path with the is_causal hint applies its top-left
         # causal pattern to the keys *after* bias_k / the zero key were

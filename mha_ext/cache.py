@@ -62,6 +62,9 @@ class KVCache:
     def __init__(self, module: MultiHeadAttention, batch_size: Int, capacity: Int,
                  cross: Flag = False) -> None:
         """Made by MultiHeadAttention.new_cache / cache_memory, not directly."""
+        if module.add_bias_kv or module.add_zero_attn:  # no call could use it
+            raise ValueError("a cache cannot be used with add_bias_kv or add_zero_attn "
+                             "(their extra keys would sit inside the cached ones)")
         B = _convert.integer(batch_size, "batch_size")
         cap = _convert.integer(capacity, "max_len")
         Hkv, Dk = module.n_kv_heads, module.d_k

@@ -40,6 +40,7 @@ from . import _teach
 from ._types import Int
 
 if TYPE_CHECKING:
+    from .layout import BlockLayout
     from .trace import Trace
 
 __all__ = ["Explorer", "explore"]
@@ -174,7 +175,8 @@ class Explorer:
 
 def explore(source: Trace | ArrayLike, tokens: Iterable[object] | None = None, *,
             query_tokens: Iterable[object] | None = None,
-            key_tokens: Iterable[object] | None = None, blocked: ArrayLike | None = None,
+            key_tokens: Iterable[object] | None = None,
+            blocked: ArrayLike | BlockLayout | None = None,
             title: object = None, layer: str | None = None,
             head: Literal["all"] | Int = "all", max_values: int = MAX_VALUES) -> Explorer:
     """An :class:`Explorer` of a trace or of attention weights.

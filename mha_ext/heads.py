@@ -32,6 +32,7 @@ the same sequence).  This module is plain NumPy; ``plot`` imports matplotlib.
 from __future__ import annotations
 
 import html
+import inspect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, SupportsFloat
 
@@ -121,6 +122,18 @@ def head_stats(weights: Trace | ArrayLike) -> dict[str, np.ndarray]:
     }
 
 
+def _required_arguments(fn: Callable[..., object]) -> bool:
+    """Whether fn needs an argument (a loss written as loss(out)); False
+    when its signature cannot be read (a builtin): the call then says."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                   p.KEYWORD_ONLY)
+               for p in sig.parameters.values())
+
+
 def ablate(module: _Heads, loss: Callable[[], SupportsFloat]) -> tuple[float, np.ndarray]:
     """The loss with each head switched off: returns (base, per_head) where
     base = loss() as the module is and per_head[h] = loss() with head h's
@@ -129,9 +142,10 @@ def ablate(module: _Heads, loss: Callable[[], SupportsFloat]) -> tuple[float, np
     module: an ``mha_ext.MultiHeadAttention`` or ``mha_ext.torch``'s module
     (anything with ``W_o.weight`` (E, E) and ``n_heads``).  loss: a callable
     with no arguments returning a number, that uses the module."""
-    if not callable(loss):
-        raise TypeError("loss must be a callable with no arguments returning "
-                        "a number, got %r" % (loss,))
+    if not callable(loss) or _required_arguments(loss):
+        raise TypeError("loss must be a callable with no arguments returning a number "
+                        "(it runs the model itself, e.g. lambda: float(mha(x)[0].sum())), "
+                        "got %r" % (loss,))
     H = int(getattr(module, "n_heads", 0) or 0)
     if H <= 0 or not hasattr(getattr(module, "W_o", None), "weight"):
         raise TypeError("module must be an attention module with n_heads and "
@@ -282,9 +296,11 @@ class HeadReport:
 
 def analyze(weights: Trace | ArrayLike, module: _Heads | None = None,
             loss: Callable[[], SupportsFloat] | None = None) -> HeadReport:
-    """A :class:`HeadReport` of the weights (B, H, Sq, Sk) or (H, Sq, Sk);
-    with ``module`` and ``loss`` (see :func:`ablate`) it adds the column
-    ``loss_delta``."""
+    """A :class:`HeadReport` of the weights (B, H, Sq, Sk) or (H, Sq, Sk)
+    (a 3-D array is read as heads: pass per-head weights, not the mean over
+    heads of ``average_weights=True``), or of a trace; with ``module`` and
+    ``loss``, a callable with no arguments that runs the model (see
+    :func:`ablate`), it adds the column ``loss_delta``."""
     w = _weights(weights)
     values = head_stats(w)
     base = None

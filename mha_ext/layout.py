@@ -179,6 +179,18 @@ def _count(x: object, name: str, low: int = 0) -> int:
     return int(x)
 
 
+def _causal(causal: object) -> bool:
+    """the pattern helpers' causal= checked: True or False only.  It cuts
+    block indices (kb <= qb); a string such as is_causal's "lower_right"
+    would otherwise read as True, the top-left cut."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False (it keeps key blocks kb <= qb, "
+                        f"block indices aligned top-left), got {causal!r}; for the "
+                        f"lower-right diagonal pass is_causal='lower_right' to the call "
+                        f"with the layout")
+    return bool(causal)
+
+
 def local_blocks(Sq: Int, Sk: Int, block_size: BlockSize, width: Int = 1,
                  causal: Flag = False) -> BlockLayout:
     """A band: query block qb keeps key blocks qb - width .. qb + width
@@ -187,7 +199,7 @@ def local_blocks(Sq: Int, Sk: Int, block_size: BlockSize, width: Int = 1,
     for the elementwise diagonal."""
     qb, kb, i, j = _grid(Sq, Sk, block_size)
     w = _count(width, "width")
-    keep = (j >= i - w) & (j <= (i if causal else i + w))
+    keep = (j >= i - w) & (j <= (i if _causal(causal) else i + w))
     return BlockLayout(keep, (qb, kb))
 
 
@@ -203,7 +215,7 @@ def strided(Sq: Int, Sk: Int, block_size: BlockSize, stride: Int, width: Int = 0
         raise ValueError("stride must be an int > 0")
     w = _count(width, "width")
     keep = ((j >= i - w) & (j <= i + w)) | (j % s == s - 1)
-    if causal:
+    if _causal(causal):
         keep &= j <= i
     return BlockLayout(keep, (qb, kb))
 
@@ -218,7 +230,7 @@ def global_local(Sq: Int, Sk: Int, block_size: BlockSize, global_blocks: Int = 1
     g = _count(global_blocks, "global_blocks")
     w = _count(width, "width")
     keep = ((j >= i - w) & (j <= i + w)) | (j < g) | (i < g)
-    if causal:
+    if _causal(causal):
         keep &= j <= i
     return BlockLayout(keep, (qb, kb))
 

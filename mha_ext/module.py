@@ -358,6 +358,10 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             s += ", add_zero_attn=True"
         if self.n_kv_heads != self.n_heads:
             s += f", n_kv_heads={self.n_kv_heads}"
+        if not self.batch_first:
+            s += ", batch_first=False"
+        if self.mask_polarity != "block":
+            s += f", mask_polarity={self.mask_polarity!r}"
         return s + ")"
 
     # ------------------------------------------------------------ caches
@@ -366,7 +370,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         keys of a batch of batch_size, in this module's dtype (memory:
         2 * batch_size * n_kv_heads * d_k * max_len scalars).  Pass it as
         ``m(x, cache=cache)``: see forward.  Both sizes are ints >= 1
-        (TypeError, ValueError); too large to allocate is a MemoryError."""
+        (TypeError, ValueError); too large to allocate is a MemoryError.  A
+        module with add_bias_kv or add_zero_attn takes no cache (ValueError)."""
         return KVCache(self, batch_size, max_len)
 
     def cache_memory(self, memory: ArrayLike, value: ArrayLike | None = None) -> KVCache:
@@ -471,13 +476,19 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         (S, B, E) and the output (Sq, B, E); with ``mask_polarity = "keep"``
         mask reads 1 = attend.
         """
+        passed = (query, key, value)
         query, key, value, mask, seq_first = _habits.adapt_call(
             self, query, key, value, mask, unknown, "forward")
-        call = _calls.prepare(self, query, key, value, mask, attn_mask, key_padding_mask,
-                              is_causal, need_weights, average_weights, masked_rows,
-                              scale=scale, window=window, head_mask=head_mask, layout=layout,
-                              cache=cache)
-        out, weights = _calls.c_forward(self, call)
+        try:
+            call = _calls.prepare(self, query, key, value, mask, attn_mask, key_padding_mask,
+                                  is_causal, need_weights, average_weights, masked_rows,
+                                  scale=scale, window=window, head_mask=head_mask,
+                                  layout=layout, cache=cache)
+            out, weights = _calls.c_forward(self, call)
+        except ValueError as exc:
+            if not seq_first:
+                raise
+            raise ValueError(_habits.seq_first_shapes(exc, passed)) from None
         out, weights = _calls.shape_output(call, out, weights)
         return (_habits.seq_first_output(out) if seq_first else out), weights
 

@@ -465,6 +465,13 @@ def test_pattern_helpers():
     (lambda: BlockLayout(np.ones((2, 2), bool), 2.5), TypeError, "q_block"),
     (lambda: BlockLayout(np.ones((2, 2), bool), (1, 2, 3)), TypeError, "block_size"),
     (lambda: L.strided(8, 8, 2, stride=0), ValueError, "stride"),
+    # causal= cuts block indices: True or False only ("lower_right" read as
+    # True would silently be the top-left cut)
+    (lambda: L.local_blocks(8, 8, 2, causal="lower_right"), TypeError,
+     "causal must be True or False.*is_causal='lower_right'"),
+    (lambda: L.strided(8, 8, 2, 2, causal=1), TypeError, "causal must be True or False"),
+    (lambda: L.global_local(8, 8, 2, causal=None), TypeError, "causal must be True or False"),
+    (lambda: L.bigbird(8, 8, 2, causal="yes"), TypeError, "causal must be True or False"),
     # the lengths of the pattern helpers and to_dense: ints >= 0
     (lambda: L.local_blocks(-1, 8, 2), ValueError, "Sq must be an int >= 0"),
     (lambda: L.strided(8, -3, 2, 2), ValueError, "Sk must be an int >= 0"),

@@ -170,11 +170,14 @@ def test_torch_keys_are_refused_for_a_grouped_module():
                            "out_proj.weight": np.zeros((64, 64)), "out_proj.bias": np.zeros(64)})
 
 
-@pytest.mark.parametrize("bad,err", [(3, ValueError), (0, ValueError), (16, ValueError),
-                                     (2.0, TypeError), (True, TypeError)])
+@pytest.mark.parametrize("bad,err", [(3, ValueError), (0, ValueError), (-2, ValueError),
+                                     (16, ValueError), (2.0, TypeError), (True, TypeError)])
 def test_bad_n_kv_heads(bad, err):
-    with pytest.raises(err, match="n_kv_heads"):
+    with pytest.raises(err, match="n_kv_heads") as info:
         MultiHeadAttention(64, 8, n_kv_heads=bad)
+    if err is ValueError:  # API.md §1: the message names both numbers
+        assert f"({bad})" in str(info.value) or f"got {bad}" in str(info.value)
+        assert "(8)" in str(info.value)
 
 
 def test_from_torch_refuses_kv_widths_that_are_not_whole_heads():

@@ -145,6 +145,14 @@ def test_errors():
         analyze(np.full((3, 3, 3), 1 / 3), module=m, loss=lambda: 0.0)
     with pytest.raises(TypeError, match="loss must be a callable"):
         ablate(m, 3.0)
+    # a loss written to take the output is refused before any head is switched
+    # off (API.md §6: loss takes no arguments, it runs the model itself)
+    before = m.W_o.weight.copy()
+    for bad in (lambda out: 0.0, lambda *, out: 0.0):
+        with pytest.raises(TypeError, match="no arguments.*runs the model itself"):
+            analyze(w, module=m, loss=bad)
+    assert np.array_equal(m.W_o.weight, before)
+    analyze(w, module=m, loss=lambda out=None: 0.0)  # optional arguments are fine
     with pytest.raises(TypeError, match="module must be an attention module"):
         ablate(object(), lambda: 0.0)
     with pytest.raises(ValueError, match=r"\(B, H, Sq, Sk\) or \(H, Sq, Sk\)"):

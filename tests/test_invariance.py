@@ -99,6 +99,32 @@ def test_batch_invariance_last_column_panel(isa, dtype, need_weights):
             assert np.array_equal(pw, fw[:, :, :k, :k])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("extra", ["add_bias_kv", "add_zero_attn"])
+def test_batch_invariance_with_extra_keys(isa, dtype, extra):
+    # the extra keys follow the last real key: a row's bits still do not
+    # depend on the batch, its other rows or the threads (the causal prefix
+    # is the documented exception: the extra keys' place moves with S)
+    m = MultiHeadAttention(96, 8, dtype=dtype, seed=5, **{extra: True}).eval()
+    x = _data(4, 17, 96, dtype)
+    y = x.copy()
+    y[1:] = _data(3, 17, 96, dtype, seed=8) * 100
+    before = mha_ext.get_num_threads()
+    try:
+        for nw in (True, False):
+            mha_ext.set_num_threads(1)
+            out, w = m(x, is_causal=True, need_weights=nw)
+            for b in range(4):
+                ob, wb = m(x[b:b + 1], is_causal=True, need_weights=nw)
+                assert np.array_equal(ob[0], out[b]), (b, np.abs(ob[0] - out[b]).max())
+                assert wb is None or np.array_equal(wb[0], w[b])
+            assert np.array_equal(m(y, is_causal=True, need_weights=nw)[0][0], out[0])
+            mha_ext.set_num_threads(2)
+            assert np.array_equal(m(x, is_causal=True, need_weights=nw)[0], out)
+    finally:
+        mha_ext.set_num_threads(before)
+
+
 @pytest.mark.parametrize("E,H,S", SHAPES)
 def test_batch_invariance_thread_count(isa, E, H, S):
     m = MultiHeadAttention(E, H, seed=4).eval()

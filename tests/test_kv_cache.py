@@ -247,10 +247,15 @@ def test_bad_caches_are_clear_errors(bad, err, match):
         bad(m, other)
 
 
-def test_extra_keys_refuse_a_cache():
-    m = MultiHeadAttention(64, 4, add_bias_kv=True, seed=0).eval()
-    with pytest.raises(ValueError, match="add_bias_kv"):
-        m(_x(1, 2, 64, "float32"), cache=m.new_cache(1, 4))
+@pytest.mark.parametrize("extra", ["add_bias_kv", "add_zero_attn"])
+def test_extra_keys_refuse_a_cache(extra):
+    # refused when the cache is made (no call could use it), by new_cache and
+    # cache_memory alike
+    m = MultiHeadAttention(64, 4, seed=0, **{extra: True}).eval()
+    with pytest.raises(ValueError, match="add_bias_kv or add_zero_attn"):
+        m.new_cache(1, 4)
+    with pytest.raises(ValueError, match="add_bias_kv or add_zero_attn"):
+        m.cache_memory(_x(1, 2, 64, "float32"))
 
 
 def test_a_cache_in_use_refuses_a_second_call_and_a_reset():

@@ -42,6 +42,8 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     for line, code in python_blocks(README.read_text()):
         if re.search(r"^\s*(import torch|from torch|from mha_ext.torch)", code, re.M):
             need("torch")
+        if re.search(r"^\s*import transformers", code, re.M):
+            need("transformers")
         if "plot_heads" in code:
             need("matplotlib")
         try:

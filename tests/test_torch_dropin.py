@@ -287,6 +287,84 @@ def test_swapped_refuses_subclasses_and_keeps_names_and_hooks():
     assert _err(got, want, "output") <= 1e-10
 
 
+def test_swapped_is_a_context_manager_and_refuses_other_objects():
+    # API.md §8: the call alone swaps nothing, and says so when dropped unused
+    stock = _build("TransformerEncoderLayer", True, False, torch.float32)
+    old = stock.self_attn
+    with pytest.warns(RuntimeWarning, match="never entered"):
+        mt.swapped(stock)
+        import gc
+        gc.collect()
+    assert stock.self_attn is old
+    for bad in (3, None, "model", [stock]):
+        with pytest.raises(TypeError, match="swapped\\(\\) takes a torch.nn.Module"):
+            mt.swapped(bad)
+    sw = mt.swapped(stock)
+    with sw as model:
+        assert model is stock and isinstance(stock.self_attn, MultiheadAttention)
+        with pytest.raises(RuntimeError, match="already entered"):
+            with sw:
+                pass
+        assert isinstance(stock.self_attn, MultiheadAttention)  # still swapped
+    assert stock.self_attn is old
+    with sw:  # entered again after it was left: swaps again
+        assert isinstance(stock.self_attn, MultiheadAttention)
+    assert stock.self_attn is old
+
+
+def test_merge_masks_is_torchs():
+    # torch's public method (TransformerEncoderLayer's fused path calls it)
+    torch.manual_seed(4)
+    ours, stock = MultiheadAttention(E, H, batch_first=True), nn.MultiheadAttention(
+        E, H, batch_first=True)
+    x = torch.randn(B, S, E)
+    am2, am3 = torch.rand(S, S) > 0.5, torch.rand(B * H, S, S) > 0.5
+    kpm = torch.rand(B, S) > 0.5
+    for args in [(am2, None), (None, kpm), (am2, kpm), (am3, kpm), (None, None),
+                 (am2.float(), kpm.float())]:
+        got, want = ours.merge_masks(*args, x), stock.merge_masks(*args, x)
+        assert got[1] == want[1]
+        assert (got[0] is None and want[0] is None) or torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "enable_grad"])
+@pytest.mark.parametrize("kind", ["MultiheadAttention", "MultiHeadAttention", "sdpa",
+                                  "TransformerEncoderLayer"])
+def test_jit_trace_records_the_call_not_its_result(kind, mode):
+    # traced under no_grad the plain path's output was recorded as a constant:
+    # the traced module returned the tracing input's output for every input
+    torch.manual_seed(3)
+    x, y = torch.randn(2, 5, E), torch.randn(2, 5, E)
+    if kind == "sdpa":
+        import mha_ext
+        q, q2 = x.reshape(2, H, 5, E // H), y.reshape(2, H, 5, E // H)
+
+        def f(a, b, c):
+            return mha_ext.scaled_dot_product_attention(a, b, c, is_causal=True)
+        fn, args, args2 = f, (q, q, q), (q2, q2, q2)
+    elif kind == "TransformerEncoderLayer":
+        fn = _build(kind, True, False, torch.float32).eval()
+        fn.self_attn = MultiheadAttention.from_torch(fn.self_attn)
+        args, args2 = (x,), (y,)
+    else:
+        fn = getattr(mt, kind)(E, H, batch_first=True).eval() if kind == "MultiheadAttention" \
+            else getattr(mt, kind)(E, H).eval()
+        args, args2 = (x, x, x), (y, y, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TracerWarnings about numpy conversions
+        with getattr(torch, mode)():
+            traced = torch.jit.trace(fn, args, check_trace=False)
+    with torch.no_grad():
+        got, want = traced(*args2), fn(*args2)
+    got = got[0] if isinstance(got, tuple) else got
+    want = want[0] if isinstance(want, tuple) else want
+    if kind == "TransformerEncoderLayer":  # the layer's own ops may trace to other
+        assert _err(got, want, "traced layer") <= TOL[torch.float32]  # kernels
+        assert _err(got, fn(*args), "tracing input's output") > 0.1
+    else:
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("bf,nf", CONFIGS, ids=lambda v: str(v))

@@ -106,6 +106,12 @@ def test_seq_first_shape_errors_quote_the_shapes_passed():
     m = MultiheadAttention(E, H)
     with pytest.raises(ValueError, match=r"you passed query \(4, 2, 8\), key \(5, 3, 8\)"):
         m(torch.randn(4, 2, E), torch.randn(5, 3, E), torch.randn(5, 3, E))
+    # and the NumPy module from a seq-first torch module (its checks see (B, S, E))
+    n = MultiHeadAttention.from_torch(nn.MultiheadAttention(E, H))
+    with pytest.raises(ValueError, match=r"you passed query \(4, 2, 8\), key \(5, 3, 8\)"):
+        n(rng_x(4, 2, E), rng_x(5, 3, E, seed=1), rng_x(5, 3, E, seed=2))
+    with pytest.raises(ValueError, match=r"attn_mask.*you passed query \(4, 2, 8\)"):
+        n(rng_x(4, 2, E), attn_mask=np.zeros((3, 3), bool))
 
 
 def test_batch_first_attribute_survives_copies_and_is_checked():
@@ -115,6 +121,9 @@ def test_batch_first_attribute_survives_copies_and_is_checked():
     m.mask_polarity = "keep"
     c = pickle.loads(pickle.dumps(m))
     assert c.batch_first is False and c.mask_polarity == "keep"
+    # repr shows both: they change what a call computes (API.md §2)
+    assert repr(c).endswith(", batch_first=False, mask_polarity='keep')")
+    assert "batch_first" not in repr(MultiHeadAttention(E, H))
     with pytest.raises(TypeError, match="batch_first"):
         m.batch_first = [True]
     with pytest.raises(ValueError, match="mask_polarity"):

@@ -85,6 +85,7 @@ again: BlockLayout = BlockLayout.from_dense(~dense, 64)
 q_block, k_block = band.block_size
 density: float = band.density
 sparse_out, _ = mha(np.zeros((1, 10, 64), np.float32), layout=band, need_weights=False)
+band_page: Explorer = mha_ext.explore(np.full((1, 2, 10, 10), 0.1), blocked=band)
 
 # training (README: "Training")
 mha.train()
