@@ -55,6 +55,15 @@ def _plot_file(text):
     folder = os.path.dirname(text) or "."
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError("folder %r does not exist" % folder)
+    try:  # the format too, when matplotlib is there (without it: said after the run)
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return text
+    ext = os.path.splitext(text)[1][1:].lower()
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in kinds:
+        raise argparse.ArgumentTypeError("matplotlib cannot write .%s files; use one of: %s"
+                                         % (ext, ", ".join(sorted(kinds))))
     return text
 
 

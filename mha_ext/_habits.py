@@ -125,8 +125,8 @@ def seq_first_shapes(exc, passed):
     """A call's ValueError for a batch_first=False module: the shapes it
     names are the transposed ones the checks saw, so the message says so and
     gives the shapes the caller passed."""
-    shapes = ", ".join(f"{name} {np.shape(x)}" for name, x in zip(("query", "key", "value"),
-                                                                   passed) if x is not None)
+    shapes = ", ".join(f"{name} {tuple(np.shape(x))}"
+                       for name, x in zip(("query", "key", "value"), passed) if x is not None)
     return (f"{exc} (shapes as (batch, seq, feature): with batch_first=False the inputs "
             f"(seq, batch, feature) are transposed first; you passed {shapes})")
 

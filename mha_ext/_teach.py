@@ -36,6 +36,14 @@ def weights_of(source: Any) -> tuple[np.ndarray, bool]:
     return w.astype(np.float64), averaged
 
 
+def shared_labels(tokens: Iterable[object] | None) -> Iterable[object] | None:
+    """tokens read once (a generator labels both axes), a str left for
+    labels() to refuse."""
+    if tokens is None or isinstance(tokens, str):
+        return tokens
+    return list(tokens)
+
+
 def labels(tokens: Iterable[object] | None, n: int, what: str,
            axis: str) -> list[str] | None:
     """tokens as n strings, or None; `what` names the argument, `axis` the

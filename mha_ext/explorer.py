@@ -165,8 +165,9 @@ class Explorer:
     def save(self, path: str | os.PathLike[str]) -> str:
         """Write the standalone page to path (str or path-like); returns path."""
         path = os.fspath(path)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_html(full_page=True))
+        page = self.to_html(full_page=True).encode("utf-8")  # before the file is made
+        with open(path, "wb") as f:                          # (a lone surrogate: no
+            f.write(page)                                    # half-written page)
         return path
 
     def __repr__(self) -> str:
@@ -178,7 +179,8 @@ def explore(source: Trace | ArrayLike, tokens: Iterable[object] | None = None, *
             key_tokens: Iterable[object] | None = None,
             blocked: ArrayLike | BlockLayout | None = None,
             title: object = None, layer: str | None = None,
-            head: Literal["all"] | Int = "all", max_values: int = MAX_VALUES) -> Explorer:
+            head: Literal["all"] | Int = "all",
+            max_values: int | None = MAX_VALUES) -> Explorer:
     """An :class:`Explorer` of a trace or of attention weights.
 
     source        a :class:`~mha_ext.Trace` (layers: raw scores, masked scores,
@@ -193,8 +195,10 @@ def explore(source: Trace | ArrayLike, tokens: Iterable[object] | None = None, *
     title         a caption (default: from the source's shape).
     layer         the layer shown first (default: "softmax" / "weights").
     head          "all" (default: one small heatmap per head) or a head index.
-    max_values    refuse to embed more numbers than this (ValueError): pick a
-                  batch slice of the weights instead of a huge page.
+    max_values    refuse to embed more numbers than this (ValueError; every
+                  head and layer is embedded, whatever `head` shows first):
+                  pick a batch slice of the weights or trace fewer tokens
+                  instead of a huge page, or None for no limit.
     """
     if hasattr(source, "steps") and hasattr(source, "sizes"):
         if blocked is not None:
@@ -231,9 +235,15 @@ def explore(source: Trace | ArrayLike, tokens: Iterable[object] | None = None, *
         if not 0 <= head < H:
             raise ValueError("head %d is out of range for %d heads" % (head, H))
     n = B * H * Sq * Sk * (len(layers) + (mask is not None))
-    if n > max_values:
-        raise ValueError("the explorer would embed %d values (more than max_values=%d): "
-                         "explore fewer batch items, e.g. weights[:1]" % (n, max_values))
+    if max_values is not None and (isinstance(max_values, bool)
+                                   or not isinstance(max_values, (int, np.integer))):
+        raise TypeError("max_values must be an int or None, got %r" % (max_values,))
+    if max_values is not None and n > max_values:
+        raise ValueError("the explorer would embed %d values (more than max_values=%d: "
+                         "B x H x Sq x Sk x %d layers): explore fewer batch items "
+                         "(weights[:1]) or a shorter sequence, or pass max_values=None "
+                         "to embed them all" % (n, max_values, n // max(B * H * Sq * Sk, 1)))
+    tokens = _teach.shared_labels(tokens)
     q_tokens = _teach.labels(query_tokens if query_tokens is not None else tokens, Sq,
                              "query_tokens" if query_tokens is not None else "tokens",
                              "queries") or [str(i) for i in range(Sq)]

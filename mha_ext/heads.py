@@ -9,7 +9,8 @@ Legend: B batch, H heads, Sq query length, Sk key length, Dk = E / H.
     report.plot()          # a matplotlib Figure (the optional "plot" extra)
 
 Per head, averaged over the batch and over the query rows that have weights
-(a row with every key blocked is NaN and is left out):
+(a row with every key blocked is NaN, or 0 under masked_rows="zero", and is
+left out):
 
 ``entropy``    -Σ_j a_ij·ln a_ij in nats: 0 for a head that looks at one key,
                ln Sk for one that spreads evenly.
@@ -27,7 +28,11 @@ Per head, averaged over the batch and over the query rows that have weights
                raises).
 
 Positions are those of the query and key axes (self-attention: i and j index
-the same sequence).  This module is plain NumPy; ``plot`` imports matplotlib.
+the same sequence); in a trace of a cached or lower-right call query i sits at
+key position i + Sk - Sq (its info["query_position"] for i = 0).  A trace
+whose weights went through dropout or a head mask is read through its
+"softmax" step: the pattern, before those factors.  This module is plain
+NumPy; ``plot`` imports matplotlib.
 """
 from __future__ import annotations
 
@@ -67,10 +72,25 @@ class _Heads(Protocol):
 
 
 def _weights(weights):
+    """(weights (B, H, Sq, Sk) as float64, the key position of query 0): a
+    trace's softmax when its weights went through dropout or a head mask
+    (the pattern, not those factors), its query_position (a cached or
+    lower-right call); an array as given, queries at positions 0.."""
     w, averaged = _teach.weights_of(weights)
     if averaged:
         raise ValueError("this trace's weights are averaged over heads "
                          "(average_weights=True): trace with per-head weights")
+    offset = 0
+    if _teach.is_trace(weights):
+        offset = int(weights.info.get("query_position", 0))
+        if "softmax" in weights and (weights.info.get("dropout_active")
+                                     or "head mask" in weights):
+            w = np.asarray(weights["softmax"].array, dtype=np.float64)
+    w = _with_rank_4(w)
+    return w, offset
+
+
+def _with_rank_4(w):
     if w.ndim == 3:
         w = w[None]
     if w.ndim != 4:
@@ -86,11 +106,14 @@ def head_stats(weights: Trace | ArrayLike) -> dict[str, np.ndarray]:
 
     weights: (B, H, Sq, Sk) or (H, Sq, Sk), a NumPy array, torch tensor,
     nested lists or a Trace.  A head with no valid row gets NaN."""
-    w = _weights(weights)
+    w, offset = _weights(weights)
     B, H, Sq, Sk = w.shape
-    valid = np.all(np.isfinite(w), axis=-1)                 # (B, H, Sq)
+    # a row is left out when a value is NaN/inf or it is all 0 (every key
+    # blocked under masked_rows="zero", or every weight dropped)
+    valid = np.all(np.isfinite(w), axis=-1) & np.any(w != 0, axis=-1)  # (B, H, Sq)
     a = np.where(valid[..., None], w, 0.0)
-    i = np.arange(Sq)[:, None]
+    pos = np.arange(Sq) + offset                            # query i's key position
+    i = pos[:, None]
     j = np.arange(Sk)[None, :]
 
     def mean_rows(per_row, rows=None):
@@ -104,7 +127,7 @@ def head_stats(weights: Trace | ArrayLike) -> dict[str, np.ndarray]:
     def at(offset_of_row):
         # weight on key k(i) for each query i; rows whose k(i) is outside Sk
         # are left out
-        k = offset_of_row(np.arange(Sq))
+        k = offset_of_row(pos)
         inside = (k >= 0) & (k < Sk)
         picked = a[..., np.arange(Sq), np.clip(k, 0, max(Sk - 1, 0))] \
             if Sk else np.zeros(a.shape[:-1])
@@ -301,8 +324,8 @@ def analyze(weights: Trace | ArrayLike, module: _Heads | None = None,
     heads of ``average_weights=True``), or of a trace; with ``module`` and
     ``loss``, a callable with no arguments that runs the model (see
     :func:`ablate`), it adds the column ``loss_delta``."""
-    w = _weights(weights)
-    values = head_stats(w)
+    w, _ = _weights(weights)
+    values = head_stats(weights)  # a trace's own positions and softmax
     base = None
     if (module is None) != (loss is None):
         raise ValueError("give both module and loss (to switch heads off), or neither")

@@ -125,6 +125,7 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
     H, Sq, Sk = w.shape
     if H == 0:
         raise ValueError("weights have no heads (shape %s)" % (w.shape,))
+    tokens = _teach.shared_labels(tokens)
     ylab = _teach.labels(query_tokens if query_tokens is not None else tokens, Sq,
                          "query_tokens" if query_tokens is not None else "tokens", "queries")
     xlab = _teach.labels(key_tokens if key_tokens is not None else tokens, Sk,
@@ -182,14 +183,15 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
         if xlab is not None:
             xt = _ticks(Sk)
             ax.set_xticks(xt)
-            ax.set_xticklabels([xlab[k] for k in xt] if bottom else [],
-                               rotation=90, fontsize=8)
+            ax.set_xticklabels([xlab[k] for k in xt] if bottom else [],  # tokens are
+                               rotation=90, fontsize=8, parse_math=False)  # text, not $math$
         elif not bottom:
             ax.set_xticklabels([])
         if ylab is not None:
             yt = _ticks(Sq)
             ax.set_yticks(yt)
-            ax.set_yticklabels([ylab[k] for k in yt] if left else [], fontsize=8)
+            ax.set_yticklabels([ylab[k] for k in yt] if left else [], fontsize=8,
+                               parse_math=False)
         elif not left:
             ax.set_yticklabels([])
         if bottom:
@@ -206,11 +208,35 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
     return fig
 
 
+def _runs(blocked):
+    """Rectangles (y0, y1, x0, x1), half-open, covering exactly the True
+    cells of blocked (Sq, Sk): each row's runs of True, a run that repeats
+    in the rows below merged into one rectangle (a causal mask: one per
+    row; the rectangles never overlap)."""
+    b = np.asarray(blocked, dtype=bool)
+    edge = np.zeros((b.shape[0], 1), dtype=np.int8)
+    d = np.diff(np.concatenate([edge, b.astype(np.int8), edge], axis=1), axis=1)
+    open_runs: dict[tuple[int, int], int] = {}  # (x0, x1) -> its first row
+    out = []
+    for y in range(b.shape[0]):
+        row = set(zip(np.flatnonzero(d[y] == 1).tolist(), np.flatnonzero(d[y] == -1).tolist()))
+        for run in [r for r in open_runs if r not in row]:
+            out.append((open_runs.pop(run), y) + run)
+        for run in row:
+            open_runs.setdefault(run, y)
+    out += [(y0, b.shape[0]) + run for run, y0 in open_runs.items()]
+    return out
+
+
 def _hatch(ax, blocked):
-    # blocked (Sq, Sk) bool: grey hatched squares over those cells
-    from matplotlib.collections import PatchCollection
-    from matplotlib.patches import Rectangle
-    ys, xs = np.nonzero(blocked)
-    squares = [Rectangle((x - 0.5, y - 0.5), 1, 1) for y, x in zip(ys, xs)]
-    ax.add_collection(PatchCollection(squares, facecolor="0.93", edgecolor="0.6",
-                                      hatch="////", linewidth=0))
+    # blocked (Sq, Sk) bool: grey hatched cells, as one path of rectangles
+    # (a patch per cell took ~0.2 ms each: 40 s for a causal S 600 head)
+    from matplotlib.patches import PathPatch
+    from matplotlib.path import Path
+    verts, codes = [], []
+    for y0, y1, x0, x1 in _runs(blocked):
+        verts += [(x0 - 0.5, y0 - 0.5), (x1 - 0.5, y0 - 0.5), (x1 - 0.5, y1 - 0.5),
+                  (x0 - 0.5, y1 - 0.5), (x0 - 0.5, y0 - 0.5)]
+        codes += [Path.MOVETO, Path.LINETO, Path.LINETO, Path.LINETO, Path.CLOSEPOLY]
+    ax.add_patch(PathPatch(Path(verts, codes), facecolor="0.93", edgecolor="0.6",
+                           hatch="////", linewidth=0))

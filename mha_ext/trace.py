@@ -97,8 +97,9 @@ class Trace:
       mean over heads for ``average_weights=True``).
     - ``trace.sizes``: the legend values, e.g. ``{"B": 2, "Sq": 10, ...}``.
     - ``trace.info``: dtype, training, dropout, which masks blocked or were
-      added, and ``"numpy_output"``, the NumPy steps' own output (it agrees
-      with ``trace.output`` to float rounding).
+      added, ``"query_position"`` (the key position of query 0: Sk - Sq for a
+      cached or lower-right call, else 0) and ``"numpy_output"``, the NumPy
+      steps' own output (it agrees with ``trace.output`` to float rounding).
     - ``print(trace)`` shows the shape flow as a table; in Jupyter the trace
       renders as an HTML table with its own CSS and a values preview per
       step (``to_html()``); ``save_html(path)`` writes it as a page.
@@ -240,8 +241,9 @@ class Trace:
     def save_html(self, path: str | os.PathLike[str], values: bool = True) -> str:
         """Write the trace as a standalone HTML page; returns path."""
         path = os.fspath(path)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_html(values=values, full_page=True))
+        page = self.to_html(values=values, full_page=True).encode("utf-8")  # before
+        with open(path, "wb") as f:                                         # the file
+            f.write(page)
         return path
 
 
@@ -524,6 +526,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     info = {"dtype": dtype.name, "training": bool(module.training),
             "dropout": p, "dropout_active": dropout_active,
             "blocked_by": list(why_blocked), "added": list(why_added),
+            # the keys' position of query 0 (a cached or lower-right call: L or Sk - Sq)
+            "query_position": int(Sk - Sq) if lower_right else 0,
             "numpy_output": out_np[0] if unbatched else out_np}
     if unbatched:
         sizes.pop("B")

@@ -152,11 +152,13 @@ def test_threads_apply_without_torch(tmp_path):
     assert r.stdout.strip().endswith("threads 3"), r.stdout
 
 
-def test_plot_to_an_unknown_format_is_a_message(tmp_path):
+def test_plot_to_an_unknown_format_is_a_message_before_the_run(tmp_path):
+    # (it used to run the whole demo, torch's comparison included, first)
     need("matplotlib")
     r = run_demo(tmp_path, *SMALL, "--plot", str(tmp_path / "x.xyz"))
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "cannot save the plot" in r.stderr and "[2, 2, 3, 8]" in r.stdout
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot write .xyz files; use one of:" in r.stderr and "png" in r.stderr
+    assert "shape flow" not in r.stdout
 
 
 def test_causal_plot_hatches_the_blocked_cells(tmp_path, monkeypatch):

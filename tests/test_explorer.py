@@ -125,11 +125,23 @@ def test_each_output_has_its_own_id():
                                                                  "have 2 queries"),
     ((np.ones((0, 2, 3)),), {}, ValueError, "no heads"),
     ((np.ones((2, 8, 100, 100)),), {"max_values": 10_000}, ValueError, "max_values=10000"),
+    ((np.ones((2, 8, 100, 100)),), {"max_values": 10_000}, ValueError, "max_values=None"),
+    ((np.ones((1, 2, 3)),), {"max_values": 1.5}, TypeError, "max_values must be an int or None"),
 ])
 def test_errors(args, kwargs, exc, words):
     with pytest.raises(exc) as e:
         explore(*args, **kwargs)
     assert words in str(e.value)
+
+
+def test_no_limit_and_generator_tokens():
+    # max_values=None embeds everything; tokens from a generator label both
+    # axes (it was used up by the query labels: "tokens has 0 labels")
+    page = explore(np.full((1, 1, 120, 120), 1 / 120), max_values=None,
+                   tokens=("w%d" % i for i in range(120))).to_html()
+    assert "w119" in page
+    with pytest.raises(ValueError, match="would embed 14400 values"):
+        explore(np.full((1, 1, 120, 120), 1 / 120), max_values=14_399)
 
 
 def test_blocked_is_for_weights_only():

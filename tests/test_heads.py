@@ -136,6 +136,41 @@ def test_report_text_html_plot():
     assert len([a for a in fig.axes if a.get_visible()]) == len(rep.columns)
 
 
+def test_trace_positions_rows_and_factors():
+    # a cached call's query i sits at key position L + i; rows that are all 0
+    # (masked_rows="zero") are left out as the NaN rows are; dropout and a
+    # head mask are factors on the weights, not the pattern: a trace's
+    # statistics read its softmax step then
+    rng = np.random.default_rng(5)
+    m = mha_ext.MultiHeadAttention(16, 2, seed=0).eval()
+    x = rng.standard_normal((1, 6, 16)).astype(np.float32)
+    q = rng.standard_normal((1, 2, 16)).astype(np.float32)
+    cache = m.new_cache(1, 8)
+    m(x, cache=cache)
+    t = m.trace(q, cache=cache)
+    assert t.info["query_position"] == 6
+    w = np.asarray(t.weights, np.float64)[0]           # (H, 2, 8)
+    got = head_stats(t)
+    np.testing.assert_allclose(got["same"], w[:, [0, 1], [6, 7]].mean(-1), rtol=1e-12)
+    np.testing.assert_allclose(got["previous"], w[:, [0, 1], [5, 6]].mean(-1), rtol=1e-12)
+    np.testing.assert_allclose(got["mirror"], w[:, [0, 1], [1, 0]].mean(-1), rtol=1e-12)
+    lr = m.trace(x[:, :4], x, x, is_causal="lower_right")
+    assert lr.info["query_position"] == 2
+    assert m.trace(x).info["query_position"] == 0
+    blocked = np.zeros((6, 6), bool)
+    blocked[1:] = True
+    for stat in ("same", "entropy", "first"):
+        np.testing.assert_allclose(head_stats(m.trace(x, mask=blocked, masked_rows="zero"))[stat],
+                                   head_stats(m.trace(x, mask=blocked))[stat], rtol=1e-12)
+    plain = head_stats(m.trace(x))
+    for t2 in (m.trace(x, head_mask=[0.0, 3.0]),
+               mha_ext.MultiHeadAttention(16, 2, dropout=0.8, seed=0).train().trace(x)):
+        got = head_stats(t2)
+        assert (got["entropy"] > 0).all() and (got["same"] <= 1).all()
+        if "head mask" in t2:
+            np.testing.assert_allclose(got["entropy"], plain["entropy"], rtol=1e-6)
+
+
 def test_errors():
     m = mha_ext.MultiHeadAttention(8, 2, seed=0)
     w = np.full((1, 2, 3, 3), 1 / 3)
