@@ -208,7 +208,7 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
     return fig
 
 
-def _runs(blocked):
+def _runs(blocked: np.ndarray) -> list[tuple[int, int, int, int]]:
     """Rectangles (y0, y1, x0, x1), half-open, covering exactly the True
     cells of blocked (Sq, Sk): each row's runs of True, a run that repeats
     in the rows below merged into one rectangle (a causal mask: one per
@@ -217,7 +217,7 @@ def _runs(blocked):
     edge = np.zeros((b.shape[0], 1), dtype=np.int8)
     d = np.diff(np.concatenate([edge, b.astype(np.int8), edge], axis=1), axis=1)
     open_runs: dict[tuple[int, int], int] = {}  # (x0, x1) -> its first row
-    out = []
+    out: list[tuple[int, int, int, int]] = []
     for y in range(b.shape[0]):
         row = set(zip(np.flatnonzero(d[y] == 1).tolist(), np.flatnonzero(d[y] == -1).tolist()))
         for run in [r for r in open_runs if r not in row]:

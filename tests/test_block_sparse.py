@@ -526,14 +526,19 @@ def test_trace_shows_the_layout_in_the_masked_scores():
     np.testing.assert_array_equal(np.isneginf(step.array[0, 0]), want)
     np.testing.assert_array_equal(tr.output, m(x, layout=lay, is_causal=True)[0])
     pytest.importorskip("matplotlib")
-    from matplotlib.collections import PatchCollection
-    for fig in (mha_ext.plot_heads(tr),
-                mha_ext.plot_heads(m(x, layout=lay)[1], blocked=lay)):
-        hatched = [c for ax in fig.axes for c in ax.collections
-                   if isinstance(c, PatchCollection)]
-        assert hatched, "no hatched cells drawn"
-        n = sum(len(c.get_paths()) for c in hatched[:1])
-        assert n == int((~lay.to_dense(11, 11)).sum()) or n >= int(want.sum())
+    from matplotlib.patches import PathPatch
+    for fig, cells in ((mha_ext.plot_heads(tr), want),
+                       (mha_ext.plot_heads(m(x, layout=lay)[1], blocked=lay),
+                        ~lay.to_dense(11, 11))):
+        # the first panel's hatching: one path of rectangles (5 vertices each)
+        hatched = [p for p in fig.axes[0].patches
+                   if isinstance(p, PathPatch) and p.get_hatch() == "////"]
+        assert len(hatched) == 1, "no hatched cells drawn"
+        drawn = np.zeros((11, 11), dtype=int)
+        for r in hatched[0].get_path().vertices.reshape(-1, 5, 2) + 0.5:
+            (x0, y0), (x1, y1) = r[0].astype(int), r[2].astype(int)
+            drawn[y0:y1, x0:x1] += 1
+        np.testing.assert_array_equal(drawn, cells.astype(int))
 
 
 def test_trace_lower_right_and_scale():
