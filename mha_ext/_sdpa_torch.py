@@ -17,7 +17,7 @@ import torch
 from . import _sdpa
 from . import _calls
 from ._convert import probability, to_numpy
-from ._torch_fn import _NoDoubleBackward, torch_stream
+from ._torch_fn import _NoDoubleBackward, refuse_traced_tensors, torch_stream
 
 __all__ = ["sdpa_torch", "SDPAFunction"]
 
@@ -127,6 +127,12 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         return sdpa_torch(up(query), up(key), up(value), up(attn_mask), dropout_p, is_causal,
                           scale, enable_gqa, seed, window=window, layout=layout,
                           head_mask=up(head_mask)).to(query.dtype)
+    hm_input = isinstance(head_mask, torch.Tensor) and head_mask.requires_grad
+    refuse_traced_tensors({"attn_mask": attn_mask, "head_mask": None if hm_input else head_mask})
+    if torch.jit.is_tracing() and dropout_p and seed is None:
+        raise RuntimeError("torch.jit.trace would fix this call's dropout draw (made from "
+                           "torch's generator outside the traced op) for every later call: "
+                           "trace with dropout_p=0, or pass seed=")
     if isinstance(attn_mask, torch.Tensor):
         if attn_mask.requires_grad and torch.is_grad_enabled():
             raise ValueError("attn_mask requires grad: mha_ext's backward gives no gradient "
@@ -136,7 +142,7 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                 p=p, seed=_sdpa._seed(seed, p, torch_stream),
                 window=_calls.sliding_window(window), layout=layout, head_mask=head_mask)
-    if isinstance(head_mask, torch.Tensor) and head_mask.requires_grad:
+    if hm_input:
         plan["head_mask"] = None
         return SDPAFunction.apply(plan, query, key, value, head_mask)
     return SDPAFunction.apply(plan, query, key, value)

@@ -142,11 +142,27 @@ def records(core, opts, tensors) -> bool:
                 or (core.training and core.dropout > 0) or _has_tangent(tensors))
 
 
+def refuse_traced_tensors(opts) -> None:
+    """Under torch.jit.trace a call is one PythonOp whose tensor inputs are
+    query, key, value and the parameters: a mask (or a head mask) rides in
+    opts, which the trace cannot record (torch's tracer fails with its own
+    "unordered_map::at", or, off grad, fixed the trace-time values).  Say so."""
+    if torch.jit.is_tracing():
+        named = [k for k, v in opts.items() if isinstance(v, torch.Tensor)]
+        if named:
+            raise RuntimeError(
+                f"torch.jit.trace cannot record mha_ext's {', '.join(named)} (they are not "
+                f"inputs of its autograd function): trace the call without them "
+                f"(is_causal=..., window=... are recorded as constants), or run the model "
+                f"eagerly or under torch.compile")
+
+
 def attention(core, opts, query, key, value, *params):
     """AttentionFunction.apply(core, opts, query, key, value, *params); or,
     when autograd will record nothing (grad mode off, as under no_grad and
     inference_mode, or no tensor requiring grad) and there is no dropout,
     the core's plain forward: nothing copied or kept for a backward."""
+    refuse_traced_tensors(opts)
     if records(core, opts, (query, key, value, *params)):
         return AttentionFunction.apply(core, opts, query, key, value, *params)
     return _plain(core, opts, query, key, value, _parts(core, params))
@@ -174,6 +190,7 @@ def attention_kept(module, core, opts, query, key, value, sources, get_params):
     This spares the parameters' conversions of a call (B 1, S 1, E 768:
     about a sixth of the drop-in's call)."""
     present = tuple(t for t in sources if t is not None)
+    refuse_traced_tensors(opts)
     if records(core, opts, (query, key, value, *present)):
         return AttentionFunction.apply(core, opts, query, key, value, *get_params())
     memory = None  # kept only for registered parameters (not a parametrization's

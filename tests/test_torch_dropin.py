@@ -365,6 +365,37 @@ def test_jit_trace_records_the_call_not_its_result(kind, mode):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "enable_grad"])
+def test_jit_trace_refuses_what_it_cannot_record(mode):
+    # masks ride outside the autograd function's inputs: the trace fixed them
+    # (the SDPA twin: silently, with either grad mode) or torch's tracer
+    # failed with "unordered_map::at"; SDPA's dropout draw likewise
+    import mha_ext
+    torch.manual_seed(5)
+    x = torch.randn(2, 5, E)
+    q = x.reshape(2, H, 5, E // H)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    keep = torch.ones(5, 5, dtype=torch.bool)
+    drop_in = MultiheadAttention(E, H, batch_first=True).eval()
+    ours = mt.MultiHeadAttention(E, H).eval()
+    calls = [
+        (lambda a, m: drop_in(a, a, a, key_padding_mask=m)[0], (x, kpm), "key_padding_mask"),
+        (lambda a, m: drop_in(a, a, a, attn_mask=m)[0], (x, ~keep), "attn_mask"),
+        (lambda a, m: ours(a, mask=m)[0], (x, ~keep), "mask"),
+        (lambda a, m: ours(a, head_mask=m)[0], (x, torch.ones(H)), "head_mask"),
+        (lambda a, m: mha_ext.scaled_dot_product_attention(a, a, a, attn_mask=m), (q, keep),
+         "attn_mask"),
+        (lambda a, m: mha_ext.scaled_dot_product_attention(a, a, a, dropout_p=0.5), (q, keep),
+         "dropout draw"),
+    ]
+    for fn, args, words in calls:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with getattr(torch, mode)(), pytest.raises(RuntimeError, match=words):
+                torch.jit.trace(fn, args, check_trace=False)
+        fn(*args)  # eagerly: fine
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("bf,nf", CONFIGS, ids=lambda v: str(v))
