@@ -8,6 +8,7 @@ in the model's own parameters and an optimiser built on
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Generic, TypeVar
 
@@ -103,7 +104,7 @@ def restore(model, record):
 _Model = TypeVar("_Model", bound=nn.Module)
 
 
-class swapped(Generic[_Model]):
+class swapped(contextlib.ContextDecorator, Generic[_Model]):
     """``with mha_ext.torch.swapped(model): model(x)`` -- inside the block
     every torch.nn.MultiheadAttention of model is computed by mha_ext (the
     same parameters, shared); after it the original modules are back, also
@@ -112,7 +113,8 @@ class swapped(Generic[_Model]):
     A context manager, not a function: ``swapped(model)`` alone changes
     nothing (a RuntimeWarning says so when such an object is dropped
     unused).  `model` must be a torch.nn.Module (a TypeError otherwise);
-    the swap itself happens on entering the block."""
+    the swap itself happens on entering the block.  As a decorator
+    (``@swapped(model)``), each call of the function runs inside it."""
 
     def __init__(self, model: _Model) -> None:
         if not isinstance(model, nn.Module):

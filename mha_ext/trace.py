@@ -459,8 +459,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     if G > 1:  # grouped-query attention: each K/V head serves G query heads
         kh = np.repeat(kh, G, axis=1)
         vh = np.repeat(vh, G, axis=1)
-        add("K/V groups", f"query head h reads K/V head h // {G} (K, V → [B, H, Sk, Dk])",
-            ("B", "H", "Sk", "Dk"), kh)
+        add("K/V groups", f"query head h reads K/V head h // {G}: K → [B, H, Sk, Dk] "
+            f"(shown; V alike)", ("B", "H", "Sk", "Dk"), kh)
 
     given = score_scale(kwargs.get("scale"))
     scale = dtype.type(1.0 / np.sqrt(Dk) if given is None else given)

@@ -311,6 +311,12 @@ def test_swapped_is_a_context_manager_and_refuses_other_objects():
         assert isinstance(stock.self_attn, MultiheadAttention)
     assert stock.self_attn is old
 
+    @mt.swapped(stock)  # a decorator too, as contextlib's context managers are
+    def inside():
+        return type(stock.self_attn)
+    assert inside() is MultiheadAttention and inside() is MultiheadAttention
+    assert stock.self_attn is old
+
 
 def test_merge_masks_is_torchs():
     # torch's public method (TransformerEncoderLayer's fused path calls it)
