@@ -95,23 +95,8 @@ static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                      (long long)cfg.d_model, (long long)cfg.n_heads);
         return NULL;
     }
-    if (o_kvh != Py_None) { /* grouped-query attention: Hkv divides H */
-        if (positive_int(o_kvh, "n_kv_heads", &cfg.n_kv_heads) < 0) {
-            if (PyErr_ExceptionMatches(PyExc_ValueError)) { /* name both numbers */
-                PyErr_Clear();
-                PyErr_Format(PyExc_ValueError,
-                             "n_kv_heads must be a positive int dividing n_heads (%lld), "
-                             "got %R", (long long)cfg.n_heads, o_kvh);
-            }
-            return NULL;
-        }
-        if (cfg.n_heads % cfg.n_kv_heads != 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "n_kv_heads (%lld) must divide n_heads (%lld)",
-                         (long long)cfg.n_kv_heads, (long long)cfg.n_heads);
-            return NULL;
-        }
-    }
+    if (o_kvh != Py_None && kv_heads_arg(o_kvh, cfg.n_heads, &cfg.n_kv_heads) < 0)
+        return NULL;
     cfg.kdim = cfg.d_model;
     cfg.vdim = cfg.d_model;
     if (o_kdim != Py_None && positive_int(o_kdim, "kdim", &cfg.kdim) < 0) return NULL;

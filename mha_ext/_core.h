@@ -123,6 +123,7 @@ static inline int typenum_of(const MHAObject *self)
 
 /* ---------------------------------------------------------------- arguments */
 int positive_int(PyObject *obj, const char *name, int64_t *out);
+int kv_heads_arg(PyObject *obj, int64_t n_heads, int64_t *out);
 int parse_flag(PyObject *obj, const char *name, int *out);
 PyObject *shape_str(PyArrayObject *arr); /* str(arr.shape) */
 int parse_dropout(PyObject *obj, const char *name, double *out);

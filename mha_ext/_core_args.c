@@ -53,6 +53,27 @@ fail:
     return rc;
 }
 
+/* n_kv_heads (grouped-query attention): a positive int dividing n_heads;
+ * a ValueError names both numbers */
+int kv_heads_arg(PyObject *obj, int64_t n_heads, int64_t *out)
+{
+    if (positive_int(obj, "n_kv_heads", out) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_ValueError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError,
+                         "n_kv_heads must be a positive int dividing n_heads (%lld), got %R",
+                         (long long)n_heads, obj);
+        }
+        return -1;
+    }
+    if (n_heads % *out != 0) {
+        PyErr_Format(PyExc_ValueError, "n_kv_heads (%lld) must divide n_heads (%lld)",
+                     (long long)*out, (long long)n_heads);
+        return -1;
+    }
+    return 0;
+}
+
 /* An int in [0, 2**64) (seed, counter, token). */
 int parse_u64(PyObject *obj, const char *name, uint64_t *out)
 {
