@@ -6,6 +6,7 @@ Legend: B batch, H heads, Sq query length, Sk key length.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,6 +35,16 @@ def weights_of(source: Any) -> tuple[np.ndarray, bool]:
     if w.dtype.kind not in "biuf":
         raise TypeError("weights must be real numbers, got dtype %s" % w.dtype)
     return w.astype(np.float64), averaged
+
+
+def write_page(path: str | os.PathLike[str], page: str) -> str:
+    """Write an HTML page as UTF-8; encoded before the file is made (a lone
+    surrogate: an error, no half-written file).  Returns the path as a str."""
+    path = os.fspath(path)
+    data = page.encode("utf-8")
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
 
 
 def shared_labels(tokens: Iterable[object] | None) -> Iterable[object] | None:

@@ -135,9 +135,12 @@ def records(core, opts, tensors) -> bool:
     """Whether a call must go through AttentionFunction: autograd records it
     (grad mode on and a tensor requiring grad), it has dropout or a head mask
     to differentiate, a tensor carries a forward-mode tangent, or torch.jit.trace
-    is recording (the plain path's result would be traced as a constant)."""
+    is recording (the plain path's result would be traced as a constant;
+    refuse_traced_tensors refuses what the traced op cannot take)."""
+    if torch.jit.is_tracing():  # the trace's PythonOp, not a constant; and what
+        refuse_traced_tensors(opts)  # that op cannot take as an input, refused
+        return True
     return bool((torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-                or torch.jit.is_tracing()  # the trace's PythonOp: not a constant
                 or opts.get("dropout") or opts.get("head_mask_input")
                 or (core.training and core.dropout > 0) or _has_tangent(tensors))
 
@@ -162,7 +165,6 @@ def attention(core, opts, query, key, value, *params):
     when autograd will record nothing (grad mode off, as under no_grad and
     inference_mode, or no tensor requiring grad) and there is no dropout,
     the core's plain forward: nothing copied or kept for a backward."""
-    refuse_traced_tensors(opts)
     if records(core, opts, (query, key, value, *params)):
         return AttentionFunction.apply(core, opts, query, key, value, *params)
     return _plain(core, opts, query, key, value, _parts(core, params))
@@ -190,7 +192,6 @@ def attention_kept(module, core, opts, query, key, value, sources, get_params):
     This spares the parameters' conversions of a call (B 1, S 1, E 768:
     about a sixth of the drop-in's call)."""
     present = tuple(t for t in sources if t is not None)
-    refuse_traced_tensors(opts)
     if records(core, opts, (query, key, value, *present)):
         return AttentionFunction.apply(core, opts, query, key, value, *get_params())
     memory = None  # kept only for registered parameters (not a parametrization's

@@ -33,6 +33,7 @@ from torch.nn.parameter import Parameter
 from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
+from ._habits import seq_first_shapes
 from ._torch_fn import attention, attention_kept, refuse_mask_grads
 from ._types import Int, Window
 
@@ -402,11 +403,7 @@ class MultiheadAttention(nn.Module):
             except ValueError as exc:
                 if not batched or self.batch_first:
                     raise
-                raise ValueError(
-                    f"{exc} (shapes as (batch, seq, feature): with batch_first=False the "
-                    f"inputs (seq, batch, feature) are transposed first; you passed query "
-                    f"{tuple(query.shape)}, key {tuple(key.shape)}, value "
-                    f"{tuple(value.shape)})") from None
+                raise ValueError(seq_first_shapes(exc, (query, key, value))) from None
         if batched and not self.batch_first:
             out = out.transpose(0, 1)
         return out, (weights if need_weights else None)

@@ -164,11 +164,7 @@ class Explorer:
 
     def save(self, path: str | os.PathLike[str]) -> str:
         """Write the standalone page to path (str or path-like); returns path."""
-        path = os.fspath(path)
-        page = self.to_html(full_page=True).encode("utf-8")  # before the file is made
-        with open(path, "wb") as f:                          # (a lone surrogate: no
-            f.write(page)                                    # half-written page)
-        return path
+        return _teach.write_page(path, self.to_html(full_page=True))
 
     def __repr__(self) -> str:
         return "Explorer(shape=%s, layers=%s)" % (list(self.shape), self.layers)

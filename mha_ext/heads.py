@@ -106,7 +106,11 @@ def head_stats(weights: Trace | ArrayLike) -> dict[str, np.ndarray]:
 
     weights: (B, H, Sq, Sk) or (H, Sq, Sk), a NumPy array, torch tensor,
     nested lists or a Trace.  A head with no valid row gets NaN."""
-    w, offset = _weights(weights)
+    return _stats(*_weights(weights))
+
+
+def _stats(w: np.ndarray, offset: int) -> dict[str, np.ndarray]:
+    # head_stats of _weights' (B, H, Sq, Sk) float64 weights, query 0 at key offset
     B, H, Sq, Sk = w.shape
     # a row is left out when a value is NaN/inf or it is all 0 (every key
     # blocked under masked_rows="zero", or every weight dropped)
@@ -324,8 +328,8 @@ def analyze(weights: Trace | ArrayLike, module: _Heads | None = None,
     heads of ``average_weights=True``), or of a trace; with ``module`` and
     ``loss``, a callable with no arguments that runs the model (see
     :func:`ablate`), it adds the column ``loss_delta``."""
-    w, _ = _weights(weights)
-    values = head_stats(weights)  # a trace's own positions and softmax
+    w, offset = _weights(weights)
+    values = _stats(w, offset)
     base = None
     if (module is None) != (loss is None):
         raise ValueError("give both module and loss (to switch heads off), or neither")

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, SupportsIndex
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _habits
+from . import _habits, _teach
 from ._core import MultiHeadAttention as _CoreModule
 from ._calls import head_mean, score_scale
 from .cache import KVCache
@@ -240,11 +240,7 @@ class Trace:
 
     def save_html(self, path: str | os.PathLike[str], values: bool = True) -> str:
         """Write the trace as a standalone HTML page; returns path."""
-        path = os.fspath(path)
-        page = self.to_html(values=values, full_page=True).encode("utf-8")  # before
-        with open(path, "wb") as f:                                         # the file
-            f.write(page)
-        return path
+        return _teach.write_page(path, self.to_html(values=values, full_page=True))
 
 
 # The table's look, scoped to .mha-trace: readable outside Jupyter (a plain
