@@ -27,7 +27,9 @@ def weights_of(source: Any) -> tuple[np.ndarray, bool]:
     averaged = False
     if is_trace(source):
         if source.weights is None:
-            raise ValueError("this trace has no weights (need_weights=False)")
+            raise ValueError("this trace has no weights (need_weights=False): trace the "
+                             "call with need_weights=True (explore(trace) shows its "
+                             "\"softmax\" step either way)")
         averaged = ("masked scores" in source and
                     np.ndim(source.weights) < np.ndim(source["masked scores"].array))
         source = source.weights
@@ -35,6 +37,19 @@ def weights_of(source: Any) -> tuple[np.ndarray, bool]:
     if w.dtype.kind not in "biuf":
         raise TypeError("weights must be real numbers, got dtype %s" % w.dtype)
     return w.astype(np.float64), averaged
+
+
+def trace_blocked(tr: Any) -> np.ndarray | None:
+    """A trace's blocked cells (True where a mask blocked the cell), the
+    masked scores' shape, or None: its info["blocked"], else (an object
+    like a trace without it) the masked scores' -inf cells."""
+    info = getattr(tr, "info", None)
+    if isinstance(info, dict) and "blocked" in info:
+        b = info["blocked"]
+        return None if b is None else np.asarray(b, dtype=bool)
+    if "masked scores" not in tr:
+        return None
+    return np.asarray(np.isneginf(np.asarray(tr["masked scores"].array)))
 
 
 def write_page(path: str | os.PathLike[str], page: str) -> str:

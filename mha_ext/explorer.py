@@ -66,11 +66,15 @@ def _asset(name):
 
 
 def _encode(a):
-    """A float array as a JSON list: 4 significant digits, null for NaN/±inf."""
+    """A float array as a JSON list: 4 significant digits, ±1e999 for ±inf
+    (JSON has no infinity; JSON.parse and json.loads read these as ±inf),
+    null for NaN."""
     flat = np.asarray(a, dtype=np.float64).ravel()
     fin = np.isfinite(flat)
     out = np.full(flat.shape, "null", dtype=object)
     out[fin] = [("%.4g" % v) for v in flat[fin]]
+    out[np.isposinf(flat)] = "1e999"
+    out[np.isneginf(flat)] = "-1e999"
     return "[" + ",".join(out) + "]"
 
 
@@ -208,7 +212,9 @@ def explore(source: Trace | ArrayLike, tokens: Iterable[object] | None = None, *
                   ("softmax", soft, "probability")]
         if "dropout" in tr:
             layers.append(("dropout", step("dropout"), "probability"))
-        mask: np.ndarray | None = np.isneginf(masked)
+        cut = _teach.trace_blocked(tr)   # None: no mask blocked a cell
+        mask: np.ndarray | None = np.zeros(masked.shape, dtype=bool) if cut is None else \
+            _batched(np.broadcast_to(cut, tr["masked scores"].array.shape), 4)
         first = layer or "softmax"
     else:
         w, _ = _teach.weights_of(source)
@@ -222,6 +228,10 @@ def explore(source: Trace | ArrayLike, tokens: Iterable[object] | None = None, *
     B, H, Sq, Sk = layers[0][1].shape
     if H == 0:
         raise ValueError("there are no heads to explore (shape %s)" % (layers[0][1].shape,))
+    if B == 0 or Sq == 0 or Sk == 0:
+        raise ValueError("there is nothing to explore: %s (shape %s as (B, H, Sq, Sk))"
+                         % ("no batch items" if B == 0 else "no queries" if Sq == 0
+                            else "no keys", layers[0][1].shape))
     names = [n for n, _, _ in layers]
     if first not in names:
         raise ValueError("layer must be one of %s, got %r" % (names, first))

@@ -43,13 +43,12 @@ def _matplotlib():
 
 def _blocked(weights: object, blocked: object,
              shape: tuple[int, ...]) -> np.ndarray | None:
-    # True where a mask blocked the cell: given, or a Trace's -inf scores (for
+    # True where a mask blocked the cell: given, or a Trace's masks (for
     # weights averaged over heads: the cells blocked in every head)
     if blocked is None and _teach.is_trace(weights):
-        tr = cast("Trace", weights)
-        if "masked scores" not in tr:
+        m = _teach.trace_blocked(cast("Trace", weights))
+        if m is None:
             return None
-        m = np.asarray(np.isneginf(np.asarray(tr["masked scores"].array)))
         if m.shape != shape and m.ndim >= 3:
             m = np.asarray(m.all(axis=-3, keepdims=True))
         return m if m.shape == shape else None
@@ -125,6 +124,9 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
     H, Sq, Sk = w.shape
     if H == 0:
         raise ValueError("weights have no heads (shape %s)" % (w.shape,))
+    if Sq == 0 or Sk == 0:
+        raise ValueError("there is nothing to plot: the weights have no %s (shape %s)"
+                         % ("queries" if Sq == 0 else "keys", w.shape))
     tokens = _teach.shared_labels(tokens)
     ylab = _teach.labels(query_tokens if query_tokens is not None else tokens, Sq,
                          "query_tokens" if query_tokens is not None else "tokens", "queries")

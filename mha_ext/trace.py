@@ -57,7 +57,7 @@ class Step(NamedTuple):
     ``name``     short name, unique within the trace ("Q projection", ...)
     ``formula``  what the step computes, in the notation of the legend
     ``shape``    the array's shape, a tuple of ints
-    ``array``    the NumPy array itself
+    ``array``    the NumPy array itself (read-only: steps may share memory)
     ``dims``     the symbolic shape, a tuple of legend names ("B", "H", ...)
     """
 
@@ -97,9 +97,16 @@ class Trace:
       mean over heads for ``average_weights=True``).
     - ``trace.sizes``: the legend values, e.g. ``{"B": 2, "Sq": 10, ...}``.
     - ``trace.info``: dtype, training, dropout, which masks blocked or were
-      added, ``"query_position"`` (the key position of query 0: Sk - Sq for a
-      cached or lower-right call, else 0) and ``"numpy_output"``, the NumPy
-      steps' own output (it agrees with ``trace.output`` to float rounding).
+      added (in words), ``"blocked"`` (a read-only bool array of the masked
+      scores' shape, True where a mask blocked the cell: a bool mask's True
+      or a float mask's -inf, causal, window, layout; ``None`` when nothing
+      is blocked), ``"query_position"`` (the key position of query 0: Sk -
+      Sq for a cached or lower-right call, else 0) and ``"numpy_output"``,
+      the NumPy steps' own output (it agrees with ``trace.output`` to float
+      rounding).
+    - The steps' arrays are read-only: steps share memory ("masked scores"
+      is "raw scores" when no mask is given, "K heads" a view of "K
+      projection"); ``.copy()`` one to change it.
     - ``print(trace)`` shows the shape flow as a table; in Jupyter the trace
       renders as an HTML table with its own CSS and a values preview per
       step (``to_html()``); ``save_html(path)`` writes it as a page.
@@ -283,6 +290,16 @@ def _preview(a, rows=4, cols=6):
 def _as_array(x, dtype):
     """x as an ndarray of dtype (torch tensors, also ones needing grad)."""
     return np.array(to_numpy(x), dtype=dtype)     # a copy: steps never alias inputs
+
+
+def _read_only(x: np.ndarray) -> np.ndarray:
+    """A read-only view of x: steps share memory ("masked scores" is "raw
+    scores" when no mask blocks, "K heads" a view of "K projection"), so
+    writing into one would change another; the caller's arrays stay as
+    they were."""
+    v = x.view()
+    v.flags.writeable = False
+    return v
 
 
 def _linear(x, weight, bias):
@@ -482,6 +499,12 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
         formula = "S (no mask given)"
     masked = masked.astype(dtype, copy=False)
     add("masked scores", formula, ("B", "H", "Sq", "Sk"), masked)
+    # the cells a mask blocked (a bool mask's True, a float mask's -inf): not
+    # read back from the -inf scores, which a scale of ±inf also makes
+    cut = blocked
+    if added is not None and np.isneginf(added).any():
+        cut = np.isneginf(added) if cut is None else (cut | np.isneginf(added))
+    cells = None if cut is None else np.broadcast_to(cut, (B, H, Sq, Sk))
 
     zero_rows = kwargs.get("masked_rows", "nan") == "zero"
     a = _softmax(masked, zero_rows)
@@ -517,11 +540,15 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
             arr = output            # the call's own result
         elif name == "dropout":
             arr = dropped           # the call's own weights after dropout
-        final.append(Step(name, formula, tuple(arr.shape), arr, tuple(dims)))
+        final.append(Step(name, formula, tuple(arr.shape), _read_only(arr), tuple(dims)))
+    if cells is not None:
+        cells = _read_only(cells[0] if unbatched else cells)
 
     info = {"dtype": dtype.name, "training": bool(module.training),
             "dropout": p, "dropout_active": dropout_active,
             "blocked_by": list(why_blocked), "added": list(why_added),
+            # True where a mask blocked the cell, the masked scores' shape; None: none did
+            "blocked": cells,
             # the keys' position of query 0 (a cached or lower-right call: L or Sk - Sq)
             "query_position": int(Sk - Sq) if lower_right else 0,
             "numpy_output": out_np[0] if unbatched else out_np}

@@ -310,3 +310,47 @@ def test_long_sequence_in_chromium(tmp_path, capsys):
     blocked = np.isneginf(tr["masked scores"].array[0])
     _check_cells(out["cells1"], tr["softmax"].array[0, 1], blocked[1])
     _screenshot(browser, text, tmp_path, "explorer-long", capsys, drive=False)
+
+
+LEGEND_PROBE = r"""<script>
+window.__mhaExtra = function () {
+  var root = document.querySelector(".mha-explorer"), ex = root.mhaExplorer, out = {};
+  var legend = function () { return root.querySelector(".mha-legend").textContent; };
+  var show = function (layer, head, scale) {
+    ex.state.layer = layer; ex.state.head = head; ex.state.scale = scale; ex.draw();
+    return legend(); };
+  out.soft_row = show(2, 0, "row");
+  out.raw_row = show(0, 0, "row");
+  out.raw_head1 = show(0, 1, "head");
+  out.soft_all_heads = show(2, -1, "head");
+  out.raw_shared = show(0, -1, "all");
+  show(2, 0, "row");
+  out.tip = ex.describe(1, 3, 1);
+  out.tip_blocked = ex.describe(1, 1, 3);
+  return out;
+};
+</script>"""
+
+
+def test_legend_and_hover_say_what_is_drawn(tmp_path):
+    """The legend names the range each colour scale spans (each head's own in
+    the all-heads view; 0 for probabilities), hover values keep the page's 4
+    significant digits, a blocked cell's score reads -inf (blocked)."""
+    browser = _chromium()
+    tr = _trace()
+    text = explore(tr).to_html(full_page=True).replace("</body>", LEGEND_PROBE + "</body>")
+    out = _probe(browser, text, tmp_path, "legend")
+    assert out["errors"] == [] and out["violations"] == [], out
+    x = out["extra"]
+    assert "softmax: each row from 0 to its largest" in x["soft_row"], x
+    assert "raw scores: each row from its smallest value to its largest" in x["raw_row"], x
+    assert "softmax: each head from 0 to its largest" in x["soft_all_heads"], x
+    raw = tr["raw scores"].array[0]
+    lo, hi = raw[1].min(), raw[1].max()
+    assert "raw scores: head 1, %.4g \u2026 %.4g" % (lo, hi) in x["raw_head1"], x
+    assert "raw scores: all heads, %.4g \u2026 %.4g" % (raw.min(), raw.max()) in x["raw_shared"], x
+    lines = dict(line.split(":", 1) for line in x["tip"].split("\n")[2:] if ":" in line)
+    for name in ("raw scores", "softmax"):
+        v = float("%.4g" % tr[name].array[0, 1, 3, 1])
+        assert lines[name].strip() == ("%.4g" % v), (name, lines[name], v)
+    assert "masked scores: \u2212\u221e (blocked)" in x["tip_blocked"], x

@@ -47,7 +47,8 @@ def test_trace_layers_values_and_blocked_cells():
         want = tr[layer["name"]].array
         fin = np.isfinite(want)
         np.testing.assert_allclose(v[fin], want[fin], rtol=1e-3, atol=1e-6)
-        assert np.all(np.isnan(v[~fin]))           # -inf travels as null
+        # -inf (blocked) travels as -1e999, which JSON parsers read as -inf
+        np.testing.assert_array_equal(v[~fin], want[~fin])
     soft = _values(d["layers"][2], (2, 2, 5, 5))
     np.testing.assert_allclose(np.nansum(soft, -1), 1, atol=2e-3)
 
@@ -165,3 +166,30 @@ def test_blocked_may_be_a_block_layout():
     blocked = np.array(d["blocked"]).reshape(1, 2, 8, 8)
     assert blocked.sum() == 2 * 32
     assert (blocked[0, 0] == ~lay.to_dense(8, 8)).all()
+
+
+def test_blocked_cells_come_from_the_masks_and_infinities_travel():
+    """A scale of +inf makes finite cells -inf: the page still hatches only
+    what the masks blocked, and carries ±inf (JSON has none) as ±1e999."""
+    tr = _trace(is_causal=True, scale=float("inf"))
+    causal = np.triu(np.ones((5, 5), dtype=bool), 1)
+    masked = tr["masked scores"].array
+    assert np.isneginf(masked[..., ~causal]).any()      # -inf the scale made
+    d = _data(explore(tr).to_html())
+    blocked = np.array(d["blocked"]).reshape(2, 2, 5, 5).astype(bool)
+    np.testing.assert_array_equal(blocked, np.broadcast_to(causal, (2, 2, 5, 5)))
+    for layer in d["layers"][:2]:
+        np.testing.assert_array_equal(_values(layer, (2, 2, 5, 5)),
+                                      tr[layer["name"]].array)
+    assert "1e999" in explore(tr).to_html()
+
+
+@pytest.mark.parametrize("shape, words", [
+    ((0, 5, 16), "no batch items"), ((2, 0, 16), "no queries")])
+def test_nothing_to_explore_is_a_clear_error(shape, words):
+    m = mha_ext.MultiHeadAttention(16, 2, seed=0).eval()
+    tr = m.trace(np.zeros(shape))
+    with pytest.raises(ValueError, match="nothing to explore: " + words):
+        explore(tr)
+    with pytest.raises(ValueError, match="nothing to explore: no keys"):
+        explore(np.zeros((1, 2, 3, 0)))

@@ -252,3 +252,27 @@ def test_row_scale_of_a_fully_blocked_row_warns_nothing(mpl):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plot_heads(w, scale="row", blocked=blocked)
+
+
+def test_hatching_comes_from_the_masks_not_from_minus_inf_scores(mpl):
+    """scale=+inf sends finite scores to -inf: only the causal cells are
+    hatched (they were read back from -inf scores once)."""
+    m = mha_ext.MultiHeadAttention(16, 2, seed=3).eval()
+    S = 6
+    tr = m.trace(np.random.default_rng(3).standard_normal((1, S, 16)), is_causal=True,
+                 scale=float("inf"))
+    causal = np.triu(np.ones((S, S), dtype=bool), 1)
+    assert np.isneginf(tr["masked scores"].array[..., ~causal]).any()
+    for ax in heatmaps(plot_heads(tr)):
+        cells, _ = hatched_cells(ax, (S, S))
+        assert np.array_equal(cells, causal.astype(int))
+
+
+def test_nothing_to_plot_is_a_clear_error(mpl):
+    with pytest.raises(ValueError, match="nothing to plot: the weights have no queries"):
+        plot_heads(np.zeros((2, 0, 3)))
+    with pytest.raises(ValueError, match="nothing to plot: the weights have no keys"):
+        plot_heads(np.zeros((1, 2, 3, 0)))
+    m = mha_ext.MultiHeadAttention(16, 2, seed=0).eval()
+    with pytest.raises(ValueError, match=r"no weights \(need_weights=False\): trace the call"):
+        plot_heads(m.trace(np.ones((1, 3, 16)), need_weights=False))

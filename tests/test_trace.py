@@ -133,7 +133,8 @@ def test_self_attention_values(dtype):
     # what the call returns, bit for bit
     np.testing.assert_array_equal(tr.output, out)
     np.testing.assert_array_equal(tr.weights, w)
-    assert tr["output projection"].array is tr.output
+    # the step is a read-only view of the call's own output
+    assert np.shares_memory(tr["output projection"].array, tr.output)
     np.testing.assert_array_equal(x, x_before)          # input untouched
     # every NumPy step agrees with the plain float64 reference
     ref = reference(m, x, x, x)
@@ -521,3 +522,36 @@ def test_formulas_fold_the_offsets_and_gqa_keeps_the_query_path():
     formula = t["masked scores"].formula
     assert "j < i + 1" in formula and "j > i + 2 (window)" in formula, formula
     assert "[B, H, Sk, Dk]" not in t.shape_flow()
+
+
+def test_steps_are_read_only_and_info_holds_the_blocked_cells():
+    m = mha_ext.MultiHeadAttention(16, 2, seed=0).eval()
+    x = np.random.default_rng(0).standard_normal((2, 4, 16))
+    tr = m.trace(x)
+    assert tr.info["blocked"] is None
+    # why read-only: without a mask "masked scores" is "raw scores" itself
+    assert np.shares_memory(tr["raw scores"].array, tr["masked scores"].array)
+    for st in tr:
+        assert not st.array.flags.writeable, st.name
+        with pytest.raises(ValueError, match="read-only"):
+            st.array[...] = 0
+    assert tr.output.flags.writeable and tr.weights.flags.writeable  # the call's, as returned
+    x_before = x.copy()
+    tr["query"].array.copy()[...] = 0
+    np.testing.assert_array_equal(x, x_before)
+    # bool masks' True and float masks' -inf; a finite float value blocks nothing
+    am = np.zeros((4, 4))
+    am[0, 2], am[1, 0] = -np.inf, -1.0
+    kpm = np.array([[False, False, False, True], [False] * 4])
+    tr = m.trace(x, attn_mask=am, key_padding_mask=kpm)
+    want = np.zeros((2, 2, 4, 4), dtype=bool)
+    want[:, :, 0, 2] = True
+    want[0, :, :, 3] = True
+    np.testing.assert_array_equal(tr.info["blocked"], want)
+    assert not tr.info["blocked"].flags.writeable
+    np.testing.assert_array_equal(tr.info["blocked"], np.isneginf(tr["masked scores"].array))
+    # unbatched, causal: the masked scores' shape; a +inf scale's -inf cells are not blocked
+    u = m.trace(x[0], is_causal=True, scale=float("inf"))
+    causal = np.triu(np.ones((4, 4), dtype=bool), 1)
+    np.testing.assert_array_equal(u.info["blocked"], np.broadcast_to(causal, (2, 4, 4)))
+    assert np.isneginf(u["masked scores"].array[:, ~causal]).any()

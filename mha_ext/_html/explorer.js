@@ -5,7 +5,8 @@
  *   B, H, Sq, Sk        sizes (legend: B batch, H heads, Sq queries, Sk keys)
  *   qTokens, kTokens    labels of the queries and keys
  *   layers              [{name, values}] values: flat (B, H, Sq, Sk), row-major,
- *                       numbers or null (null: -inf where blocked, else NaN)
+ *                       numbers (±inf as ±1e999, which JSON.parse reads as
+ *                       ±Infinity) or null for NaN
  *   blocked             flat 0/1 (B, H, Sq, Sk) or null when unknown
  *   layer               the name of the layer shown first
  *   title               a caption
@@ -30,10 +31,13 @@ function mhaExplorer(root, data) {
   function idx(b, h, i, j) { return ((b * H + h) * Sq + i) * Sk + j; }
   function isBlocked(b, h, i, j) { return data.blocked ? data.blocked[idx(b, h, i, j)] === 1 : false; }
   function fmt(v) {
-    if (v === null || v === undefined) return "NaN";
+    // the 4 significant digits the page holds
+    if (v === null || v === undefined || v !== v) return "NaN";
+    if (v === Infinity) return "\u221e";
+    if (v === -Infinity) return "\u2212\u221e";
     if (v === 0) return "0";
     var a = Math.abs(v);
-    return (a >= 1e4 || a < 1e-3) ? v.toExponential(3) : v.toFixed(4);
+    return (a >= 1e4 || a < 1e-3) ? v.toExponential(3) : String(Number(v.toPrecision(4)));
   }
   function short(s, n) { s = String(s); return s.length > n ? s.slice(0, n - 1) + "\u2026" : s; }
 
@@ -191,7 +195,7 @@ function mhaExplorer(root, data) {
     var bl = isBlocked(b, h, i, j);
     layers.forEach(function (l) {
       var x = l.values[idx(b, h, i, j)];
-      var s = (x === null && bl && l.scores) ? "\u2212\u221e (blocked)" : fmt(x);
+      var s = fmt(x) + ((x === -Infinity && bl && l.scores) ? " (blocked)" : "");
       lines.push((l.name + ":              ").slice(0, 15) + s);
     });
     if (bl) lines.push("blocked by the mask");
@@ -213,17 +217,20 @@ function mhaExplorer(root, data) {
     var l = layers[state.layer], bar = el("canvas", { width: "160", height: "12" });
     var g = bar.getContext("2d");
     for (var x = 0; x < 160; x++) { g.fillStyle = colour(x / 159); g.fillRect(x, 0, 1, 12); }
-    var lim = limits(state.batch, Math.max(state.head, 0), 0);
-    var span = el("span");
-    var what = { row: "each row from its smallest to its largest value",
-                 head: "per head, " + fmt(lim[0]) + " \u2026 " + fmt(lim[1]),
-                 all: "all heads, " + fmt(lim[0]) + " \u2026 " + fmt(lim[1]) };
-    if (state.scale === "all") {
-      lim = limits(state.batch, 0, 0);
-      what.all = "all heads, " + fmt(lim[0]) + " \u2026 " + fmt(lim[1]);
+    // the range each scale spans (limits() above); a probability's starts at 0
+    var low = l.probability ? "0" : "its smallest value", what;
+    if (state.scale === "row") {
+      what = "each row from " + low + " to its largest";
+    } else if (state.scale === "head" && state.head < 0) {
+      what = "each head from " + low + " to its largest";       // the all-heads view
+    } else {
+      var lim = limits(state.batch, state.scale === "all" ? 0 : state.head, 0);
+      what = (state.scale === "all" ? "all heads, " : "head " + state.head + ", ") +
+        fmt(lim[0]) + " \u2026 " + fmt(lim[1]);
     }
+    var span = el("span");
     span.appendChild(bar); bar.style.display = "inline-block"; bar.style.verticalAlign = "middle";
-    span.appendChild(document.createTextNode(" " + l.name + ": " + what[state.scale]));
+    span.appendChild(document.createTextNode(" " + l.name + ": " + what));
     legend.appendChild(span);
     var hb = el("span"), sw = el("span", { "class": "mha-swatch" });
     sw.style.backgroundImage = "url(" + hatch.toDataURL() + ")";
@@ -231,7 +238,7 @@ function mhaExplorer(root, data) {
     legend.appendChild(hb);
     var nb = el("span"), sw2 = el("span", { "class": "mha-swatch" });
     sw2.style.background = "#bbbbbb";
-    nb.appendChild(sw2); nb.appendChild(document.createTextNode("NaN"));
+    nb.appendChild(sw2); nb.appendChild(document.createTextNode("NaN or \u00b1\u221e"));
     legend.appendChild(nb);
   }
 
