@@ -502,8 +502,9 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     # the cells a mask blocked (a bool mask's True, a float mask's -inf): not
     # read back from the -inf scores, which a scale of ±inf also makes
     cut = blocked
-    if added is not None and np.isneginf(added).any():
-        cut = np.isneginf(added) if cut is None else (cut | np.isneginf(added))
+    neg = None if added is None else np.isneginf(added)
+    if neg is not None and neg.any():
+        cut = neg if cut is None else (cut | neg)
     cells = None if cut is None else np.broadcast_to(cut, (B, H, Sq, Sk))
 
     zero_rows = kwargs.get("masked_rows", "nan") == "zero"
