@@ -5,7 +5,9 @@ Legend: B batch, H heads, Sq query length, Sk key length.
 matplotlib is an optional extra (``pip install "mha_ext[plot]"``); it is
 imported only when :func:`plot_heads` is called, and the figure is built
 with ``matplotlib.figure.Figure`` directly (no pyplot, no GUI backend), so it
-works headless and never opens a window.
+works headless and never opens a window.  The figure is a Figure subclass
+that gives IPython a PNG (``_repr_png_``): as a notebook cell's last
+expression it is drawn even where ``%matplotlib inline`` was never run.
 """
 from __future__ import annotations
 
@@ -35,10 +37,11 @@ _INSTALL = ('plot_heads needs matplotlib, an optional extra of mha_ext: '
 def _matplotlib():
     try:
         import matplotlib
-        from matplotlib.figure import Figure
+
+        from ._figure import HeadsFigure
     except ImportError as exc:
         raise ImportError(_INSTALL) from exc
-    return matplotlib, Figure
+    return matplotlib, HeadsFigure
 
 
 def _blocked(weights: object, blocked: object,
@@ -68,7 +71,8 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
                title: str | None = None, vmin: float | None = None, vmax: float | None = None,
                scale: Literal["shared", "row"] = "shared",
                blocked: ArrayLike | BlockLayout | None = None) -> Figure:
-    """Draw one heatmap per head and return the matplotlib ``Figure``.
+    """Draw one heatmap per head and return the matplotlib ``Figure`` (in a
+    notebook, the last expression of a cell shows it as a picture).
 
     weights       attention weights (B, H, Sq, Sk), as returned by a call, or
                   unbatched (H, Sq, Sk); a :class:`~mha_ext.Trace` works too

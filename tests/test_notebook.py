@@ -84,3 +84,29 @@ def test_notebook_executes(tmp_path, monkeypatch):
     assert "generated [[2, 7, 5, 2, 7, 5, 2, 7], [1, 4, 1, 1, 4, 1, 1, 4]]" in text
     assert "K cache: [11 cached | 1 new] → length 12" in text
     assert list(tmp_path.iterdir()) == []   # the notebook writes no files
+
+
+def test_plot_heads_shows_a_picture_without_the_inline_backend(tmp_path, monkeypatch):
+    """A notebook that never ran %matplotlib inline nor imported pyplot:
+    plot_heads' figure as the cell's last expression is a picture, not only
+    its text "<Figure size ... with 3 Axes>"."""
+    nbformat = need("nbformat")
+    nbclient = need("nbclient")
+    need("ipykernel")
+    need("matplotlib")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [PKG_ROOT, os.environ.get("PYTHONPATH", "")]))
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import sys, numpy as np, mha_ext\n"
+        "m = mha_ext.MultiHeadAttention(16, 2, seed=0).eval()\n"
+        "print('pyplot' in str(list(sys.modules)))\n"
+        "mha_ext.plot_heads(m.trace(np.ones((1, 4, 16)), is_causal=True))")]
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outs = nb.cells[0].outputs
+    assert [o.get("text") for o in outs if o.output_type == "stream"] == ["False\n"]
+    shown = [o for o in outs if o.output_type == "execute_result"]
+    assert len(shown) == 1 and "image/png" in shown[0]["data"], shown
+    import base64
+    assert base64.b64decode(shown[0]["data"]["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"

@@ -276,3 +276,14 @@ def test_nothing_to_plot_is_a_clear_error(mpl):
     m = mha_ext.MultiHeadAttention(16, 2, seed=0).eval()
     with pytest.raises(ValueError, match=r"no weights \(need_weights=False\): trace the call"):
         plot_heads(m.trace(np.ones((1, 3, 16)), need_weights=False))
+
+
+def test_the_figure_is_a_matplotlib_figure_with_a_png_for_notebooks(mpl):
+    import pickle
+    from matplotlib.figure import Figure
+    fig = plot_heads(attention(S=4))
+    assert isinstance(fig, Figure)
+    png = fig._repr_png_()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    again = pickle.loads(pickle.dumps(fig))      # a figure pickles, as matplotlib's do
+    assert len(heatmaps(again)) == len(heatmaps(fig)) == 6
