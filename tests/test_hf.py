@@ -252,8 +252,31 @@ def test_gradients_match_sdpa(kind, dtype):
     # T5 under grad mode: its bias needs a gradient, the path of
     # _attend_with_mask_grad, whose forward is checked here too
     _close(kind, dtype, "logits (grad mode)", ours["logits"], ref["logits"])
+    # float32: a gradient summed over many terms (an embedding's, over every
+    # token) is off from the float64 truth by more than 2e-5 in torch's own
+    # float32 run (Llama: up to 4.7e-5), so two correct float32 runs may
+    # differ by TOL plus torch's own error there; ours is checked against
+    # that, and against the truth itself
+    truth = None
+    if dtype == torch.float32:
+        model64, _ = build(kind, torch.float64)
+        w32, weight = weight, weight.to(torch.float64)
+        truth = grads(model64)
+        weight = w32
     for n in names:
-        _close(kind, dtype, "grad " + n, ours[n], ref[n], row="every parameter's gradient")
+        if truth is None:
+            _close(kind, dtype, "grad " + n, ours[n], ref[n], row="every parameter's gradient")
+            continue
+        t64 = truth[n].to(torch.float32)
+        own = float((ref[n] - t64).abs().max())
+        slack = TOL[dtype] + own
+        err = float((ours[n] - ref[n]).abs().max())
+        key = (kind, "float32", "every parameter's gradient")
+        WORST[key] = max(WORST.get(key, 0.0), err)
+        torch.testing.assert_close(ours[n], ref[n], rtol=TOL[dtype], atol=slack,
+                                   msg=lambda m: f"{kind} grad {n}: {m}")
+        assert float((ours[n] - t64).abs().max()) <= slack, (
+            f"{kind} grad {n}: further from the float64 truth than torch's float32 (+{TOL[dtype]})")
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
