@@ -110,6 +110,23 @@ else:
                "set_num_threads", "get_num_threads", "cpu_info", "memory_info",
                "release_memory", "BlockLayout", "layout", "__version__"]
 
+    def _check_isa_env() -> None:
+        # the core ignores an MHA_EXT_ISA it cannot follow (a name it does
+        # not know, or kernels this CPU or build lacks) and takes the widest
+        # it has: say so, once, rather than run other kernels silently
+        want = os.environ.get("MHA_EXT_ISA")
+        got = _core._get_isa()
+        if want and want != got:
+            import warnings
+            why = ("not one of portable, avx2, avx512, amx"
+                   if want not in ("portable", "avx2", "avx512", "amx")
+                   else "this CPU or this build lacks it")
+            warnings.warn("MHA_EXT_ISA=%r is ignored (%s): mha_ext uses %r"
+                          % (want, why, got), RuntimeWarning, stacklevel=3)
+
+    _check_isa_env()
+    del _check_isa_env
+
 if TYPE_CHECKING:
     # what __getattr__ gives, typed; the checkers do not see __getattr__, so
     # a misspelt attribute of mha_ext stays an error for them

@@ -9,7 +9,9 @@
  * asked once).  The environment variable
  * MHA_EXT_ISA=portable|avx2|avx512|amx, read once at first use, or
  * mha_set_isa() choose a narrower one (tests run every path this way);
- * asking for one the CPU lacks is refused. */
+ * mha_set_isa refuses one the CPU lacks, while MHA_EXT_ISA naming one (or
+ * no known name) is ignored: the widest is used (the Python package warns
+ * at import). */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>

@@ -194,3 +194,27 @@ def test_isa_switch_errors():
     with pytest.raises(TypeError):
         _core._set_isa(3)
     assert _core._get_isa() in ISAS
+
+
+@pytest.mark.parametrize("value", ["bogus", "AVX2", "amx", "avx2", "portable"])
+def test_an_isa_the_core_cannot_follow_is_a_warning_not_silence(value):
+    """MHA_EXT_ISA naming no ISA (a typo, another case) or one this CPU or
+    build lacks is ignored by the core (the widest one runs): the import
+    warns, naming what runs; a value it follows imports quietly."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, MHA_EXT_ISA=value)
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c",
+                          "import mha_ext; print(mha_ext._core._get_isa())"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    follows = _core._isa_available(value) if value in ("portable", "avx2", "avx512", "amx") \
+        else False
+    if follows:
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == [value]
+    else:
+        assert out.returncode != 0
+        assert "RuntimeWarning: MHA_EXT_ISA=%r is ignored" % value in out.stderr, out.stderr
+        widest = [i for i in ("amx", "avx512", "avx2", "portable") if _core._isa_available(i)][0]
+        assert "mha_ext uses %r" % widest in out.stderr, out.stderr
