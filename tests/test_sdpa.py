@@ -458,3 +458,30 @@ def test_long_sequences_without_weights_are_not_refused_for_memory():
     q = np.random.default_rng(0).standard_normal((1, 1, 2 ** 17, 8)).astype(np.float32)
     out = mha_ext.scaled_dot_product_attention(q, q, q, window=(0, 0))
     np.testing.assert_array_equal(out, q)      # each query sees itself alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_key_that_a_bool_mask_or_causality_blocks_is_left_out(torch, dtype):
+    """The twin: a NaN key at a position the bool mask (True = attend) or
+    is_causal blocks is left out, as with any finite key there; torch 2.13
+    gives NaN rows for the bool mask (it adds -inf) and, on its fused
+    kernel with is_causal, zeros.  A float mask's -inf: NaN as torch's."""
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 4, 8, generator=g, dtype=dt) for _ in range(3))
+    bad, fine = k.clone(), k.clone()
+    bad[0, 1, 3] = float("nan")
+    fine[0, 1, 3] = 7.0
+    F = torch.nn.functional.scaled_dot_product_attention
+    f = mha_ext.scaled_dot_product_attention
+    keep = (torch.arange(4) != 3).expand(4, 4)           # key 3 blocked for every query
+    tol = dict(rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(f(q, bad, v, attn_mask=keep), F(q, fine, v, attn_mask=keep), **tol)
+    assert torch.isnan(F(q, bad, v, attn_mask=keep)[0, 1]).all()
+    got = f(q, bad, v, is_causal=True)
+    want = F(q, fine, v, is_causal=True)
+    torch.testing.assert_close(got[..., :3, :], want[..., :3, :], **tol)  # rows 0-2 never see key 3
+    assert torch.isnan(got[0, 1, 3]).all()               # row 3 sees it: NaN
+    add = torch.where(keep, 0.0, float("-inf")).to(dt)
+    assert torch.isnan(f(q, bad, v, attn_mask=add)[0, 1]).all()
+    assert torch.isnan(F(q, bad, v, attn_mask=add)[0, 1]).all()

@@ -447,3 +447,34 @@ def test_swapped_encoder_layer_adds_a_finite_float_mask():
             ours = layer(src, src_mask=mask)
     assert float((fused - plain).abs().max()) > 1e-2  # torch's two paths disagree
     close(plain, ours, torch.float32)
+
+
+@DTYPES
+@pytest.mark.parametrize("how", ["key_padding_mask", "attn_mask"])
+def test_a_nan_key_that_a_bool_mask_blocks_is_left_out(dtype, how):
+    """A NaN in a key whose position a bool mask blocks: the mask replaces
+    the score (masked_fill), so the rows are those of any finite key there;
+    torch 2.13 adds its bool masks as -inf (NaN + -inf: NaN rows).  A float
+    mask's -inf is added by both: NaN rows alike (README's differences)."""
+    t, m = pair(dtype, batch_first=True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, S, E, generator=g, dtype=dtype)
+    k = x.clone()
+    k[1, 3] = float("nan")
+    finite = x.clone()
+    finite[1, 3] = 1e3                                  # any finite key: blocked anyway
+    kw = {"key_padding_mask": torch.arange(S).expand(B, S) == 3} if how == "key_padding_mask" \
+        else {"attn_mask": (torch.arange(S) == 3).expand(S, S)}
+    with torch.no_grad():
+        got = m(x, k, x, **kw)
+        want = t(x, finite, x, **kw)
+        stock = t(x, k, x, **kw)
+    close(got[0], want[0], dtype)
+    close(got[1], want[1], dtype)
+    assert torch.isfinite(got[0]).all() and torch.isnan(stock[0][1]).all()
+    add = torch.zeros(S, S, dtype=dtype)
+    add[:, 3] = float("-inf")
+    with torch.no_grad():
+        got, want = m(x, k, x, attn_mask=add)[0], t(x, k, x, attn_mask=add)[0]
+    assert torch.isnan(got[1]).all() and torch.isnan(want[1]).all()
+    close(got[0], want[0], dtype)
