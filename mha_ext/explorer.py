@@ -72,7 +72,8 @@ def _encode(a):
     flat = np.asarray(a, dtype=np.float64).ravel()
     fin = np.isfinite(flat)
     out = np.full(flat.shape, "null", dtype=object)
-    out[fin] = [("%.4g" % v) for v in flat[fin]]
+    # 4 digits, unless they round past the largest double (json: infinity)
+    out[fin] = [("%.4g" % v) if abs(v) < 1.7975e308 else repr(float(v)) for v in flat[fin]]
     out[np.isposinf(flat)] = "1e999"
     out[np.isneginf(flat)] = "-1e999"
     return "[" + ",".join(out) + "]"

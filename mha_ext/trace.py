@@ -505,7 +505,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     neg = None if added is None else np.isneginf(added)
     if neg is not None and neg.any():
         cut = neg if cut is None else (cut | neg)
-    cells = None if cut is None else np.broadcast_to(cut, (B, H, Sq, Sk))
+    # (a copy: a single bool mask passes through as the caller's array)
+    cells = None if cut is None else np.broadcast_to(np.array(cut, dtype=bool), (B, H, Sq, Sk))
 
     zero_rows = kwargs.get("masked_rows", "nan") == "zero"
     a = _softmax(masked, zero_rows)
@@ -537,10 +538,12 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
         if unbatched:
             arr, dims = arr[0], dims[1:]
             formula = formula.replace("[B, ", "[")
+        # the call's own output and weights after dropout, copied: trace.output
+        # and trace.weights stay the caller's to change
         if name == "output projection":
-            arr = output            # the call's own result
+            arr = np.array(output)
         elif name == "dropout":
-            arr = dropped           # the call's own weights after dropout
+            arr = np.array(dropped)
         final.append(Step(name, formula, tuple(arr.shape), _read_only(arr), tuple(dims)))
     if cells is not None:
         cells = _read_only(cells[0] if unbatched else cells)

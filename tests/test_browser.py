@@ -354,3 +354,18 @@ def test_legend_and_hover_say_what_is_drawn(tmp_path):
         v = float("%.4g" % tr[name].array[0, 1, 3, 1])
         assert lines[name].strip() == ("%.4g" % v), (name, lines[name], v)
     assert "masked scores: \u2212\u221e (blocked)" in x["tip_blocked"], x
+    # a scale of +inf: raw scores of -inf are the scale's, not "(blocked)"; a
+    # layer with no finite value says so in the legend
+    m = mha_ext.MultiHeadAttention(64, 4, seed=0).eval()
+    x0 = np.random.default_rng(0).standard_normal((1, 10, 64))
+    sign = -np.sign(m.trace(x0)["raw scores"].array[0, 1, 1, 3])   # that cell's raw score -inf
+    tr = m.trace(x0, is_causal=True, scale=sign * np.inf)
+    assert np.isneginf(tr["raw scores"].array[0, 1, 1, 3])
+    text = explore(tr).to_html(full_page=True).replace("</body>", LEGEND_PROBE + "</body>")
+    out = _probe(browser, text, tmp_path, "legend-inf")
+    assert out["errors"] == [] and out["violations"] == [], out
+    x = out["extra"]
+    assert "raw scores: head 1, no finite values" in x["raw_head1"], x
+    raw = [line for line in x["tip_blocked"].split("\n") if line.startswith("raw scores:")]
+    assert raw and "blocked" not in raw[0], x["tip_blocked"]
+    assert "masked scores: \u2212\u221e (blocked)" in x["tip_blocked"], x

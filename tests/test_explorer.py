@@ -182,6 +182,10 @@ def test_blocked_cells_come_from_the_masks_and_infinities_travel():
         np.testing.assert_array_equal(_values(layer, (2, 2, 5, 5)),
                                       tr[layer["name"]].array)
     assert "1e999" in explore(tr).to_html()
+    # the largest finite doubles stay finite (4 digits would round them past it)
+    from mha_ext.explorer import _encode
+    big = np.array([1.7976931348623157e308, -1.79e308, 1.5e308])
+    np.testing.assert_array_equal(json.loads(_encode(big)), big[:2].tolist() + [1.5e308])
 
 
 @pytest.mark.parametrize("shape, words", [

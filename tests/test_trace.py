@@ -133,8 +133,8 @@ def test_self_attention_values(dtype):
     # what the call returns, bit for bit
     np.testing.assert_array_equal(tr.output, out)
     np.testing.assert_array_equal(tr.weights, w)
-    # the step is a read-only view of the call's own output
-    assert np.shares_memory(tr["output projection"].array, tr.output)
+    # the step is a read-only copy of the call's own output
+    assert not np.shares_memory(tr["output projection"].array, tr.output)
     np.testing.assert_array_equal(x, x_before)          # input untouched
     # every NumPy step agrees with the plain float64 reference
     ref = reference(m, x, x, x)
@@ -536,6 +536,12 @@ def test_steps_are_read_only_and_info_holds_the_blocked_cells():
         with pytest.raises(ValueError, match="read-only"):
             st.array[...] = 0
     assert tr.output.flags.writeable and tr.weights.flags.writeable  # the call's, as returned
+    tr.output[...] = 7.0                                  # the caller's: no step changes
+    assert not (tr["output projection"].array == 7.0).any()
+    md = mha_ext.MultiHeadAttention(16, 2, dropout=0.3, seed=1).train()
+    td = md.trace(x)
+    td.weights[...] = 9.0
+    assert not (td["dropout"].array == 9.0).any()
     x_before = x.copy()
     tr["query"].array.copy()[...] = 0
     np.testing.assert_array_equal(x, x_before)
@@ -549,6 +555,12 @@ def test_steps_are_read_only_and_info_holds_the_blocked_cells():
     want[0, :, :, 3] = True
     np.testing.assert_array_equal(tr.info["blocked"], want)
     assert not tr.info["blocked"].flags.writeable
+    # the caller's mask, changed afterwards, does not change the trace's cells
+    only = np.zeros((4, 4), dtype=bool)
+    only[0, 1] = True
+    tb = m.trace(x, attn_mask=only)
+    only[:] = True
+    assert tb.info["blocked"].sum() == 2 * 2              # (0, 1) in each batch item and head
     np.testing.assert_array_equal(tr.info["blocked"], np.isneginf(tr["masked scores"].array))
     # unbatched, causal: the masked scores' shape; a +inf scale's -inf cells are not blocked
     u = m.trace(x[0], is_causal=True, scale=float("inf"))

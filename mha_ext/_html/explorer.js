@@ -121,10 +121,11 @@ function mhaExplorer(root, data) {
       var x = v[idx(b, hh, ii, j)];
       if (x !== null && isFinite(x)) { if (x < lo) lo = x; if (x > hi) hi = x; }
     }
-    if (lo === Infinity) return [0, 1];
+    var none = lo === Infinity;                              // no finite value there
+    if (none) { lo = 0; hi = 1; }
     if (layers[state.layer].probability) lo = Math.min(lo, 0);
     if (hi <= lo) hi = lo + 1;
-    return [lo, hi];
+    return [lo, hi, none];
   }
 
   // -- drawing ------------------------------------------------------------------
@@ -195,7 +196,8 @@ function mhaExplorer(root, data) {
     var bl = isBlocked(b, h, i, j);
     layers.forEach(function (l) {
       var x = l.values[idx(b, h, i, j)];
-      var s = fmt(x) + ((x === -Infinity && bl && l.scores) ? " (blocked)" : "");
+      // a mask's -inf is in the masked scores; the raw ones come before it
+      var s = fmt(x) + ((x === -Infinity && bl && l.name === "masked scores") ? " (blocked)" : "");
       lines.push((l.name + ":              ").slice(0, 15) + s);
     });
     if (bl) lines.push("blocked by the mask");
@@ -226,7 +228,7 @@ function mhaExplorer(root, data) {
     } else {
       var lim = limits(state.batch, state.scale === "all" ? 0 : state.head, 0);
       what = (state.scale === "all" ? "all heads, " : "head " + state.head + ", ") +
-        fmt(lim[0]) + " \u2026 " + fmt(lim[1]);
+        (lim[2] ? "no finite values" : fmt(lim[0]) + " \u2026 " + fmt(lim[1]));
     }
     var span = el("span");
     span.appendChild(bar); bar.style.display = "inline-block"; bar.style.verticalAlign = "middle";
@@ -252,9 +254,9 @@ function mhaExplorer(root, data) {
     var v = layers[state.layer].values, b = state.batch, h = state.head, i = state.query, keys = [];
     for (var j = 0; j < Sk; j++) {
       var x = v[idx(b, h, i, j)];
-      if (x !== null && isFinite(x) && !isBlocked(b, h, i, j)) keys.push([x, j]);
+      if (x !== null && !isBlocked(b, h, i, j)) keys.push([x, j]);  // ±inf too, not NaN
     }
-    keys.sort(function (a, c) { return c[0] - a[0]; });
+    keys.sort(function (a, c) { return (c[0] > a[0]) - (c[0] < a[0]) || a[1] - c[1]; });
     info.textContent = "query " + i + " " + JSON.stringify(String(data.qTokens[i])) + ", head " + h +
       ", largest " + layers[state.layer].name + ": " + keys.slice(0, 5).map(function (k) {
         return JSON.stringify(String(data.kTokens[k[1]])) + " (key " + k[1] + ") " + fmt(k[0]);
