@@ -103,6 +103,10 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         Face's head_mask: 0 switches a head off).  A tensor that requires
         grad gets dL/d head_mask.
 
+    On tensors, arguments torch refuses too are refused with torch's
+    exception type as well as ours (a RuntimeError for a 1-D query, say, is
+    also our ValueError), with both messages.
+
     A query with no visible key gives a zero output row (and zero
     gradients), as torch's SDPA does.  Empty shapes (zero batches, heads,
     L, S, E or Ev) give torch's results; with E = 0 every score is 0.
@@ -110,8 +114,21 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
     attn_mask, is_causal = _causal_bias(attn_mask, is_causal, query, key)
     if any(is_tensor(x) for x in (query, key, value)):
         from ._sdpa_torch import sdpa_torch  # needs torch: imported on first use only
-        return sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                          enable_gqa, seed, window, layout, head_mask)
+        try:
+            return sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              enable_gqa, seed, window, layout, head_mask)
+        except (ValueError, TypeError) as exc:
+            if window is not None or layout is not None or head_mask is not None \
+                    or not isinstance(is_causal, bool):
+                raise                                   # ours alone: torch has no such call
+            # arguments torch refuses too: its exception type as well (_torch_errors)
+            from ._torch_errors import meta, torchs
+            from torch.nn.functional import scaled_dot_product_attention as torch_sdpa
+            raise torchs(exc, lambda: torch_sdpa(
+                meta(query), meta(key), meta(value), attn_mask=meta(attn_mask),
+                dropout_p=float(dropout_p), is_causal=is_causal,
+                scale=None if scale is None else float(scale),
+                enable_gqa=bool(enable_gqa))) from exc.__cause__
     w = sliding_window(window)
     p = probability(dropout_p, "dropout_p")
     q4, k4, v4, masks, c, s, (lead, _), _ = sdpa_arrays(query, key, value, attn_mask,

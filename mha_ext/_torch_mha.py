@@ -34,6 +34,7 @@ from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
+from ._torch_errors import meta, torchs
 from ._torch_fn import attention, attention_kept, refuse_mask_grads
 from ._types import Int, Window
 
@@ -127,8 +128,9 @@ class MultiheadAttention(nn.Module):
         embed_dim = _convert.integer(embed_dim, "embed_dim")
         num_heads = _convert.integer(num_heads, "num_heads")
         if embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
-                             f"({num_heads})")
+            raise torchs(ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
+                                    f"({num_heads})"),
+                         lambda: nn.MultiheadAttention(embed_dim, num_heads, device="meta"))
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__()
         self.embed_dim = embed_dim
@@ -342,7 +344,33 @@ class MultiheadAttention(nn.Module):
         together with any masks given (none needed), as in
         mha_ext.MultiHeadAttention's call; bias_k's and the zero key stay
         visible.  Another string is a TypeError.
+
+        Arguments torch refuses too are refused with torch's exception type
+        as well as ours (mha_ext._torch_errors: an AssertionError for a
+        key of another rank, say, is also our ValueError), with both messages.
         """
+        try:
+            return self._forward_call(query, key, value, key_padding_mask, need_weights,
+                                      attn_mask, average_attn_weights, is_causal, window, layout)
+        except (ValueError, TypeError) as exc:
+            if window is not None or layout is not None or not isinstance(is_causal, bool):
+                raise                                   # ours alone: torch has no such call
+            raise torchs(exc, lambda: self._torch_refuses(
+                query, key, value, key_padding_mask, need_weights, attn_mask,
+                average_attn_weights, is_causal)) from exc.__cause__
+
+    def _torch_refuses(self, *args):
+        """torch.nn.MultiheadAttention's forward with this configuration on
+        meta twins of the arguments: raises what torch raises for them."""
+        ref = nn.MultiheadAttention(
+            self.embed_dim, self.num_heads, dropout=self.dropout, bias=self._has_bias(),
+            add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn,
+            kdim=self.kdim, vdim=self.vdim, batch_first=self.batch_first, device="meta",
+            dtype=self.out_proj.weight.dtype).train(self.training)
+        ref(*(meta(a) for a in args))
+
+    def _forward_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                      average_attn_weights, is_causal, window, layout):
         if query.is_nested:
             if window is not None or layout is not None or isinstance(is_causal, str):
                 raise ValueError("window, layout and is_causal='lower_right' are not taken "

@@ -485,3 +485,27 @@ def test_a_nan_key_that_a_bool_mask_or_causality_blocks_is_left_out(torch, dtype
     add = torch.where(keep, 0.0, float("-inf")).to(dt)
     assert torch.isnan(f(q, bad, v, attn_mask=add)[0, 1]).all()
     assert torch.isnan(F(q, bad, v, attn_mask=add)[0, 1]).all()
+
+
+@pytest.mark.parametrize("case", ["1-D query", "mixed dtypes", "4-D mask of another shape"])
+def test_what_torch_refuses_is_refused_with_torchs_type_and_message_too(torch, case):
+    """On tensors the twin's refusals of what torch refuses too are also of
+    torch's type (a RuntimeError) and quote its argument checks' message;
+    still the ValueError or TypeError of API.md §7.  (A mask that does not
+    broadcast fails in torch inside an operation, whose message on the
+    meta tensors the check runs on differs: its type is checked.)"""
+    q = torch.randn(2, 3, 4, 8)
+    args, kw = {
+        "1-D query": ((torch.randn(8), q, q), {}),
+        "mixed dtypes": ((q, q.half(), q.half()), {}),
+        "4-D mask of another shape": ((q, q, q), {"attn_mask": torch.ones(2, 3, 5, 5,
+                                                                          dtype=torch.bool)}),
+    }[case]
+    F = torch.nn.functional.scaled_dot_product_attention
+    with pytest.raises(RuntimeError) as theirs:
+        F(*args, **kw)
+    with pytest.raises(RuntimeError) as got:
+        mha_ext.scaled_dot_product_attention(*args, **kw)
+    assert isinstance(got.value, (ValueError, TypeError))
+    if case != "4-D mask of another shape":
+        assert str(theirs.value) in str(got.value)

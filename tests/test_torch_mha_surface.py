@@ -223,8 +223,10 @@ def test_is_causal_hint_still_checks_the_mask_dtype(mask_dtype):
     mask = torch.ones(L, L, dtype=mask_dtype).triu(1)
     with pytest.raises(AssertionError, match="only bool and floating"):
         t(q, q, q, attn_mask=mask, is_causal=True, need_weights=False)
-    with pytest.raises(TypeError, match="attn_mask must be bool .* or float"):
+    with pytest.raises(TypeError, match="attn_mask must be bool .* or float") as got:
         m(q, q, q, attn_mask=mask, is_causal=True, need_weights=False)
+    assert isinstance(got.value, AssertionError)          # torch's type too
+    assert "only bool and floating" in str(got.value)
 
 
 def test_is_causal_without_a_mask_is_refused_on_the_fast_path_too():
@@ -478,3 +480,63 @@ def test_a_nan_key_that_a_bool_mask_blocks_is_left_out(dtype, how):
         got, want = m(x, k, x, attn_mask=add)[0], t(x, k, x, attn_mask=add)[0]
     assert torch.isnan(got[1]).all() and torch.isnan(want[1]).all()
     close(got[0], want[0], dtype)
+
+
+def _torch_refusal(fn):
+    try:
+        fn()
+    except (AssertionError, RuntimeError) as exc:
+        return exc
+    raise AssertionError("torch took these arguments")
+
+
+BAD_CALLS = {
+    "3-D query, 2-D key": lambda q: (q, q[0], q),
+    "3-D query, 2-D value": lambda q: (q, q, q[0]),
+    "1-D key_padding_mask": lambda q: (q, q, q, torch.zeros(S, dtype=torch.bool)),
+    "1-D attn_mask": lambda q: (q, q, q, None, True, torch.zeros(S, dtype=torch.bool)),
+    "2-D attn_mask of another shape": lambda q: (q, q, q, None, True,
+                                                  torch.zeros(3, 3, dtype=torch.bool)),
+    "3-D attn_mask of another shape": lambda q: (q, q, q, None, True,
+                                                  torch.zeros(2, L, L, dtype=torch.bool)),
+    "int attn_mask": lambda q: (q, q, q, None, True, torch.zeros(L, L, dtype=torch.int64)),
+    "2-D query, 3-D key": lambda q: (q[:, 0], q, q),
+}
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_what_torch_refuses_is_refused_with_torchs_type_and_message_too(case, batch_first):
+    """torch's own tests catch AssertionError / RuntimeError with its
+    messages: ours is also of that type and quotes torch's message, and
+    still the ValueError or TypeError of API.md §7."""
+    t, m = pair(batch_first=batch_first)
+    q = torch.randn((B, L, E) if batch_first else (L, B, E), dtype=torch.float64)
+    args = BAD_CALLS[case](q)
+    theirs = _torch_refusal(lambda: t(*args))
+    with pytest.raises(type(theirs)) as got:
+        m(*args)
+    assert isinstance(got.value, (ValueError, TypeError))
+    assert str(theirs) in str(got.value)
+
+
+def test_the_constructor_refuses_with_torchs_type_too():
+    theirs = _torch_refusal(lambda: nn.MultiheadAttention(6, 4))
+    with pytest.raises(AssertionError) as got:
+        MultiheadAttention(6, 4)
+    assert isinstance(got.value, ValueError) and str(theirs) in str(got.value)
+
+
+def test_refusals_torch_does_not_share_stay_ours():
+    # a float16 module: torch computes, mha_ext refuses (README: float32 and
+    # float64); our own keywords: no torch call to compare with
+    m = MultiheadAttention(E, H, dtype=torch.float16)
+    q = torch.randn(L, B, E, dtype=torch.float16)
+    with pytest.raises(TypeError) as got:
+        m(q, q, q)
+    assert type(got.value) is TypeError
+    m = MultiheadAttention(E, H)
+    q = torch.randn(L, B, E)
+    with pytest.raises(ValueError) as got:
+        m(q, q[0], q, window=(1, 1))
+    assert type(got.value) is ValueError

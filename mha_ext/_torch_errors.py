@@ -1,0 +1,78 @@
+"""torch's exception types for the torch classes' argument errors.
+
+mha_ext refuses bad arguments with a ValueError or TypeError saying what
+was expected (docs/API.md §7).  torch refuses many of the same arguments
+with an AssertionError or a RuntimeError (torch.nn.functional's shape
+checks are asserts), and code written against torch, its own tests among
+it, catches those.  So where the torch classes (mha_ext.torch's modules and
+the SDPA twin on tensors) refuse arguments, torch's own code is run on the
+same arguments as meta tensors (shapes and dtypes, no data, nothing
+computed); if torch refuses them too, the error raised is of both types
+(ValueErrorAndAssertionError is a ValueError and an AssertionError) and
+carries both messages.  Where torch takes what we refuse (a float16 module,
+say: README's differences), ours is raised as it was.
+
+Imported by the torch classes only (needs torch).
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["torchs", "meta"]
+
+
+class ValueErrorAndAssertionError(ValueError, AssertionError):
+    """A ValueError of mha_ext's that torch raises as an AssertionError."""
+
+
+class ValueErrorAndRuntimeError(ValueError, RuntimeError):
+    """A ValueError of mha_ext's that torch raises as a RuntimeError."""
+
+
+class TypeErrorAndAssertionError(TypeError, AssertionError):
+    """A TypeError of mha_ext's that torch raises as an AssertionError."""
+
+
+class TypeErrorAndRuntimeError(TypeError, RuntimeError):
+    """A TypeError of mha_ext's that torch raises as a RuntimeError."""
+
+
+_BOTH = {(ValueError, AssertionError): ValueErrorAndAssertionError,
+         (ValueError, RuntimeError): ValueErrorAndRuntimeError,
+         (TypeError, AssertionError): TypeErrorAndAssertionError,
+         (TypeError, RuntimeError): TypeErrorAndRuntimeError}
+
+
+def meta(x: Any) -> Any:
+    """A tensor's meta twin (its shape and dtype, no data); anything else as is."""
+    if isinstance(x, torch.Tensor) and not x.is_nested:
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    return x
+
+
+def torchs(ours: BaseException, probe: Callable[[], object]) -> BaseException:
+    """ours, or, where probe() (torch's code on meta tensors) raises an
+    AssertionError or RuntimeError, an error of both types with both
+    messages.  Errors the probe meets because its tensors are meta (no data
+    to read) are not torch's refusal and leave ours alone."""
+    if not isinstance(ours, (ValueError, TypeError)):
+        return ours
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe()
+    except (AssertionError, RuntimeError) as theirs:
+        if isinstance(theirs, NotImplementedError) or "meta" in str(theirs).lower():
+            return ours
+        mine = ValueError if isinstance(ours, ValueError) else TypeError
+        kind = AssertionError if isinstance(theirs, AssertionError) else RuntimeError
+        both = _BOTH[(mine, kind)](f"{ours} (torch: {theirs})")
+        both.__traceback__ = ours.__traceback__
+        return both
+    except Exception:                  # another refusal, or the probe's own trouble
+        return ours
+    return ours
