@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["MultiheadAttention"]
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+_HALF = (torch.float16, torch.bfloat16)  # computed in float32, rounded back
 
 
 def _use_our_forward(module, args):
@@ -213,8 +214,8 @@ class MultiheadAttention(nn.Module):
         (add_bias_kv, add_zero_attn) of the core, default this module's."""
         name = _DTYPES.get(dtype)
         if name is None:
-            raise TypeError(f"mha_ext computes in float32 or float64; the parameters "
-                            f"are {dtype}")
+            raise TypeError(f"mha_ext computes in float32 or float64 (float16 and bfloat16 "
+                            f"in float32); the parameters are {dtype}")
         if extra is None:
             extra = (self.bias_k is not None, bool(self.add_zero_attn))
         cores = self.__dict__.setdefault("_cores", {})
@@ -398,6 +399,14 @@ class MultiheadAttention(nn.Module):
                 attn_mask, causal = None, True
         sources = self._sources()
         dtype = (sources[0] if self._qkv_same_embed_dim else sources[1]).dtype
+        half = dtype if dtype in _HALF else None
+        if half is not None:
+            # torch computes a float16 / bfloat16 module in that dtype; we
+            # compute in float32 (where every such value is exact) and round
+            # the results back once, as torch's CPU SDPA does for such
+            # tensors; the gradients reach the parameters through the casts
+            sources = tuple(None if t is None else t.float() for t in sources)
+            dtype = torch.float32
         core = self._core(dtype)
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, torch.Tensor):
@@ -434,6 +443,9 @@ class MultiheadAttention(nn.Module):
                 raise ValueError(seq_first_shapes(exc, (query, key, value))) from None
         if batched and not self.batch_first:
             out = out.transpose(0, 1)
+        if half is not None:
+            out = out.to(half)
+            weights = None if weights is None else weights.to(half)
         return out, (weights if need_weights else None)
 
     def merge_masks(self, attn_mask: torch.Tensor | None,

@@ -332,7 +332,7 @@ def test_double_backward_raises():
 
 
 @pytest.mark.parametrize("bad,exc,word", [("cuda", ValueError, "CPU"),
-                                          (torch.float16, TypeError, "float32 or float64")])
+                                          (torch.complex64, TypeError, "float32 or float64")])
 def test_refuses_what_it_cannot_compute(bad, exc, word):
     m = MultiheadAttention(E, H)
     q = x(L, B, E, dtype=torch.float32)
@@ -528,15 +528,45 @@ def test_the_constructor_refuses_with_torchs_type_too():
 
 
 def test_refusals_torch_does_not_share_stay_ours():
-    # a float16 module: torch computes, mha_ext refuses (README: float32 and
-    # float64); our own keywords: no torch call to compare with
-    m = MultiheadAttention(E, H, dtype=torch.float16)
-    q = torch.randn(L, B, E, dtype=torch.float16)
-    with pytest.raises(TypeError) as got:
-        m(q, q, q)
-    assert type(got.value) is TypeError
+    # our own keywords: no torch call to compare with
     m = MultiheadAttention(E, H)
     q = torch.randn(L, B, E)
     with pytest.raises(ValueError) as got:
         m(q, q[0], q, window=(1, 1))
     assert type(got.value) is ValueError
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_half_modules_compute_in_float32_and_round_back(half, batch_first):
+    """A float16 / bfloat16 module (torch computes in that dtype): ours is
+    the float32 computation on the same (exact) values, rounded back once,
+    output, weights and every gradient, so within a rounding of the float32
+    module's results; and close to torch's own half module."""
+    t, _ = pair(torch.float32, batch_first=batch_first)
+    t = t.to(half)
+    m = MultiheadAttention.from_torch(t)
+    assert m.in_proj_weight.dtype == half
+    t32 = copy.deepcopy(t).float()                     # the same values, exactly
+    shape = (B, L, E) if batch_first else (L, B, E)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=g).to(half)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[1, -1] = True
+    xh, x32 = x.clone().requires_grad_(), x.float().requires_grad_()
+    out, w = m(xh, xh, xh, key_padding_mask=kpm)
+    ref, rw = t32(x32, x32, x32, key_padding_mask=kpm)
+    assert out.dtype == w.dtype == half
+    eps = torch.finfo(half).eps
+    tol = dict(rtol=eps, atol=eps * 1e-2)
+    torch.testing.assert_close(out, ref.to(half), **tol)
+    torch.testing.assert_close(w, rw.to(half), **tol)
+    (out.float() * torch.arange(out.numel()).reshape(out.shape) / out.numel()).sum().backward()
+    (ref * torch.arange(ref.numel()).reshape(ref.shape) / ref.numel()).sum().backward()
+    assert xh.grad.dtype == half and m.in_proj_weight.grad.dtype == half
+    for a, b in ((xh.grad, x32.grad), (m.in_proj_weight.grad, t32.in_proj_weight.grad),
+                 (m.out_proj.weight.grad, t32.out_proj.weight.grad)):
+        torch.testing.assert_close(a.float(), b, rtol=4 * eps, atol=4 * eps * b.abs().max().item())
+    with torch.no_grad():                              # torch's own half module: close
+        theirs = t(x, x, x, key_padding_mask=kpm)[0]
+    torch.testing.assert_close(out.detach(), theirs, rtol=8 * eps, atol=8 * eps)
