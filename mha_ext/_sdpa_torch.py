@@ -17,12 +17,11 @@ import torch
 from . import _sdpa
 from . import _calls
 from ._convert import probability, to_numpy
-from ._torch_fn import _NoDoubleBackward, refuse_traced_tensors, torch_stream
+from ._torch_fn import HALF, _NoDoubleBackward, refuse_traced_tensors, torch_stream
 
 __all__ = ["sdpa_torch", "SDPAFunction"]
 
 _DTYPES = (torch.float32, torch.float64)
-_HALF = (torch.float16, torch.bfloat16)  # computed in float32, as torch's CPU SDPA does
 
 
 class SDPAFunction(torch.autograd.Function):
@@ -111,13 +110,13 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor like the others, not {type(t).__name__}")
-        if t.dtype not in _DTYPES + _HALF:
+        if t.dtype not in _DTYPES + HALF:
             raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, "
                             f"got {t.dtype}")
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, "
                         f"{key.dtype}, {value.dtype}")
-    if query.dtype in _HALF:
+    if query.dtype in HALF:
         # torch's CPU SDPA computes float16 and bfloat16 in float32 and rounds
         # its output back; here too, through differentiable casts (the
         # gradients arrive in the inputs' dtype).  A float mask or head mask

@@ -21,8 +21,12 @@ from . import _calls, _params, autograd as _ag
 from ._convert import to_numpy
 from ._params import BLOCK_KEYS, seed_keys
 
-__all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "attention", "attention_kept", "records",
-           "refuse_mask_grads", "torch_stream"]
+__all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "HALF", "attention", "attention_kept",
+           "records", "refuse_mask_grads", "torch_stream"]
+
+# float16 and bfloat16: computed in float32 and rounded back, as torch's CPU
+# SDPA does (the SDPA twin and the drop-in module alike)
+HALF = (torch.float16, torch.bfloat16)
 
 DOUBLE_BACKWARD = ("mha_ext.torch: double backward is not supported: the gradient computed by "
                    "mha_ext's C backward is not itself differentiable (create_graph=True "

@@ -35,7 +35,7 @@ from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._torch_errors import meta, torchs
-from ._torch_fn import attention, attention_kept, refuse_mask_grads
+from ._torch_fn import HALF, attention, attention_kept, refuse_mask_grads
 from ._types import Int, Window
 
 if TYPE_CHECKING:
@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["MultiheadAttention"]
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
-_HALF = (torch.float16, torch.bfloat16)  # computed in float32, rounded back
 
 
 def _use_our_forward(module, args):
@@ -399,7 +398,7 @@ class MultiheadAttention(nn.Module):
                 attn_mask, causal = None, True
         sources = self._sources()
         dtype = (sources[0] if self._qkv_same_embed_dim else sources[1]).dtype
-        half = dtype if dtype in _HALF else None
+        half = dtype if dtype in HALF else None
         if half is not None:
             # torch computes a float16 / bfloat16 module in that dtype; we
             # compute in float32 (where every such value is exact) and round

@@ -84,7 +84,8 @@ def _batched(a, ndim_batched):
     return a[None] if a.ndim == ndim_batched - 1 else a
 
 
-# (name, values (B, H, Sq, Sk), kind: "scores" or "probability")
+# (name, values (B, H, Sq, Sk), kind: "scores", "masked" (the scores the masks
+# blocked cells of: -inf there) or "probability")
 _Layer = tuple[str, np.ndarray, str]
 
 
@@ -127,8 +128,8 @@ class Explorer:
                                                 for b in self._blocked.ravel()) + "]")]
         layers = []
         for name, arr, kind in self._layers:
-            layers.append('{"name":%s,"scores":%s,"probability":%s,"values":%s}'
-                          % (json.dumps(name), "true" if kind == "scores" else "false",
+            layers.append('{"name":%s,"masked":%s,"probability":%s,"values":%s}'
+                          % (json.dumps(name), "true" if kind == "masked" else "false",
                              "true" if kind == "probability" else "false", _encode(arr)))
         parts.append('"layers":[' + ",".join(layers) + "]}")
         text = ",".join(parts)
@@ -209,7 +210,7 @@ def explore(source: Trace | ArrayLike, tokens: Iterable[object] | None = None, *
         def step(name: str) -> np.ndarray:
             return _batched(tr[name].array, 4).astype(np.float64)
         raw, masked, soft = step("raw scores"), step("masked scores"), step("softmax")
-        layers = [("raw scores", raw, "scores"), ("masked scores", masked, "scores"),
+        layers = [("raw scores", raw, "scores"), ("masked scores", masked, "masked"),
                   ("softmax", soft, "probability")]
         if "dropout" in tr:
             layers.append(("dropout", step("dropout"), "probability"))

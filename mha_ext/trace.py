@@ -545,8 +545,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
         elif name == "dropout":
             arr = np.array(dropped)
         final.append(Step(name, formula, tuple(arr.shape), _read_only(arr), tuple(dims)))
-    if cells is not None:
-        cells = _read_only(cells[0] if unbatched else cells)
+    if cells is not None and unbatched:
+        cells = cells[0]            # broadcast_to's view: read-only already
 
     info = {"dtype": dtype.name, "training": bool(module.training),
             "dropout": p, "dropout_active": dropout_active,

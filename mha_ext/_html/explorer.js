@@ -4,7 +4,8 @@
  * JSON that mha_ext/explorer.py embeds:
  *   B, H, Sq, Sk        sizes (legend: B batch, H heads, Sq queries, Sk keys)
  *   qTokens, kTokens    labels of the queries and keys
- *   layers              [{name, values}] values: flat (B, H, Sq, Sk), row-major,
+ *   layers              [{name, masked, probability, values}] masked: the
+ *                       layer the masks wrote -inf into; values: flat (B, H, Sq, Sk), row-major,
  *                       numbers (±inf as ±1e999, which JSON.parse reads as
  *                       ±Infinity) or null for NaN
  *   blocked             flat 0/1 (B, H, Sq, Sk) or null when unknown
@@ -197,7 +198,7 @@ function mhaExplorer(root, data) {
     layers.forEach(function (l) {
       var x = l.values[idx(b, h, i, j)];
       // a mask's -inf is in the masked scores; the raw ones come before it
-      var s = fmt(x) + ((x === -Infinity && bl && l.name === "masked scores") ? " (blocked)" : "");
+      var s = fmt(x) + ((x === -Infinity && bl && l.masked) ? " (blocked)" : "");
       lines.push((l.name + ":              ").slice(0, 15) + s);
     });
     if (bl) lines.push("blocked by the mask");
