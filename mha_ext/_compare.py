@@ -48,7 +48,9 @@ class Row(NamedTuple):
     torch_error: float    # max |torch - truth| over the non-NaN entries
     mha_ext_error: float  # max |mha_ext - truth| over the non-NaN entries
     nan_agree: bool       # NaN in the same places in all three runs
-    closer: str           # "mha_ext", "torch" or "tie"
+    closer: str           # "mha_ext", "torch" or "tie"; "not called by ..." when
+                          # a run never called the layer (its errors NaN),
+                          # "n/a" when the runs' outputs differ in shape
 
 
 class Comparison:
@@ -81,7 +83,8 @@ class Comparison:
 
     def _cells(self) -> list[tuple[str, str, str, str, str]]:
         return [(r.layer, f"{r.torch_error:.3g}", f"{r.mha_ext_error:.3g}",
-                 "yes" if r.nan_agree else "NO", r.closer) for r in self.rows]
+                 "yes" if r.nan_agree else ("-" if r.closer.startswith(("not called", "n/a"))
+                                            else "NO"), r.closer) for r in self.rows]
 
     def __str__(self) -> str:
         cells = [self.HEAD] + self._cells()
@@ -148,8 +151,12 @@ def _capture(model, names):
 
 
 def _row(name, a, b, truth):
-    if a is None or b is None or truth is None or a.shape != truth.shape \
-            or b.shape != truth.shape:
+    # a layer a run never called (a model branching around it, say): said so
+    missing = [who for who, x in (("torch", a), ("mha_ext", b), ("the float64 copy", truth))
+               if x is None]
+    if missing:
+        return Row(name, math.nan, math.nan, False, "not called by " + ", ".join(missing))
+    if a.shape != truth.shape or b.shape != truth.shape:
         return Row(name, math.nan, math.nan, False, "n/a")
     nan_a, nan_b, nan_t = torch.isnan(a), torch.isnan(b), torch.isnan(truth)
     agree = bool(torch.equal(nan_a, nan_t) and torch.equal(nan_b, nan_t))
@@ -192,6 +199,9 @@ def compare(model: nn.Module, *inputs: Any, from_torch_options: Mapping[str, Any
     mha_ext.MultiHeadAttention.from_torch).  The model is left as it was."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"compare expects a torch.nn.Module, not {type(model).__name__}")
+    if isinstance(model, MultiheadAttention):
+        raise TypeError("compare takes the torch model or module: this is mha_ext's "
+                        "MultiheadAttention already (compare computes it with mha_ext itself)")
     _warn_dropout(model)
     if isinstance(model, nn.MultiheadAttention):
         ours: nn.Module | _NumpyMHA = MultiheadAttention.from_torch(model)

@@ -119,11 +119,15 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
                               enable_gqa, seed, window, layout, head_mask)
         except (ValueError, TypeError) as exc:
             if window is not None or layout is not None or head_mask is not None \
-                    or not isinstance(is_causal, bool):
+                    or not isinstance(is_causal, bool) \
+                    or any(getattr(x, "is_nested", False) for x in (query, key, value)):
                 raise                                   # ours alone: torch has no such call
-            # arguments torch refuses too: its exception type as well (_torch_errors)
+            # arguments torch refuses too: its exception type as well (_torch_errors);
+            # torch's own function, which F.scaled_dot_product_attention may no longer
+            # be (a user's patch putting this twin in its place: no recursion)
+            import torch
             from ._torch_errors import meta, torchs
-            from torch.nn.functional import scaled_dot_product_attention as torch_sdpa
+            torch_sdpa = torch._C._nn.scaled_dot_product_attention
             raise torchs(exc, lambda: torch_sdpa(
                 meta(query), meta(key), meta(value), attn_mask=meta(attn_mask),
                 dropout_p=float(dropout_p), is_causal=is_causal,

@@ -28,11 +28,13 @@ _CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 def attention_modules(model):
     """[(qualified name, module)] of every torch.nn.MultiheadAttention in
     model (the model itself included), in named_modules() order, under each
-    name it has (one module reachable by two names is listed twice).  A
-    subclass is a TypeError: its own forward or methods would not run."""
+    name it has (one module reachable by two names is listed twice); ours
+    (mha_ext.torch.MultiheadAttention, a subclass) are mha_ext's already and
+    left out.  Another subclass is a TypeError: its own forward or methods
+    would not run."""
     found = []
     for name, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, nn.MultiheadAttention):
+        if isinstance(m, nn.MultiheadAttention) and not isinstance(m, MultiheadAttention):
             if type(m) is not nn.MultiheadAttention:
                 raise TypeError(
                     f"{name or 'the model'} is a {type(m).__qualname__}, a subclass of "
@@ -113,7 +115,9 @@ class swapped(contextlib.ContextDecorator, Generic[_Model]):
     A context manager, not a function: ``swapped(model)`` alone changes
     nothing (a RuntimeWarning says so when such an object is dropped
     unused).  `model` must be a torch.nn.Module (a TypeError otherwise);
-    the swap itself happens on entering the block.  As a decorator
+    the swap itself happens on entering the block, and a model holding no
+    torch.nn.MultiheadAttention (ours are left as they are) gives a
+    RuntimeWarning there: nothing is swapped.  As a decorator
     (``@swapped(model)``), each call of the function runs inside it."""
 
     def __init__(self, model: _Model) -> None:
@@ -130,6 +134,12 @@ class swapped(contextlib.ContextDecorator, Generic[_Model]):
                                "swapped(model) for a nested block")
         self._used = True
         self._record = swap_in(self._model)
+        if not self._record:  # nothing to compute: say so rather than compare torch with itself
+            warnings.warn(f"mha_ext.torch.swapped: this {type(self._model).__name__} holds no "
+                          f"torch.nn.MultiheadAttention, so the block runs it unchanged (for "
+                          f"models calling torch.nn.functional.scaled_dot_product_attention, "
+                          f"use mha_ext.scaled_dot_product_attention)", RuntimeWarning,
+                          stacklevel=2)
         return self._model
 
     def __exit__(self, *exc: object) -> None:

@@ -92,8 +92,15 @@ def _check_mask_dtype(mask, name):
                         f"scores), got dtype {mask.dtype}")
 
 
-class MultiheadAttention(nn.Module):
+class MultiheadAttention(nn.MultiheadAttention):
     """torch.nn.MultiheadAttention, computed by mha_ext's C core.
+
+    A subclass of torch's class, so that code choosing a branch by
+    ``isinstance(m, nn.MultiheadAttention)`` (torch_geometric's GPSConv,
+    Hugging Face's weight initialisers) takes the same branch with it; its
+    constructor, forward and initialisation are its own, torch's
+    merge_masks (which nn.TransformerEncoderLayer's fused path calls) and
+    __setstate__ (old checkpoints) are inherited.
 
     MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True,
                        add_bias_kv=False, add_zero_attn=False, kdim=None,
@@ -132,7 +139,7 @@ class MultiheadAttention(nn.Module):
                                     f"({num_heads})"),
                          lambda: nn.MultiheadAttention(embed_dim, num_heads, device="meta"))
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        super().__init__()
+        nn.Module.__init__(self)  # not torch's constructor: the parameters are made below
         self.embed_dim = embed_dim
         self.kdim = embed_dim if kdim is None else _convert.integer(kdim, "kdim")
         self.vdim = embed_dim if vdim is None else _convert.integer(vdim, "vdim")
@@ -182,10 +189,6 @@ class MultiheadAttention(nn.Module):
             xavier_normal_(self.bias_k)
         if self.bias_v is not None:
             xavier_normal_(self.bias_v)
-
-    def __setstate__(self, state):
-        state.setdefault("_qkv_same_embed_dim", True)
-        super().__setstate__(state)
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiheadAttention:
@@ -446,15 +449,6 @@ class MultiheadAttention(nn.Module):
             out = out.to(half)
             weights = None if weights is None else weights.to(half)
         return out, (weights if need_weights else None)
-
-    def merge_masks(self, attn_mask: torch.Tensor | None,
-                    key_padding_mask: torch.Tensor | None,
-                    query: torch.Tensor) -> tuple[torch.Tensor | None, int | None]:
-        """torch.nn.MultiheadAttention.merge_masks, torch's own code (it reads
-        num_heads only): the mask type (0, 1 or 2) and the merged mask that
-        torch's fused paths take.  Our forward does not use it."""
-        return nn.MultiheadAttention.merge_masks(self, attn_mask,  # type: ignore[arg-type]
-                                                 key_padding_mask, query)
 
     def _causal_over_extra_keys(self, dtype, opts, q, k, v, params):
         # torch's SDPA path with the is_causal hint applies its top-left

@@ -15,7 +15,8 @@ then computes its attention with ``mha_ext.scaled_dot_product_attention``,
 forward and backward in C.  No model needed patching: T5's relative position
 bias and BART's cross-attention arrive through the same interface.  Models
 with their own attention classes do not (transformers 5.23: Falcon and GPT-J
-raise transformers' KeyError: 'mha_ext'; Bloom runs its eager attention).
+raise transformers' KeyError: 'mha_ext', where 5.25 routes them through the
+interface; Bloom runs its eager attention).
 
 What ``attention_forward`` does is what transformers' own "sdpa" function
 does, with mha_ext's twin in place of ``torch.nn.functional.

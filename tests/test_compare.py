@@ -117,3 +117,28 @@ def test_import_mha_ext_does_not_import_torch():
             "f = mha_ext.compare; assert 'torch' in sys.modules and callable(f)")
     env = dict(os.environ, PYTHONPATH=PKG_ROOT)  # keeps CI's preloads (ASan)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
+
+
+def test_a_layer_a_run_never_called_is_said_so():
+    """A model that branches around its attention in one run (here on the
+    exact type, so not with ours) gets a row saying which run never called
+    the layer, not NaN errors with "NaN agree NO"; and compare refuses ours
+    itself, which it would compare with itself."""
+    class Exact(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(E, H, batch_first=True)
+
+        def forward(self, x):
+            if type(self.attn) is nn.MultiheadAttention:
+                return self.attn(x, x, x, need_weights=False)[0]
+            return x
+
+    torch.manual_seed(6)
+    table = mha_ext.compare(Exact().eval(), x(B, S, E))
+    row = table[0]
+    assert row.layer == "attn" and row.closer == "not called by mha_ext"
+    assert np.isnan(row.torch_error) and np.isnan(row.mha_ext_error)
+    assert "not called by mha_ext" in str(table) and " NO " not in str(table)
+    with pytest.raises(TypeError, match="mha_ext's MultiheadAttention already"):
+        mha_ext.compare(MultiheadAttention(E, H), x(B, S, E), x(B, S, E), x(B, S, E))

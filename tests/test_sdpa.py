@@ -509,3 +509,43 @@ def test_what_torch_refuses_is_refused_with_torchs_type_and_message_too(torch, c
     assert isinstance(got.value, (ValueError, TypeError))
     if case != "4-D mask of another shape":
         assert str(theirs.value) in str(got.value)
+
+
+def test_a_patched_functional_refuses_without_recursion(torch, monkeypatch):
+    """Code is run through the twin by putting it in place of
+    torch.nn.functional.scaled_dot_product_attention; a refusal then still
+    runs torch's own function (not the patched name, which was the twin
+    itself: it recursed until a RecursionError, a 33 KB message claiming
+    torch refused), for the twin's direct calls and for torch's
+    MultiheadAttention reaching it through its functional."""
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        mha_ext.scaled_dot_product_attention)
+    q = torch.randn(2, 4, 5, 8)
+    with pytest.raises(RuntimeError) as got:
+        torch.nn.functional.scaled_dot_product_attention(q, q.double(), q.double())
+    assert isinstance(got.value, TypeError) and not isinstance(got.value, RecursionError)
+    assert str(got.value).count("(torch:") == 1 and len(str(got.value)) < 400
+    assert "same dtype" in str(got.value)
+    # the drop-in's refusals run torch's module, whose functional calls the
+    # patched name on meta tensors
+    import mha_ext.torch as mt
+    m = mt.MultiheadAttention(8, 2, batch_first=True)
+    with pytest.raises(AssertionError) as got:
+        m(torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(2, 5, 8))
+    assert isinstance(got.value, ValueError) and str(got.value).count("(torch:") == 1
+
+
+@pytest.mark.parametrize("layout", ["strided", "jagged"])
+def test_nested_tensors_are_refused_saying_what_to_do(torch, layout):
+    """A nested tensor (which torch's SDPA takes) is a TypeError saying to pad
+    it (to_padded_tensor) and mask the padding: the jagged one was told to
+    call .to_dense(), which torch refuses for that layout, and the strided
+    one met a torch-internal "NestedTensorImpl doesn't support sizes"."""
+    import warnings
+    parts = [torch.randn(4, 3, 8), torch.randn(4, 5, 8)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype-stage warning
+        nt = torch.nested.nested_tensor(parts, layout=getattr(torch, layout))
+    for args in ((nt, nt, nt), (parts[0][None], nt, nt)):
+        with pytest.raises(TypeError, match="nested tensor.*to_padded_tensor"):
+            mha_ext.scaled_dot_product_attention(*args)

@@ -318,6 +318,65 @@ def test_swapped_is_a_context_manager_and_refuses_other_objects():
     assert stock.self_attn is old
 
 
+def test_isinstance_branches_take_the_same_path_inside_swapped():
+    """Code branching on isinstance(m, nn.MultiheadAttention) (torch_geometric's
+    GPSConv does) takes the same branch with ours: ours is a subclass of
+    torch's class.  It was not, and inside swapped() such a model silently
+    skipped its attention (2.6 off at a scale of 5, no error)."""
+    class Branching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(E, H, batch_first=True)
+
+        def forward(self, x):
+            if isinstance(self.attn, nn.MultiheadAttention):
+                return x + self.attn(x, x, x, need_weights=False)[0]
+            return x
+
+    torch.manual_seed(5)
+    model = Branching().eval()
+    randomise_biases(model)
+    x = torch.randn(B, S, E)
+    calls = []
+    model.attn.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        want = model(x)
+        with mt.swapped(model):
+            assert type(model.attn) is MultiheadAttention
+            got = model(x)
+    assert calls == [1, 1]
+    assert (got - x).abs().max() > 0.1  # the attention's share is there
+    assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
+    ours = MultiheadAttention(E, H)
+    assert isinstance(ours, nn.MultiheadAttention)
+    layer = nn.TransformerEncoderLayer(E, H, batch_first=True)
+    layer.self_attn = ours  # a plain assignment, as to torch's own class
+
+
+def test_swapped_leaves_ours_alone_and_warns_when_nothing_is_swapped():
+    """Ours already in a model (a subclass of torch's class) are mha_ext's:
+    swapped() leaves them, where another subclass is a TypeError; a model
+    holding no torch attention swaps nothing and says so."""
+    stock = _build("TransformerEncoderLayer", True, False, torch.float32)
+    ours = MultiheadAttention.from_torch(stock.self_attn)
+    stock.self_attn = ours
+    with pytest.warns(RuntimeWarning, match="holds no torch.nn.MultiheadAttention"):
+        with mt.swapped(stock):
+            assert stock.self_attn is ours
+    assert stock.self_attn is ours
+
+    class Sub(nn.MultiheadAttention):
+        pass
+
+    holder = nn.Sequential(Sub(E, H))
+    with pytest.raises(TypeError, match="subclass of torch.nn.MultiheadAttention"):
+        with mt.swapped(holder):
+            pass
+    with pytest.warns(RuntimeWarning, match="holds no torch.nn.MultiheadAttention"):
+        with mt.swapped(nn.Linear(E, E)):
+            pass
+
+
 def test_merge_masks_is_torchs():
     # torch's public method (TransformerEncoderLayer's fused path calls it)
     torch.manual_seed(4)

@@ -41,9 +41,8 @@ src, tgt = torch.randn(10, 2, 64), torch.randn(7, 2, 64)
 with swapped(model) as same_model:
     y = same_model(src, tgt)
 layer = torch.nn.TransformerEncoderLayer(64, 4, batch_first=True)
-# ours is a drop-in, not a subclass of torch's class that layer.self_attn is
-# annotated with: setattr, as swapped() does
-setattr(layer, "self_attn", MultiheadAttention.from_torch(layer.self_attn))
+# ours is a subclass of torch's class, which layer.self_attn is annotated with
+layer.self_attn = MultiheadAttention.from_torch(layer.self_attn)
 ours = MultiheadAttention(64, 4, batch_first=True)
 ours.load_state_dict(torch.nn.MultiheadAttention(64, 4, batch_first=True).state_dict())
 o, w = ours.forward(x, x, x, need_weights=True, window=(2, 2))
