@@ -44,9 +44,10 @@ def _batched_checks():
 
 def check_tensor(x, name):
     """Refuse, naming `name`, the tensors NumPy cannot read: nested tensors,
-    sparse or other non-strided layouts and torch's CausalBias (TypeError), tensors on the
-    meta device, which have no data (ValueError), and vmap's batched tensors
-    (RuntimeError; torch is imported already when x is its tensor)."""
+    sparse or other non-strided layouts and torch's CausalBias (TypeError),
+    tensors on the meta device, which have no data (ValueError), and vmap's
+    batched tensors (RuntimeError; torch is imported already when x is its
+    tensor)."""
     if getattr(x, "is_nested", False):  # strided or jagged: no one array to read
         raise TypeError(f"{name} is a nested tensor, which mha_ext's kernels cannot read: "
                         f"pad it first (x.to_padded_tensor(0.0)) and mask the padding "

@@ -96,8 +96,8 @@ class MultiheadAttention(nn.MultiheadAttention):
     """torch.nn.MultiheadAttention, computed by mha_ext's C core.
 
     A subclass of torch's class, so that code choosing a branch by
-    ``isinstance(m, nn.MultiheadAttention)`` (torch_geometric's GPSConv,
-    Hugging Face's weight initialisers) takes the same branch with it; its
+    ``isinstance(m, nn.MultiheadAttention)`` (torch_geometric's GPSConv, for
+    one) takes the same branch with it; its
     constructor, forward and initialisation are its own, torch's
     merge_masks (which nn.TransformerEncoderLayer's fused path calls) and
     __setstate__ (old checkpoints) are inherited.
