@@ -1,6 +1,6 @@
 """mha_ext.torch: our attention as a torch.nn.Module, trainable with torch.
 
-Two classes and a context manager:
+Two classes, a context manager and a function:
 
   MultiheadAttention   torch.nn.MultiheadAttention's exact surface (torch's
                        spelling, lowercase h), a drop-in inside
@@ -8,6 +8,10 @@ Two classes and a context manager:
   MultiHeadAttention   mha_ext.MultiHeadAttention's surface (below)
   swapped(model)       every nn.MultiheadAttention of a model computed by
                        mha_ext inside a with-block (see mha_ext._swap)
+  multi_head_attention_forward
+                       torch.nn.functional.multi_head_attention_forward's
+                       twin, for code calling torch's functional itself
+                       (see mha_ext._torch_functional)
 
     from mha_ext.torch import MultiHeadAttention
     attn = MultiHeadAttention(64, 4, dropout=0.1, seed=0)
@@ -42,6 +46,7 @@ from ._params import LINEARS
 from ._torch_fn import attention_kept as _attention_kept
 from ._torch_fn import refuse_mask_grads
 from ._swap import swapped
+from ._torch_functional import multi_head_attention_forward
 from ._torch_mha import MultiheadAttention
 from ._types import Causal, Flag, Int, MaskedRows, Real, Window
 from .module import MultiHeadAttention as _Core
@@ -49,7 +54,8 @@ from .module import MultiHeadAttention as _Core
 if TYPE_CHECKING:
     from .layout import BlockLayout
 
-__all__ = ["MultiHeadAttention", "MultiheadAttention", "swapped"]
+__all__ = ["MultiHeadAttention", "MultiheadAttention", "multi_head_attention_forward",
+           "swapped"]
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 

@@ -46,6 +46,16 @@ layer.self_attn = MultiheadAttention.from_torch(layer.self_attn)
 ours = MultiheadAttention(64, 4, batch_first=True)
 ours.load_state_dict(torch.nn.MultiheadAttention(64, 4, batch_first=True).state_dict())
 o, w = ours.forward(x, x, x, need_weights=True, window=(2, 2))
+# torch's functional's twin, put in its place for code that calls it
+torchs_own = torch.nn.functional.multi_head_attention_forward
+torch.nn.functional.multi_head_attention_forward = \
+    mha_ext.torch.multi_head_attention_forward
+ref = torch.nn.MultiheadAttention(64, 4)
+fo, fw = mha_ext.torch.multi_head_attention_forward(
+    src, src, src, 64, 4, ref.in_proj_weight, ref.in_proj_bias, None, None, False, 0.0,
+    ref.out_proj.weight, ref.out_proj.bias, training=False, need_weights=False)
+functional_out: torch.Tensor = fo
+torch.nn.functional.multi_head_attention_forward = torchs_own
 table = mha_ext.compare(model, src, tgt)
 errors: list[float] = [row.mha_ext_error for row in table]
 

@@ -1,0 +1,234 @@
+"""mha_ext.torch.multi_head_attention_forward: the twin of
+torch.nn.functional.multi_head_attention_forward, computed by mha_ext.
+
+torch's nn.MultiheadAttention calls that functional on its ordinary
+(unfused) path, and code with attention modules of its own calls it
+directly with its own parameter tensors (fair-esm's and fairseq's
+MultiheadAttention, for two).  Such code is run through mha_ext by putting
+this twin in its place:
+
+    torch.nn.functional.multi_head_attention_forward = \\
+        mha_ext.torch.multi_head_attention_forward
+
+Each call builds an mha_ext.torch.MultiheadAttention on the meta device
+(no memory) holding the call's tensors in place of its parameters, so the
+gradients reach those tensors, and runs its forward on torch's unfused path
+(a query that sees no key: NaN with weights, out_proj_bias without, as
+torch's functional gives).  The C modules doing the work are kept between
+calls, a few per configuration.
+
+Legend: L query length, S key length, B batch, E = embed_dim, H = num_heads.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from . import _convert
+from ._torch_errors import meta, torchs
+from ._torch_mha import _DTYPES, MultiheadAttention
+from .module import MultiHeadAttention as _Core
+
+__all__ = ["multi_head_attention_forward"]
+
+# torch's own function, taken when mha_ext.torch is imported: the one the
+# refusals (and data-less meta tensors) run, also after a user put the twin
+# in its place in torch.nn.functional
+_TORCH_MHA_FORWARD = torch.nn.functional.multi_head_attention_forward
+
+
+_CORES: dict[tuple[Any, ...], _Core] = {}
+_KEEP = 16  # configurations kept, the oldest dropped first
+_LOCK = threading.Lock()  # calls from several threads share the dict
+
+
+def _core(*config: Any) -> _Core:
+    """The C module of a configuration (E, H, bias, kdim, vdim, dtype,
+    add_bias_kv, add_zero_attn), its parameters unused (the call's tensors
+    are passed to every call), kept for the next call"""
+    core = _CORES.get(config)
+    if core is None:
+        E, H, bias, kdim, vdim, dtype, add_bias_kv, add_zero_attn = config
+        core = _Core(E, H, bias=bias, kdim=kdim, vdim=vdim, dtype=dtype, seed=0,
+                     add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
+        with _LOCK:
+            while len(_CORES) >= _KEEP:
+                _CORES.pop(next(iter(_CORES)))
+            _CORES[config] = core
+    return core
+
+
+class _Call(MultiheadAttention):
+    """The drop-in holding one call's tensors, on torch's unfused path."""
+
+    def _core(self, dtype, extra=None):
+        name = _DTYPES.get(dtype)
+        if name is None:
+            return super()._core(dtype, extra)      # its TypeError
+        if extra is None:
+            extra = (self.bias_k is not None, bool(self.add_zero_attn))
+        return _core(self.embed_dim, self.num_heads, self._has_bias(), self.kdim, self.vdim,
+                     name, *extra)
+
+    def _torch_fast_path(self, query, key, value, attn_mask, key_padding_mask):
+        return False                                 # the functional is never fused
+
+    def _in_fused_layer(self, query):
+        return False
+
+
+def _tensor(x, name, required=True):
+    if x is None and not required:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor"
+                        + ("" if required else " or None") + f", got {type(x).__name__}")
+    return x
+
+
+def _shape(x, name, want):
+    if x is not None and tuple(x.shape) != want:
+        raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
+
+
+def _set(module, name, tensor):
+    # the call's tensor (a Parameter or not) where the module's parameter was
+    module._parameters[name] = tensor
+
+
+def multi_head_attention_forward(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, embed_dim_to_check: int,
+        num_heads: int, in_proj_weight: torch.Tensor | None, in_proj_bias: torch.Tensor | None,
+        bias_k: torch.Tensor | None, bias_v: torch.Tensor | None, add_zero_attn: bool,
+        dropout_p: float, out_proj_weight: torch.Tensor, out_proj_bias: torch.Tensor | None,
+        training: bool = True, key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True, attn_mask: torch.Tensor | None = None,
+        use_separate_proj_weight: bool = False, q_proj_weight: torch.Tensor | None = None,
+        k_proj_weight: torch.Tensor | None = None, v_proj_weight: torch.Tensor | None = None,
+        static_k: torch.Tensor | None = None, static_v: torch.Tensor | None = None,
+        average_attn_weights: bool = True, is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch.nn.functional.multi_head_attention_forward, computed by mha_ext.
+
+    The same arguments and results as torch's: query (L, B, E), key (S, B,
+    kdim), value (S, B, vdim) (sequence first, as torch's functional; or
+    unbatched (L, E), ...); in_proj_weight (3E, E), or with
+    use_separate_proj_weight q_proj_weight (E, E), k_proj_weight (E, kdim),
+    v_proj_weight (E, vdim) (in_proj_weight then unread); in_proj_bias (3E)
+    and out_proj_bias (E) or None; bias_k and bias_v (1, 1, E) or None
+    (appended to every sequence's keys and values, then add_zero_attn's
+    zero key); dropout_p applied when training; the masks and is_causal as
+    torch.nn.MultiheadAttention's forward takes them.  Returns (output
+    (L, B, E), weights (B, L, S') averaged over the heads, (B, H, L, S')
+    with average_attn_weights=False, or None with need_weights=False),
+    S' counting bias_k's and the zero key.
+
+    Gradients reach every tensor passed that requires grad (the weights
+    and biases too), from mha_ext's C backward.  float32 and float64 on
+    the CPU; float16 and bfloat16 computed in float32 and rounded back
+    once, as mha_ext.torch.MultiheadAttention does.  static_k and static_v
+    (keys and values given per head, past the projections) are not taken:
+    a ValueError.  Tensors on the meta device (no data) go to torch's own
+    function, which checks them and gives the results' shapes.  Arguments
+    torch refuses too are refused with torch's exception type as well as
+    ours, with both messages (docs/API.md §7).
+    """
+    args = (query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias,
+            bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias)
+    kwargs: dict[str, Any] = dict(
+        training=training, key_padding_mask=key_padding_mask, need_weights=need_weights,
+        attn_mask=attn_mask, use_separate_proj_weight=use_separate_proj_weight,
+        q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight,
+        v_proj_weight=v_proj_weight, static_k=static_k, static_v=static_v,
+        average_attn_weights=average_attn_weights, is_causal=is_causal)
+    tensors = [x for x in list(args) + list(kwargs.values()) if isinstance(x, torch.Tensor)]
+    if any(t.device.type == "meta" for t in tensors):
+        return _TORCH_MHA_FORWARD(*args, **kwargs)  # no data to compute: torch's shapes
+    try:
+        module = _module(*args, training, use_separate_proj_weight, q_proj_weight,
+                         k_proj_weight, v_proj_weight, static_k, static_v)
+        return module._forward_call(query, key, value, key_padding_mask, need_weights,
+                                    attn_mask, average_attn_weights, is_causal, None, None)
+    except (ValueError, TypeError) as exc:
+        if static_k is not None or static_v is not None:
+            raise                                    # ours alone: torch takes them
+        raise torchs(exc, lambda: _TORCH_MHA_FORWARD(
+            *(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})) \
+            from exc.__cause__
+
+
+def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias,
+            bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training,
+            separate, q_proj_weight, k_proj_weight, v_proj_weight, static_k, static_v):
+    """The call's _Call module, its arguments checked as torch's functional
+    checks them (with our messages)."""
+    if static_k is not None or static_v is not None:
+        raise ValueError("static_k and static_v (per-head keys and values past the "
+                         "projections) are not taken by mha_ext's "
+                         "multi_head_attention_forward: call torch's function for them")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _tensor(x, name)
+    E = _convert.integer(embed_dim_to_check, "embed_dim_to_check")
+    H = _convert.integer(num_heads, "num_heads")
+    if query.shape[-1:] != (E,):
+        raise ValueError(f"query's last dimension must be embed_dim_to_check = {E}, got "
+                         f"shape {tuple(query.shape)}")
+    if H < 1 or E % H:
+        raise ValueError(f"embed_dim ({E}) must be divisible by num_heads ({H})")
+    out_w = _tensor(out_proj_weight, "out_proj_weight")
+    if not out_w.is_floating_point() or out_w.is_complex():
+        raise TypeError(f"the weights must be float32 or float64 (float16 and bfloat16 are "
+                        f"computed in float32), got {out_w.dtype}")
+    out_b = _tensor(out_proj_bias, "out_proj_bias", False)
+    in_b = _tensor(in_proj_bias, "in_proj_bias", False)
+    _shape(out_w, "out_proj_weight", (E, E))
+    _shape(out_b, "out_proj_bias", (E,))
+    _shape(in_b, "in_proj_bias", (3 * E,))
+    if separate:
+        q_w = _tensor(q_proj_weight, "q_proj_weight (use_separate_proj_weight=True)")
+        k_w = _tensor(k_proj_weight, "k_proj_weight (use_separate_proj_weight=True)")
+        v_w = _tensor(v_proj_weight, "v_proj_weight (use_separate_proj_weight=True)")
+        for name, w in (("q_proj_weight", q_w), ("k_proj_weight", k_w),
+                        ("v_proj_weight", v_w)):
+            if w.dim() != 2 or w.shape[0] != E:
+                raise ValueError(f"{name} must have shape ({E}, its input's width), got "
+                                 f"{tuple(w.shape)}")
+        _shape(q_w, "q_proj_weight", (E, E))
+        kdim, vdim = int(k_w.shape[1]), int(v_w.shape[1])
+    else:
+        in_w = _tensor(in_proj_weight, "in_proj_weight (use_separate_proj_weight=False)")
+        _shape(in_w, "in_proj_weight", (3 * E, E))
+        kdim = vdim = E
+    if (bias_k is None) != (bias_v is None):
+        raise ValueError("bias_k and bias_v are given together or not at all (one is None)")
+    if bias_k is not None:
+        for name, b in (("bias_k", bias_k), ("bias_v", bias_v)):
+            _tensor(b, name)
+            if b.numel() != E or (b.dim() > 0 and b.shape[-1] != E):
+                raise ValueError(f"{name} must hold embed_dim = {E} values, shape (1, 1, "
+                                 f"{E}), got shape {tuple(b.shape)}")
+    p = float(dropout_p)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    module = _Call(E, H, p, bias=in_b is not None or out_b is not None,
+                   add_bias_kv=bias_k is not None, add_zero_attn=bool(add_zero_attn),
+                   kdim=kdim, vdim=vdim, batch_first=False, device="meta",
+                   dtype=out_w.dtype)
+    module._qkv_same_embed_dim = not separate
+    if separate:
+        for name, w in (("in_proj_weight", None), ("q_proj_weight", q_w),
+                        ("k_proj_weight", k_w), ("v_proj_weight", v_w)):
+            _set(module, name, w)
+    else:
+        for name, w in (("in_proj_weight", in_w), ("q_proj_weight", None),
+                        ("k_proj_weight", None), ("v_proj_weight", None)):
+            _set(module, name, w)
+    _set(module, "in_proj_bias", in_b)
+    _set(module.out_proj, "weight", out_w)
+    _set(module.out_proj, "bias", out_b)
+    if bias_k is not None:
+        _set(module, "bias_k", bias_k)
+        _set(module, "bias_v", bias_v)
+    return module.train(bool(training))

@@ -1,0 +1,262 @@
+"""mha_ext.torch.multi_head_attention_forward against torch's own
+torch.nn.functional.multi_head_attention_forward: outputs, weights and the
+gradients of every tensor passed, over its options; code that calls the
+functional itself (fair-esm's and fairseq's attention do) run through the
+twin by patching torch.nn.functional; its refusals.
+
+Legend: L query length, S key length, B batch, E = embed_dim, H = num_heads.
+"""
+import itertools
+
+import pytest
+
+from _support import require_torch
+
+torch = require_torch()
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import mha_ext.torch as mt  # noqa: E402
+
+E, H, L, S, B = 16, 4, 5, 7, 3
+# float32: a few roundings of values of order 1 (ours against torch's,
+# each a float32 computation); float64 likewise
+TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
+
+
+def _module(dtype, separate, bias, bias_kv, zero_attn, seed=0):
+    torch.manual_seed(seed)
+    kdim, vdim = (12, 10) if separate else (None, None)
+    m = nn.MultiheadAttention(E, H, bias=bias != "none", add_bias_kv=bias_kv,
+                              add_zero_attn=zero_attn, kdim=kdim, vdim=vdim, dtype=dtype)
+    with torch.no_grad():  # torch's zero biases would hide a bias bug
+        for p in m.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return m
+
+
+def _args(m, bias):
+    """torch's functional's positional and keyword arguments from module m
+    (as nn.MultiheadAttention.forward passes them); bias "in" keeps only
+    in_proj_bias, "out" only out_proj_bias"""
+    in_b = None if bias in ("none", "out") else m.in_proj_bias
+    out_b = None if bias in ("none", "in") else m.out_proj.bias
+    pos = (E, H, m.in_proj_weight, in_b, m.bias_k, m.bias_v, m.add_zero_attn, 0.0,
+           m.out_proj.weight, out_b)
+    kw = dict(use_separate_proj_weight=not m._qkv_same_embed_dim,
+              q_proj_weight=m.q_proj_weight, k_proj_weight=m.k_proj_weight,
+              v_proj_weight=m.v_proj_weight)
+    return pos, kw
+
+
+def _run(f, m, bias, q, k, v, **call):
+    pos, kw = _args(m, bias)
+    leaves = [t for t in (q, k, v, *m.parameters()) if t.requires_grad]
+    for t in leaves:
+        t.grad = None
+    out, w = f(q, k, v, *pos, **kw, **call)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
+    (out * g).nan_to_num().sum().backward()
+    grads = [None if t.grad is None else t.grad.clone() for t in leaves]
+    return out.detach(), None if w is None else w.detach(), grads
+
+
+def _close(a, b, tol, what):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert a.shape == b.shape, what
+    assert torch.equal(a.isnan(), b.isnan()), f"{what}: NaN in other places"
+    ok = ~a.isnan()
+    scale = max(1.0, float(b[ok].abs().max())) if ok.any() else 1.0
+    err = float((a[ok] - b[ok]).abs().max()) if ok.any() else 0.0
+    assert err <= tol * scale, f"{what}: {err:.3g} > {tol:g} x {scale:.3g}"
+
+
+def _inputs(m, dtype, batched, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    lead = (B,) if batched else ()
+
+    def t(n, d):
+        x = torch.randn((n,) + lead + (d,), generator=g, dtype=dtype)
+        return x.requires_grad_()
+    return t(L, E), t(S, m.kdim), t(S, m.vdim)
+
+
+def _masks(kind, dtype, batched):
+    g = torch.Generator().manual_seed(3)
+    am = kpm = None
+    if kind in ("bool", "both"):
+        am = torch.rand(L, S, generator=g) > 0.75
+    if kind == "float3d" and batched:
+        am = torch.randn(B * H, L, S, generator=g, dtype=dtype)
+    if kind in ("padding", "both"):
+        kpm = torch.rand((B, S) if batched else (S,), generator=g) > 0.7
+        kpm[..., 0] = False
+    return am, kpm
+
+
+CASES = list(itertools.product(
+    [torch.float32, torch.float64], [False, True],          # dtype, separate weights
+    ["both", "none", "in", "out"], [False, True],           # biases, add_bias_kv
+    ["none", "bool", "float3d", "padding", "both"]))        # masks
+
+
+@pytest.mark.parametrize("dtype,separate,bias,bias_kv,masks", CASES)
+def test_matches_torchs_functional(dtype, separate, bias, bias_kv, masks):
+    m = _module(dtype, separate, bias, bias_kv, zero_attn=bias_kv and separate)
+    for batched, need, avg in [(True, True, False), (True, False, True), (False, True, True)]:
+        am, kpm = _masks(masks, dtype, batched)
+        call = dict(key_padding_mask=kpm, attn_mask=am, need_weights=need,
+                    average_attn_weights=avg, training=False)
+        q, k, v = _inputs(m, dtype, batched)
+        want = _run(F.multi_head_attention_forward, m, bias, q, k, v, **call)
+        got = _run(mt.multi_head_attention_forward, m, bias, q, k, v, **call)
+        what = f"batched={batched} need_weights={need}"
+        _close(got[0], want[0], TOL[dtype], what + " output")
+        _close(got[1], want[1], TOL[dtype], what + " weights")
+        for i, (a, b) in enumerate(zip(got[2], want[2])):
+            _close(a, b, TOL[dtype], f"{what} gradient {i}")
+
+
+@pytest.mark.parametrize("need", [True, False])
+def test_is_causal_hint_and_a_query_that_sees_no_key(need):
+    """is_causal with its mask (applied as torch's functional applies it),
+    and a batch whose padding hides every key: NaN with weights, the output
+    bias without, as torch's functional (its unfused path) gives."""
+    dtype = torch.float64
+    m = _module(dtype, False, "both", False, False)
+    causal = torch.triu(torch.ones(L, S, dtype=torch.bool), diagonal=1)
+    q, k, v = _inputs(m, dtype, True)
+    for kpm in (None, torch.zeros(B, S, dtype=torch.bool)):
+        call = dict(attn_mask=causal, is_causal=True, need_weights=need, key_padding_mask=kpm,
+                    training=False)
+        want = _run(F.multi_head_attention_forward, m, "both", q, k, v, **call)
+        got = _run(mt.multi_head_attention_forward, m, "both", q, k, v, **call)
+        _close(got[0], want[0], 1e-10, "causal output")
+        _close(got[1], want[1], 1e-10, "causal weights")
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1] = True                                   # batch 1 sees no key
+    call = dict(key_padding_mask=kpm, need_weights=need, training=False)
+    with torch.no_grad():
+        want = F.multi_head_attention_forward(q, k, v, *_args(m, "both")[0],
+                                              **_args(m, "both")[1], **call)
+        got = mt.multi_head_attention_forward(q, k, v, *_args(m, "both")[0],
+                                              **_args(m, "both")[1], **call)
+    _close(got[0], want[0], 1e-10, "blocked output")
+    _close(got[1], want[1], 1e-10, "blocked weights")
+    assert got[0][:, 1].isnan().all() == need
+
+
+class _FairseqStyle(nn.Module):
+    """Attention the way fair-esm's and fairseq's MultiheadAttention call
+    torch's functional: separate projections as Linear children, an empty
+    in_proj_weight, the three biases concatenated (not code of theirs)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            nn.Linear(E, E, dtype=dtype) for _ in range(4))
+        self.bias_k = nn.Parameter(torch.randn(1, 1, E, dtype=dtype))
+        self.bias_v = nn.Parameter(torch.randn(1, 1, E, dtype=dtype))
+
+    def forward(self, x, key_padding_mask=None):
+        return F.multi_head_attention_forward(
+            x, x, x, E, H, torch.empty([0]),
+            torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)),
+            self.bias_k, self.bias_v, False, 0.0, self.out_proj.weight, self.out_proj.bias,
+            self.training, key_padding_mask, False, None, use_separate_proj_weight=True,
+            q_proj_weight=self.q_proj.weight, k_proj_weight=self.k_proj.weight,
+            v_proj_weight=self.v_proj.weight)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_code_calling_the_functional_runs_through_the_twin(monkeypatch, dtype):
+    """Patched into torch.nn.functional, the twin computes such a module and
+    torch's own nn.MultiheadAttention on its unfused path (training, or
+    with weights): the same numbers and gradients, and our C code ran."""
+    torch.manual_seed(2)
+    x = torch.randn(L, B, E, dtype=dtype)
+    kpm = torch.rand(B, L) > 0.7
+    kpm[:, 0] = False
+    models = [_FairseqStyle(dtype), nn.MultiheadAttention(E, H, dtype=dtype)]
+
+    def step(model):
+        for p in model.parameters():
+            p.grad = None
+        out = model(x, key_padding_mask=kpm) if isinstance(model, _FairseqStyle) else \
+            model(x, x, x, key_padding_mask=kpm)[0]
+        out.square().sum().backward()
+        return [out.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    want = [step(model) for model in models]
+    calls = []
+    twin = mt.multi_head_attention_forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return twin(*args, **kwargs)
+    monkeypatch.setattr(F, "multi_head_attention_forward", counted)
+    got = [step(model) for model in models]
+    assert len(calls) == 2
+    for g, w in zip(got, want):
+        for i, (a, b) in enumerate(zip(g, w)):
+            _close(a, b, TOL[dtype], f"tensor {i}")
+
+
+def test_refusals_are_torchs_too_and_do_not_recurse_when_patched(monkeypatch):
+    """Arguments torch's functional refuses are refused with its exception
+    type as well as ours (and its message), also with the twin patched in
+    its place (the refusals run torch's own function); what torch takes and
+    we do not (static_k) is ours alone; meta tensors get torch's shapes."""
+    m = _module(torch.float32, False, "both", True, False)
+    pos, kw = _args(m, "both")
+    x = torch.randn(L, B, E)
+    monkeypatch.setattr(F, "multi_head_attention_forward", mt.multi_head_attention_forward)
+    bad = [
+        ((x, x, x, E + 4, H) + pos[2:], {}, "was expecting embedding dimension"),
+        ((x, x[:, :2], x, E, H) + pos[2:], {}, "does not match value shape"),
+        ((x, x, x, E, H) + pos[2:4] + (m.bias_k, None) + pos[6:], {},
+         "bias_k is set but bias_v is None"),
+    ]
+    for args, extra, words in bad:
+        with pytest.raises(AssertionError, match=words) as got:
+            mt.multi_head_attention_forward(*args, **kw, **extra)
+        assert isinstance(got.value, ValueError) and str(got.value).count("(torch:") == 1
+    # torch's module, patched, on bad input: its own assertion, once
+    ref = nn.MultiheadAttention(E, H)
+    with pytest.raises(AssertionError, match="was expecting embedding dimension"):
+        ref(torch.randn(L, B, E + 4), torch.randn(L, B, E), torch.randn(L, B, E))
+    static = torch.randn(B * H, S, E // H)
+    with pytest.raises(ValueError, match="static_k and static_v") as got:
+        mt.multi_head_attention_forward(x, x, x, *pos, **kw, static_k=static)
+    assert not isinstance(got.value, AssertionError)
+    with pytest.raises(TypeError, match="must be float32 or float64"):
+        mt.multi_head_attention_forward(x, x, x, E, H, m.in_proj_weight, None, None, None,
+                                        False, 0.0, torch.ones(E, E, dtype=torch.int64), None)
+    on_meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in pos]
+    xm = x.to("meta")
+    out, w = mt.multi_head_attention_forward(xm, xm, xm, *on_meta, **kw)
+    assert out.device.type == "meta" and out.shape == (L, B, E) and w.shape == (B, L, L + 1)
+
+
+def test_dropout_in_training_only_from_torchs_generator():
+    """dropout_p drops in training only; torch.manual_seed repeats the draw."""
+    m = _module(torch.float64, False, "both", False, False)
+    pos, kw = _args(m, "both")
+    pos = pos[:7] + (0.5,) + pos[8:]
+    x = torch.randn(L, B, E, dtype=torch.float64)
+
+    def run(training, seed):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            return mt.multi_head_attention_forward(x, x, x, *pos, **kw, training=training)
+
+    plain = F.multi_head_attention_forward(x, x, x, *pos, **kw, training=False)
+    _close(run(False, 0)[0], plain[0].detach(), 1e-10, "eval")
+    a, b, c = run(True, 0), run(True, 0), run(True, 1)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+    assert not torch.allclose(a[0], plain[0].detach())
+    # the weights returned are the dropped ones, each kept one scaled by 2
+    kept = a[1][a[1] > 0]
+    assert kept.numel() > 0
