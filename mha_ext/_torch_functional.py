@@ -63,6 +63,8 @@ def _core(*config: Any) -> _Core:
 class _Call(MultiheadAttention):
     """The drop-in holding one call's tensors, on torch's unfused path."""
 
+    _checks_hint_mask = False  # torch's functional drops the hint's mask unread
+
     def _core(self, dtype, extra=None):
         name = _DTYPES.get(dtype)
         if name is None:
@@ -79,6 +81,19 @@ class _Call(MultiheadAttention):
         return False
 
 
+def _refuse_fake(tensors):
+    """torch.compile's fake tensors (no data): the exception torch.compile
+    turns into a graph break, so that the call runs outside the graph, on
+    the real tensors.  (torch.compile takes torch.nn.functional's function
+    of this name, as it finds it on its first compilation, for one of its
+    own: where this twin was put in its place by then, it runs the twin on
+    fake tensors to learn the result's shape.)"""
+    from torch._subclasses.fake_tensor import FakeTensor, UnsupportedFakeTensorException
+    if any(isinstance(t, FakeTensor) for t in tensors):
+        raise UnsupportedFakeTensorException(
+            "mha_ext.torch.multi_head_attention_forward computes on real tensors")
+
+
 def _tensor(x, name, required=True):
     if x is None and not required:
         return None
@@ -91,6 +106,26 @@ def _tensor(x, name, required=True):
 def _shape(x, name, want):
     if x is not None and tuple(x.shape) != want:
         raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
+
+
+def _check_inputs(query, key, value, kdim, vdim, separate):
+    """query (L, B, E), key (S, B, kdim), value (S, B, vdim), or unbatched
+    (L, E), (S, kdim), (S, vdim): said in the functional's own layout"""
+    q, k, v = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    shapes = f"query {q}, key {k}, value {v}"
+    if len(q) not in (2, 3):
+        raise ValueError(f"query must be 3-D (L, B, E), or 2-D (L, E) unbatched, got {shapes}")
+    if len(k) != len(q) or len(v) != len(q):
+        raise ValueError(f"key and value must be {len(q)}-D like query, got {shapes}")
+    if len(q) == 3 and not q[1] == k[1] == v[1]:
+        raise ValueError(f"query, key and value must have one batch size (dimension 1), got "
+                         f"{shapes}")
+    if k[0] != v[0]:
+        raise ValueError(f"key and value must have one length (dimension 0), got {shapes}")
+    whose = "k_proj_weight's and v_proj_weight's input widths" if separate else "embed_dim"
+    if k[-1] != kdim or v[-1] != vdim:
+        raise ValueError(f"key and value must be {kdim} and {vdim} wide ({whose}), got "
+                         f"{shapes}")
 
 
 def _set(module, name, tensor):
@@ -126,7 +161,11 @@ def multi_head_attention_forward(
     S' counting bias_k's and the zero key.
 
     Gradients reach every tensor passed that requires grad (the weights
-    and biases too), from mha_ext's C backward.  float32 and float64 on
+    and biases too; a mask that requires grad is a ValueError under grad
+    mode), from mha_ext's C backward; query, key and value have the
+    weights' dtype (another is a TypeError, as torch raises, except under
+    CPU autocast).  Under torch.compile the call is a graph break (see
+    _refuse_fake).  float32 and float64 on
     the CPU; float16 and bfloat16 computed in float32 and rounded back
     once, as mha_ext.torch.MultiheadAttention does.  static_k and static_v
     (keys and values given per head, past the projections) are not taken:
@@ -144,6 +183,7 @@ def multi_head_attention_forward(
         v_proj_weight=v_proj_weight, static_k=static_k, static_v=static_v,
         average_attn_weights=average_attn_weights, is_causal=is_causal)
     tensors = [x for x in list(args) + list(kwargs.values()) if isinstance(x, torch.Tensor)]
+    _refuse_fake(tensors)
     if any(t.device.type == "meta" for t in tensors):
         return _TORCH_MHA_FORWARD(*args, **kwargs)  # no data to compute: torch's shapes
     try:
@@ -201,6 +241,7 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
         in_w = _tensor(in_proj_weight, "in_proj_weight (use_separate_proj_weight=False)")
         _shape(in_w, "in_proj_weight", (3 * E, E))
         kdim = vdim = E
+    _check_inputs(query, key, value, kdim, vdim, separate)
     if (bias_k is None) != (bias_v is None):
         raise ValueError("bias_k and bias_v are given together or not at all (one is None)")
     if bias_k is not None:

@@ -34,7 +34,7 @@ from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
-from ._torch_errors import meta, torchs
+from ._torch_errors import TypeErrorAndRuntimeError, meta, torchs
 from ._torch_fn import HALF, attention, attention_kept, refuse_mask_grads
 from ._types import Int, Window
 
@@ -123,6 +123,9 @@ class MultiheadAttention(nn.MultiheadAttention):
     """
 
     __constants__ = ["batch_first"]
+    # the is_causal hint's attn_mask has its dtype checked before the causal
+    # pattern replaces it, as torch's module does (its functional does not)
+    _checks_hint_mask = True
     # None without add_bias_kv (declared: the constructor assigns either)
     bias_k: Parameter | None
     bias_v: Parameter | None
@@ -397,7 +400,8 @@ class MultiheadAttention(nn.MultiheadAttention):
             if key_padding_mask is None and not need_weights and not fast:
                 # torch applies the pattern, not the mask, but checks the
                 # mask's dtype first (its _canonical_mask): so do we
-                _check_mask_dtype(attn_mask, "attn_mask")
+                if self._checks_hint_mask:
+                    _check_mask_dtype(attn_mask, "attn_mask")
                 attn_mask, causal = None, True
         sources = self._sources()
         dtype = (sources[0] if self._qkv_same_embed_dim else sources[1]).dtype
@@ -418,6 +422,15 @@ class MultiheadAttention(nn.MultiheadAttention):
         for p in sources:
             if p is not None and p.device.type != "cpu":
                 raise ValueError(f"parameters must be on the CPU, got device {p.device}")
+        own = half or dtype  # the parameters' dtype
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            # torch's module refuses another dtype (its linear's RuntimeError);
+            # under CPU autocast the call computes in the parameters' dtype
+            if x.dtype != own and not torch.is_autocast_enabled("cpu"):
+                raise TypeErrorAndRuntimeError(
+                    f"{name} is {x.dtype} but the parameters are {own}: torch's module "
+                    f"computes in one dtype and raises a RuntimeError here; cast the input "
+                    f"(x.to({own})) or the module (module.to({own}))")
         batched = query.dim() == 3
         q, k, v = (x.to(dtype) for x in (query, key, value))
         if batched and not self.batch_first:  # (S, B, E) -> (B, S, E)

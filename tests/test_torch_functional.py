@@ -260,3 +260,99 @@ def test_dropout_in_training_only_from_torchs_generator():
     # the weights returned are the dropped ones, each kept one scaled by 2
     kept = a[1][a[1] > 0]
     assert kept.numel() > 0
+
+
+def test_what_torchs_functional_does_unlike_its_module():
+    """torch's functional drops the is_causal hint's mask unread (an int mask
+    runs; torch's module refuses it first), and its shape errors are said in
+    its own layout, naming the weight whose width does not fit."""
+    dtype = torch.float64
+    m = _module(dtype, False, "both", False, False)
+    pos, kw = _args(m, "both")
+    x = torch.randn(L, B, E, dtype=dtype)
+    hint = torch.triu(torch.ones(L, L, dtype=torch.int32), 1)
+    call = dict(attn_mask=hint, is_causal=True, need_weights=False, training=False)
+    with torch.no_grad():
+        want = F.multi_head_attention_forward(x, x, x, *pos, **kw, **call)[0]
+        got = mt.multi_head_attention_forward(x, x, x, *pos, **kw, **call)[0]
+    _close(got, want, 1e-10, "int hint mask")
+    with pytest.raises(TypeError, match="attn_mask must be bool"):
+        mt.MultiheadAttention(E, H, dtype=dtype)(x, x, x, attn_mask=hint, is_causal=True,
+                                                 need_weights=False)
+    sep = _module(torch.float32, True, "both", False, False)
+    spos, skw = _args(sep, "both")
+    skw["k_proj_weight"] = torch.randn(E, 11)
+    q, k, v = torch.randn(L, B, E), torch.randn(S, B, 12), torch.randn(S, B, 10)
+    with pytest.raises(ValueError, match=r"must be 11 and 10 wide \(k_proj_weight's") as got:
+        mt.multi_head_attention_forward(q, k, v, *spos, **skw)
+    assert "batch_first" not in str(got.value) and isinstance(got.value, AssertionError)
+
+
+@pytest.mark.parametrize("call", ["module", "functional"])
+def test_an_input_of_another_dtype_is_refused_as_torch_refuses_it(call):
+    """torch's module and functional raise a RuntimeError for a query of
+    another dtype than the weights; ours computed it in the weights' dtype
+    (a float64 query gave float32 numbers).  Under CPU autocast the call
+    still computes in the parameters' dtype."""
+    m = mt.MultiheadAttention(E, H)
+    ref = nn.MultiheadAttention(E, H)
+    pos, kw = _args(ref, "both")
+
+    def run(module, x):
+        if call == "module":
+            return module(x, x, x)
+        f = F.multi_head_attention_forward if isinstance(module, nn.MultiheadAttention) \
+            and not isinstance(module, mt.MultiheadAttention) else \
+            mt.multi_head_attention_forward
+        return f(x, x, x, *pos, **kw)
+
+    for dtype in (torch.float64, torch.float16, torch.int64):
+        x = torch.ones(L, B, E, dtype=dtype)
+        with pytest.raises(RuntimeError):
+            run(ref, x)
+        with pytest.raises(TypeError, match="but the parameters are torch.float32") as got:
+            run(m, x)
+        assert isinstance(got.value, RuntimeError)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(*(torch.ones(L, B, E, dtype=torch.bfloat16),) * 3)[0]
+    assert out.dtype == torch.float32
+
+
+COMPILE = r"""
+import sys
+import torch, torch.nn.functional as F
+from torch import nn
+import mha_ext.torch as mt
+calls = []
+def counted(*a, **k):
+    calls.append(1)
+    return mt.multi_head_attention_forward(*a, **k)
+F.multi_head_attention_forward = counted   # before torch.compile's first compilation
+torch.manual_seed(0)
+m = nn.MultiheadAttention(16, 4)
+x = torch.randn(5, 3, 16, requires_grad=True)
+want = m(x, x, x)[0]
+(g_want,) = torch.autograd.grad(want.square().sum(), x)
+n = len(calls)
+got = torch.compile(m, backend=sys.argv[1])(x, x, x)[0]
+(g_got,) = torch.autograd.grad(got.square().sum(), x)
+assert len(calls) > n, "the compiled module did not call mha_ext"
+assert torch.allclose(got, want, atol=1e-6) and torch.allclose(g_got, g_want, atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_after_the_patch_runs_the_twin_outside_the_graph(backend):
+    """Patched in before torch.compile's first compilation (its table of
+    torch functions is made then, by name), the twin was taken for torch's
+    own and run on fake tensors: a TorchRuntimeError ('.numpy() is not
+    supported for tensor subclasses').  Now a graph break: the call runs on
+    the real tensors.  A fresh process: the table is made once per process."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-c", COMPILE, backend], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
