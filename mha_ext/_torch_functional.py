@@ -28,7 +28,7 @@ import torch
 
 from . import _convert
 from ._torch_errors import meta, torchs
-from ._torch_mha import _DTYPES, MultiheadAttention
+from ._torch_mha import MultiheadAttention
 from .module import MultiHeadAttention as _Core
 
 __all__ = ["multi_head_attention_forward"]
@@ -39,25 +39,11 @@ __all__ = ["multi_head_attention_forward"]
 _TORCH_MHA_FORWARD = torch.nn.functional.multi_head_attention_forward
 
 
+# the C modules doing the work (their parameters unused: the call's tensors
+# are passed to every call), per configuration
 _CORES: dict[tuple[Any, ...], _Core] = {}
 _KEEP = 16  # configurations kept, the oldest dropped first
 _LOCK = threading.Lock()  # calls from several threads share the dict
-
-
-def _core(*config: Any) -> _Core:
-    """The C module of a configuration (E, H, bias, kdim, vdim, dtype,
-    add_bias_kv, add_zero_attn), its parameters unused (the call's tensors
-    are passed to every call), kept for the next call"""
-    core = _CORES.get(config)
-    if core is None:
-        E, H, bias, kdim, vdim, dtype, add_bias_kv, add_zero_attn = config
-        core = _Core(E, H, bias=bias, kdim=kdim, vdim=vdim, dtype=dtype, seed=0,
-                     add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
-        with _LOCK:
-            while len(_CORES) >= _KEEP:
-                _CORES.pop(next(iter(_CORES)))
-            _CORES[config] = core
-    return core
 
 
 class _Call(MultiheadAttention):
@@ -65,14 +51,18 @@ class _Call(MultiheadAttention):
 
     _checks_hint_mask = False  # torch's functional drops the hint's mask unread
 
-    def _core(self, dtype, extra=None):
-        name = _DTYPES.get(dtype)
-        if name is None:
-            return super()._core(dtype, extra)      # its TypeError
-        if extra is None:
-            extra = (self.bias_k is not None, bool(self.add_zero_attn))
-        return _core(self.embed_dim, self.num_heads, self._has_bias(), self.kdim, self.vdim,
-                     name, *extra)
+    def _core_for(self, name, extra):
+        # kept between calls (each call's module is new), per configuration
+        config = (self.embed_dim, self.num_heads, self._has_bias(), self.kdim, self.vdim,
+                  name, extra)
+        core = _CORES.get(config)
+        if core is None:
+            core = self._new_core(name, extra)
+            with _LOCK:
+                while len(_CORES) >= _KEEP:
+                    _CORES.pop(next(iter(_CORES)))
+                _CORES[config] = core
+        return core
 
     def _torch_fast_path(self, query, key, value, attn_mask, key_padding_mask):
         return False                                 # the functional is never fused

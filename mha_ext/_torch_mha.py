@@ -223,14 +223,21 @@ class MultiheadAttention(nn.MultiheadAttention):
                             f"in float32); the parameters are {dtype}")
         if extra is None:
             extra = (self.bias_k is not None, bool(self.add_zero_attn))
+        return self._core_for(name, extra)
+
+    def _core_for(self, name, extra):
+        """_core's module, kept in this module for its next calls"""
         cores = self.__dict__.setdefault("_cores", {})
         if (name, extra) not in cores:
-            # seed 0: the dropout mask depends on torch's generator alone
-            # (_torch_fn.torch_stream draws each call's), as torch's does
-            cores[name, extra] = _Core(self.embed_dim, self.num_heads, bias=self._has_bias(),
-                                       kdim=self.kdim, vdim=self.vdim, dtype=name, seed=0,
-                                       add_bias_kv=extra[0], add_zero_attn=extra[1])
+            cores[name, extra] = self._new_core(name, extra)
         return cores[name, extra]
+
+    def _new_core(self, name, extra):
+        # seed 0: the dropout mask depends on torch's generator alone
+        # (_torch_fn.torch_stream draws each call's), as torch's does
+        return _Core(self.embed_dim, self.num_heads, bias=self._has_bias(), kdim=self.kdim,
+                     vdim=self.vdim, dtype=name, seed=0, add_bias_kv=extra[0],
+                     add_zero_attn=extra[1])
 
     def _has_bias(self):
         return self.in_proj_bias is not None or self.out_proj.bias is not None
