@@ -32,13 +32,15 @@ def _dtype(*arrays):
     return np.float64 if any(a.dtype == np.float64 for a in arrays) else np.float32
 
 
-def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                causal_and_mask=False):
     """The arguments checked and brought to the C side's form: (q (B, H, L, E),
     k (B, Hkv, S, E), v (B, Hkv, S, Ev) contiguous of one dtype, masks
     [(kind, array)] over (B, H, L, S), is_causal, scale, (lead, lead_kv),
     dtype): lead and lead_kv are the broadcast leading shapes that q and
     k, v were brought to before their reshape to (B, H) and (B, Hkv); the
-    output is (*lead, L, Ev)."""
+    output is (*lead, L, Ev).  attn_mask with is_causal=True is torch's
+    RuntimeError unless causal_and_mask (both then apply)."""
     q, k, v = (as_real(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
     for name, x in (("query", q), ("key", k), ("value", v)):
         if x.ndim < 2:
@@ -96,11 +98,13 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     c = causal(is_causal)
     masks = []
     if attn_mask is not None:
-        if c is True:
-            # torch's rule, with its exception type and words
+        if c is True and not causal_and_mask:
+            # torch's rule where torch keeps it (see fused_causal_and_mask in
+            # mha_ext._sdpa_torch), with its exception type and words
             raise RuntimeError("Explicit attn_mask should not be set when is_causal=True "
-                               "(torch's rule): put the causal mask into attn_mask, or use "
-                               "is_causal='lower_right' with it")
+                               "(torch's rule; torch's fused CPU kernel, taken for 4-D "
+                               "tensors without dropout, applies both): put the causal mask "
+                               "into attn_mask, or use is_causal='lower_right' with it")
         m = as_real(attn_mask, "attn_mask")
         if m.dtype == np.bool_:
             kind, m = 0, ~m  # SDPA's True = attend; the core's blocking mask: True = blocked

@@ -80,9 +80,12 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         default generator with tensors, as torch's dropout does, so that
         torch.manual_seed and torch.utils.checkpoint repeat the mask; a
         fresh one with arrays), so the dropped entries differ from torch's.
-    is_causal: True: query i sees keys j <= i (top-left, torch's); given with
-        attn_mask it is a RuntimeError, as in torch.  "lower_right": query i sees
-        keys j <= i + S - L (torch's causal_lower_right), and may be combined
+    is_causal: True: query i sees keys j <= i (top-left, torch's).  Given
+        with attn_mask, tensors follow torch: both apply where torch's own
+        choice takes its fused CPU kernel (4-D, unit last stride, no
+        dropout) or there is no query or key, else torch's RuntimeError;
+        arrays always raise it.  "lower_right": query i sees keys
+        j <= i + S - L (torch's causal_lower_right), and may be combined
         with attn_mask.
     scale: None (1/sqrt(E)) or any real number.
     enable_gqa: query head h reads key head h // (Hq // Hk) and value head

