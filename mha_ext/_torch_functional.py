@@ -98,6 +98,27 @@ def _shape(x, name, want):
         raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
 
 
+def _out_bias(x, n):
+    """out_proj_bias of n values, (n,) or (1, n) (torch's linear broadcasts
+    the row: the same numbers; in_proj_bias it splits or chunks on its first
+    dimension, so (3E,) only), as (n,); the gradient reaches the caller's
+    shape through the reshape."""
+    x = _tensor(x, "out_proj_bias", False)
+    if x is not None and tuple(x.shape) == (1, n):
+        return x.reshape(n)
+    _shape(x, "out_proj_bias", (n,))
+    return x
+
+
+def _size(x, name):
+    """embed_dim_to_check or num_heads: an int, or a 0-d integer tensor as
+    torch's functional takes one (it only compares and divides them)."""
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and not (
+            x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
+        x = int(x)
+    return _convert.integer(x, name)
+
+
 def _check_inputs(query, key, value, kdim, vdim, separate):
     """query (L, B, E), key (S, B, kdim), value (S, B, vdim), or unbatched
     (L, E), (S, kdim), (S, vdim): said in the functional's own layout"""
@@ -142,10 +163,12 @@ def multi_head_attention_forward(
     unbatched (L, E), ...); in_proj_weight (3E, E), or with
     use_separate_proj_weight q_proj_weight (E, E), k_proj_weight (E, kdim),
     v_proj_weight (E, vdim) (in_proj_weight then unread); in_proj_bias (3E)
-    and out_proj_bias (E) or None; bias_k and bias_v (1, 1, E) or None
-    (appended to every sequence's keys and values, then add_zero_attn's
-    zero key); dropout_p applied when training; the masks and is_causal as
-    torch.nn.MultiheadAttention's forward takes them.  Returns (output
+    and out_proj_bias (E, or a (1, E) row) or None; bias_k and bias_v (1, 1,
+    E) or None (appended to every sequence's keys and values, then
+    add_zero_attn's zero key); embed_dim_to_check and num_heads ints or 0-d
+    integer tensors; dropout_p applied (and checked) when training only;
+    the masks and is_causal as torch.nn.MultiheadAttention's forward takes
+    them.  Returns (output
     (L, B, E), weights (B, L, S') averaged over the heads, (B, H, L, S')
     with average_attn_weights=False, or None with need_weights=False),
     S' counting bias_k's and the zero key.
@@ -200,8 +223,8 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
                          "multi_head_attention_forward: call torch's function for them")
     for name, x in (("query", query), ("key", key), ("value", value)):
         _tensor(x, name)
-    E = _convert.integer(embed_dim_to_check, "embed_dim_to_check")
-    H = _convert.integer(num_heads, "num_heads")
+    E = _size(embed_dim_to_check, "embed_dim_to_check")
+    H = _size(num_heads, "num_heads")
     if query.shape[-1:] != (E,):
         raise ValueError(f"query's last dimension must be embed_dim_to_check = {E}, got "
                          f"shape {tuple(query.shape)}")
@@ -211,10 +234,9 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
     if not out_w.is_floating_point() or out_w.is_complex():
         raise TypeError(f"the weights must be float32 or float64 (float16 and bfloat16 are "
                         f"computed in float32), got {out_w.dtype}")
-    out_b = _tensor(out_proj_bias, "out_proj_bias", False)
-    in_b = _tensor(in_proj_bias, "in_proj_bias", False)
     _shape(out_w, "out_proj_weight", (E, E))
-    _shape(out_b, "out_proj_bias", (E,))
+    out_b = _out_bias(out_proj_bias, E)
+    in_b = _tensor(in_proj_bias, "in_proj_bias", False)
     _shape(in_b, "in_proj_bias", (3 * E,))
     if separate:
         q_w = _tensor(q_proj_weight, "q_proj_weight (use_separate_proj_weight=True)")
@@ -240,9 +262,11 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
             if b.numel() != E or (b.dim() > 0 and b.shape[-1] != E):
                 raise ValueError(f"{name} must hold embed_dim = {E} values, shape (1, 1, "
                                  f"{E}), got shape {tuple(b.shape)}")
-    p = float(dropout_p)
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    p = 0.0  # unread outside training, as torch's functional leaves it unchecked
+    if training:
+        p = float(dropout_p)
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1] when training, got {dropout_p}")
     module = _Call(E, H, p, bias=in_b is not None or out_b is not None,
                    add_bias_kv=bias_k is not None, add_zero_attn=bool(add_zero_attn),
                    kdim=kdim, vdim=vdim, batch_first=False, device="meta",

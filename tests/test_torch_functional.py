@@ -292,6 +292,48 @@ def test_what_torchs_functional_does_unlike_its_module():
     assert "batch_first" not in str(got.value) and isinstance(got.value, AssertionError)
 
 
+def test_arguments_torchs_functional_takes_without_reading_or_by_broadcasting():
+    """What torch's functional takes that a module never passes: sizes as
+    0-d integer tensors, out_proj_bias as a (1, E) row (its linear
+    broadcasts it; the gradient keeps that shape), any dropout_p outside
+    training (unread); in training one outside [0, 1] is refused by both."""
+    dtype = torch.float64
+    m = _module(dtype, False, "both", False, False)
+    pos, kw = _args(m, "both")
+    row = m.out_proj.bias.detach().reshape(1, E).clone().requires_grad_()
+    variants = {"sizes as tensors": (torch.tensor(E), torch.tensor(H)) + pos[2:],
+                "(1, E) out_proj_bias": pos[:9] + (row,),
+                "dropout_p 1.5 in eval": pos[:7] + (1.5,) + pos[8:],
+                "dropout_p -1 in eval": pos[:7] + (-1.0,) + pos[8:]}
+    for what, args in variants.items():
+        q, k, v = _inputs(m, dtype, True)
+        ours = _run(lambda *a, **c: mt.multi_head_attention_forward(*a[:3], *args, **c),
+                    m, "both", q, k, v, training=False)
+        row.grad = None
+        q, k, v = _inputs(m, dtype, True)
+        want = _run(lambda *a, **c: F.multi_head_attention_forward(*a[:3], *args, **c),
+                    m, "both", q, k, v, training=False)
+        _close(ours[0], want[0], 1e-10, what)
+        _close(ours[1], want[1], 1e-10, what)
+        for i, (a, b) in enumerate(zip(ours[2], want[2])):
+            _close(a, b, 1e-10, f"{what}: gradient {i}")
+    # the row's own gradient, in its own shape
+    x = torch.randn(L, B, E, dtype=dtype)
+    grads = []
+    for f in (mt.multi_head_attention_forward, F.multi_head_attention_forward):
+        row.grad = None
+        f(x, x, x, *variants["(1, E) out_proj_bias"], training=False)[0].sum().backward()
+        grads.append(row.grad.clone())
+    assert grads[0].shape == (1, E)
+    _close(grads[0], grads[1], 1e-10, "out_proj_bias row")
+    x = torch.randn(L, B, E)
+    m32 = _module(torch.float32, False, "both", False, False)
+    p32, kw32 = _args(m32, "both")
+    for f in (mt.multi_head_attention_forward, F.multi_head_attention_forward):
+        with pytest.raises(ValueError, match="1.5"):
+            f(x, x, x, *p32[:7], 1.5, *p32[8:], **kw32, training=True)
+
+
 @pytest.mark.parametrize("call", ["module", "functional"])
 def test_an_input_of_another_dtype_is_refused_as_torch_refuses_it(call):
     """torch's module and functional raise a RuntimeError for a query of
