@@ -472,8 +472,10 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     if G > 1:  # grouped-query attention: each K/V head serves G query heads
         kh = np.repeat(kh, G, axis=1)
         vh = np.repeat(vh, G, axis=1)
-        add("K/V groups", f"query head h reads K/V head h // {G}: K → [B, H, Sk, Dk] "
-            f"(shown; V alike)", ("B", "H", "Sk", "Dk"), kh)
+        add("K groups", f"query head h reads K head h // {G}: K → [B, H, Sk, Dk]",
+            ("B", "H", "Sk", "Dk"), kh)
+        add("V groups", f"query head h reads V head h // {G}: V → [B, H, Sk, Dk]",
+            ("B", "H", "Sk", "Dk"), vh)
 
     given = score_scale(kwargs.get("scale"))
     scale = dtype.type(1.0 / np.sqrt(Dk) if given is None else given)

@@ -198,7 +198,8 @@ def test_trace_shows_the_groups():
     x = np.random.default_rng(6).standard_normal((1, 3, 32))
     t = m.trace(x, is_causal=True)
     text = str(t)
-    assert "[B, Hkv, Sk, Dk]" in text and "query head h reads K/V head h // 2" in text
+    assert "[B, Hkv, Sk, Dk]" in text and "query head h reads K head h // 2" in text \
+        and "query head h reads V head h // 2" in text
     np.testing.assert_allclose(t.info["numpy_output"], t.output, rtol=1e-12, atol=1e-12)
 
 
