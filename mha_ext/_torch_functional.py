@@ -50,6 +50,7 @@ class _Call(MultiheadAttention):
     """The drop-in holding one call's tensors, on torch's unfused path."""
 
     _checks_hint_mask = False  # torch's functional drops the hint's mask unread
+    _tail = None  # (out_proj_weight, out_proj_bias) of another width than E, for torch's linear
 
     def _core_for(self, name, extra):
         # kept between calls (each call's module is new), per configuration
@@ -163,13 +164,14 @@ def multi_head_attention_forward(
     unbatched (L, E), ...); in_proj_weight (3E, E), or with
     use_separate_proj_weight q_proj_weight (E, E), k_proj_weight (E, kdim),
     v_proj_weight (E, vdim) (in_proj_weight then unread); in_proj_bias (3E)
-    and out_proj_bias (E, or a (1, E) row) or None; bias_k and bias_v (1, 1,
-    E) or None (appended to every sequence's keys and values, then
-    add_zero_attn's zero key); embed_dim_to_check and num_heads ints or 0-d
-    integer tensors; dropout_p applied (and checked) when training only;
-    the masks and is_causal as torch.nn.MultiheadAttention's forward takes
-    them.  Returns (output
-    (L, B, E), weights (B, L, S') averaged over the heads, (B, H, L, S')
+    or None; out_proj_weight (E, E), or (Eo, E) for an output of width Eo
+    (OpenAI CLIP's attention pooling), and out_proj_bias (Eo, or a (1, Eo)
+    row) or None; bias_k and bias_v (1, 1, E) or None (appended to every
+    sequence's keys and values, then add_zero_attn's zero key);
+    embed_dim_to_check and num_heads ints or 0-d integer tensors; dropout_p
+    applied (and checked) when training only; the masks and is_causal as
+    torch.nn.MultiheadAttention's forward takes them.  Returns (output
+    (L, B, Eo), weights (B, L, S') averaged over the heads, (B, H, L, S')
     with average_attn_weights=False, or None with need_weights=False),
     S' counting bias_k's and the zero key.
 
@@ -202,8 +204,12 @@ def multi_head_attention_forward(
     try:
         module = _module(*args, training, use_separate_proj_weight, q_proj_weight,
                          k_proj_weight, v_proj_weight, static_k, static_v)
-        return module._forward_call(query, key, value, key_padding_mask, need_weights,
-                                    attn_mask, average_attn_weights, is_causal, None, None)
+        out, weights = module._forward_call(query, key, value, key_padding_mask, need_weights,
+                                            attn_mask, average_attn_weights, is_causal, None,
+                                            None)
+        if module._tail is not None:  # an output projection to another width
+            out = torch.nn.functional.linear(out, *module._tail)
+        return out, weights
     except (ValueError, TypeError) as exc:
         if static_k is not None or static_v is not None:
             raise                                    # ours alone: torch takes them
@@ -234,8 +240,15 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
     if not out_w.is_floating_point() or out_w.is_complex():
         raise TypeError(f"the weights must be float32 or float64 (float16 and bfloat16 are "
                         f"computed in float32), got {out_w.dtype}")
-    _shape(out_w, "out_proj_weight", (E, E))
-    out_b = _out_bias(out_proj_bias, E)
+    if out_w.dim() != 2 or out_w.shape[1] != E:
+        raise ValueError(f"out_proj_weight must have shape (output width, embed_dim = {E}), "
+                         f"got {tuple(out_w.shape)}")
+    out_b = _out_bias(out_proj_bias, int(out_w.shape[0]))
+    # out_proj_weight (Eo, E), Eo != E (OpenAI CLIP's attention pooling): the
+    # module projects by the identity and torch's linear does the rest
+    tail = None if out_w.shape[0] == E else (out_w, out_b)
+    if tail is not None:
+        out_w, out_b = torch.eye(E, dtype=out_w.dtype, device=out_w.device), None
     in_b = _tensor(in_proj_bias, "in_proj_bias", False)
     _shape(in_b, "in_proj_bias", (3 * E,))
     if separate:
@@ -283,6 +296,7 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
     _set(module, "in_proj_bias", in_b)
     _set(module.out_proj, "weight", out_w)
     _set(module.out_proj, "bias", out_b)
+    module._tail = tail
     if bias_k is not None:
         _set(module, "bias_k", bias_k)
         _set(module, "bias_v", bias_v)

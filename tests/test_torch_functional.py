@@ -334,6 +334,54 @@ def test_arguments_torchs_functional_takes_without_reading_or_by_broadcasting():
             f(x, x, x, *p32[:7], 1.5, *p32[8:], **kw32, training=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("out_width", [6, 24])
+def test_an_output_projection_to_another_width(dtype, out_width):
+    """out_proj_weight (Eo, E): OpenAI CLIP's attention pooling projects to
+    its output width through the functional (torch's linear takes any Eo):
+    the class token's query over every position, separate weights; also a
+    query that sees no key (NaN with weights, the bias without, as torch)."""
+    g = torch.Generator().manual_seed(5)
+
+    def t(*shape):
+        return (0.3 * torch.randn(*shape, generator=g, dtype=dtype)).requires_grad_()
+    x = t(S, B, E)
+    q_w, k_w, v_w, o_w = t(E, E), t(E, E), t(E, E), t(out_width, E)
+    in_b, o_b = t(3 * E), t(out_width)
+    blocked = torch.zeros(1, S, dtype=torch.bool)
+    for need, bias, mask in ((True, True, None), (False, True, None), (False, False, None),
+                             (False, True, ~blocked), (True, True, ~blocked)):
+        leaves = [x, q_w, k_w, v_w, o_w] + ([in_b, o_b] if bias else [])
+        results = []
+        for f in (mt.multi_head_attention_forward, F.multi_head_attention_forward):
+            for leaf in leaves:
+                leaf.grad = None
+            out, w = f(x[:1], x, x, E, H, None, in_b if bias else None, None, None, False,
+                       0.0, o_w, o_b if bias else None, training=False, need_weights=need,
+                       attn_mask=mask, use_separate_proj_weight=True, q_proj_weight=q_w,
+                       k_proj_weight=k_w, v_proj_weight=v_w)
+            assert out.shape == (1, B, out_width)
+            out.nan_to_num().sum().backward()
+            results.append((out.detach(), w, [leaf.grad.clone() for leaf in leaves]))
+        (ours, w1, g1), (want, w2, g2) = results
+        what = f"need_weights={need} bias={bias} mask={mask is not None}"
+        _close(ours, want, TOL[dtype], what)
+        _close(None if w1 is None else w1.detach(), None if w2 is None else w2.detach(),
+               TOL[dtype], what)
+        for i, (a, b) in enumerate(zip(g1, g2)):
+            _close(a, b, TOL[dtype], f"{what}: gradient {i}")
+    with pytest.raises(ValueError, match=r"out_proj_weight must have shape \(output width"):
+        mt.multi_head_attention_forward(x, x, x, E, H, None, None, None, None, False, 0.0,
+                                        torch.ones(6, E + 1, dtype=dtype), None,
+                                        use_separate_proj_weight=True, q_proj_weight=q_w,
+                                        k_proj_weight=k_w, v_proj_weight=v_w)
+    with pytest.raises(ValueError, match=r"out_proj_bias must have shape \(6,\)"):
+        mt.multi_head_attention_forward(x, x, x, E, H, None, None, None, None, False, 0.0,
+                                        o_w[:6], torch.ones(E, dtype=dtype),
+                                        use_separate_proj_weight=True, q_proj_weight=q_w,
+                                        k_proj_weight=k_w, v_proj_weight=v_w)
+
+
 @pytest.mark.parametrize("call", ["module", "functional"])
 def test_an_input_of_another_dtype_is_refused_as_torch_refuses_it(call):
     """torch's module and functional raise a RuntimeError for a query of
