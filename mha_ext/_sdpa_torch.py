@@ -11,6 +11,8 @@ query / key-value heads.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -106,8 +108,9 @@ def _unbroadcast(g, lead, shape):
 
 
 def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-               window=None, layout=None, head_mask=None):
-    """scaled_dot_product_attention on tensors (see mha_ext._sdpa)."""
+               window=None, layout=None, head_mask=None, pair=None):
+    """scaled_dot_product_attention on tensors (see mha_ext._sdpa); pair:
+    fused_causal_and_mask's answer when the caller has it (None: asked)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor like the others, not {type(t).__name__}")
@@ -126,19 +129,19 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
             return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         return sdpa_torch(up(query), up(key), up(value), up(attn_mask), dropout_p, is_causal,
                           scale, enable_gqa, seed, window=window, layout=layout,
-                          head_mask=up(head_mask)).to(query.dtype)
+                          head_mask=up(head_mask), pair=pair).to(query.dtype)
     hm_input = isinstance(head_mask, torch.Tensor) and head_mask.requires_grad
     refuse_traced_tensors({"attn_mask": attn_mask, "head_mask": None if hm_input else head_mask})
     if torch.jit.is_tracing() and dropout_p and seed is None:
         raise RuntimeError("torch.jit.trace would fix this call's dropout draw (made from "
                            "torch's generator outside the traced op) for every later call: "
                            "trace with dropout_p=0, or pass seed=")
-    both = fused_causal_and_mask(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                 enable_gqa)
+    both = pair if pair is not None else fused_causal_and_mask(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if isinstance(attn_mask, torch.Tensor):
         if attn_mask.requires_grad and torch.is_grad_enabled():
-            raise ValueError("attn_mask requires grad: mha_ext's backward gives no gradient "
-                             "for the mask (detach it, or use torch's own SDPA)")
+            return _with_mask_grad(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                   enable_gqa, seed, window, layout, head_mask, both)
         attn_mask = to_numpy(attn_mask, "attn_mask")
     p = probability(dropout_p, "dropout_p")
     plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
@@ -148,6 +151,51 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         plan["head_mask"] = None
         return SDPAFunction.apply(plan, query, key, value, head_mask)
     return SDPAFunction.apply(plan, query, key, value)
+
+
+def _with_mask_grad(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, seed,
+                    window, layout, head_mask, pair):
+    """The call with a float attn_mask M that requires grad (a learned
+    relative-position bias: Swin, BEiT, T5): the C backward gives no
+    gradient for a mask, so dLoss/dM rides in L extra columns of the query
+    and the keys, whose products are zero:
+
+        q~_i = [scale * q_i, e_i]   (e_i: row i of the L x L identity)
+        k~_j = [k_j, Z[:, j]]       Z = 0 in value, M's gradient in autograd
+
+    so q~_i . k~_j = scale q_i . k_j, the call (scale 1) takes M itself,
+    detached, as its mask, and the C backward's gradient of k~'s extra
+    columns, dLoss/dscores, is dLoss/dM; autograd carries it back to M
+    (summed over the dimensions it was broadcast along; 0 where M is not
+    finite, as torch's softmax gives).  Costs L more depth in the scores'
+    products and (..., Hq, S, E + L) keys."""
+    np_dtype = np.float64 if query.dtype == torch.float64 else np.float32
+
+    def shape_of(t):  # the argument checks, on zero-stride arrays of the shapes
+        return np.broadcast_to(np.zeros((), np_dtype), tuple(t.shape))
+    _, _, _, _, _, s, (lead, _), _ = _sdpa.sdpa_arrays(
+        shape_of(query), shape_of(key), shape_of(value), shape_of(mask), is_causal, scale,
+        enable_gqa, causal_and_mask=pair)
+    L, E = query.shape[-2:]
+    s = (1.0 / math.sqrt(E) if E else 1.0) if s is None else s  # E 0: every score 0
+    if not math.isfinite(s):
+        raise ValueError(f"scale must be finite when attn_mask requires grad, got {scale}")
+    H = lead[-1] if lead else 1
+
+    def per_head(t):  # (..., heads, n, w) -> lead + (n, w), enable_gqa's heads repeated
+        if enable_gqa and t.dim() >= 3 and t.shape[-3] not in (1, H):
+            t = t.repeat_interleave(H // t.shape[-3], dim=-3)
+        return t.expand(lead + tuple(t.shape[-2:]))
+    k = per_head(key)
+    M = mask.to(query.dtype).expand(lead + (L, k.shape[-2]))
+    finite = M.masked_fill(~torch.isfinite(M.detach()), 0.0)
+    Z = finite - finite.detach()
+    eye = torch.eye(L, dtype=query.dtype).expand(lead + (L, L))
+    q_aug = torch.cat([per_head(query) * s, eye], dim=-1)
+    k_aug = torch.cat([k, Z.transpose(-1, -2)], dim=-1)
+    return sdpa_torch(q_aug, k_aug, per_head(value), mask.detach(), dropout_p, is_causal, 1.0,
+                      False, seed, window=window, layout=layout, head_mask=head_mask,
+                      pair=pair)
 
 
 def fused_causal_and_mask(query, key, value, attn_mask, dropout_p, is_causal, scale,

@@ -37,10 +37,9 @@ scaled_dot_product_attention``:
 - T5's ``position_bias`` (1 or B, H, L, S) is folded into a float mask, as
   "sdpa" does: bias where the mask attends, the dtype's lowest value where it
   blocks (the causal pattern too when there is no mask).
-- A float mask that needs a gradient (T5's bias while training, or under
-  grad mode at all): mha_ext's twin has no mask gradient, so the mask is
-  carried in the scores as L extra head columns and its gradient comes from
-  the C backward as the keys' (see ``_attend_with_mask_grad``).
+- A float mask that needs a gradient (T5's bias while training) gets it
+  from the twin (mha_ext._sdpa_torch's ``_with_mask_grad``: the C backward's
+  gradient of L extra key columns).
 
 Refused with a clear error instead of computed wrongly: ``softcap``,
 attention sinks (``s_aux``), a ``head_mask`` (gone from transformers 5),
@@ -118,44 +117,6 @@ def _fold_position_bias(position_bias: torch.Tensor,
     return position_bias + attention_mask
 
 
-def _attend_with_mask_grad(query: torch.Tensor, key: torch.Tensor,
-                           value: torch.Tensor, mask: torch.Tensor,
-                           dropout: float, scaling: Optional[float],
-                           enable_gqa: bool) -> torch.Tensor:
-    """The twin on a float mask M that needs a gradient (T5's learned
-    relative-position bias): the C backward gives none for the mask, so M
-    rides in the scores instead, as extra head columns:
-
-        q~_i = [scale * q_i, e_i]   (e_i: row i of the L x L identity)
-        k~_j = [k_j, M[:, j]]       so  q~_i . k~_j = scale q_i . k_j + M[i, j]
-
-    The twin (scale 1) computes the same softmax, forward and backward in C,
-    and the gradient of k~'s extra columns is exactly dLoss/dM; torch's
-    autograd carries it back through the concatenation.  Costs L extra
-    columns per head; -inf entries of M go into a bool mask instead (0 * -inf
-    would be NaN).  query (B, H, L, D); key, value (B, Hkv, S, D/Dv); M
-    broadcastable to (B, H, L, S)."""
-    B, H, L, D = query.shape
-    S = key.shape[2]
-    if enable_gqa:
-        # one key/value head per query head (autograd sums the copies back)
-        groups = H // key.shape[1]
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    scale = D ** -0.5 if scaling is None else scaling
-    mask = mask.to(query.dtype).expand(B, H, L, S)
-    blocked = torch.isneginf(mask)
-    allowed = ~blocked if bool(blocked.any()) else None
-    mask = mask.masked_fill(blocked, 0.0)
-    eye = torch.eye(L, dtype=query.dtype, device=query.device).expand(B, H, L, L)
-    q_aug = torch.cat([query * scale, eye], dim=-1)          # (B, H, L, D + L)
-    k_aug = torch.cat([key.expand(B, H, S, D), mask.transpose(-1, -2)],
-                      dim=-1)                                # (B, H, S, D + L)
-    return _twin()(q_aug, k_aug, value.expand(B, H, S, value.shape[-1]),
-                   attn_mask=allowed, dropout_p=dropout, is_causal=False,
-                   scale=1.0)
-
-
 def attention_forward(module: torch.nn.Module, query: torch.Tensor,
                       key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Optional[torch.Tensor],
@@ -195,14 +156,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor,
                                              is_causal, L, S)
         is_causal = False
 
-    if (attention_mask is not None and attention_mask.requires_grad
-            and torch.is_grad_enabled()):
-        out = _attend_with_mask_grad(query, key, value, attention_mask,
-                                     dropout, scaling, enable_gqa)
-    else:
-        out = _twin()(query, key, value, attn_mask=attention_mask,
-                      dropout_p=dropout, is_causal=is_causal, scale=scaling,
-                      enable_gqa=enable_gqa)
+    out = _twin()(query, key, value, attn_mask=attention_mask,
+                  dropout_p=dropout, is_causal=is_causal, scale=scaling,
+                  enable_gqa=enable_gqa)
     # (B, H, L, Dv) -> (B, L, H, Dv): the layout every model reshapes to
     # (B, L, H * Dv) before its output projection.
     return out.transpose(1, 2).contiguous(), None

@@ -249,8 +249,8 @@ def test_gradients_match_sdpa(kind, dtype):
         # the relative-position bias reaches the attention only as a mask
         bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
         assert ref[bias].abs().max() > 0
-    # T5 under grad mode: its bias needs a gradient, the path of
-    # _attend_with_mask_grad, whose forward is checked here too
+    # T5 under grad mode: its bias needs a gradient, the twin's path for a
+    # mask that requires grad, whose forward is checked here too
     _close(kind, dtype, "logits (grad mode)", ours["logits"], ref["logits"])
     # float32: a gradient summed over many terms (an embedding's, over every
     # token) is off from the float64 truth by more than 2e-5 in torch's own

@@ -448,12 +448,72 @@ def test_errors(torch):
     with pytest.raises(ValueError, match="q .*k .*v"):
         _core._sdpa(q, k, np.ones((2, 2, 6, 8)))
     t = torch.ones(1, 2, 3, 4)
-    with pytest.raises(ValueError, match="attn_mask requires grad"):
-        f(t, t, t, attn_mask=torch.zeros(3, 3, requires_grad=True))
     with pytest.raises(TypeError, match="float32, float64, float16 or bfloat16"):
         f(t.int(), t.int(), t.int())
     with pytest.raises(TypeError, match="one dtype"):
         f(t.half(), t, t)
+
+
+MASK_GRAD_CASES = {  # name: (query, key, value, mask shapes, keywords)
+    "4-D": ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 6), (2, 3, 5, 7), {}),
+    "mask broadcast over the batch": ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 6), (3, 5, 7), {}),
+    "one mask for all": ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 6), (5, 7), {}),
+    "3-D": ((3, 5, 8), (3, 7, 8), (3, 7, 6), (1, 5, 7), {}),
+    "grouped heads": ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 6), (2, 4, 5, 7),
+                      {"enable_gqa": True}),
+    "scale": ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 6), (2, 3, 5, 7), {"scale": 0.7}),
+    "-inf entries, a row blocked": ((1, 2, 5, 8), (1, 2, 7, 8), (1, 2, 7, 6), (2, 5, 7), {}),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", list(MASK_GRAD_CASES))
+def test_a_mask_that_requires_grad_gets_its_gradient_as_torch_gives_it(torch, case, dtype):
+    # a learned relative-position bias as attn_mask (timm's Swin, BEiT,
+    # torchaudio's WavLM): torch differentiates it, so does the twin
+    F = torch.nn.functional
+    dt = getattr(torch, dtype)
+    qs, ks, vs, ms, kw = MASK_GRAD_CASES[case]
+    g = torch.Generator().manual_seed(2)
+    q, k, v, m = (torch.randn(s, generator=g, dtype=dt) for s in (qs, ks, vs, ms))
+    if case.startswith("-inf"):
+        m[..., 0, 2:] = float("-inf")
+        m[..., 3, :] = float("-inf")   # query 3 sees no key: a zero row, zero gradients
+    results = []
+    for f in (mha_ext.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, m)]
+        out = f(*leaves[:3], attn_mask=leaves[3], **kw)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=dt)
+        results.append((out.detach(), torch.autograd.grad((out * w).sum(), leaves)))
+    (got, grads), (want, wants) = results
+    tol = 2e-6 if dtype == "float32" else 1e-12
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for name, a, b in zip("qkvm", grads, wants):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=10 * tol, atol=10 * tol, msg=name)
+
+
+def test_a_mask_gradient_with_dropout_windows_and_half_tensors(torch):
+    f = mha_ext.scaled_dot_product_attention
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, n, 3, generator=g, dtype=torch.float64, requires_grad=True)
+               for n in (4, 5, 5))
+    m = torch.randn(2, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    # the dropout stream fixed by the seed: a function of the inputs to check
+    assert torch.autograd.gradcheck(
+        lambda *t: f(*t[:3], attn_mask=t[3], dropout_p=0.3, seed=5), (q, k, v, m),
+        check_batched_grad=False)
+    assert torch.autograd.gradcheck(
+        lambda *t: f(*t[:3], attn_mask=t[3], is_causal="lower_right", window=(1, None)),
+        (q, k, v, m), check_batched_grad=False)
+    mh = m.detach().to(torch.bfloat16).requires_grad_()
+    out = f(*(t.detach().to(torch.bfloat16) for t in (q, k, v)), attn_mask=mh)
+    out.float().sum().backward()
+    assert mh.grad.dtype == torch.bfloat16 and mh.grad.shape == mh.shape
+    with pytest.raises(ValueError, match="scale must be finite when attn_mask requires grad"):
+        f(q, k, v, attn_mask=m, scale=float("inf"))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        f(q, k, v, attn_mask=torch.zeros(3, 4, 5, requires_grad=True, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("half", ["float16", "bfloat16"])
