@@ -516,6 +516,23 @@ def test_a_mask_gradient_with_dropout_windows_and_half_tensors(torch):
         f(q, k, v, attn_mask=torch.zeros(3, 4, 5, requires_grad=True, dtype=torch.float64))
 
 
+def test_a_float_mask_of_another_dtype_takes_its_values_in_the_querys(torch):
+    # README's differences: torch 2.13 raises for a float64 mask on float32
+    # tensors and computes other numbers for a float32 mask on float64 ones
+    f = mha_ext.scaled_dot_product_attention
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 4, 17, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    m = torch.randn(1, 4, 17, 17, generator=g, dtype=torch.float64)
+    for dtype, mask_dtype, tol in ((torch.float32, torch.float64, 2e-6),
+                                   (torch.float64, torch.float32, 1e-12)):
+        mask = m.to(mask_dtype)
+        # the truth: the mask's own values, in float64
+        want = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + mask.double(), -1) @ v
+        got = f(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("half", ["float16", "bfloat16"])
 def test_half_tensors_are_computed_in_float32(torch, half):
     # torch's CPU SDPA takes float16 and bfloat16, computes in float32 and
