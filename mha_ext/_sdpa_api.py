@@ -131,10 +131,10 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
             # torch's own function, which F.scaled_dot_product_attention may no longer
             # be (a user's patch putting this twin in its place: no recursion)
             import torch
-            from ._torch_errors import meta, torchs
+            from ._torch_errors import metas, torchs
             torch_sdpa = torch._C._nn.scaled_dot_product_attention
             raise torchs(exc, lambda: torch_sdpa(
-                meta(query), meta(key), meta(value), attn_mask=meta(attn_mask),
+                *metas(query, key, value), attn_mask=metas(attn_mask)[0],
                 dropout_p=float(dropout_p), is_causal=is_causal,
                 scale=None if scale is None else float(scale),
                 enable_gqa=bool(enable_gqa))) from exc.__cause__

@@ -213,7 +213,7 @@ def fused_causal_and_mask(query, key, value, attn_mask, dropout_p, is_causal, sc
     if attn_mask is None or not (is_causal is True or isinstance(is_causal, np.bool_)
                                  and is_causal):
         return False
-    from ._torch_errors import meta
+    from ._torch_errors import metas
     try:
         mask = attn_mask if isinstance(attn_mask, torch.Tensor) else torch.as_tensor(
             np.asarray(attn_mask))
@@ -225,8 +225,8 @@ def fused_causal_and_mask(query, key, value, attn_mask, dropout_p, is_causal, sc
             return True
         # torch's function itself, which F.scaled_dot_product_attention may no
         # longer be (this twin patched in its place)
-        torch._C._nn.scaled_dot_product_attention(meta(query), meta(key), meta(value),
-                                                  meta(mask), *args, **kw)
+        torch._C._nn.scaled_dot_product_attention(*metas(query, key, value, mask), *args,
+                                                  **kw)
     except Exception:  # torch refuses the arguments: the call raises, later
         return False
     return True

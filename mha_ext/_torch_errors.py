@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["torchs", "meta"]
+__all__ = ["torchs", "meta", "metas"]
 
 
 class ValueErrorAndAssertionError(ValueError, AssertionError):
@@ -52,6 +52,22 @@ def meta(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and not x.is_nested:
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     return x
+
+
+def metas(*xs: Any) -> list[Any]:
+    """The meta twins of xs (see meta), one per distinct tensor: arguments
+    that are one tensor stay one (torch's code branches on `query is key`);
+    0-d tensors stay as they are (torch reads their values: a size, a
+    count)."""
+    twins: dict[int, Any] = {}
+    out = []
+    for x in xs:
+        if isinstance(x, torch.Tensor) and not x.is_nested and x.dim() > 0:
+            if id(x) not in twins:
+                twins[id(x)] = meta(x)
+            x = twins[id(x)]
+        out.append(x)
+    return out
 
 
 def torchs(ours: BaseException, probe: Callable[[], object]) -> BaseException:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import _convert
-from ._torch_errors import meta, torchs
+from ._torch_errors import metas, torchs
 from ._torch_mha import MultiheadAttention
 from .module import MultiHeadAttention as _Core
 
@@ -102,8 +102,8 @@ def _shape(x, name, want):
 def _out_bias(x, n):
     """out_proj_bias of n values, (n,) or (1, n) (torch's linear broadcasts
     the row: the same numbers; in_proj_bias it splits or chunks on its first
-    dimension, so (3E,) only), as (n,); the gradient reaches the caller's
-    shape through the reshape."""
+    dimension except in self-attention, so (3E,) only there), as (n,); the
+    gradient reaches the caller's shape through the reshape."""
     x = _tensor(x, "out_proj_bias", False)
     if x is not None and tuple(x.shape) == (1, n):
         return x.reshape(n)
@@ -163,8 +163,9 @@ def multi_head_attention_forward(
     kdim), value (S, B, vdim) (sequence first, as torch's functional; or
     unbatched (L, E), ...); in_proj_weight (3E, E), or with
     use_separate_proj_weight q_proj_weight (E, E), k_proj_weight (E, kdim),
-    v_proj_weight (E, vdim) (in_proj_weight then unread); in_proj_bias (3E)
-    or None; out_proj_weight (E, E), or (Eo, E) for an output of width Eo
+    v_proj_weight (E, vdim) (in_proj_weight then unread); in_proj_bias (3E,
+    or a (1, 3E) row in self-attention: query, key and value one tensor) or
+    None; out_proj_weight (E, E), or (Eo, E) for an output of width Eo
     (OpenAI CLIP's attention pooling), and out_proj_bias (Eo, or a (1, Eo)
     row) or None; bias_k and bias_v (1, 1, E) or None (appended to every
     sequence's keys and values, then add_zero_attn's zero key);
@@ -213,9 +214,14 @@ def multi_head_attention_forward(
     except (ValueError, TypeError) as exc:
         if static_k is not None or static_v is not None:
             raise                                    # ours alone: torch takes them
-        raise torchs(exc, lambda: _TORCH_MHA_FORWARD(
-            *(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})) \
-            from exc.__cause__
+        raise torchs(exc, lambda: _probe(args, kwargs)) from exc.__cause__
+
+
+def _probe(args, kwargs):
+    """torch's own function on meta twins of the call's arguments (the same
+    tensor passed twice stays one: torch's self-attention path reads that)."""
+    twins = metas(*args, *kwargs.values())
+    return _TORCH_MHA_FORWARD(*twins[:len(args)], **dict(zip(kwargs, twins[len(args):])))
 
 
 def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias,
@@ -250,6 +256,9 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
     if tail is not None:
         out_w, out_b = torch.eye(E, dtype=out_w.dtype, device=out_w.device), None
     in_b = _tensor(in_proj_bias, "in_proj_bias", False)
+    if (in_b is not None and tuple(in_b.shape) == (1, 3 * E) and not separate
+            and query is key and key is value):
+        in_b = in_b.reshape(3 * E)  # torch's self-attention: one linear, the row broadcast
     _shape(in_b, "in_proj_bias", (3 * E,))
     if separate:
         q_w = _tensor(q_proj_weight, "q_proj_weight (use_separate_proj_weight=True)")

@@ -34,7 +34,7 @@ from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
-from ._torch_errors import TypeErrorAndRuntimeError, meta, torchs
+from ._torch_errors import TypeErrorAndRuntimeError, metas, torchs
 from ._torch_fn import HALF, attention, attention_kept, refuse_mask_grads
 from ._types import Int, Window
 
@@ -374,13 +374,21 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     def _torch_refuses(self, *args):
         """torch.nn.MultiheadAttention's forward with this configuration on
-        meta twins of the arguments: raises what torch raises for them."""
+        meta twins of the arguments: raises what torch raises for them.
+        Where torch would take its fused fast path (eval, no grad,
+        self-attention: no dropout, nothing drawn), which meta tensors never
+        take, its forward runs on this module and the call's own tensors."""
+        query, key, value, key_padding_mask, _, attn_mask = args[:6]
+        if self._torch_fast_path(query, key, value, attn_mask, key_padding_mask):
+            with torch.no_grad():
+                nn.MultiheadAttention.forward(self, *args)
+            return
         ref = nn.MultiheadAttention(
             self.embed_dim, self.num_heads, dropout=self.dropout, bias=self._has_bias(),
             add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn,
             kdim=self.kdim, vdim=self.vdim, batch_first=self.batch_first, device="meta",
             dtype=self.out_proj.weight.dtype).train(self.training)
-        ref(*(meta(a) for a in args))
+        ref(*metas(*args))
 
     def _forward_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                       average_attn_weights, is_causal, window, layout):

@@ -334,6 +334,32 @@ def test_arguments_torchs_functional_takes_without_reading_or_by_broadcasting():
             f(x, x, x, *p32[:7], 1.5, *p32[8:], **kw32, training=True)
 
 
+def test_refusals_keep_torchs_type_for_tensor_sizes_and_aliased_inputs():
+    """torch's own function, run on meta twins to find its exception type,
+    reads 0-d sizes' values and branches on `query is key`: the twins keep
+    both.  A (1, 3E) in_proj_bias is torch's in self-attention only."""
+    m = _module(torch.float64, False, "both", False, False)
+    pos, kw = _args(m, "both")
+    x, y = torch.randn(L, B, E, dtype=torch.float64), torch.randn(S, B, E, dtype=torch.float64)
+    cases = [((x, x, x, torch.tensor(E + 2), H) + pos[2:], AssertionError),
+             ((x, x, x, E, torch.tensor(True)) + pos[2:], RuntimeError),
+             ((x, y, y, E, H, pos[2], pos[3].reshape(1, 3 * E)) + pos[4:], RuntimeError)]
+    for args, kind in cases:
+        with pytest.raises(kind) as theirs:
+            F.multi_head_attention_forward(*args, **kw)
+        with pytest.raises(kind) as ours:
+            mt.multi_head_attention_forward(*args, **kw)
+        assert isinstance(ours.value, (ValueError, TypeError))
+        assert str(theirs.value) in str(ours.value)
+    row = pos[:3] + (pos[3].detach().reshape(1, 3 * E).clone().requires_grad_(),) + pos[4:]
+    got = mt.multi_head_attention_forward(x, x, x, E, H, *row[2:], **kw, training=False)
+    want = F.multi_head_attention_forward(x, x, x, E, H, *row[2:], **kw, training=False)
+    _close(got[0].detach(), want[0].detach(), 1e-10, "(1, 3E) in_proj_bias, self-attention")
+    grads = [torch.autograd.grad(r[0].sum(), row[3])[0] for r in (got, want)]
+    assert grads[0].shape == (1, 3 * E)
+    _close(grads[0], grads[1], 1e-10, "its gradient")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("out_width", [6, 24])
 def test_an_output_projection_to_another_width(dtype, out_width):

@@ -522,6 +522,51 @@ def test_what_torch_refuses_is_refused_with_torchs_type_and_message_too(case, ba
     assert str(theirs) in str(got.value)
 
 
+FAST_PATH_BAD = {
+    "key_padding_mask of another length": lambda q: (q, q, q, torch.zeros(B, L + 1,
+                                                                          dtype=torch.bool)),
+    "1-D key_padding_mask, batched": lambda q: (q, q, q, torch.zeros(L, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("case", list(FAST_PATH_BAD))
+def test_refusals_on_torchs_fast_path_have_its_type(case):
+    """eval, no grad, batch-first self-attention: torch's fused fast path,
+    which no meta tensor takes, refuses with a RuntimeError (its slow
+    path's is an AssertionError): ours is of the fast path's type."""
+    t, m = pair(dtype=torch.float32, batch_first=True)
+    t.eval(), m.eval()
+    q = torch.randn(B, L, E)
+    args = FAST_PATH_BAD[case](q)
+    with torch.no_grad():
+        theirs = _torch_refusal(lambda: t(*args))
+        assert isinstance(theirs, RuntimeError)
+        with pytest.raises(RuntimeError) as got:
+            m(*args)
+    assert isinstance(got.value, ValueError) and str(theirs) in str(got.value)
+    # with grad the fast path is not taken: torch's assertion, ours too
+    theirs = _torch_refusal(lambda: t(*args))
+    with pytest.raises(type(theirs)):
+        m(*args)
+
+
+def test_a_4d_attn_mask_is_refused_on_every_path():
+    # README's differences: torch's fast path takes a (1, 1, L, L) mask as
+    # (L, L), its other paths refuse it; ours refuses it everywhere
+    t, m = pair(dtype=torch.float32, batch_first=True)
+    t.eval(), m.eval()
+    q = torch.randn(B, L, E)
+    mask = torch.zeros(1, 1, L, L, dtype=torch.bool)
+    with torch.no_grad():
+        assert t(q, q, q, attn_mask=mask)[0].shape == (B, L, E)
+        with pytest.raises(ValueError, match="attn_mask must have shape") as got:
+            m(q, q, q, attn_mask=mask)
+    assert not isinstance(got.value, (RuntimeError, AssertionError))
+    theirs = _torch_refusal(lambda: t(q, q, q, attn_mask=mask))  # with grad: its slow path
+    with pytest.raises(type(theirs), match="4-D"):
+        m(q, q, q, attn_mask=mask)
+
+
 def test_the_constructor_refuses_with_torchs_type_too():
     theirs = _torch_refusal(lambda: nn.MultiheadAttention(6, 4))
     with pytest.raises(AssertionError) as got:
