@@ -27,7 +27,7 @@ from typing import Union
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._convert import as_array
+from ._convert import as_array, seed as seed_value
 from ._types import Flag, Int
 
 __all__ = ["BlockLayout", "local_blocks", "strided", "global_local", "bigbird"]
@@ -239,13 +239,14 @@ def bigbird(Sq: Int, Sk: Int, block_size: BlockSize, global_blocks: Int = 1,
             width: Int = 1, random_blocks: Int = 2, seed: Int | None = 0,
             causal: Flag = False, heads: Int | None = None) -> BlockLayout:
     """BigBird: global_local plus `random_blocks` random key blocks per
-    query block (drawn with numpy's default_rng(seed); causal: among
-    kb <= qb).  heads: None, one layout for every head; an int H, a
-    different random draw per head, shape (H, nqb, nkb)."""
+    query block (drawn with numpy's default_rng(seed), seed an int in
+    [0, 2**64) or None for a fresh draw; causal: among kb <= qb).  heads:
+    None, one layout for every head; an int H, a different random draw per
+    head, shape (H, nqb, nkb)."""
     base = global_local(Sq, Sk, block_size, global_blocks, width, causal).keep
     r = _count(random_blocks, "random_blocks")
     nh = 1 if heads is None else _count(heads, "heads", 1)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(None if seed is None else seed_value(seed))
     nqb, nkb = base.shape
     keep = np.repeat(base[None], nh, axis=0)
     pick: np.ndarray | list[int]

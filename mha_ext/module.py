@@ -383,6 +383,20 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         if mem.ndim != 3 or mem.shape[0] < 1 or mem.shape[1] < 1:
             raise ValueError(f"memory must be 3-D (batch, length, kdim) with batch and "
                              f"length >= 1, got shape {mem.shape}")
+        if mem.shape[2] != self.kdim:
+            raise ValueError(f"memory must be (batch, length, kdim = {self.kdim}), got shape "
+                             f"{mem.shape}")
+        if value is None and self.vdim != self.kdim:
+            raise ValueError(f"value is needed: this module's vdim ({self.vdim}) is not its "
+                             f"kdim ({self.kdim}), so the memory cannot be its own value; "
+                             f"pass cache_memory(memory, value) with value (batch, "
+                             f"{mem.shape[1]}, {self.vdim})")
+        if value is not None:
+            val = as_array(value, "value")
+            if val.shape != mem.shape[:2] + (self.vdim,):
+                raise ValueError(f"value must be (batch, length, vdim) = "
+                                 f"{mem.shape[:2] + (self.vdim,)}, the memory's batch and "
+                                 f"length, got shape {val.shape}")
         cache = KVCache(self, mem.shape[0], mem.shape[1])
         empty = np.zeros((mem.shape[0], 0, self.d_model), dtype=self.dtype)
         call = _calls.prepare(self, empty, mem, value, need_weights=False, cache=cache)

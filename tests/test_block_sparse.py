@@ -478,6 +478,10 @@ def test_pattern_helpers():
     (lambda: L.global_local(8.5, 8, 2), ValueError, "Sq must be an int >= 0"),
     (lambda: L.local_blocks(True, 8, 2), ValueError, "Sq must be an int >= 0"),
     (lambda: L.bigbird(8, 8, 2, heads=0), ValueError, "heads must be an int >= 1"),
+    # seed: the constructors' rule (numpy's own messages never named it)
+    (lambda: L.bigbird(8, 8, 2, seed=-1), ValueError, r"seed must be in \[0, 2\*\*64\)"),
+    (lambda: L.bigbird(8, 8, 2, seed=1.5), TypeError, "seed must be an int"),
+    (lambda: L.bigbird(8, 8, 2, seed="a"), TypeError, "seed must be an int"),
     (lambda: L.local_blocks(8, 8, 2).to_dense(-1, 8), ValueError, "Sq must be an int >= 0"),
 ])
 def test_bad_layouts_are_refused(make, err, words):

@@ -402,3 +402,38 @@ def test_grouped_decoding_with_per_head_masks(dtype):
         outs.append(o)
         L += n
     assert np.array_equal(np.concatenate(outs, 1), full)
+
+
+def test_more_new_keys_than_queries_keep_the_lower_right_alignment():
+    # docs/API.md §3.3: m new keys for n queries enter the cache, query i
+    # sees keys j <= i + L + m - n: the full call with is_causal="lower_right"
+    rng = np.random.default_rng(0)
+    m = MultiHeadAttention(8, 2, kdim=6, vdim=5, seed=0).eval()
+    x, k, v = (rng.standard_normal((1, 5, w)) for w in (8, 6, 5))
+    cache = m.new_cache(1, 8)
+    m(x[:, :2], k[:, :2], v[:, :2], cache=cache)
+    out, w = m(x[:, 2:3], k[:, 2:4], v[:, 2:4], cache=cache)      # 1 query, 2 keys
+    assert cache.length == 4
+    full, wf = m(x[:, :3], k[:, :4], v[:, :4], is_causal="lower_right")
+    np.testing.assert_array_equal(out, full[:, 2:3])
+    np.testing.assert_array_equal(w, wf[:, :, 2:3])
+    assert (w[..., 3] > 0).all()                                  # j <= 0 + 2 + 2 - 1
+    out, w = m(x[:, 3:5], k[:, 4:5], v[:, 4:5], cache=cache)      # 2 queries, 1 key
+    qs = np.concatenate([x[:, :1], x[:, 3:5]], axis=1)            # any query before
+    full, wf = m(qs, k[:, :5], v[:, :5], is_causal="lower_right")
+    np.testing.assert_array_equal(out, full[:, 1:])
+    assert (w[:, :, 0, 4] == 0).all() and (w[:, :, 1, 4] > 0).all()
+
+
+def test_cache_memory_says_what_its_own_arguments_lack():
+    # the messages name memory and value (they quoted a query (B, 0, E) the
+    # caller never passed)
+    m = MultiHeadAttention(8, 2, kdim=6, vdim=5, seed=0)
+    mem = np.zeros((2, 4, 6), np.float32)
+    with pytest.raises(ValueError, match=r"value is needed: .*vdim \(5\) is not its kdim \(6\)"):
+        m.cache_memory(mem)
+    with pytest.raises(ValueError, match=r"value must be \(batch, length, vdim\) = \(2, 4, 5\)"):
+        m.cache_memory(mem, np.zeros((2, 3, 5)))
+    with pytest.raises(ValueError, match=r"memory must be \(batch, length, kdim = 6\)"):
+        m.cache_memory(np.zeros((2, 4, 8)), np.zeros((2, 4, 5)))
+    assert m.cache_memory(mem, np.zeros((2, 4, 5))).length == 4
