@@ -101,9 +101,9 @@ def _shape(x, name, want):
 
 def _out_bias(x, n):
     """out_proj_bias of n values, (n,) or (1, n) (torch's linear broadcasts
-    the row: the same numbers; in_proj_bias it splits or chunks on its first
-    dimension except in self-attention, so (3E,) only there), as (n,); the
-    gradient reaches the caller's shape through the reshape."""
+    the row: the same numbers), as (n,); the gradient reaches the caller's
+    shape through the reshape.  (in_proj_bias takes a row in self-attention
+    only: torch splits it on its first dimension otherwise; see _module.)"""
     x = _tensor(x, "out_proj_bias", False)
     if x is not None and tuple(x.shape) == (1, n):
         return x.reshape(n)
