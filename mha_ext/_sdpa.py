@@ -102,9 +102,12 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
             # torch's rule where torch keeps it (see fused_causal_and_mask in
             # mha_ext._sdpa_torch), with its exception type and words
             raise RuntimeError("Explicit attn_mask should not be set when is_causal=True "
-                               "(torch's rule; torch's fused CPU kernel, taken for 4-D "
-                               "tensors without dropout, applies both): put the causal mask "
-                               "into attn_mask, or use is_causal='lower_right' with it")
+                               "(torch's rule, kept by its math path, the path this call "
+                               "takes; only its fused CPU kernel applies both, for 4-D "
+                               "tensors with a unit last stride, no dropout and a mask that "
+                               "does not require grad, unless sdpa_kernel rules it out): put "
+                               "the causal mask into attn_mask, or use "
+                               "is_causal='lower_right' with it")
         m = as_real(attn_mask, "attn_mask")
         if m.dtype == np.bool_:
             kind, m = 0, ~m  # SDPA's True = attend; the core's blocking mask: True = blocked

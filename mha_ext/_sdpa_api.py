@@ -85,7 +85,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
     is_causal: True: query i sees keys j <= i (top-left, torch's).  Given
         with attn_mask, tensors follow torch: both apply where torch's own
         choice takes its fused CPU kernel (4-D, unit last stride, no
-        dropout) or there is no query or key, else torch's RuntimeError;
+        dropout, a mask that does not require grad) or there is no query
+        or key, else torch's RuntimeError;
         arrays always raise it.  "lower_right": query i sees keys
         j <= i + S - L (torch's causal_lower_right), and may be combined
         with attn_mask.

@@ -349,6 +349,16 @@ def test_is_causal_with_attn_mask_is_refused_where_torch_takes_its_math_path(tor
         for g in (F.scaled_dot_product_attention, f):
             with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
                 g(q, k, v, attn_mask=m, is_causal=True)
+    # a mask that requires grad (a learned bias) takes torch's math path too,
+    # even under no_grad; the message says why, not that the kernel fused
+    bias = torch.zeros(5, 5, requires_grad=True)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            for g in (F.scaled_dot_product_attention, f):
+                with pytest.raises(RuntimeError, match="should not be set when is_causal=True") \
+                        as got:
+                    g(q, k, v, attn_mask=bias, is_causal=True)
+            assert "a mask that does not require grad" in str(got.value)
     # arrays: no torch to choose, torch's documented rule
     with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
         f(q.numpy(), k.numpy(), v.numpy(), attn_mask=m.numpy(), is_causal=True)
