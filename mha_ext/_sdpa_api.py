@@ -134,8 +134,9 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
             import torch
             from ._torch_errors import metas, torchs
             torch_sdpa = torch._C._nn.scaled_dot_product_attention
+            mq, mk, mv, mm = metas(query, key, value, attn_mask)
             raise torchs(exc, lambda: torch_sdpa(
-                *metas(query, key, value), attn_mask=metas(attn_mask)[0],
+                mq, mk, mv, attn_mask=mm,
                 dropout_p=float(dropout_p), is_causal=is_causal,
                 scale=None if scale is None else float(scale),
                 enable_gqa=bool(enable_gqa))) from exc.__cause__

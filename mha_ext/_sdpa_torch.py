@@ -225,8 +225,8 @@ def fused_causal_and_mask(query, key, value, attn_mask, dropout_p, is_causal, sc
             return True
         # torch's function itself, which F.scaled_dot_product_attention may no
         # longer be (this twin patched in its place)
-        torch._C._nn.scaled_dot_product_attention(*metas(query, key, value, mask), *args,
-                                                  **kw)
+        mq, mk, mv, mm = metas(query, key, value, mask)
+        torch._C._nn.scaled_dot_product_attention(mq, mk, mv, mm, *args, **kw)
     except Exception:  # torch refuses the arguments: the call raises, later
         return False
     return True
