@@ -120,6 +120,10 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, "
                         f"{key.dtype}, {value.dtype}")
+    # (asked on the tensors as given: the half dtypes' float32 copies below
+    # are contiguous, torch's choice reads the strides)
+    both = pair if pair is not None else fused_causal_and_mask(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if query.dtype in HALF:
         # torch's CPU SDPA computes float16 and bfloat16 in float32 and rounds
         # its output back; here too, through differentiable casts (the
@@ -129,15 +133,13 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
             return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         return sdpa_torch(up(query), up(key), up(value), up(attn_mask), dropout_p, is_causal,
                           scale, enable_gqa, seed, window=window, layout=layout,
-                          head_mask=up(head_mask), pair=pair).to(query.dtype)
+                          head_mask=up(head_mask), pair=both).to(query.dtype)
     hm_input = isinstance(head_mask, torch.Tensor) and head_mask.requires_grad
     refuse_traced_tensors({"attn_mask": attn_mask, "head_mask": None if hm_input else head_mask})
     if torch.jit.is_tracing() and dropout_p and seed is None:
         raise RuntimeError("torch.jit.trace would fix this call's dropout draw (made from "
                            "torch's generator outside the traced op) for every later call: "
                            "trace with dropout_p=0, or pass seed=")
-    both = pair if pair is not None else fused_causal_and_mask(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if isinstance(attn_mask, torch.Tensor):
         if attn_mask.requires_grad and torch.is_grad_enabled():
             return _with_mask_grad(query, key, value, attn_mask, dropout_p, is_causal, scale,
@@ -180,6 +182,11 @@ def _with_mask_grad(query, key, value, mask, dropout_p, is_causal, scale, enable
     s = (1.0 / math.sqrt(E) if E else 1.0) if s is None else s  # E 0: every score 0
     if not math.isfinite(s):
         raise ValueError(f"scale must be finite when attn_mask requires grad, got {scale}")
+    if bool(torch.isnan(mask).any()) or bool(torch.isposinf(mask).any()):
+        # torch gives those rows NaN and the rest of the mask its gradient; here
+        # the NaN would reach every row's gradient (summed with zeros)
+        raise ValueError("attn_mask requires grad and holds NaN or +inf: its gradient is not "
+                         "computed then (torch gives NaN rows); fix the mask, or detach it")
     H = lead[-1] if lead else 1
 
     def per_head(t):  # (..., heads, n, w) -> lead + (n, w), enable_gqa's heads repeated
@@ -220,8 +227,12 @@ def fused_causal_and_mask(query, key, value, attn_mask, dropout_p, is_causal, sc
         scale = None if scale is None else float(scale)
         args = (float(dropout_p), True)
         kw = dict(scale=scale, enable_gqa=bool(enable_gqa))
-        if torch._fused_sdp_choice(query, key, value, mask, *args, **kw) \
-                != torch.nn.attention.SDPBackend.MATH.value:
+        try:
+            fused = torch._fused_sdp_choice(query, key, value, mask, *args, **kw) \
+                != torch.nn.attention.SDPBackend.MATH.value
+        except RuntimeError:  # no kernel left by a sdpa_kernel context: torch's
+            fused = False     # function decides (it returns early for empty calls)
+        if fused:
             return True
         # torch's function itself, which F.scaled_dot_product_attention may no
         # longer be (this twin patched in its place)

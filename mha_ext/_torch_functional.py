@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import _convert
-from ._torch_errors import metas, torchs
+from ._torch_errors import ValueErrorAndRuntimeError, metas, torchs
 from ._torch_mha import MultiheadAttention
 from .module import MultiHeadAttention as _Core
 
@@ -163,14 +163,15 @@ def multi_head_attention_forward(
     kdim), value (S, B, vdim) (sequence first, as torch's functional; or
     unbatched (L, E), ...); in_proj_weight (3E, E), or with
     use_separate_proj_weight q_proj_weight (E, E), k_proj_weight (E, kdim),
-    v_proj_weight (E, vdim) (in_proj_weight then unread); in_proj_bias (3E,
-    or a (1, 3E) row in self-attention: query, key and value one tensor) or
-    None; out_proj_weight (E, E), or (Eo, E) for an output of width Eo
-    (OpenAI CLIP's attention pooling), and out_proj_bias (Eo, or a (1, Eo)
-    row) or None; bias_k and bias_v (1, 1, E) or None (appended to every
-    sequence's keys and values, then add_zero_attn's zero key);
-    embed_dim_to_check and num_heads ints or 0-d integer tensors; dropout_p
-    applied (and checked) when training only; the masks and is_causal as
+    v_proj_weight (E, vdim) (in_proj_weight then unread); in_proj_bias
+    (3E, or a (1, 3E) row in batched self-attention: query, key and value
+    one tensor) or None; out_proj_weight (E, E), or (Eo, E) for an output
+    of width Eo (OpenAI CLIP's attention pooling), and out_proj_bias (Eo,
+    or a (1, Eo) row) or None; bias_k and bias_v (1, 1, E) or None
+    (appended to every sequence's keys and values, then add_zero_attn's
+    zero key); embed_dim_to_check and num_heads ints or 0-d integer
+    tensors; dropout_p applied (and checked, as torch's paths check it)
+    when training only; the masks and is_causal as
     torch.nn.MultiheadAttention's forward takes them.  Returns (output
     (L, B, Eo), weights (B, L, S') averaged over the heads, (B, H, L, S')
     with average_attn_weights=False, or None with need_weights=False),
@@ -203,7 +204,7 @@ def multi_head_attention_forward(
     if any(t.device.type == "meta" for t in tensors):
         return _TORCH_MHA_FORWARD(*args, **kwargs)  # no data to compute: torch's shapes
     try:
-        module = _module(*args, training, use_separate_proj_weight, q_proj_weight,
+        module = _module(*args, training, need_weights, use_separate_proj_weight, q_proj_weight,
                          k_proj_weight, v_proj_weight, static_k, static_v)
         out, weights = module._forward_call(query, key, value, key_padding_mask, need_weights,
                                             attn_mask, average_attn_weights, is_causal, None,
@@ -226,7 +227,8 @@ def _probe(args, kwargs):
 
 def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias,
             bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training,
-            separate, q_proj_weight, k_proj_weight, v_proj_weight, static_k, static_v):
+            need_weights, separate, q_proj_weight, k_proj_weight, v_proj_weight, static_k,
+            static_v):
     """The call's _Call module, its arguments checked as torch's functional
     checks them (with our messages)."""
     if static_k is not None or static_v is not None:
@@ -257,8 +259,10 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
         out_w, out_b = torch.eye(E, dtype=out_w.dtype, device=out_w.device), None
     in_b = _tensor(in_proj_bias, "in_proj_bias", False)
     if (in_b is not None and tuple(in_b.shape) == (1, 3 * E) and not separate
-            and query is key and key is value):
-        in_b = in_b.reshape(3 * E)  # torch's self-attention: one linear, the row broadcast
+            and query is key and key is value and query.dim() == 3):
+        # torch's batched self-attention: one linear, the row broadcast (unbatched
+        # inputs become three tensors there, and the row is split)
+        in_b = in_b.reshape(3 * E)
     _shape(in_b, "in_proj_bias", (3 * E,))
     if separate:
         q_w = _tensor(q_proj_weight, "q_proj_weight (use_separate_proj_weight=True)")
@@ -287,8 +291,13 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
     p = 0.0  # unread outside training, as torch's functional leaves it unchecked
     if training:
         p = float(dropout_p)
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout_p must be in [0, 1] when training, got {dropout_p}")
+        words = f"dropout probability has to be between 0 and 1, but got {p} (dropout_p)"
+        if p > 1.0 or p != p:   # torch's dropout's ValueError; its SDPA's RuntimeError
+            raise (ValueError if need_weights else ValueErrorAndRuntimeError)(words)
+        if p < 0.0:
+            if not need_weights:  # torch's SDPA path raises a RuntimeError (of its own words)
+                raise ValueErrorAndRuntimeError(words)
+            p = 0.0  # torch's weights path drops only for p > 0
     module = _Call(E, H, p, bias=in_b is not None or out_b is not None,
                    add_bias_kv=bias_k is not None, add_zero_attn=bool(add_zero_attn),
                    kdim=kdim, vdim=vdim, batch_first=False, device="meta",

@@ -375,11 +375,15 @@ class MultiheadAttention(nn.MultiheadAttention):
     def _torch_refuses(self, *args):
         """torch.nn.MultiheadAttention's forward with this configuration on
         meta twins of the arguments: raises what torch raises for them.
-        Where torch would take its fused fast path (eval, no grad,
-        self-attention: no dropout, nothing drawn), which meta tensors never
-        take, its forward runs on this module and the call's own tensors."""
-        query, key, value, key_padding_mask, _, attn_mask = args[:6]
-        if self._torch_fast_path(query, key, value, attn_mask, key_padding_mask):
+        In eval mode with nothing to record (no grad mode, or no tensor that
+        requires grad), where torch's forward may try its fused fast path
+        (whose checks, its merge_masks among them, meta tensors never reach),
+        its forward runs on this module and the call's own tensors instead:
+        no dropout, nothing drawn, nothing recorded."""
+        tensors = [a for a in args[:3] if isinstance(a, torch.Tensor)]
+        tensors += [p for p in self._sources() if p is not None]
+        if not self.training and not (torch.is_grad_enabled()
+                                      and any(t.requires_grad for t in tensors)):
             with torch.no_grad():
                 nn.MultiheadAttention.forward(self, *args)
             return

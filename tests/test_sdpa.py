@@ -301,6 +301,11 @@ def _pair_cases(torch):
     q, k, v = qkv((1, 2), 5, 5)
     cases.append(("strided query", q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v,
                   row, {}))
+    # torch asks about the half tensors' own strides (their float32 copies,
+    # of a tensor with gaps, are contiguous)
+    half = torch.randn(1, 2, 5, 16, generator=g).to(torch.bfloat16)[..., ::2]
+    cases.append(("strided bfloat16 query", half, k.to(torch.bfloat16), v.to(torch.bfloat16),
+                  row, {}))
     return cases
 
 
@@ -312,7 +317,7 @@ def test_is_causal_with_attn_mask_follows_torchs_own_kernel_choice(torch):
     f = mha_ext.scaled_dot_product_attention
     both = 0
     for name, q, k, v, m, kw in _pair_cases(torch):
-        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))  # strides kept
         try:
             want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True, **kw)
         except RuntimeError as e:
@@ -349,6 +354,10 @@ def test_is_causal_with_attn_mask_is_refused_where_torch_takes_its_math_path(tor
         for g in (F.scaled_dot_product_attention, f):
             with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
                 g(q, k, v, attn_mask=m, is_causal=True)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        # no query: torch returns before choosing a kernel, so do we
+        for g in (F.scaled_dot_product_attention, f):
+            assert g(q[:, :, :0], k, v, attn_mask=m[:0], is_causal=True).shape == (1, 2, 0, 8)
     # a mask that requires grad (a learned bias) takes torch's math path too,
     # even under no_grad; the message says why, not that the kernel fused
     bias = torch.zeros(5, 5, requires_grad=True)
@@ -522,6 +531,12 @@ def test_a_mask_gradient_with_dropout_windows_and_half_tensors(torch):
     assert mh.grad.dtype == torch.bfloat16 and mh.grad.shape == mh.shape
     with pytest.raises(ValueError, match="scale must be finite when attn_mask requires grad"):
         f(q, k, v, attn_mask=m, scale=float("inf"))
+    # one NaN or +inf would reach every row's gradient here (torch: its row's)
+    for bad in (float("nan"), float("inf")):
+        nan = m.detach().clone()
+        nan[0, 1, 2] = bad
+        with pytest.raises(ValueError, match="holds NaN or \\+inf"):
+            f(q, k, v, attn_mask=nan.requires_grad_())
     with pytest.raises(ValueError, match="does not broadcast"):
         f(q, k, v, attn_mask=torch.zeros(3, 4, 5, requires_grad=True, dtype=torch.float64))
 

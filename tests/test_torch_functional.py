@@ -329,9 +329,21 @@ def test_arguments_torchs_functional_takes_without_reading_or_by_broadcasting():
     x = torch.randn(L, B, E)
     m32 = _module(torch.float32, False, "both", False, False)
     p32, kw32 = _args(m32, "both")
+    # in training, torch's two paths: the weights path's dropout raises a
+    # ValueError above 1 and drops nothing below 0; the SDPA path raises a
+    # RuntimeError for both
     for f in (mt.multi_head_attention_forward, F.multi_head_attention_forward):
-        with pytest.raises(ValueError, match="1.5"):
+        with pytest.raises(ValueError, match="between 0 and 1, but got 1.5"):
             f(x, x, x, *p32[:7], 1.5, *p32[8:], **kw32, training=True)
+        for p in (1.5, -0.5):
+            with pytest.raises(RuntimeError):
+                f(x, x, x, *p32[:7], p, *p32[8:], **kw32, training=True, need_weights=False)
+    with torch.no_grad():
+        got = mt.multi_head_attention_forward(x, x, x, *p32[:7], -0.5, *p32[8:], **kw32,
+                                              training=True)
+        want = F.multi_head_attention_forward(x, x, x, *p32[:7], -0.5, *p32[8:], **kw32,
+                                              training=True)
+    _close(got[0], want[0], TOL[torch.float32], "dropout_p < 0, training, with weights")
 
 
 def test_refusals_keep_torchs_type_for_tensor_sizes_and_aliased_inputs():
@@ -351,6 +363,15 @@ def test_refusals_keep_torchs_type_for_tensor_sizes_and_aliased_inputs():
             mt.multi_head_attention_forward(*args, **kw)
         assert isinstance(ours.value, (ValueError, TypeError))
         assert str(theirs.value) in str(ours.value)
+    # unbatched, torch's functional makes query, key and value three tensors
+    # and splits the row (a ValueError): refused too
+    with pytest.raises(ValueError):
+        F.multi_head_attention_forward(x[:, 0], x[:, 0], x[:, 0], E, H, pos[2],
+                                       pos[3].reshape(1, 3 * E), *pos[4:], **kw)
+    q1 = x[:, 0]
+    with pytest.raises(ValueError, match=r"in_proj_bias must have shape \(48,\)"):
+        mt.multi_head_attention_forward(q1, q1, q1, E, H, pos[2], pos[3].reshape(1, 3 * E),
+                                        *pos[4:], **kw)
     row = pos[:3] + (pos[3].detach().reshape(1, 3 * E).clone().requires_grad_(),) + pos[4:]
     got = mt.multi_head_attention_forward(x, x, x, E, H, *row[2:], **kw, training=False)
     want = F.multi_head_attention_forward(x, x, x, E, H, *row[2:], **kw, training=False)
