@@ -61,6 +61,13 @@ class SDPAFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         if grad_out is None:
             return (None,) * len(need)
+        if grad_out.numel() == 0:
+            # an empty output (Ev, L or a batch dimension 0): no loss depends on
+            # the inputs; zeros, not the NaN a blocked row's 0 * NaN would give
+            dt = torch.float64 if q4.dtype == np.float64 else torch.float32
+            shapes = list(ctx.shapes) + ([ctx.hm_shape] if ctx.hm_shape is not None else [])
+            return (None, *(torch.zeros(shape, dtype=dt) if need[1 + i] else None
+                            for i, shape in enumerate(shapes)))
         with torch.no_grad():
             go = np.ascontiguousarray(to_numpy(grad_out, "grad_output"),
                                       dtype=q4.dtype).reshape(q4.shape[:3] + v4.shape[3:])

@@ -541,6 +541,21 @@ def test_a_mask_gradient_with_dropout_windows_and_half_tensors(torch):
         f(q, k, v, attn_mask=torch.zeros(3, 4, 5, requires_grad=True, dtype=torch.float64))
 
 
+def test_an_empty_output_gives_zero_gradients_even_over_a_nan_mask(torch):
+    # no output element depends on the inputs: torch's gradients are zeros;
+    # ours were NaN in a query whose mask row holds a NaN (0 * NaN)
+    m = torch.randn(2, 3, 5)
+    m[0, 1, 2] = float("nan")
+    leaves = [torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 5, 4, requires_grad=True),
+              torch.randn(2, 5, 0, requires_grad=True)]
+    for f in (mha_ext.scaled_dot_product_attention,
+              torch.nn.functional.scaled_dot_product_attention):
+        out = f(*leaves, attn_mask=m)
+        assert out.shape == (2, 3, 0)
+        for leaf, g in zip(leaves, torch.autograd.grad(out.sum(), leaves)):
+            assert g.shape == leaf.shape and not g.any()
+
+
 def test_a_float_mask_of_another_dtype_takes_its_values_in_the_querys(torch):
     # README's differences: torch 2.13 raises for a float64 mask on float32
     # tensors and computes other numbers for a float32 mask on float64 ones
