@@ -102,10 +102,10 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
             # torch's rule where torch keeps it (see fused_causal_and_mask in
             # mha_ext._sdpa_torch), with its exception type and words
             raise RuntimeError("Explicit attn_mask should not be set when is_causal=True "
-                               "(torch's rule, kept by its math path, the path this call "
-                               "takes: '_scaled_dot_product_attention: Explicit attn_mask "
-                               "should not be set when is_causal=True'; only its fused CPU "
-                               "kernel applies both, for 4-D "
+                               "(torch's rule, kept by its math path: '_scaled_dot_product_"
+                               "attention: Explicit attn_mask should not be set when "
+                               "is_causal=True'; only its fused CPU kernel applies both, "
+                               "for 4-D "
                                "tensors with a unit last stride, no dropout and a mask that "
                                "does not require grad, unless sdpa_kernel rules it out): put "
                                "the causal mask into attn_mask, or use "

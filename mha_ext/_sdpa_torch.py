@@ -153,13 +153,19 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                                    enable_gqa, seed, window, layout, head_mask, both)
         attn_mask = to_numpy(attn_mask, "attn_mask")
     p = probability(dropout_p, "dropout_p")
+    drawn = torch.get_rng_state() if p > 0 and seed is None else None
     plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                 causal_and_mask=both, p=p, seed=_sdpa._seed(seed, p, torch_stream),
                 window=_calls.sliding_window(window), layout=layout, head_mask=head_mask)
-    if hm_input:
-        plan["head_mask"] = None
-        return SDPAFunction.apply(plan, query, key, value, head_mask)
-    return SDPAFunction.apply(plan, query, key, value)
+    try:
+        if hm_input:
+            plan["head_mask"] = None
+            return SDPAFunction.apply(plan, query, key, value, head_mask)
+        return SDPAFunction.apply(plan, query, key, value)
+    except BaseException:
+        if drawn is not None:  # a refused call draws nothing, as torch's SDPA
+            torch.set_rng_state(drawn)
+        raise
 
 
 def _with_mask_grad(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, seed,
@@ -175,8 +181,8 @@ def _with_mask_grad(query, key, value, mask, dropout_p, is_causal, scale, enable
     so q~_i . k~_j = scale q_i . k_j, the call (scale 1) takes M itself,
     detached, as its mask, and the C backward's gradient of k~'s extra
     columns, dLoss/dscores, is dLoss/dM; autograd carries it back to M
-    (summed over the dimensions it was broadcast along; 0 where M is not
-    finite, as torch's softmax gives).  Costs L more depth in the scores'
+    (summed over the dimensions it was broadcast along; 0 where M is -inf,
+    as torch's softmax gives; NaN or +inf in M is refused).  Costs L more depth in the scores'
     products and (..., Hq, S, E + L) keys."""
     np_dtype = np.float64 if query.dtype == torch.float64 else np.float32
 
@@ -231,6 +237,8 @@ def fused_causal_and_mask(query, key, value, attn_mask, dropout_p, is_causal, sc
     try:
         mask = attn_mask if isinstance(attn_mask, torch.Tensor) else torch.as_tensor(
             np.asarray(attn_mask))
+        if mask.is_floating_point() and query.is_floating_point():
+            mask = mask.to(query.dtype)  # as the call takes it (README's differences)
         scale = None if scale is None else float(scale)
         args = (float(dropout_p), True)
         kw = dict(scale=scale, enable_gqa=bool(enable_gqa))

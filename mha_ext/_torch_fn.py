@@ -89,18 +89,16 @@ class AttentionFunction(torch.autograd.Function):
         head_mask = ()
         if ctx.hm_input:
             params, head_mask = params[:-1], params[-1:]
+        drawn = None
         if opts.get("dropout", 0.0) > 0 and opts.get("dropout_counter") is None:
+            drawn = torch.get_rng_state()
             opts["dropout_counter"] = torch_stream()
-        used = params[:len(seed_keys(core))]
-        # each parameter read in place by the C call (views of the tensors):
-        # no block joined per call, which cost more than the attention at
-        # small sizes (B1 S1 E768: 3.8 ms a call against torch's 0.16)
-        parts = _params.parts(core, [to_numpy(p, "parameters") for p in used])
-        q, k, v = (to_numpy(x, n) for x, n in ((query, "query"), (key, "key"),
-                                                (value, "value")))
-        if not any(ctx.needs_input_grad):  # no backward will come: keep nothing for it
-            opts.setdefault("save_projections", False)
-        saved = _ag.forward_train(core, q, k, v, params=parts, **opts)
+        try:
+            saved = AttentionFunction._call(ctx, core, opts, query, key, value, params)
+        except BaseException:
+            if drawn is not None:  # a refused call draws nothing, as torch's module
+                torch.set_rng_state(drawn)
+            raise
         ctx.core = core
         ctx.saved = saved
         ctx.set_materialize_grads(False)
@@ -117,6 +115,20 @@ class AttentionFunction(torch.autograd.Function):
         else:
             weights = torch.from_numpy(saved.weights)
         return out, weights
+
+    @staticmethod
+    def _call(ctx, core, opts, query, key, value, params):
+        """forward_train on the tensors' memory (no copies)."""
+        used = params[:len(seed_keys(core))]
+        # each parameter read in place by the C call (views of the tensors):
+        # no block joined per call, which cost more than the attention at
+        # small sizes (B1 S1 E768: 3.8 ms a call against torch's 0.16)
+        parts = _params.parts(core, [to_numpy(p, "parameters") for p in used])
+        q, k, v = (to_numpy(x, n) for x, n in ((query, "query"), (key, "key"),
+                                                (value, "value")))
+        if not any(ctx.needs_input_grad):  # no backward will come: keep nothing for it
+            opts.setdefault("save_projections", False)
+        return _ag.forward_train(core, q, k, v, params=parts, **opts)
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):

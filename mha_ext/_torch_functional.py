@@ -292,9 +292,9 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
     if training:
         p = float(dropout_p)
         words = f"dropout probability has to be between 0 and 1, but got {p} (dropout_p)"
-        if p > 1.0 or p != p:   # torch's dropout's ValueError; its SDPA's RuntimeError
+        if p > 1.0:   # torch's dropout's ValueError; its SDPA's RuntimeError
             raise (ValueError if need_weights else ValueErrorAndRuntimeError)(words)
-        if p < 0.0:
+        if not p >= 0.0:  # below 0, or NaN
             if not need_weights:  # torch's SDPA path raises a RuntimeError (of its own words)
                 raise ValueErrorAndRuntimeError(words)
             p = 0.0  # torch's weights path drops only for p > 0

@@ -92,6 +92,23 @@ def _check_mask_dtype(mask, name):
                         f"scores), got dtype {mask.dtype}")
 
 
+def _check_hint_mask_rank(mask, query, key, num_heads):
+    """torch's rank rule for attn_mask (its _mha_shape_check), which it
+    applies before dropping the mask for the is_causal hint: 2-D or 3-D,
+    and an unbatched query's 3-D mask (num_heads, L, S)."""
+    if not isinstance(mask, torch.Tensor):
+        return
+    if mask.dim() not in (2, 3):
+        raise ValueError(f"attn_mask must be 2-D (L, S) or 3-D, got {mask.dim()}-D shape "
+                         f"{tuple(mask.shape)} (it is checked before the is_causal hint "
+                         f"replaces it)")
+    if query.dim() == 2 and mask.dim() == 3:
+        want = (num_heads, query.shape[0], key.shape[0])
+        if tuple(mask.shape) != want:
+            raise ValueError(f"attn_mask of an unbatched call must be 2-D or {want} "
+                             f"(num_heads, L, S), got {tuple(mask.shape)}")
+
+
 class MultiheadAttention(nn.MultiheadAttention):
     """torch.nn.MultiheadAttention, computed by mha_ext's C core.
 
@@ -418,7 +435,9 @@ class MultiheadAttention(nn.MultiheadAttention):
                                    "`generate_square_subsequent_mask` to create this mask.")
             if key_padding_mask is None and not need_weights and not fast:
                 # torch applies the pattern, not the mask, but checks the
-                # mask's dtype first (its _canonical_mask): so do we
+                # mask's rank (its _mha_shape_check) and the module its dtype
+                # (its _canonical_mask) first: so do we
+                _check_hint_mask_rank(attn_mask, query, key, self.num_heads)
                 if self._checks_hint_mask:
                     _check_mask_dtype(attn_mask, "attn_mask")
                 attn_mask, causal = None, True

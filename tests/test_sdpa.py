@@ -358,6 +358,10 @@ def test_is_causal_with_attn_mask_is_refused_where_torch_takes_its_math_path(tor
         # no query: torch returns before choosing a kernel, so do we
         for g in (F.scaled_dot_product_attention, f):
             assert g(q[:, :, :0], k, v, attn_mask=m[:0], is_causal=True).shape == (1, 2, 0, 8)
+    # a float mask of another dtype is taken in the query's (README): also
+    # when torch's choice is asked about the pair
+    assert f(q[:, :, :0], k, v, attn_mask=torch.zeros(0, 5, dtype=torch.float64),
+             is_causal=True).shape == (1, 2, 0, 8)
     # a mask that requires grad (a learned bias) takes torch's math path too,
     # even under no_grad; the message says why, not that the kernel fused
     bias = torch.zeros(5, 5, requires_grad=True)

@@ -126,3 +126,24 @@ def test_inference_mode_inputs_train():
     F = torch.nn.functional
     F.scaled_dot_product_attention(want_q, kv.clone(), kv.clone()).sum().backward()
     torch.testing.assert_close(q.grad, want_q.grad, rtol=2e-5, atol=2e-5)
+
+
+def test_a_refused_call_draws_nothing():
+    # torch's module and SDPA check their arguments before drawing a mask;
+    # ours drew first: a refused call moved torch's generator
+    x = _x()
+    bad_pad = torch.zeros(B, L + 1, dtype=torch.bool)
+    dropin, ours = _dropin().train(), _ours().train()
+    calls = {
+        "drop-in MultiheadAttention": lambda: dropin(x, x, x, key_padding_mask=bad_pad),
+        "MultiHeadAttention": lambda: ours(x, key_padding_mask=bad_pad),
+        "scaled_dot_product_attention": lambda: mha_ext.scaled_dot_product_attention(
+            x[:, None], x[:, None], x[:, None], dropout_p=P,
+            attn_mask=torch.ones(L + 1, L + 1, dtype=torch.bool)),
+    }
+    for name, call in calls.items():
+        torch.manual_seed(0)
+        before = torch.get_rng_state()
+        with pytest.raises(ValueError):
+            call()
+        assert torch.equal(before, torch.get_rng_state()), name

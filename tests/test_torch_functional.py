@@ -338,12 +338,13 @@ def test_arguments_torchs_functional_takes_without_reading_or_by_broadcasting():
         for p in (1.5, -0.5):
             with pytest.raises(RuntimeError):
                 f(x, x, x, *p32[:7], p, *p32[8:], **kw32, training=True, need_weights=False)
-    with torch.no_grad():
-        got = mt.multi_head_attention_forward(x, x, x, *p32[:7], -0.5, *p32[8:], **kw32,
-                                              training=True)
-        want = F.multi_head_attention_forward(x, x, x, *p32[:7], -0.5, *p32[8:], **kw32,
-                                              training=True)
-    _close(got[0], want[0], TOL[torch.float32], "dropout_p < 0, training, with weights")
+    for p in (-0.5, float("nan")):
+        with torch.no_grad():
+            got = mt.multi_head_attention_forward(x, x, x, *p32[:7], p, *p32[8:], **kw32,
+                                                  training=True)
+            want = F.multi_head_attention_forward(x, x, x, *p32[:7], p, *p32[8:], **kw32,
+                                                  training=True)
+        _close(got[0], want[0], TOL[torch.float32], f"dropout_p {p}, training, with weights")
 
 
 def test_refusals_keep_torchs_type_for_tensor_sizes_and_aliased_inputs():

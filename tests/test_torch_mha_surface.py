@@ -574,6 +574,34 @@ def test_a_4d_attn_mask_is_refused_on_every_path():
         m(q, q, q, attn_mask=mask)
 
 
+@pytest.mark.parametrize("shape", [(L,), (1, 1, L, L), (1, 1, 1, L, L)])
+def test_the_causal_hint_checks_the_masks_rank_before_replacing_it(shape):
+    # torch's module and functional check attn_mask's rank (an assertion)
+    # before the is_causal hint replaces the mask by the pattern; ours
+    # dropped a mask of any rank unread
+    t, m = pair(batch_first=True)
+    q = torch.randn(B, L, E, dtype=torch.float64)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    call = dict(attn_mask=mask, is_causal=True, need_weights=False)
+    theirs = _torch_refusal(lambda: t(q, q, q, **call))
+    with pytest.raises(type(theirs)) as got:
+        m(q, q, q, **call)
+    assert isinstance(got.value, ValueError) and "2-D (L, S) or 3-D" in str(got.value)
+    x = q.transpose(0, 1)
+    pos = (E, H, t.in_proj_weight, t.in_proj_bias, None, None, False, 0.0, t.out_proj.weight,
+           t.out_proj.bias)
+    F = torch.nn.functional
+    theirs = _torch_refusal(lambda: F.multi_head_attention_forward(x, x, x, *pos, **call))
+    with pytest.raises(type(theirs)):
+        mt.multi_head_attention_forward(x, x, x, *pos, **call)
+    # unbatched: a 3-D mask must be (num_heads, L, S)
+    u = q[0]
+    bad = dict(call, attn_mask=torch.zeros(H + 1, L, L, dtype=torch.bool))
+    theirs = _torch_refusal(lambda: t(u, u, u, **bad))
+    with pytest.raises(type(theirs), match=r"\(num_heads, L, S\)"):
+        m(u, u, u, **bad)
+
+
 def test_the_constructor_refuses_with_torchs_type_too():
     theirs = _torch_refusal(lambda: nn.MultiheadAttention(6, 4))
     with pytest.raises(AssertionError) as got:
