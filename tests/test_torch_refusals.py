@@ -1,0 +1,152 @@
+"""mha_ext.torch's refusals against torch's own: where torch refuses the
+same arguments, ours is also of torch's exception type and quotes its
+message (docs/API.md §7), on each of torch's paths (its slow path's
+assertions, its fused fast path's RuntimeErrors, the is_causal hint's
+rank check), and stays ours alone where torch has no such call.
+
+Legend: B batch, L query length, S key length, E = embed_dim, H = num_heads.
+"""
+import pytest
+
+from _support import require_torch
+
+torch = require_torch()
+from torch import nn  # noqa: E402
+
+import mha_ext.torch as mt  # noqa: E402
+from mha_ext.torch import MultiheadAttention  # noqa: E402
+from test_torch_mha_surface import B, E, H, L, S, pair  # noqa: E402
+
+
+def _torch_refusal(fn):
+    try:
+        fn()
+    except (AssertionError, RuntimeError) as exc:
+        return exc
+    raise AssertionError("torch took these arguments")
+
+
+BAD_CALLS = {
+    "3-D query, 2-D key": lambda q: (q, q[0], q),
+    "3-D query, 2-D value": lambda q: (q, q, q[0]),
+    "1-D key_padding_mask": lambda q: (q, q, q, torch.zeros(S, dtype=torch.bool)),
+    "1-D attn_mask": lambda q: (q, q, q, None, True, torch.zeros(S, dtype=torch.bool)),
+    "2-D attn_mask of another shape": lambda q: (q, q, q, None, True,
+                                                  torch.zeros(3, 3, dtype=torch.bool)),
+    "3-D attn_mask of another shape": lambda q: (q, q, q, None, True,
+                                                  torch.zeros(2, L, L, dtype=torch.bool)),
+    "int attn_mask": lambda q: (q, q, q, None, True, torch.zeros(L, L, dtype=torch.int64)),
+    "2-D query, 3-D key": lambda q: (q[:, 0], q, q),
+}
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_what_torch_refuses_is_refused_with_torchs_type_and_message_too(case, batch_first):
+    """torch's own tests catch AssertionError / RuntimeError with its
+    messages: ours is also of that type and quotes torch's message, and
+    still the ValueError or TypeError of API.md §7."""
+    t, m = pair(batch_first=batch_first)
+    q = torch.randn((B, L, E) if batch_first else (L, B, E), dtype=torch.float64)
+    args = BAD_CALLS[case](q)
+    theirs = _torch_refusal(lambda: t(*args))
+    with pytest.raises(type(theirs)) as got:
+        m(*args)
+    assert isinstance(got.value, (ValueError, TypeError))
+    assert str(theirs) in str(got.value)
+
+
+FAST_PATH_BAD = {
+    "key_padding_mask of another length": lambda q: (q, q, q, torch.zeros(B, L + 1,
+                                                                          dtype=torch.bool)),
+    "1-D key_padding_mask, batched": lambda q: (q, q, q, torch.zeros(L, dtype=torch.bool)),
+    "key_padding_mask of another length, with attn_mask": lambda q: (
+        q, q, q, torch.zeros(B, L + 1, dtype=torch.bool), True,
+        torch.zeros(L, L, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("case", list(FAST_PATH_BAD))
+def test_refusals_on_torchs_fast_path_have_its_type(case, bias):
+    """eval, no grad, batch-first self-attention: torch's fused fast path,
+    which no meta tensor takes, refuses with a RuntimeError (its slow
+    path's is an AssertionError): ours is of the fast path's type.  Without
+    biases torch still merges the masks (a RuntimeError) before it leaves
+    the fast path."""
+    t, m = pair(dtype=torch.float32, batch_first=True, bias=bias)
+    t.eval(), m.eval()
+    q = torch.randn(B, L, E)
+    args = FAST_PATH_BAD[case](q)
+    with torch.no_grad():
+        theirs = _torch_refusal(lambda: t(*args))
+        # (without biases torch leaves the fast path after merging the masks)
+        assert isinstance(theirs, RuntimeError) or not bias
+        with pytest.raises(type(theirs)) as got:
+            m(*args)
+    assert isinstance(got.value, ValueError) and str(theirs) in str(got.value)
+    # with grad the fast path is not taken: torch's assertion, ours too
+    theirs = _torch_refusal(lambda: t(*args))
+    with pytest.raises(type(theirs)):
+        m(*args)
+
+
+def test_a_4d_attn_mask_is_refused_on_every_path():
+    # README's differences: torch's fast path takes a (1, 1, L, L) mask as
+    # (L, L), its other paths refuse it; ours refuses it everywhere
+    t, m = pair(dtype=torch.float32, batch_first=True)
+    t.eval(), m.eval()
+    q = torch.randn(B, L, E)
+    mask = torch.zeros(1, 1, L, L, dtype=torch.bool)
+    with torch.no_grad():
+        assert t(q, q, q, attn_mask=mask)[0].shape == (B, L, E)
+        with pytest.raises(ValueError, match="attn_mask must have shape") as got:
+            m(q, q, q, attn_mask=mask)
+    assert not isinstance(got.value, (RuntimeError, AssertionError))
+    theirs = _torch_refusal(lambda: t(q, q, q, attn_mask=mask))  # with grad: its slow path
+    with pytest.raises(type(theirs), match="4-D"):
+        m(q, q, q, attn_mask=mask)
+
+
+@pytest.mark.parametrize("shape", [(L,), (1, 1, L, L), (1, 1, 1, L, L)])
+def test_the_causal_hint_checks_the_masks_rank_before_replacing_it(shape):
+    # torch's module and functional check attn_mask's rank (an assertion)
+    # before the is_causal hint replaces the mask by the pattern; ours
+    # dropped a mask of any rank unread
+    t, m = pair(batch_first=True)
+    q = torch.randn(B, L, E, dtype=torch.float64)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    call = dict(attn_mask=mask, is_causal=True, need_weights=False)
+    theirs = _torch_refusal(lambda: t(q, q, q, **call))
+    with pytest.raises(type(theirs)) as got:
+        m(q, q, q, **call)
+    assert isinstance(got.value, ValueError) and "2-D (L, S) or 3-D" in str(got.value)
+    x = q.transpose(0, 1)
+    pos = (E, H, t.in_proj_weight, t.in_proj_bias, None, None, False, 0.0, t.out_proj.weight,
+           t.out_proj.bias)
+    F = torch.nn.functional
+    theirs = _torch_refusal(lambda: F.multi_head_attention_forward(x, x, x, *pos, **call))
+    with pytest.raises(type(theirs)):
+        mt.multi_head_attention_forward(x, x, x, *pos, **call)
+    # unbatched: a 3-D mask must be (num_heads, L, S)
+    u = q[0]
+    bad = dict(call, attn_mask=torch.zeros(H + 1, L, L, dtype=torch.bool))
+    theirs = _torch_refusal(lambda: t(u, u, u, **bad))
+    with pytest.raises(type(theirs), match=r"\(num_heads, L, S\)"):
+        m(u, u, u, **bad)
+
+
+def test_the_constructor_refuses_with_torchs_type_too():
+    theirs = _torch_refusal(lambda: nn.MultiheadAttention(6, 4))
+    with pytest.raises(AssertionError) as got:
+        MultiheadAttention(6, 4)
+    assert isinstance(got.value, ValueError) and str(theirs) in str(got.value)
+
+
+def test_refusals_torch_does_not_share_stay_ours():
+    # our own keywords: no torch call to compare with
+    m = MultiheadAttention(E, H)
+    q = torch.randn(L, B, E)
+    with pytest.raises(ValueError) as got:
+        m(q, q[0], q, window=(1, 1))
+    assert type(got.value) is ValueError
