@@ -24,7 +24,7 @@ from ._convert import as_real, flag
 from ._convert import seed as seed_value
 from ._masks import block_layout
 
-__all__ = ["sdpa_arrays", "sdpa_forward", "sdpa_backward", "sdpa_layout", "sdpa_head_mask"]
+__all__ = ["sdpa_arrays", "sdpa_check", "sdpa_forward", "sdpa_backward", "sdpa_layout", "sdpa_head_mask"]
 
 
 def _dtype(*arrays):
@@ -32,14 +32,13 @@ def _dtype(*arrays):
     return np.float64 if any(a.dtype == np.float64 for a in arrays) else np.float32
 
 
-def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                causal_and_mask=False):
-    """The arguments checked and brought to the C side's form: (q (B, H, L, E),
-    k (B, Hkv, S, E), v (B, Hkv, S, Ev) contiguous of one dtype, masks
-    [(kind, array)] over (B, H, L, S), is_causal, scale, (lead, lead_kv),
-    dtype): lead and lead_kv are the broadcast leading shapes that q and
-    k, v were brought to before their reshape to (B, H) and (B, Hkv); the
-    output is (*lead, L, Ev).  attn_mask with is_causal=True is torch's
+def sdpa_check(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+               causal_and_mask=False):
+    """sdpa_arrays' checks alone, nothing copied: (q, k, v, mask, is_causal,
+    scale, (lead, lead_kv), dtype), q, k, v and mask (None without one) as
+    arrays of the caller's shapes and dtypes; lead and lead_kv are the
+    broadcast leading shapes of q and of k, v (enable_gqa's heads: their
+    least common multiple).  attn_mask with is_causal=True is torch's
     RuntimeError unless causal_and_mask (both then apply)."""
     q, k, v = (as_real(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
     for name, x in (("query", q), ("key", k), ("value", v)):
@@ -61,7 +60,7 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
         if gqa and len(lq) >= 1 and len(lk) >= 1 and len(lv) >= 1:
             # torch repeats key's and value's heads each to query's count
             # (repeat_interleave): key head h // (Hq / Hk) for query head
-            # h, the same for value.  Both are repeated here to their
+            # h, the same for value.  sdpa_arrays repeats both to their
             # least common multiple Hkv, and query head h takes head
             # h // (Hq / Hkv): the same pairs
             Hq, Hk, Hv = lq[-1], lk[-1], lv[-1]
@@ -70,13 +69,8 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
             if Hq != 0 and (Hk == 0 or Hv == 0 or Hq % Hk != 0 or Hq % Hv != 0):
                 raise ValueError(f"enable_gqa=True: query's heads ({Hq}, dimension -3) must "
                                  f"be a multiple of key's ({Hk}) and value's ({Hv})")
-            Hkv = math.lcm(Hk, Hv)
-            if Hk != Hkv:
-                k = np.repeat(k, Hkv // Hk, axis=-3)
-            if Hv != Hkv:
-                v = np.repeat(v, Hkv // Hv, axis=-3)
             batch = np.broadcast_shapes(lq[:-1], lk[:-1], lv[:-1])
-            lead, lead_kv = batch + (Hq,), batch + (Hkv,)
+            lead, lead_kv = batch + (Hq,), batch + (math.lcm(Hk, Hv),)
         else:
             lead = np.broadcast_shapes(lq, lk, lv)
             lead_kv = lead
@@ -87,16 +81,8 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                          f"value {v.shape} do not broadcast"
                          + ("" if gqa else " (different numbers of heads need "
                             "enable_gqa=True)")) from None
-    H = lead[-1] if lead else 1
-    Hkv = lead_kv[-1] if lead_kv else 1
-    B = math.prod(lead[:-1]) if lead else 1
-    q4 = np.ascontiguousarray(np.broadcast_to(q, lead + (L, E)), dtype=dtype).reshape(B, H, L, E)
-    k4 = np.ascontiguousarray(np.broadcast_to(k, lead_kv + (S, E)),
-                              dtype=dtype).reshape(B, Hkv, S, E)
-    v4 = np.ascontiguousarray(np.broadcast_to(v, lead_kv + (S, Ev)),
-                              dtype=dtype).reshape(B, Hkv, S, Ev)
     c = causal(is_causal)
-    masks = []
+    m = None
     if attn_mask is not None:
         if c is True and not causal_and_mask:
             # torch's rule where torch keeps it (see fused_causal_and_mask in
@@ -111,11 +97,7 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                                "the causal mask into attn_mask, or use "
                                "is_causal='lower_right' with it")
         m = as_real(attn_mask, "attn_mask")
-        if m.dtype == np.bool_:
-            kind, m = 0, ~m  # SDPA's True = attend; the core's blocking mask: True = blocked
-        elif m.dtype.kind == "f":
-            kind, m = 1, m.astype(dtype, copy=False)
-        else:
+        if m.dtype != np.bool_ and m.dtype.kind != "f":
             raise TypeError(f"attn_mask must be bool (True = attend) or floating (added to "
                             f"the scores), got dtype {m.dtype}")
         try:
@@ -125,10 +107,41 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
         if full != lead + (L, S):
             raise ValueError(f"attn_mask of shape {m.shape} does not broadcast to "
                              f"{lead + (L, S)} (..., heads, L, S)")
+    return q, k, v, m, c, score_scale(scale), (lead, lead_kv), dtype
+
+
+def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                causal_and_mask=False):
+    """The arguments checked (sdpa_check) and brought to the C side's form:
+    (q (B, H, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) contiguous of one
+    dtype, masks [(kind, array)] over (B, H, L, S), is_causal, scale, (lead,
+    lead_kv), dtype): q and k, v are brought to lead and lead_kv before their
+    reshape to (B, H) and (B, Hkv); the output is (*lead, L, Ev)."""
+    q, k, v, m, c, s, (lead, lead_kv), dtype = sdpa_check(
+        query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_and_mask)
+    L, E = q.shape[-2:]
+    S, Ev = v.shape[-2:]
+    H = lead[-1] if lead else 1
+    Hkv = lead_kv[-1] if lead_kv else 1
+    B = math.prod(lead[:-1]) if lead else 1
+    # enable_gqa's heads repeated to Hkv (a head of 1 broadcast the same way)
+    k, v = (np.repeat(x, Hkv // x.shape[-3], axis=-3)
+            if x.ndim >= 3 and x.shape[-3] not in (0, Hkv) else x for x in (k, v))
+    q4 = np.ascontiguousarray(np.broadcast_to(q, lead + (L, E)), dtype=dtype).reshape(B, H, L, E)
+    k4 = np.ascontiguousarray(np.broadcast_to(k, lead_kv + (S, E)),
+                              dtype=dtype).reshape(B, Hkv, S, E)
+    v4 = np.ascontiguousarray(np.broadcast_to(v, lead_kv + (S, Ev)),
+                              dtype=dtype).reshape(B, Hkv, S, Ev)
+    masks = []
+    if m is not None:
+        if m.dtype == np.bool_:
+            kind, m = 0, ~m  # SDPA's True = attend; the core's blocking mask: True = blocked
+        else:
+            kind, m = 1, m.astype(dtype, copy=False)
         if len(lead) > 2 or m.ndim > 4:
             m = np.broadcast_to(m, lead + (L, S)).reshape(B, H, L, S)
         masks.append((kind, m))
-    return q4, k4, v4, masks, c, score_scale(scale), (lead, lead_kv), dtype
+    return q4, k4, v4, masks, c, s, (lead, lead_kv), dtype
 
 
 def _seed(seed, p, draw=None):

@@ -19,7 +19,8 @@ import torch
 from . import _sdpa
 from . import _calls
 from ._convert import probability, to_numpy
-from ._torch_fn import HALF, _NoDoubleBackward, refuse_traced_tensors, torch_stream
+from ._torch_fn import (HALF, _NoDoubleBackward, refuse_traced_tensors, refused_draws_nothing,
+                        torch_stream)
 
 __all__ = ["sdpa_torch", "SDPAFunction"]
 
@@ -153,19 +154,15 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                                    enable_gqa, seed, window, layout, head_mask, both)
         attn_mask = to_numpy(attn_mask, "attn_mask")
     p = probability(dropout_p, "dropout_p")
-    drawn = torch.get_rng_state() if p > 0 and seed is None else None
-    plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                causal_and_mask=both, p=p, seed=_sdpa._seed(seed, p, torch_stream),
-                window=_calls.sliding_window(window), layout=layout, head_mask=head_mask)
-    try:
+    with refused_draws_nothing(p > 0 and seed is None):
+        plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa, causal_and_mask=both, p=p,
+                    seed=_sdpa._seed(seed, p, torch_stream), window=_calls.sliding_window(window),
+                    layout=layout, head_mask=head_mask)
         if hm_input:
             plan["head_mask"] = None
             return SDPAFunction.apply(plan, query, key, value, head_mask)
         return SDPAFunction.apply(plan, query, key, value)
-    except BaseException:
-        if drawn is not None:  # a refused call draws nothing, as torch's SDPA
-            torch.set_rng_state(drawn)
-        raise
 
 
 def _with_mask_grad(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, seed,
@@ -188,7 +185,7 @@ def _with_mask_grad(query, key, value, mask, dropout_p, is_causal, scale, enable
 
     def shape_of(t):  # the argument checks, on zero-stride arrays of the shapes
         return np.broadcast_to(np.zeros((), np_dtype), tuple(t.shape))
-    _, _, _, _, _, s, (lead, _), _ = _sdpa.sdpa_arrays(
+    _, _, _, _, _, s, (lead, _), _ = _sdpa.sdpa_check(
         shape_of(query), shape_of(key), shape_of(value), shape_of(mask), is_causal, scale,
         enable_gqa, causal_and_mask=pair)
     L, E = query.shape[-2:]

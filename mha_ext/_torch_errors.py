@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["torchs", "meta", "metas"]
+__all__ = ["torchs", "metas"]
 
 
 class ValueErrorAndAssertionError(ValueError, AssertionError):
@@ -47,15 +47,9 @@ _BOTH = {(ValueError, AssertionError): ValueErrorAndAssertionError,
          (TypeError, RuntimeError): TypeErrorAndRuntimeError}
 
 
-def meta(x: Any) -> Any:
-    """A tensor's meta twin (its shape and dtype, no data); anything else as is."""
-    if isinstance(x, torch.Tensor) and not x.is_nested:
-        return torch.empty(x.shape, dtype=x.dtype, device="meta")
-    return x
-
-
 def metas(*xs: Any) -> list[Any]:
-    """The meta twins of xs (see meta), one per distinct tensor: arguments
+    """The meta twins of xs (their shapes and dtypes, no data), one per
+    distinct tensor; anything else as is: arguments
     that are one tensor stay one (torch's code branches on `query is key`);
     0-d tensors stay as they are (torch reads their values: a size, a
     count)."""
@@ -64,7 +58,7 @@ def metas(*xs: Any) -> list[Any]:
     for x in xs:
         if isinstance(x, torch.Tensor) and not x.is_nested and x.dim() > 0:
             if id(x) not in twins:
-                twins[id(x)] = meta(x)
+                twins[id(x)] = torch.empty(x.shape, dtype=x.dtype, device="meta")
             x = twins[id(x)]
         out.append(x)
     return out

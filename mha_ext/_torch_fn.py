@@ -11,8 +11,9 @@ Legend: B batch, Sq query length, Sk key length, E = d_model, H = n_heads.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from ._convert import to_numpy
 from ._params import BLOCK_KEYS, seed_keys
 
 __all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "HALF", "attention", "attention_kept",
-           "records", "refuse_mask_grads", "torch_stream"]
+           "records", "refuse_mask_grads", "refused_draws_nothing", "torch_stream"]
 
 # float16 and bfloat16: computed in float32 and rounded back, as torch's CPU
 # SDPA does (the SDPA twin and the drop-in module alike)
@@ -41,6 +42,21 @@ def torch_stream() -> int:
     masks, and torch.utils.checkpoint, which restores that generator before
     it recomputes a forward, recomputes the same mask."""
     return int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
+
+
+@contextlib.contextmanager
+def refused_draws_nothing(draws: bool) -> Iterator[None]:
+    """Around a call that draws its dropout stream (torch_stream) before
+    the C side checks its arguments: when draws, a call refused inside puts
+    torch's generator back, as torch's module and SDPA check before they
+    draw."""
+    drawn = torch.get_rng_state() if draws else None
+    try:
+        yield
+    except BaseException:
+        if drawn is not None:
+            torch.set_rng_state(drawn)
+        raise
 
 
 def refuse_mask_grads(**masks) -> None:
@@ -89,16 +105,21 @@ class AttentionFunction(torch.autograd.Function):
         head_mask = ()
         if ctx.hm_input:
             params, head_mask = params[:-1], params[-1:]
-        drawn = None
-        if opts.get("dropout", 0.0) > 0 and opts.get("dropout_counter") is None:
-            drawn = torch.get_rng_state()
-            opts["dropout_counter"] = torch_stream()
-        try:
-            saved = AttentionFunction._call(ctx, core, opts, query, key, value, params)
-        except BaseException:
-            if drawn is not None:  # a refused call draws nothing, as torch's module
-                torch.set_rng_state(drawn)
-            raise
+        draws = opts.get("dropout", 0.0) > 0 and opts.get("dropout_counter") is None
+        with refused_draws_nothing(draws):
+            if draws:
+                opts["dropout_counter"] = torch_stream()
+            # forward_train on the tensors' memory: each parameter read in
+            # place by the C call (views of the tensors): no block joined
+            # per call, which cost more than the attention at small sizes
+            # (B1 S1 E768: 3.8 ms a call against torch's 0.16)
+            used = params[:len(seed_keys(core))]
+            parts = _params.parts(core, [to_numpy(p, "parameters") for p in used])
+            q, k, v = (to_numpy(x, n) for x, n in ((query, "query"), (key, "key"),
+                                                    (value, "value")))
+            if not any(ctx.needs_input_grad):  # no backward will come: keep nothing for it
+                opts.setdefault("save_projections", False)
+            saved = _ag.forward_train(core, q, k, v, params=parts, **opts)
         ctx.core = core
         ctx.saved = saved
         ctx.set_materialize_grads(False)
@@ -115,20 +136,6 @@ class AttentionFunction(torch.autograd.Function):
         else:
             weights = torch.from_numpy(saved.weights)
         return out, weights
-
-    @staticmethod
-    def _call(ctx, core, opts, query, key, value, params):
-        """forward_train on the tensors' memory (no copies)."""
-        used = params[:len(seed_keys(core))]
-        # each parameter read in place by the C call (views of the tensors):
-        # no block joined per call, which cost more than the attention at
-        # small sizes (B1 S1 E768: 3.8 ms a call against torch's 0.16)
-        parts = _params.parts(core, [to_numpy(p, "parameters") for p in used])
-        q, k, v = (to_numpy(x, n) for x, n in ((query, "query"), (key, "key"),
-                                                (value, "value")))
-        if not any(ctx.needs_input_grad):  # no backward will come: keep nothing for it
-            opts.setdefault("save_projections", False)
-        return _ag.forward_train(core, q, k, v, params=parts, **opts)
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):

@@ -140,10 +140,15 @@ def test_a_refused_call_draws_nothing():
         "scaled_dot_product_attention": lambda: mha_ext.scaled_dot_product_attention(
             x[:, None], x[:, None], x[:, None], dropout_p=P,
             attn_mask=torch.ones(L + 1, L + 1, dtype=torch.bool)),
+        # a window refused after the SDPA twin drew its seed
+        "scaled_dot_product_attention, window": lambda: mha_ext.scaled_dot_product_attention(
+            x[:, None], x[:, None], x[:, None], dropout_p=P, window=(-5, 0)),
+        "scaled_dot_product_attention, window type": lambda: mha_ext.scaled_dot_product_attention(
+            x[:, None], x[:, None], x[:, None], dropout_p=P, window="x"),
     }
     for name, call in calls.items():
         torch.manual_seed(0)
         before = torch.get_rng_state()
-        with pytest.raises(ValueError):
+        with pytest.raises((ValueError, TypeError)):
             call()
         assert torch.equal(before, torch.get_rng_state()), name
