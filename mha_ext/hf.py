@@ -14,9 +14,14 @@ Every model whose attention layer calls
 then computes its attention with ``mha_ext.scaled_dot_product_attention``,
 forward and backward in C.  No model needed patching: T5's relative position
 bias and BART's cross-attention arrive through the same interface.  Models
-with their own attention classes do not (transformers 5.23: Falcon and GPT-J
-raise transformers' KeyError: 'mha_ext', where 5.25 routes them through the
-interface; Bloom runs its eager attention).
+with their own attention code do not, and ``register`` makes constructing
+one under the name a ValueError (transformers 5.23: Bloom, MPT, CodeGen,
+Falcon, GPT-J, GPT-Neo, XGLM, RoFormer, MegatronBERT, WavLM and others):
+transformers would otherwise hand their eager attention the masks built for
+the name, SDPA's (None for a causal one, True = attend), and compute wrong
+numbers without an error.  The test is transformers' own
+``_can_set_attn_implementation()`` (the model's code calls the interface, or
+defines no attention class of its own).
 
 What ``attention_forward`` does is what transformers' own "sdpa" function
 does, with mha_ext's twin in place of ``torch.nn.functional.
@@ -60,6 +65,8 @@ import mha_ext
 __all__ = ["NAME", "attention_forward", "register"]
 
 NAME = "mha_ext"
+
+_NAMES: set = set()  # the names register() gave mha_ext (the guard's)
 
 
 def _twin() -> Callable[..., torch.Tensor]:
@@ -171,7 +178,9 @@ def register(name: str = NAME) -> str:
     Registers ``attention_forward`` in transformers' ``AttentionInterface``
     and transformers' own ``sdpa_mask`` as the mask builder for the name in
     ``AttentionMaskInterface`` (without it transformers would pass no mask at
-    all to an unknown name).  Idempotent; returns the name.  A name taken by
+    all to an unknown name), and makes a model whose attention does not go
+    through that interface refuse the name at construction (a ValueError;
+    see _guard_models).  Idempotent; returns the name.  A name taken by
     another implementation ('sdpa', 'flash_attention_2', ...) is a
     ValueError; ImportError when this mha_ext has no SDPA twin.
     """
@@ -189,4 +198,42 @@ def register(name: str = NAME) -> str:
     _twin()
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
+    _NAMES.add(name)
+    _guard_models()
     return name
+
+
+def _guard_models() -> None:
+    """Wrap transformers' PreTrainedModel.get_correct_attn_implementation
+    (once): a model class that cannot take a registered implementation (its
+    attention code does not call ALL_ATTENTION_FUNCTIONS; transformers' own
+    test, _can_set_attn_implementation) refuses a name of _NAMES with a
+    ValueError.  transformers would accept the name, build that model's
+    masks with sdpa_mask and hand them to its eager attention, which
+    expects an additive float mask: Bloom lost its causal mask (None),
+    MPT's padding was inverted, CodeGen and XGLM computed other numbers, all
+    without an error and without calling mha_ext.  Runs at construction
+    (from_config, from_pretrained) and in set_attn_implementation, which
+    skips such a model with transformers' own warning before asking."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "_mha_ext_guard", False):
+        return
+
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
+        if (isinstance(requested_attention, str) and requested_attention in _NAMES
+                and not type(self)._can_set_attn_implementation()):
+            raise ValueError(
+                f"{type(self).__name__} computes attention with its own code, not through "
+                f"transformers' AttentionInterface, so attn_implementation="
+                f"{requested_attention!r} (mha_ext) cannot compute it, and the masks built "
+                f"for that name (SDPA's) would give its own attention wrong numbers: use "
+                f"attn_implementation='eager' (or 'sdpa' where the model has it) for this "
+                f"model")
+        return original(self, requested_attention, is_init_check)
+
+    get_correct_attn_implementation._mha_ext_guard = True  # type: ignore[attr-defined]
+    get_correct_attn_implementation.__wrapped__ = original  # type: ignore[attr-defined]
+    get_correct_attn_implementation.__doc__ = original.__doc__
+    setattr(PreTrainedModel, "get_correct_attn_implementation", get_correct_attn_implementation)

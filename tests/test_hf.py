@@ -507,3 +507,57 @@ def test_register_is_idempotent_and_sets_the_mask_builder():
     assert hf.register() == hf.register() == "mha_ext"
     assert AttentionInterface()["mha_ext"] is hf.attention_forward
     assert AttentionMaskInterface()["mha_ext"] is sdpa_mask
+
+
+# models with their own attention code: transformers would accept the name,
+# hand their eager attention SDPA's masks and compute wrong numbers
+OWN_ATTENTION = {
+    "bloom": lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=1,
+                                              n_head=2),
+    "mpt": lambda: transformers.MptConfig(vocab_size=VOCAB, d_model=16, n_layers=1,
+                                          n_heads=2),
+    "codegen": lambda: transformers.CodeGenConfig(vocab_size=VOCAB, n_embd=32, n_layer=1,
+                                                  n_head=4, rotary_dim=4, bos_token_id=0,
+                                                  eos_token_id=1),
+    "xglm": lambda: transformers.XGLMConfig(vocab_size=VOCAB, d_model=16, num_layers=1,
+                                            attention_heads=2, ffn_dim=32),
+    "gpt_neo": lambda: transformers.GPTNeoConfig(vocab_size=VOCAB, hidden_size=16,
+                                                 num_layers=1, num_heads=2,
+                                                 attention_types=[[["global"], 1]]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OWN_ATTENTION))
+def test_models_with_their_own_attention_refuse_the_name(kind):
+    cfg = OWN_ATTENTION[kind]()
+    with pytest.raises(ValueError, match="its own code, not through transformers' "
+                                         "AttentionInterface"):
+        transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=hf.NAME)
+    # the name is refused for that model only: eager builds and runs it
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+    # set_attn_implementation keeps the implementation it has (transformers'
+    # warning), so the model's numbers stay its own
+    x = torch.tensor([[1, 5, 7, 2, 9]])
+    with torch.no_grad():
+        before = model.eval()(x).logits
+        model.set_attn_implementation(hf.NAME)
+        assert model.config._attn_implementation == "eager"
+        torch.testing.assert_close(model(x).logits, before, rtol=0, atol=0)
+
+
+def test_the_guard_leaves_interface_models_and_other_names_alone():
+    from transformers import PreTrainedModel
+    hf.register()
+    hf.register()
+    guard = PreTrainedModel.get_correct_attn_implementation
+    assert guard._mha_ext_guard and not getattr(guard.__wrapped__, "_mha_ext_guard", False)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1)
+    for name in (hf.NAME, "sdpa", "eager"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+        assert model.config._attn_implementation == name
+    bloom = OWN_ATTENTION["bloom"]()
+    model = transformers.AutoModelForCausalLM.from_config(bloom)  # transformers' default
+    assert model.config._attn_implementation in ("sdpa", "eager")
