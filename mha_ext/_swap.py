@@ -1,6 +1,8 @@
 """Swapping mha_ext into a torch model: every torch.nn.MultiheadAttention
 submodule replaced by an mha_ext.torch.MultiheadAttention that shares its
-parameters (the same Parameter objects and out_proj), and put back after.
+state (the same parameters, out_proj and hooks; what the block changes in
+it, from train()/eval() to load_state_dict(assign=True), the original has
+after), and put back after.
 
 Because the parameters are shared, gradients computed inside the swap land
 in the model's own parameters and an optimiser built on
@@ -13,16 +15,11 @@ import warnings
 from typing import Generic, TypeVar
 
 from torch import nn
+from torch.nn.utils import parametrize
 
-from ._torch_mha import MultiheadAttention
+from ._torch_mha import MultiheadAttention, _use_our_forward
 
 __all__ = ["attention_modules", "swap_in", "restore", "swapped", "sharing"]
-
-
-# the hooks a call runs: shared with the swapped-in module, so they fire
-_CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_backward_pre_hooks", "_backward_hooks")
 
 
 def attention_modules(model):
@@ -35,7 +32,7 @@ def attention_modules(model):
     found = []
     for name, m in model.named_modules(remove_duplicate=False):
         if isinstance(m, nn.MultiheadAttention) and not isinstance(m, MultiheadAttention):
-            if type(m) is not nn.MultiheadAttention:
+            if type(m) is not nn.MultiheadAttention and not _parametrized(m):
                 raise TypeError(
                     f"{name or 'the model'} is a {type(m).__qualname__}, a subclass of "
                     f"torch.nn.MultiheadAttention: mha_ext computes torch's class only, and "
@@ -45,10 +42,19 @@ def attention_modules(model):
     return found
 
 
+def _parametrized(m):
+    """Whether m is torch's own class under torch.nn.utils.parametrize (the
+    class parametrize made for it: properties, no forward of its own)."""
+    return parametrize.is_parametrized(m) and type(m).__bases__ == (nn.MultiheadAttention,)
+
+
 def sharing(module):
     """An mha_ext.torch.MultiheadAttention computing with `module`'s own
-    parameters (shared, not copied), add_bias_kv's bias_k / bias_v too, and
-    the hooks its calls run."""
+    state: the same dict objects for its parameters, buffers, submodules
+    (out_proj) and hooks, so what the block does to the swapped-in module
+    (load_state_dict(assign=True), a hook registered or removed) is done to
+    `module`; its plain attributes (training, dropout, ...) are copied, and
+    put back by restore()."""
     ref = module.out_proj.weight
     new = MultiheadAttention(module.embed_dim, module.num_heads, module.dropout,
                              bias=module.in_proj_bias is not None,
@@ -56,16 +62,32 @@ def sharing(module):
                              add_zero_attn=module.add_zero_attn, kdim=module.kdim,
                              vdim=module.vdim, batch_first=module.batch_first,
                              device="meta", dtype=ref.dtype)
-    for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
-                 "in_proj_bias", "bias_k", "bias_v"):
-        setattr(new, name, getattr(module, name))
-    new.out_proj = module.out_proj
-    for hooks in _CALL_HOOKS:  # the module's own hooks fire inside the swap too
-        if hasattr(module, hooks):
-            getattr(new, hooks).update(getattr(module, hooks))
-    if getattr(module, "_is_full_backward_hook", None) is not None:
-        new._is_full_backward_hook = module._is_full_backward_hook
-    return new.train(module.training)
+    for key, value in module.__dict__.items():
+        if key.startswith("_") and isinstance(value, (dict, set)) and key in new.__dict__:
+            new.__dict__[key] = value  # shared, not copied
+        elif not key.startswith("_") or key == "_is_full_backward_hook":
+            new.__dict__[key] = value
+    if _parametrized(module):
+        # parametrize's class for torch's module (a property per parametrized
+        # tensor, reading the shared `parametrizations`), made for ours
+        body = {k: v for k, v in vars(type(module)).items()
+                if k not in ("__module__", "__qualname__", "__doc__", "__dict__", "__weakref__")}
+        new.__class__ = type(type(module).__name__, (MultiheadAttention,), body)
+    # the marker that keeps nn.TransformerEncoderLayer off torch's fused
+    # kernel, in the shared hooks for the block only (restore() removes it)
+    new.__dict__["_mha_ext_marker"] = new.register_forward_pre_hook(_use_our_forward)
+    return new
+
+
+def _give_back(old, ours):
+    """restore()'s half of sharing(): the marker out of the shared hooks,
+    the plain attributes the block may have changed (training, dropout,
+    batch_first, a backward hook's kind) back on `old`."""
+    ours.__dict__.pop("_mha_ext_marker").remove()
+    for key in old.__dict__:
+        if (not key.startswith("_") or key == "_is_full_backward_hook") \
+                and key in ours.__dict__:
+            old.__dict__[key] = ours.__dict__[key]
 
 
 def _parent(model, name):
@@ -78,7 +100,7 @@ def _parent(model, name):
 
 def swap_in(model):
     """Replace every stock nn.MultiheadAttention below `model` by one of ours
-    sharing its parameters; returns what restore() needs.  Raises (and
+    sharing its state (sharing()); returns what restore() needs.  Raises (and
     changes nothing) if one of them cannot be swapped."""
     found = attention_modules(model)
     if any(name == "" for name, _ in found):
@@ -93,14 +115,19 @@ def swap_in(model):
     for name, old, ours in new:
         parent, last = _parent(model, name)
         setattr(parent, last, ours)
-    return [(name, old) for name, old, _ in new]
+    return new
 
 
 def restore(model, record):
-    """Put back the modules swap_in replaced."""
-    for name, old in record:
+    """Put back the modules swap_in replaced, with what the block changed
+    in the ones that stood in for them."""
+    given = set()
+    for name, old, ours in record:
         parent, last = _parent(model, name)
         setattr(parent, last, old)
+        if id(ours) not in given:
+            given.add(id(ours))
+            _give_back(old, ours)
 
 
 _Model = TypeVar("_Model", bound=nn.Module)

@@ -489,3 +489,66 @@ def test_rows_that_see_no_key_match_the_stock_model(kind, bf, nf, train, grad):
         warnings.simplefilter("ignore")
         a, b = stock(*args, **kw), ours(*args, **kw)
     assert _err(a.detach(), b.detach(), f"{kind} fully padded") <= TOL[dtype]
+
+
+def test_what_the_block_does_to_the_attention_the_original_has_after_it():
+    # the swapped-in module shares the original's state: a mode switch, a
+    # load with assign=True and hooks registered or removed inside the block
+    # were lost (attention dropout stayed on after model.eval() inside it,
+    # the attention kept its old weights)
+    torch.manual_seed(4)
+    x = seq(S, torch.float64, True, 1)
+    enc = _build("TransformerEncoderLayer", True, False, torch.float64)
+    enc.self_attn.dropout = 0.5
+    enc.train()
+    trained = copy.deepcopy(enc)
+    for p in trained.parameters():
+        p.data.add_(0.1)
+    before = enc.self_attn.register_forward_hook(lambda m, a, o: fired.append("before"))
+    fired = []
+    with mt.swapped(enc):
+        enc.eval()
+        enc.load_state_dict(trained.state_dict(), assign=True)
+        before.remove()
+        enc.self_attn.register_forward_hook(lambda m, a, o: fired.append("inside"))
+        with torch.no_grad():
+            inside = enc(x)
+    assert fired == ["inside"]
+    assert not enc.self_attn.training and enc.self_attn.dropout == 0.5
+    for n, p in trained.named_parameters():
+        assert torch.equal(enc.get_parameter(n), p), n
+    with torch.no_grad():
+        after, again = enc(x), enc(x)
+        want = trained.eval()(x)
+    assert fired == ["inside"] * 3
+    assert torch.equal(after, again)  # eval: no dropout
+    assert _err(after, want, "output") <= 1e-10
+    assert _err(inside, want, "output") <= 1e-10
+    # the marker that keeps torch's layer off its fused kernel is gone again
+    assert list(enc.self_attn._forward_pre_hooks.values()) == []
+
+
+def test_a_parametrized_attention_is_swapped_with_its_parametrization():
+    from torch.nn.utils import parametrize
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 0.5 * w
+
+    torch.manual_seed(5)
+    enc = _build("TransformerEncoderLayer", True, False, torch.float64)
+    parametrize.register_parametrization(enc.self_attn, "in_proj_weight", Scale())
+    ref = copy.deepcopy(enc)
+    x = seq(S, torch.float64, True, 1)
+    with mt.swapped(enc):
+        assert isinstance(enc.self_attn, MultiheadAttention)
+        assert parametrize.is_parametrized(enc.self_attn, "in_proj_weight")
+        out = enc(x)
+        out.sum().backward()
+    want = ref(x)
+    want.sum().backward()
+    assert _err(out.detach(), want.detach(), "output") <= 1e-10
+    original = enc.self_attn.parametrizations.in_proj_weight.original
+    assert _err(original.grad, ref.self_attn.parametrizations.in_proj_weight.original.grad,
+                "original") <= 1e-10
+    assert type(enc.self_attn).__bases__ == (nn.MultiheadAttention,)
