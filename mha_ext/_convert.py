@@ -99,6 +99,11 @@ def check_storage(x, name):
                            f"operations refuse it too)")
 
 
+def _plain_tensor(x):
+    import torch
+    return type(x) is torch.Tensor
+
+
 def to_numpy(x, name="tensor"):
     """A torch tensor (also one that requires grad, on another device, in
     bfloat16, conjugated or negated lazily) as a NumPy array; anything else
@@ -111,6 +116,13 @@ def to_numpy(x, name="tensor"):
         return x.numpy()
     except (RuntimeError, TypeError):  # another device, bfloat16, conj or neg bit
         pass
+    if not _plain_tensor(x):  # after .detach(): a Parameter is a plain tensor then
+        raise RuntimeError(
+            f"{name} is a {type(x).__name__}, a tensor subclass, which mha_ext's C code "
+            f"cannot read (torch's .numpy() refuses subclasses): torch.export and "
+            f"torch.compile's fake tensors have no data at all. Under torch.export, export "
+            f"torch's own module or keep the mha_ext call out of the exported graph; "
+            f"otherwise pass a plain tensor (x.as_subclass(torch.Tensor) where it holds data)")
     if x.device.type != "cpu":
         x = x.cpu()
     if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16

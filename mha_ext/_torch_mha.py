@@ -334,6 +334,16 @@ class MultiheadAttention(nn.MultiheadAttention):
                     and layer.self_attn is self and _layer_would_fuse(layer, query)
         return False
 
+    def __prepare_scriptable__(self):
+        """torch.jit.script's first step on each module: refused with a
+        message (TorchScript cannot compile a call into mha_ext's C code;
+        its own error named a type annotation)."""
+        raise RuntimeError(
+            "torch.jit.script cannot compile mha_ext.torch.MultiheadAttention: its forward "
+            "calls mha_ext's C code, which TorchScript cannot see into. Use torch.jit.trace "
+            "(the call is recorded as a Python op), torch.compile (a graph break) or eager "
+            "mode; or script a model holding torch's own attention module")
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,

@@ -191,6 +191,16 @@ class MultiHeadAttention(nn.Module):
             self._core = core = new
         return core
 
+    def __prepare_scriptable__(self):
+        """torch.jit.script's first step on each module: refused with a
+        message (TorchScript cannot compile a call into mha_ext's C code;
+        its own error named a type annotation)."""
+        raise RuntimeError(
+            "torch.jit.script cannot compile mha_ext.torch.MultiHeadAttention: its forward "
+            "calls mha_ext's C code, which TorchScript cannot see into. Use torch.jit.trace "
+            "(the call is recorded as a Python op), torch.compile (a graph break) or eager "
+            "mode; or script a model holding torch's own attention module")
+
     def forward(self, query: torch.Tensor | ArrayLike, key: torch.Tensor | ArrayLike | None = None,
                 value: torch.Tensor | ArrayLike | None = None,
                 mask: torch.Tensor | ArrayLike | None = None, *,

@@ -13,6 +13,7 @@ from _support import require_torch
 torch = require_torch()
 from torch import nn  # noqa: E402
 
+import mha_ext  # noqa: E402
 import mha_ext.torch as mt  # noqa: E402
 from mha_ext.torch import MultiheadAttention  # noqa: E402
 from test_torch_mha_surface import B, E, H, L, S, pair  # noqa: E402
@@ -150,3 +151,30 @@ def test_refusals_torch_does_not_share_stay_ours():
     with pytest.raises(ValueError) as got:
         m(q, q[0], q, window=(1, 1))
     assert type(got.value) is ValueError
+
+
+@pytest.mark.parametrize("kind", ["drop-in", "MultiHeadAttention", "sdpa"])
+def test_script_and_export_say_what_to_do_instead(kind):
+    # torch's own errors here named a type annotation ('Parameter | None')
+    # or .numpy() of a tensor subclass, not mha_ext nor another way
+    import warnings
+    torch.manual_seed(0)
+    x = torch.randn(B, L, E)
+    if kind == "drop-in":
+        layer = nn.TransformerEncoderLayer(E, H, 2 * E, 0.0, batch_first=True)
+        layer.self_attn = MultiheadAttention(E, H, batch_first=True)
+    elif kind == "MultiHeadAttention":
+        layer = mt.MultiHeadAttention(E, H)
+    else:
+        class Layer(nn.Module):
+            def forward(self, x):
+                return mha_ext.scaled_dot_product_attention(x, x, x)
+        layer = Layer()
+    if kind != "sdpa":
+        with pytest.raises(RuntimeError, match="torch.jit.script cannot compile mha_ext"):
+            torch.jit.script(layer)
+    with warnings.catch_warnings(), \
+            pytest.raises(RuntimeError, match="a tensor subclass, which mha_ext's C code "
+                                              "cannot read.*torch.export"):
+        warnings.simplefilter("ignore")
+        torch.export.export(layer, (x,), strict=False)
