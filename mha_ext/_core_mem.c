@@ -98,8 +98,10 @@ static size_t page_round(size_t bytes)
     return (bytes + psz - 1) / psz * psz;
 }
 
-/* a cached block of len bytes or a little more (at most twice), or NULL */
-static char *cache_take(size_t len)
+/* a cached block of len bytes or a little more (at most twice), or NULL;
+ * *got: its length, as the slot holds it (its header may read zeros: a
+ * MADV_FREE page the kernel took back) */
+static char *cache_take(size_t len, size_t *got)
 {
     int i, best = -1;
     char *raw = NULL;
@@ -110,6 +112,7 @@ static char *cache_take(size_t len)
             best = i;
     if (best >= 0) {
         raw = g_slot[best].raw;
+        *got = g_slot[best].len;
         g_total -= g_slot[best].len;
         g_slot[best] = g_slot[--g_n];
     }
@@ -177,10 +180,8 @@ static void *out_alloc(size_t bytes, int *fresh)
         ((out_hdr *)raw)->magic = OUT_MAGIC_HEAP;
         return raw + OUT_HDR;
     }
-    raw = cache_take(len);
-    if (raw) {
-        len = ((out_hdr *)raw)->len;
-    } else {
+    raw = cache_take(len, &len);
+    if (!raw) {
         raw = out_map(len);
         if (!raw) return NULL;
         *fresh = 1;

@@ -271,3 +271,49 @@ def test_fork_while_another_thread_allocates():
         print(bad)
     """, None)
     assert out.split() == ["0"]
+
+
+@needs_cache
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise as on Linux")
+def test_a_reclaimed_header_page_neither_leaks_nor_misleads_realloc():
+    # A cached block of 32 MiB or more is MADV_FREE: the kernel may take its
+    # pages back, its header's too, which then reads zeros.  The length was
+    # read back from that header: 0, so the block leaked (a 0-byte slot
+    # release_memory could not unmap) and ndarray.resize copied the new
+    # size out of the old mapping (SIGSEGV).  The reclaim is simulated with
+    # MADV_DONTNEED on the header's page (what reclaim gives: zeros).
+    script = textwrap.dedent("""
+        import ctypes, os
+        import numpy as np
+        import mha_ext
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        PAGE = os.sysconf("SC_PAGE_SIZE")
+        m = mha_ext.MultiHeadAttention(64, 4, seed=0).eval()
+        x = np.random.default_rng(0).standard_normal((1, 2048, 64)).astype(np.float32)
+        mha_ext.release_memory()
+        for i in range(3):
+            _, w = m(x)                                # weights: 64 MiB
+            raw = w.ctypes.data - 64                   # the block's header
+            del w                                      # cached, MADV_FREE
+            assert libc.madvise(ctypes.c_void_p(raw & ~(PAGE - 1)), PAGE, 4) == 0
+            _, w = m(x)                                # the same block again
+            assert w.ctypes.data - 64 == raw
+            del w
+            info = mha_ext.memory_info()
+            assert info["cached_blocks"] == 1 and info["cached_bytes"] >= 64 << 20, info
+            assert mha_ext.release_memory() == info["cached_bytes"]
+        _, w = m(x)
+        raw = w.ctypes.data - 64
+        del w
+        assert libc.madvise(ctypes.c_void_p(raw & ~(PAGE - 1)), PAGE, 4) == 0
+        _, w = m(x)
+        w[...] = 1.5
+        w.resize((2, 4, 2048, 2048), refcheck=False)   # realloc: 64 -> 128 MiB
+        assert float(w[0].min()) == float(w[0].max()) == 1.5
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=PKG_ROOT, MHA_EXT_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr)
