@@ -15,6 +15,7 @@ Legend: B batch, Sq query length, Sk key length, E = d_model, H = n_heads.
 """
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -308,8 +309,12 @@ def c_forward(mha, call, reference=False, params=None):
                             reference=bool(reference),
                             scale=call.scale, window=call.window, head_mask=call.head_mask,
                             layout=call.layout, average_weights=average)
-    cache._hold()
+    # a cross cache is read, never extended: calls share it.  Otherwise one
+    # call at a time (the token made before the try: see KVCache._busy)
+    token = [threading.get_ident()]
     try:
+        if not cache.cross:
+            cache._hold(token)
         result = mha._forward(call.query, call.key, call.value, params=params,
                               masks=call.masks, is_causal=call.is_causal,
                               need_weights=call.need_weights, zero_rows=call.zero_rows,
@@ -319,7 +324,7 @@ def c_forward(mha, call, reference=False, params=None):
                               average_weights=average)
         cache._length += call.key.shape[1]
     finally:
-        cache._release()
+        _core._give(cache._busy, "by", token)  # first: see KVCache._busy
     return result
 
 

@@ -205,18 +205,30 @@ fail:
     return result;
 }
 
-/* _write_lock() -> token / _write_unlock(token=None): editing() in
- * module.py.  In between, in-place writes into the parameter views are
+/* _write_lock(held=None) -> token / _write_unlock(token=None): editing()
+ * in module.py.  In between, in-place writes into the parameter views are
  * atomic for calls from other threads: they wait, then see all new values.
  * The holder is a thread (its holds nest, and it may call the module
  * meanwhile); the token names that hold, so that any thread may end it
  * (editing() left in another thread, or its generator finalised).
- * Without a token, the calling thread's own hold is released. */
-static PyObject *mha_write_lock(MHAObject *self, PyObject *Py_UNUSED(ignored))
+ * Without a token, the calling thread's own hold is released.  `held`, a
+ * list, gets the token appended here, with no Python code run between the
+ * hold and the append: editing() calls this inside its try and releases
+ * what `held` holds, so an exception from a signal handler cannot fall
+ * between the two and leave the lock held for good. */
+static PyObject *mha_write_lock(MHAObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t token;
+    PyObject *held = nargs == 1 && args[0] != Py_None ? args[0] : NULL, *t;
+    if (nargs > 1 || (held && !PyList_Check(held))) {
+        PyErr_SetString(PyExc_TypeError, "_write_lock takes at most 1 argument (a list)");
+        return NULL;
+    }
     if (lock_write(&self->lock, &token) < 0) return NULL;
-    return PyLong_FromUnsignedLongLong(token);
+    t = PyLong_FromUnsignedLongLong(token);
+    if (t && held && PyList_Append(held, t) < 0) Py_CLEAR(t);
+    if (!t) lock_write_release(&self->lock, token);
+    return t;
 }
 
 static PyObject *mha_write_unlock(MHAObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -354,9 +366,9 @@ static PyMethodDef mha_methods[] = {
      "_layout($self)\n--\n\n(offset, size) of W_q.weight, W_q.bias, ... W_o.bias in _block()."},
     {"_load", (PyCFunction)mha_load, METH_O,
      "_load($self, block, /)\n--\n\nReplace all parameters at once (atomic for concurrent calls)."},
-    {"_write_lock", (PyCFunction)mha_write_lock, METH_NOARGS,
-     "_write_lock($self)\n--\n\nHold the parameters' write lock (see editing()); returns the "
-     "hold's token."},
+    {"_write_lock", (PyCFunction)(void (*)(void))mha_write_lock, METH_FASTCALL,
+     "_write_lock($self, held=None, /)\n--\n\nHold the parameters' write lock (see editing()); "
+     "returns the hold's token, also appended to the list `held`."},
     {"_write_unlock", (PyCFunction)(void (*)(void))mha_write_unlock, METH_FASTCALL,
      "_write_unlock($self, token=None, /)\n--\n\nRelease one hold of _write_lock: the one "
      "named by token (from any thread), or the calling thread's."},
@@ -493,7 +505,49 @@ static PyObject *memory_info(PyObject *m, PyObject *Py_UNUSED(ignored))
                          blocks, "limit_bytes", (Py_ssize_t)limit);
 }
 
+/* _take(d, key, token) -> bool / _give(d, key, token): a KVCache's hold
+ * (cache.py; d its `_busy` dict).  _take sets d[key] = token unless
+ * another token is there (True: taken); _give removes d[key] if it is
+ * `token`.  Each is one C call under the GIL: no Python code (a signal
+ * handler's exception) runs between its test and its change, so a finally
+ * whose first call is _give gives back whatever its try took. */
+static int hold_args(PyObject *const *args, Py_ssize_t nargs, const char *name)
+{
+    if (nargs != 3 || !PyDict_CheckExact(args[0])) {
+        PyErr_Format(PyExc_TypeError, "%s(d, key, token): d a dict", name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *hold_take(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *cur;
+    (void)m;
+    if (hold_args(args, nargs, "_take") < 0) return NULL;
+    cur = PyDict_SetDefault(args[0], args[1], args[2]); /* borrowed */
+    if (!cur) return NULL;
+    return PyBool_FromLong(cur == args[2]);
+}
+
+static PyObject *hold_give(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *cur;
+    (void)m;
+    if (hold_args(args, nargs, "_give") < 0) return NULL;
+    cur = PyDict_GetItemWithError(args[0], args[1]); /* borrowed */
+    if (!cur && PyErr_Occurred()) return NULL;
+    if (cur == args[2] && PyDict_DelItem(args[0], args[1]) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"_take", (PyCFunction)(void (*)(void))hold_take, METH_FASTCALL,
+     "_take(d, key, token, /)\n--\n\nd[key] = token unless another token is there: True "
+     "when taken (a KVCache's hold, atomic)."},
+    {"_give", (PyCFunction)(void (*)(void))hold_give, METH_FASTCALL,
+     "_give(d, key, token, /)\n--\n\nDelete d[key] if it is token (a KVCache's hold, "
+     "atomic)."},
     {"_set_isa", set_isa, METH_O, "_set_isa(name, /)\n--\n\nUse the kernels of one instruction set."},
     {"_get_isa", get_isa, METH_NOARGS, "_get_isa()\n--\n\nThe instruction set of the kernels in use."},
     {"_isa_available", isa_available, METH_O,

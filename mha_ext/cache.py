@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import _convert
+from ._core import _give, _take
 from ._types import Flag, Int
 
 if TYPE_CHECKING:
@@ -53,11 +54,15 @@ class KVCache:
     stores it with its module.
     """
 
-    __slots__ = ("_module", "_k", "_v", "_length", "_cross", "_busy", "_owner",
-                 "__weakref__")
-    # _busy: a lock held by the call that extends the cache (never waited on:
-    # a second call, or reset(), finds it held and refuses); _owner: the
-    # thread holding it (in a fork child, another thread's hold is dropped)
+    __slots__ = ("_module", "_k", "_v", "_length", "_cross", "_busy", "__weakref__")
+    # _busy: {"by": token} while a call extends the cache, or reset() or a
+    # copy reads it (never waited on: a second one finds it taken and
+    # refuses); token = [the holder's thread], made before the try whose
+    # finally's first call is _give (taken and given back each by one C
+    # call, _core._take / _give: an exception from a signal handler, Ctrl-C,
+    # cannot fall between a test and its change, nor between the try's end
+    # and the release; a threading.Lock acquired before that try stayed
+    # held for good).  In a fork child, another thread's hold is dropped.
 
     def __init__(self, module: MultiHeadAttention, batch_size: Int, capacity: Int,
                  cross: Flag = False) -> None:
@@ -91,8 +96,7 @@ class KVCache:
         self._v = v
         self._length = int(length)
         self._cross = bool(cross)
-        self._busy = threading.Lock()
-        self._owner: int | None = None
+        self._busy: dict[str, list[int]] = {}
         _LIVE.add(self)
 
     @property
@@ -135,12 +139,12 @@ class KVCache:
     # one copy's call overwrite the other's keys)
     def _state(self) -> tuple[np.ndarray, np.ndarray, int]:
         """K, V (copies) and the length, taken while no call extends it."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("this cache is in use by a call: copy it after the call")
+        token = [threading.get_ident()]
         try:
+            self._hold(token, "this cache is in use by a call: copy it after the call")
             return self._k.copy(), self._v.copy(), self._length
         finally:
-            self._busy.release()
+            _give(self._busy, "by", token)
 
     def __copy__(self) -> "KVCache":
         """copy.copy: a cache of the same module with its own copy of the
@@ -165,23 +169,29 @@ class KVCache:
         if self._cross:
             raise ValueError("a cross-attention cache (cache_memory) holds its memory for "
                              "good: make a new one with cache_memory(memory)")
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("this cache is in use by a call: reset it after the call")
-        self._length = 0
-        self._busy.release()
+        token = [threading.get_ident()]
+        try:
+            self._hold(token, "this cache is in use by a call: reset it after the call")
+            self._length = 0
+        finally:
+            _give(self._busy, "by", token)
         return self
 
     # ---- for the call (mha_ext._calls and module), not public
-    def _hold(self) -> None:
-        """Held by the calling thread for one call that extends the cache."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("this cache is in use by another call: one call at a time "
-                               "extends a cache")
-        self._owner = threading.get_ident()
+    def _hold(self, token: list[int] | None = None,
+              busy: str = "this cache is in use by another call: one call at a time "
+                          "extends a cache") -> list[int]:
+        """Take the cache for `token` (made here when None; returned), or
+        RuntimeError(busy) when another holds it.  Call it inside a try
+        whose finally's first call is _give(cache._busy, "by", token)."""
+        token = [threading.get_ident()] if token is None else token
+        if not _take(self._busy, "by", token):
+            raise RuntimeError(busy)
+        return token
 
-    def _release(self) -> None:
-        self._owner = None
-        self._busy.release()
+    def _release(self, token: list[int]) -> None:
+        """Give the cache back if `token` holds it (else nothing)."""
+        _give(self._busy, "by", token)
 
     def _check_owner(self, module: MultiHeadAttention) -> None:
         if self._module is not module:
@@ -211,9 +221,9 @@ def _after_fork_in_child():
     # the threads of other calls do not exist in the child: their caches are free
     me = threading.get_ident()
     for c in list(_LIVE):
-        if c._owner is not None and c._owner != me:
-            c._owner = None
-            c._busy = threading.Lock()
+        by = c._busy.get("by")
+        if by is not None and by[0] != me:
+            c._busy = {}
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

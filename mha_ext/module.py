@@ -323,11 +323,13 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         entered in one thread and left in another, or a generator of this
         block finalised by the garbage collector): it is never left held
         by a thread that has gone."""
-        token = self._write_lock()
+        held: list[int] = []
         try:
+            self._write_lock(held)  # the token lands in `held` with the hold
             yield self
         finally:
-            self._write_unlock(token)
+            if held:
+                self._write_unlock(held[0])
 
     # ------------------------------------------------------------ modes
     def train(self, mode: Flag = True) -> MultiHeadAttention:

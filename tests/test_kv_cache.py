@@ -262,16 +262,16 @@ def test_a_cache_in_use_refuses_a_second_call_and_a_reset():
     m = _module(64, 4, 2, "float32")
     cache = m.new_cache(1, 4)
     m(_x(1, 1, 64, "float32"), cache=cache)
-    cache._busy.acquire()  # as while another thread's call runs
+    token = cache._hold()  # as while another thread's call runs
     with pytest.raises(RuntimeError, match="in use"):
         m(_x(1, 1, 64, "float32"), cache=cache)
     with pytest.raises(RuntimeError, match="in use"):
         cache.reset()      # the call would then add its keys to an emptied cache
     assert cache.length == 1
-    cache._busy.release()
+    cache._release(token)
     assert cache.reset().length == 0
     m(_x(1, 1, 64, "float32"), cache=cache)  # free again: the next call goes through
-    assert cache.length == 1 and not cache._busy.locked()
+    assert cache.length == 1 and not cache._busy
 
 
 def test_two_threads_decode_with_their_own_caches():
@@ -358,13 +358,13 @@ def test_a_cache_in_use_refuses_a_copy():
     import copy
     m = _module(64, 4, 2, "float32")
     cache = m.new_cache(1, 4)
-    cache._hold()  # as a call in another thread holds it
+    token = cache._hold()  # as a call in another thread holds it
     try:
         for f in (copy.copy, copy.deepcopy, pickle.dumps):
             with pytest.raises(RuntimeError, match="in use by a call"):
                 f(cache)
     finally:
-        cache._release()
+        cache._release(token)
     assert copy.copy(cache).length == 0
 
 
