@@ -129,6 +129,9 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
                     or not isinstance(is_causal, bool) \
                     or any(getattr(x, "is_nested", False) for x in (query, key, value)):
                 raise                                   # ours alone: torch has no such call
+            if enable_gqa and any(getattr(x, "ndim", 0) >= 3 and x.shape[-3] == 0
+                                  for x in (key, value)):
+                raise  # torch's own function dies of SIGFPE there (a key head count of 0)
             # arguments torch refuses too: its exception type as well (_torch_errors);
             # torch's own function, which F.scaled_dot_product_attention may no longer
             # be (a user's patch putting this twin in its place: no recursion)

@@ -220,3 +220,25 @@ def test_the_torch_module_takes_n_kv_heads():
     np.testing.assert_allclose(x.grad.numpy(), leaves["query"].grad.numpy(), **TOL["float64"])
     np.testing.assert_allclose(t.W_k.weight.grad.numpy(), leaves["W_k.weight"].grad.numpy(),
                                **TOL["float64"])
+
+
+@pytest.mark.parametrize("heads", [(6, 0, 3), (6, 0, 0), (6, 3, 0)])
+def test_no_key_heads_under_enable_gqa_is_a_valueerror_not_a_crash(heads):
+    # torch's own function dies of SIGFPE on (6, 0, 3); the twin's refusal
+    # asked it for its exception type on meta tensors and died with it
+    import subprocess
+    import sys
+    from _support import PKG_ROOT
+    Hq, Hk, Hv = heads
+    script = (
+        "import torch, mha_ext\n"
+        f"q, k, v = torch.randn(3, {Hq}, 5, 4), torch.randn(3, {Hk}, 2, 4), "
+        f"torch.randn(3, {Hv}, 2, 4)\n"
+        "try:\n"
+        "    mha_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)\n"
+        "except ValueError as e:\n"
+        "    print('ValueError', e)\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=PKG_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert run.stdout.startswith("ValueError enable_gqa=True"), run.stdout
