@@ -19,9 +19,12 @@ one under the name a ValueError (transformers 5.23: Bloom, MPT, CodeGen,
 Falcon, GPT-J, GPT-Neo, XGLM, RoFormer, MegatronBERT, WavLM and others):
 transformers would otherwise hand their eager attention the masks built for
 the name, SDPA's (None for a causal one, True = attend), and compute wrong
-numbers without an error.  The test is transformers' own
-``_can_set_attn_implementation()`` (the model's code calls the interface, or
-defines no attention class of its own).
+numbers without an error.  The test is the one transformers'
+``_can_set_attn_implementation()`` makes (the model's module defines an
+attention class of its own and does not call the interface), except that a
+model whose source cannot be read (a notebook's class) is let through, as
+is one indexing ``ALL_ATTENTION_FUNCTIONS[...]`` (transformers 4's
+spelling).
 
 What ``attention_forward`` does is what transformers' own "sdpa" function
 does, with mha_ext's twin in place of ``torch.nn.functional.
@@ -203,12 +206,34 @@ def register(name: str = NAME) -> str:
     return name
 
 
+_OWN: Dict[type, bool] = {}
+
+
+def _own_attention(cls: type) -> bool:
+    """Whether model class `cls` computes attention with its own code: its
+    module defines a class ``*Attention*(nn.Module)`` and never names
+    ALL_ATTENTION_FUNCTIONS (transformers' own test in
+    _can_set_attn_implementation, which also calls the interface's users
+    who index it rather than call get_interface "own", and a module whose
+    source cannot be read; here such a model is let through: False)."""
+    if cls not in _OWN:
+        import inspect
+        import re
+        import sys
+        try:
+            code = inspect.getsource(sys.modules[cls.__module__])
+        except (KeyError, OSError, TypeError):
+            code = ""
+        _OWN[cls] = bool(re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.M)) \
+            and "ALL_ATTENTION_FUNCTIONS" not in code
+    return _OWN[cls]
+
+
 def _guard_models() -> None:
     """Wrap transformers' PreTrainedModel.get_correct_attn_implementation
     (once): a model class that cannot take a registered implementation (its
-    attention code does not call ALL_ATTENTION_FUNCTIONS; transformers' own
-    test, _can_set_attn_implementation) refuses a name of _NAMES with a
-    ValueError.  transformers would accept the name, build that model's
+    attention code does not use ALL_ATTENTION_FUNCTIONS: _own_attention)
+    refuses a name of _NAMES with a ValueError.  transformers would accept the name, build that model's
     masks with sdpa_mask and hand them to its eager attention, which
     expects an additive float mask: Bloom lost its causal mask (None),
     MPT's padding was inverted, CodeGen and XGLM computed other numbers, all
@@ -223,7 +248,7 @@ def _guard_models() -> None:
 
     def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
         if (isinstance(requested_attention, str) and requested_attention in _NAMES
-                and not type(self)._can_set_attn_implementation()):
+                and _own_attention(type(self))):
             raise ValueError(
                 f"{type(self).__name__} computes attention with its own code, not through "
                 f"transformers' AttentionInterface, so attn_implementation="

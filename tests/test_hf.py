@@ -561,3 +561,69 @@ def test_the_guard_leaves_interface_models_and_other_names_alone():
     bloom = OWN_ATTENTION["bloom"]()
     model = transformers.AutoModelForCausalLM.from_config(bloom)  # transformers' default
     assert model.config._attn_implementation in ("sdpa", "eager")
+
+
+_CUSTOM = '''
+import torch
+from torch import nn
+from transformers import PreTrainedModel, PretrainedConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+class CustomConfig(PretrainedConfig):
+    model_type = "mha_ext_custom_test"
+
+
+class CustomAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+
+    def forward(self, q, k, v):
+        f = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]  # transformers 4
+        return f(self, q, k, v, None, scaling=1.0, dropout=0.0)[0]
+
+
+class CustomModel(PreTrainedModel):
+    config_class = CustomConfig
+    _supports_sdpa = True
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.attn = CustomAttention(cfg)
+        self.post_init()
+
+    def forward(self, x):
+        return self.attn(x, x, x)
+'''
+
+
+@pytest.mark.parametrize("where", ["file", "no source"])
+def test_custom_models_using_the_interface_take_the_name(where, tmp_path, monkeypatch):
+    # transformers' own test (_can_set_attn_implementation) calls a module
+    # that indexes ALL_ATTENTION_FUNCTIONS[...] (transformers 4's spelling,
+    # common in remote code), or whose source it cannot read (a notebook's
+    # class), "own attention": the guard refused both, which compute through
+    # the interface
+    import importlib
+    import sys
+    import types
+    name = "mha_ext_custom_model_" + where.replace(" ", "_")
+    if where == "file":
+        (tmp_path / f"{name}.py").write_text(_CUSTOM)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        mod = importlib.import_module(name)
+    else:
+        mod = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, mod)
+        exec(compile(_CUSTOM, "<notebook cell>", "exec"), mod.__dict__)
+    calls = []
+    twin = hf._twin()
+    monkeypatch.setattr(hf, "_twin", lambda: (lambda *a, **k: calls.append(1) or twin(*a, **k)))
+    x = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    outs = {}
+    for impl in ("sdpa", hf.NAME):
+        model = mod.CustomModel._from_config(mod.CustomConfig(), attn_implementation=impl)
+        outs[impl] = model(x)
+    assert calls == [1]
+    torch.testing.assert_close(outs[hf.NAME], outs["sdpa"], rtol=1e-12, atol=1e-12)
