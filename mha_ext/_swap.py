@@ -48,6 +48,18 @@ def _parametrized(m):
     return parametrize.is_parametrized(m) and type(m).__bases__ == (nn.MultiheadAttention,)
 
 
+def _body(cls):
+    """What parametrize put into its class `cls` (the properties of the
+    parametrized tensors, its pickling refusal), to make the same class on
+    another base."""
+    return {k: v for k, v in vars(cls).items()
+            if k not in ("__module__", "__qualname__", "__doc__", "__dict__", "__weakref__")}
+
+
+def _properties(cls):
+    return {k for k, v in vars(cls).items() if isinstance(v, property)}
+
+
 def sharing(module):
     """An mha_ext.torch.MultiheadAttention computing with `module`'s own
     state: the same dict objects for its parameters, buffers, submodules
@@ -70,9 +82,7 @@ def sharing(module):
     if _parametrized(module):
         # parametrize's class for torch's module (a property per parametrized
         # tensor, reading the shared `parametrizations`), made for ours
-        body = {k: v for k, v in vars(type(module)).items()
-                if k not in ("__module__", "__qualname__", "__doc__", "__dict__", "__weakref__")}
-        new.__class__ = type(type(module).__name__, (MultiheadAttention,), body)
+        new.__class__ = type(type(module).__name__, (MultiheadAttention,), _body(type(module)))
     # the marker that keeps nn.TransformerEncoderLayer off torch's fused
     # kernel, in the shared hooks for the block only (restore() removes it)
     new.__dict__["_mha_ext_marker"] = new.register_forward_pre_hook(_use_our_forward)
@@ -84,6 +94,14 @@ def _give_back(old, ours):
     the plain attributes the block may have changed (training, dropout,
     batch_first, a backward hook's kind) back on `old`."""
     ours.__dict__.pop("_mha_ext_marker").remove()
+    # a parametrization registered or removed inside the block: torch's
+    # class for `old` as parametrize leaves it (the shared `parametrizations`
+    # holds the tensors; the class, its properties)
+    if type(ours) is MultiheadAttention:
+        if type(old) is not nn.MultiheadAttention:
+            old.__class__ = nn.MultiheadAttention
+    elif type(old) is nn.MultiheadAttention or _properties(type(old)) != _properties(type(ours)):
+        old.__class__ = type(type(ours).__name__, (nn.MultiheadAttention,), _body(type(ours)))
     for key in old.__dict__:
         if (not key.startswith("_") or key == "_is_full_backward_hook") \
                 and key in ours.__dict__:

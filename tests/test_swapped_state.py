@@ -1,0 +1,113 @@
+"""mha_ext.torch.swapped(model): the module put in place of a
+torch.nn.MultiheadAttention shares its state (docs/API.md §8), so what the
+block does to it the original has after the block: train()/eval(),
+attributes set, load_state_dict(assign=True), hooks registered or removed,
+parametrizations registered or removed; and torch's parametrize class of
+nn.MultiheadAttention is swapped with its parametrizations.
+"""
+import copy
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+import mha_ext.torch as mt
+from mha_ext.torch import MultiheadAttention
+from test_torch_dropin import S, _build, _err, seq
+
+
+def test_what_the_block_does_to_the_attention_the_original_has_after_it():
+    # the swapped-in module shares the original's state: a mode switch, a
+    # load with assign=True and hooks registered or removed inside the block
+    # were lost (attention dropout stayed on after model.eval() inside it,
+    # the attention kept its old weights)
+    torch.manual_seed(4)
+    x = seq(S, torch.float64, True, 1)
+    enc = _build("TransformerEncoderLayer", True, False, torch.float64)
+    enc.self_attn.dropout = 0.5
+    enc.train()
+    trained = copy.deepcopy(enc)
+    for p in trained.parameters():
+        p.data.add_(0.1)
+    before = enc.self_attn.register_forward_hook(lambda m, a, o: fired.append("before"))
+    fired = []
+    with mt.swapped(enc):
+        enc.eval()
+        enc.load_state_dict(trained.state_dict(), assign=True)
+        before.remove()
+        enc.self_attn.register_forward_hook(lambda m, a, o: fired.append("inside"))
+        with torch.no_grad():
+            inside = enc(x)
+    assert fired == ["inside"]
+    assert not enc.self_attn.training and enc.self_attn.dropout == 0.5
+    for n, p in trained.named_parameters():
+        assert torch.equal(enc.get_parameter(n), p), n
+    with torch.no_grad():
+        after, again = enc(x), enc(x)
+        want = trained.eval()(x)
+    assert fired == ["inside"] * 3
+    assert torch.equal(after, again)  # eval: no dropout
+    assert _err(after, want, "output") <= 1e-10
+    assert _err(inside, want, "output") <= 1e-10
+    # the marker that keeps torch's layer off its fused kernel is gone again
+    assert list(enc.self_attn._forward_pre_hooks.values()) == []
+
+
+def test_a_parametrized_attention_is_swapped_with_its_parametrization():
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 0.5 * w
+
+    torch.manual_seed(5)
+    enc = _build("TransformerEncoderLayer", True, False, torch.float64)
+    parametrize.register_parametrization(enc.self_attn, "in_proj_weight", Scale())
+    ref = copy.deepcopy(enc)
+    x = seq(S, torch.float64, True, 1)
+    with mt.swapped(enc):
+        assert isinstance(enc.self_attn, MultiheadAttention)
+        assert parametrize.is_parametrized(enc.self_attn, "in_proj_weight")
+        out = enc(x)
+        out.sum().backward()
+    want = ref(x)
+    want.sum().backward()
+    assert _err(out.detach(), want.detach(), "output") <= 1e-10
+    original = enc.self_attn.parametrizations.in_proj_weight.original
+    assert _err(original.grad, ref.self_attn.parametrizations.in_proj_weight.original.grad,
+                "original") <= 1e-10
+    assert type(enc.self_attn).__bases__ == (nn.MultiheadAttention,)
+
+
+
+class Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_a_parametrization_registered_or_removed_inside_the_block_stays():
+    # registered inside: the original came back with the parametrization in
+    # its state but torch's plain class (AttributeError: in_proj_weight);
+    # removed inside: it came back as parametrize's class with none left
+    torch.manual_seed(6)
+    x = seq(S, torch.float64, True, 1)
+    enc = _build("TransformerEncoderLayer", True, False, torch.float64).eval()
+    ref = copy.deepcopy(enc)
+    with mt.swapped(enc):
+        parametrize.register_parametrization(enc.self_attn, "in_proj_weight", Double())
+        with torch.no_grad():
+            inside = enc(x)
+    parametrize.register_parametrization(ref.self_attn, "in_proj_weight", Double())
+    assert parametrize.is_parametrized(enc.self_attn, "in_proj_weight")
+    assert type(enc.self_attn).__bases__ == (nn.MultiheadAttention,)
+    with torch.no_grad():
+        want = ref(x)
+        assert _err(enc(x), want, "after") <= 1e-10
+    assert _err(inside, want, "inside") <= 1e-10
+    with mt.swapped(enc):
+        parametrize.remove_parametrizations(enc.self_attn, "in_proj_weight")
+    parametrize.remove_parametrizations(ref.self_attn, "in_proj_weight")
+    assert type(enc.self_attn) is nn.MultiheadAttention
+    assert not parametrize.is_parametrized(enc.self_attn)
+    with torch.no_grad():
+        assert _err(enc(x), ref(x), "removed") <= 1e-10
+    with mt.swapped(enc):  # a plain module again: swapped as any
+        assert isinstance(enc.self_attn, MultiheadAttention)
