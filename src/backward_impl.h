@@ -100,6 +100,7 @@ typedef struct {
     mha_products prods;   /* a pass's products (internal.h's task list) */
     SUF(btr) tr[4];
     int n_tr;
+    mha_poll_state *ps;   /* the call's poll: a task asks it between query blocks */
 } SUF(bwd);
 
 #include "bwd_tasks_impl.h" /* prod_add, prod_task, btr_add, btr_task, grad_task, colsum */
@@ -217,6 +218,9 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
         for (i0 = 0; Sk > 0 && i0 < Sq; i0 += QB) {
             const int64_t nq = Sq - i0 < QB ? Sq - i0 : QB;
             const int first = i0 == 0 && g == 0 && !f->skip;
+            /* a task is a whole (batch, key head): seconds at long lengths;
+             * Ctrl-C is heard between its blocks (the call then fails) */
+            if (mha_task_stopped(f->ps, slot)) return;
             /* P of this block: the forward's, or recomputed into p */
             const T *pb = f->p_saved ? f->p_saved + (bh * Sq + i0) * Sk : p;
             const T *a_blk = pb; /* A: P itself without dropout */
@@ -486,6 +490,7 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     }
     f.pack = f.scratch + f.scratch_len * slots;
     mha_poll_start(&ps, a->fwd.poll, a->fwd.poll_ctx);
+    f.ps = &ps;
     MHA_TICK_START;
 
     /* 1. the forward's projections, and dctx = d out·W_o

@@ -112,6 +112,12 @@ void mha_poll_start(mha_poll_state *ps, mha_poll_fn fn, void *ctx);
 typedef void (*mha_task_fn)(void *ctx, int64_t task, int slot);
 int mha_parallel_for(int64_t n_tasks, int max_slots, mha_task_fn fn, void *ctx,
                      mha_poll_state *ps);
+/* Inside a long task of a pass given ps, between its steps: nonzero when
+ * the call is to stop (the task may return at once: the call's results
+ * are unspecified then).  Slot 0, the calling thread, asks the poll as
+ * between tasks; a worker reads what the calling thread's poll answered.
+ * ps may be NULL (never stops). */
+int mha_task_stopped(mha_poll_state *ps, int slot);
 
 /* ---- matrix multiply (gemm.c) ----
  * C (M, N) (+)= A (M, K) · op(B) + bias, row-major with leading dimensions:

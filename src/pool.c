@@ -147,11 +147,19 @@ static int poll_says_stop(mha_poll_state *ps)
 {
     int64_t now;
     if (!ps || !ps->fn) return 0;
+    if (__atomic_load_n(&ps->stopped, __ATOMIC_RELAXED)) return 1; /* told already */
     now = now_ms();
     if (now < ps->next_ms) return 0;
-    if (ps->fn(ps->ctx)) ps->stopped = 1;
+    if (ps->fn(ps->ctx)) __atomic_store_n(&ps->stopped, 1, __ATOMIC_RELAXED);
     ps->next_ms = now_ms() + MHA_POLL_MS; /* the poll itself may take a while */
     return ps->stopped;
+}
+
+int mha_task_stopped(mha_poll_state *ps, int slot)
+{
+    if (!ps) return 0;
+    if (slot == 0) return poll_says_stop(ps);
+    return __atomic_load_n(&ps->stopped, __ATOMIC_RELAXED);
 }
 
 /* Take tasks until none is left.  ps (the caller's thread only): when it

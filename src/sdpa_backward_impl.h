@@ -97,6 +97,7 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
     }
 
     mha_poll_start(&ps, fa->poll, fa->poll_ctx);
+    f.ps = &ps;
     tr.kern = f.kern;
     tr.k = (const T *)fa->k;
     tr.kt = work;

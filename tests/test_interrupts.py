@@ -108,3 +108,34 @@ def test_threads_share_a_cross_attention_cache():
         t.join(120)
     assert not errors, errors[:3]
     assert cache.length == 9
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals as on Linux")
+def test_ctrl_c_interrupts_a_long_backward():
+    # the backward's attention runs one task per (batch, key head): with B
+    # 1 and 4 heads each lasted seconds, and Ctrl-C was heard only between
+    # them (2.8-5.3 s after the signal); now between blocks of queries
+    from test_locking import INTERRUPT, run
+    out = run(extra=INTERRUPT, code="""
+        mha_ext.set_num_threads(2)
+        m = mha_ext.MultiHeadAttention(256, 4, seed=0)
+        rng = np.random.default_rng(0)
+        def step(S):
+            x = rng.standard_normal((1, S, 256)).astype(np.float32)
+            ctx = m.forward_train(x, need_weights=False)
+            return ctx, np.ones_like(ctx.output)
+        # a length whose backward takes about 6 s here (~ S**2 at these lengths)
+        S, t = 1024, 0.0
+        while t < 1.0 and S < 16384:
+            S *= 2
+            ctx, g = step(S)
+            start = time.monotonic()
+            m.backward(ctx, g)
+            t = time.monotonic() - start
+        S = min(int(S * (6.0 / t) ** 0.5), 20000)
+        ctx, g = step(S)
+        lat = [latency(lambda: m.backward(ctx, g))]
+        m.backward(*step(64))  # usable after it
+        print(max(lat))
+    """, timeout=300)
+    assert float(out) < 1.0, f"KeyboardInterrupt {float(out):.2f} s after the signal"
