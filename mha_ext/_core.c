@@ -162,6 +162,28 @@ static PyObject *mha_block(MHAObject *self, PyObject *Py_UNUSED(ignored))
     return PyArray_View(self->params, NULL, NULL);
 }
 
+/* _snapshot(): a copy of every parameter (a new 1-D array), taken under the
+ * read lock, as a call reads them: a load_state_dict or an editing() block
+ * in another thread is wholly in it or not at all (state_dict, and so
+ * pickle and copy.deepcopy, which copied tensor by tensor and could mix
+ * old and new values). */
+static PyObject *mha_snapshot(MHAObject *self, PyObject *Py_UNUSED(ignored))
+{
+    read_ticket t = {0};
+    npy_intp n = (npy_intp)self->total;
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, &n, typenum_of(self));
+    if (!out) return NULL;
+    if (lock_read(&self->lock, &t) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(PyArray_DATA(out), self->block, (size_t)self->total * mha_dtype_size(self->cfg.dtype));
+    lock_read_release(&self->lock, &t);
+    Py_END_ALLOW_THREADS
+    return (PyObject *)out;
+}
+
 /* (offset, size) of every tensor in the block, in mha_param_layout order. */
 static PyObject *mha_layout(MHAObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -362,6 +384,9 @@ static PyMethodDef mha_methods[] = {
     {"_block", (PyCFunction)mha_block, METH_NOARGS,
      "_block($self)\n--\n\nA 1-D view of all parameters (live memory; its base is the "
      "parameter array, not the module)."},
+    {"_snapshot", (PyCFunction)mha_snapshot, METH_NOARGS,
+     "_snapshot($self)\n--\n\nA copy of all parameters (a new 1-D array), taken under the read "
+     "lock: no load_state_dict or editing() block is half in it."},
     {"_layout", (PyCFunction)mha_layout, METH_NOARGS,
      "_layout($self)\n--\n\n(offset, size) of W_q.weight, W_q.bias, ... W_o.bias in _block()."},
     {"_load", (PyCFunction)mha_load, METH_O,

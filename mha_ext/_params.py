@@ -88,8 +88,10 @@ def tensor(mha, i, block=None):
 
 
 def state_dict(mha):
-    """A dict of NumPy copies under the seed keys."""
-    return {k: tensor(mha, BLOCK_KEYS.index(k)).copy() for k in seed_keys(mha)}
+    """A dict of NumPy copies under the seed keys, from one snapshot of the
+    parameters (atomic for load_state_dict and editing() in other threads)."""
+    block = mha._snapshot()
+    return {k: tensor(mha, BLOCK_KEYS.index(k), block).copy() for k in seed_keys(mha)}
 
 
 def _torch_layout(mha, state):

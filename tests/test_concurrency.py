@@ -256,3 +256,48 @@ def test_training_calls_from_threads_use_distinct_dropout_streams():
     assert m._counter == 100
     distinct = {r.tobytes() for r in results}
     assert len(distinct) == 100
+
+
+def test_state_dict_pickle_and_deepcopy_see_all_old_or_all_new_parameters():
+    # state_dict() copied tensor by tensor without the read lock: next to a
+    # thread running load_state_dict or editing() blocks, about 4 snapshots
+    # in 10 mixed old and new values (a checkpoint of a model that never was)
+    import copy
+    import pickle
+    import sys
+    m = mha_ext.MultiHeadAttention(E, H, seed=0)
+    zeros = {k: np.zeros_like(v) for k, v in m.state_dict().items()}
+    ones = {k: np.ones_like(v) for k, v in m.state_dict().items()}
+    m.load_state_dict(zeros)
+    stop = threading.Event()
+
+    def writer():
+        n = 0
+        while not stop.is_set():
+            if n % 2:
+                m.load_state_dict(zeros if n % 4 == 1 else ones)
+            else:
+                with m.editing():
+                    for name in ("W_q", "W_k", "W_v", "W_o"):
+                        getattr(m, name).weight[...] = n % 4 // 2
+                        getattr(m, name).bias[...] = n % 4 // 2
+            n += 1
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        mixed = {"state_dict": 0, "pickle": 0, "deepcopy": 0}
+        for _ in range(300):
+            for how in mixed:
+                sd = (m.state_dict() if how == "state_dict" else
+                      pickle.loads(pickle.dumps(m)).state_dict() if how == "pickle" else
+                      copy.deepcopy(m).state_dict())
+                values = {float(v.flat[0]) for v in sd.values()} \
+                    | {float(v.flat[-1]) for v in sd.values()}
+                mixed[how] += len(values) > 1
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+    assert mixed == {"state_dict": 0, "pickle": 0, "deepcopy": 0}, mixed
