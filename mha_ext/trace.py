@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import html
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, SupportsIndex
 
@@ -37,7 +38,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _habits, _teach
-from ._core import MultiHeadAttention as _CoreModule
+from ._core import MultiHeadAttention as _CoreModule, _give
 from ._calls import head_mean, score_scale
 from .cache import KVCache
 from ._trace_masks import masks as _masks
@@ -326,6 +327,17 @@ def _softmax(s, zero_rows):
     return a.astype(s.dtype, copy=False)
 
 
+def _cache_after(cache: KVCache) -> tuple[int, np.ndarray, np.ndarray]:
+    """(length, K, V copies) of a cache, read while no call extends it."""
+    token = [threading.get_ident()]
+    try:
+        cache._hold(token, "trace(): the cache is in use by another call: trace with a "
+                           "cache no other thread extends meanwhile")
+        return cache.length, np.array(cache.keys), np.array(cache.values)
+    finally:
+        _give(cache._busy, "by", token)
+
+
 def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = None,
           value: ArrayLike | None = None, mask: ArrayLike | None = None, *,
           attn_mask: ArrayLike | None = None, key_padding_mask: ArrayLike | None = None,
@@ -395,6 +407,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
         call_kw["need_weights"] = True
         call_kw["average_weights"] = False
     output, weights = module(query, key, value, mask, **call_kw)
+    if cache is not None:  # the cache as the call left it, read at once
+        L1, kh, vh = _cache_after(cache)
     dropped = None
     if dropout_active:
         dropped = weights
@@ -420,7 +434,11 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     B, Sq, E = xq.shape
     Sk = xk.shape[1]
     if cache is not None:  # the keys attended: the cached ones and the new ones
-        Sk = cache.length
+        if L1 != L0 + (0 if cache.cross else Sk):
+            raise RuntimeError(f"trace(): another call extended the cache while trace() ran "
+                               f"(length {L0} before, {L1} after, {Sk} new keys): trace with "
+                               f"a cache no other thread extends meanwhile")
+        Sk = L1
     H = int(module.n_heads)
     Hkv = int(module.n_kv_heads)  # grouped-query attention: fewer K/V heads
     G = H // Hkv
@@ -464,7 +482,6 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
         add("K heads", f"K → [B, {kvH}, Sk, Dk]", ("B", kvH, "Sk", "Dk"), kh)
         add("V heads", f"V → [B, {kvH}, Sk, Dk]", ("B", kvH, "Sk", "Dk"), vh)
     else:  # the cache after the call: its L keys, then the call's new ones
-        kh, vh = np.array(cache.keys), np.array(cache.values)
         grow = ("the cached memory" if cross else
                 f"[{L0} cached | {Sk - L0} new] → length {Sk}")
         add("K cache", f"K cache: {grow}", ("B", kvH, "Sk", "Dk"), kh)

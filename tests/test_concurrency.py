@@ -301,3 +301,46 @@ def test_state_dict_pickle_and_deepcopy_see_all_old_or_all_new_parameters():
         t.join()
         sys.setswitchinterval(old)
     assert mixed == {"state_dict": 0, "pickle": 0, "deepcopy": 0}, mixed
+
+
+def test_trace_of_a_cache_another_thread_extends_is_whole_or_refused():
+    # trace() read the cache's length, keys and values after its own call,
+    # unlocked: a decode step of another thread in between gave NumPy's
+    # shape errors (matmul core dimension, broadcast) or keys the traced
+    # call never saw; now a RuntimeError, or a trace whose output is the call's
+    import sys
+    rng = np.random.default_rng(0)
+    m = mha_ext.MultiHeadAttention(16, 4, seed=0, dtype="float64").eval()
+    x = rng.standard_normal((1, 1, 16))
+    cache = m.new_cache(1, 1 << 14)
+    stop = threading.Event()
+
+    def decode():
+        while not stop.is_set():
+            try:
+                m(x, cache=cache, need_weights=False)
+            except RuntimeError:
+                pass
+            time.sleep(0.0005)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=decode)
+    t.start()
+    outcomes = {"traced": 0, "refused": 0}
+    try:
+        for _ in range(500):
+            try:
+                tr = m.trace(x, cache=cache)
+            except RuntimeError as e:
+                assert "cache" in str(e), e
+                outcomes["refused"] += 1
+                continue
+            # the trace's own recomputation, from the keys it shows, is the call's output
+            np.testing.assert_allclose(tr.info["numpy_output"], tr.output, rtol=1e-10,
+                                       atol=1e-12)
+            outcomes["traced"] += 1
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+    assert outcomes["traced"] + outcomes["refused"] == 500
