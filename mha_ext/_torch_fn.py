@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import numpy as np
 import torch
@@ -23,7 +23,8 @@ from ._convert import to_numpy
 from ._params import BLOCK_KEYS, seed_keys
 
 __all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "HALF", "attention", "attention_kept",
-           "records", "refuse_mask_grads", "refused_draws_nothing", "torch_stream"]
+           "records", "refuse_mask_grads", "refuse_script", "refused_draws_nothing",
+           "torch_stream"]
 
 # float16 and bfloat16: computed in float32 and rounded back, as torch's CPU
 # SDPA does (the SDPA twin and the drop-in module alike)
@@ -42,6 +43,17 @@ def torch_stream() -> int:
     masks, and torch.utils.checkpoint, which restores that generator before
     it recomputes a forward, recomputes the same mask."""
     return int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
+
+
+def refuse_script(name: str) -> NoReturn:
+    """torch.jit.script of mha_ext.torch.<name> (its __prepare_scriptable__,
+    torch's first step on each module): a RuntimeError saying what to use
+    instead (TorchScript's own error named a type annotation)."""
+    raise RuntimeError(
+        f"torch.jit.script cannot compile mha_ext.torch.{name}: its forward calls "
+        f"mha_ext's C code, which TorchScript cannot see into. Use torch.jit.trace (the call "
+        f"is recorded as a Python op), torch.compile (a graph break) or eager mode; or "
+        f"script a model holding torch's own attention module")
 
 
 @contextlib.contextmanager

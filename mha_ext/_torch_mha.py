@@ -35,7 +35,7 @@ from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._torch_errors import TypeErrorAndRuntimeError, metas, torchs
-from ._torch_fn import HALF, attention, attention_kept, refuse_mask_grads
+from ._torch_fn import HALF, attention, attention_kept, refuse_mask_grads, refuse_script
 from ._types import Int, Window
 
 if TYPE_CHECKING:
@@ -335,14 +335,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         return False
 
     def __prepare_scriptable__(self):
-        """torch.jit.script's first step on each module: refused with a
-        message (TorchScript cannot compile a call into mha_ext's C code;
-        its own error named a type annotation)."""
-        raise RuntimeError(
-            "torch.jit.script cannot compile mha_ext.torch.MultiheadAttention: its forward "
-            "calls mha_ext's C code, which TorchScript cannot see into. Use torch.jit.trace "
-            "(the call is recorded as a Python op), torch.compile (a graph break) or eager "
-            "mode; or script a model holding torch's own attention module")
+        """torch.jit.script's first step on each module: refused (see
+        _torch_fn.refuse_script)."""
+        refuse_script("MultiheadAttention")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,

@@ -44,7 +44,7 @@ from . import _habits
 from ._convert import as_real, check_tensor
 from ._params import LINEARS
 from ._torch_fn import attention_kept as _attention_kept
-from ._torch_fn import refuse_mask_grads
+from ._torch_fn import refuse_mask_grads, refuse_script
 from ._swap import swapped
 from ._torch_functional import multi_head_attention_forward
 from ._torch_mha import MultiheadAttention
@@ -192,14 +192,9 @@ class MultiHeadAttention(nn.Module):
         return core
 
     def __prepare_scriptable__(self):
-        """torch.jit.script's first step on each module: refused with a
-        message (TorchScript cannot compile a call into mha_ext's C code;
-        its own error named a type annotation)."""
-        raise RuntimeError(
-            "torch.jit.script cannot compile mha_ext.torch.MultiHeadAttention: its forward "
-            "calls mha_ext's C code, which TorchScript cannot see into. Use torch.jit.trace "
-            "(the call is recorded as a Python op), torch.compile (a graph break) or eager "
-            "mode; or script a model holding torch's own attention module")
+        """torch.jit.script's first step on each module: refused (see
+        _torch_fn.refuse_script)."""
+        refuse_script("MultiHeadAttention")
 
     def forward(self, query: torch.Tensor | ArrayLike, key: torch.Tensor | ArrayLike | None = None,
                 value: torch.Tensor | ArrayLike | None = None,
