@@ -7,13 +7,15 @@ nn.MultiheadAttention is swapped with its parametrizations.
 """
 import copy
 
-import torch
-from torch import nn
-from torch.nn.utils import parametrize
+from _support import require_torch
 
-import mha_ext.torch as mt
-from mha_ext.torch import MultiheadAttention
-from test_torch_dropin import S, _build, _err, seq
+torch = require_torch()
+from torch import nn  # noqa: E402
+from torch.nn.utils import parametrize  # noqa: E402
+
+import mha_ext.torch as mt  # noqa: E402
+from mha_ext.torch import MultiheadAttention  # noqa: E402
+from test_torch_dropin import S, _build, _err, seq  # noqa: E402
 
 
 def test_what_the_block_does_to_the_attention_the_original_has_after_it():
