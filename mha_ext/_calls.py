@@ -322,7 +322,9 @@ def c_forward(mha, call, reference=False, params=None):
                               scale=call.scale, window=call.window, head_mask=call.head_mask,
                               layout=call.layout, cache=cache._c_tuple(),
                               average_weights=average)
-        cache._length += call.key.shape[1]
+        if not cache.cross:
+            cache._length += call.key.shape[1]
+            cache._epoch += 1
     finally:
         _core._give(cache._busy, "by", token)  # first: see KVCache._busy
     return result

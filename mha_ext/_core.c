@@ -227,30 +227,18 @@ fail:
     return result;
 }
 
-/* _write_lock(held=None) -> token / _write_unlock(token=None): editing()
- * in module.py.  In between, in-place writes into the parameter views are
- * atomic for calls from other threads: they wait, then see all new values.
- * The holder is a thread (its holds nest, and it may call the module
- * meanwhile); the token names that hold, so that any thread may end it
- * (editing() left in another thread, or its generator finalised).
- * Without a token, the calling thread's own hold is released.  `held`, a
- * list, gets the token appended here, with no Python code run between the
- * hold and the append: editing() calls this inside its try and releases
- * what `held` holds, so an exception from a signal handler cannot fall
- * between the two and leave the lock held for good. */
-static PyObject *mha_write_lock(MHAObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* _write_lock() -> token / _write_unlock(token=None): the parameters' write
+ * lock (editing() takes it through _Editing, below).  In between, in-place
+ * writes into the parameter views are atomic for calls from other threads:
+ * they wait, then see all new values.  The holder is a thread (its holds
+ * nest, and it may call the module meanwhile); the token names that hold,
+ * so that any thread may end it.  Without a token, the calling thread's
+ * own hold is released. */
+static PyObject *mha_write_lock(MHAObject *self, PyObject *Py_UNUSED(ignored))
 {
     uint64_t token;
-    PyObject *held = nargs == 1 && args[0] != Py_None ? args[0] : NULL, *t;
-    if (nargs > 1 || (held && !PyList_Check(held))) {
-        PyErr_SetString(PyExc_TypeError, "_write_lock takes at most 1 argument (a list)");
-        return NULL;
-    }
     if (lock_write(&self->lock, &token) < 0) return NULL;
-    t = PyLong_FromUnsignedLongLong(token);
-    if (t && held && PyList_Append(held, t) < 0) Py_CLEAR(t);
-    if (!t) lock_write_release(&self->lock, token);
-    return t;
+    return PyLong_FromUnsignedLongLong(token);
 }
 
 static PyObject *mha_write_unlock(MHAObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -391,9 +379,9 @@ static PyMethodDef mha_methods[] = {
      "_layout($self)\n--\n\n(offset, size) of W_q.weight, W_q.bias, ... W_o.bias in _block()."},
     {"_load", (PyCFunction)mha_load, METH_O,
      "_load($self, block, /)\n--\n\nReplace all parameters at once (atomic for concurrent calls)."},
-    {"_write_lock", (PyCFunction)(void (*)(void))mha_write_lock, METH_FASTCALL,
-     "_write_lock($self, held=None, /)\n--\n\nHold the parameters' write lock (see editing()); "
-     "returns the hold's token, also appended to the list `held`."},
+    {"_write_lock", (PyCFunction)mha_write_lock, METH_NOARGS,
+     "_write_lock($self)\n--\n\nHold the parameters' write lock (see editing()); returns the "
+     "hold's token."},
     {"_write_unlock", (PyCFunction)(void (*)(void))mha_write_unlock, METH_FASTCALL,
      "_write_unlock($self, token=None, /)\n--\n\nRelease one hold of _write_lock: the one "
      "named by token (from any thread), or the calling thread's."},
@@ -420,6 +408,123 @@ static PyType_Spec mha_spec = {
     .itemsize = 0,
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .slots = mha_slots,
+};
+
+/* ------------------------------------------------------- _Editing */
+
+/* _Editing(module): editing()'s context manager (module.py).  __enter__
+ * takes the module's write lock and __exit__ releases that hold, each in
+ * one C call: no Python code (an exception from a signal handler, Ctrl-C)
+ * runs between taking the lock and the start of the with block, or
+ * between its end and the release.  contextlib's generator manager ran
+ * Python code in both places, and an interrupt there left the lock held
+ * until the generator was collected (never, while a traceback kept it).
+ * The hold is the entering thread's (holds nest); any thread may end it,
+ * and a guard dropped while entered ends its hold. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *module; /* the MHAObject */
+    uint64_t token;   /* the hold: lock_write's token, 0 while not entered */
+} EditObject;
+
+static PyObject *edit_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    module_state *state = (module_state *)PyType_GetModuleState(type);
+    PyObject *module;
+    EditObject *self;
+    if (!state) return NULL;
+    if (kwargs && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "_Editing(module) takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "_Editing", 1, 1, &module)) return NULL;
+    if (!PyObject_TypeCheck(module, state->mha_type)) {
+        PyErr_SetString(PyExc_TypeError, "_Editing(module): module must be a MultiHeadAttention");
+        return NULL;
+    }
+    self = (EditObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->module = Py_NewRef(module);
+    self->token = 0;
+    return (PyObject *)self;
+}
+
+static PyObject *edit_enter(EditObject *self, PyObject *Py_UNUSED(ignored))
+{
+    uint64_t token;
+    if (self->token) {
+        PyErr_SetString(PyExc_RuntimeError, "this editing() block is entered already: use a "
+                                            "new `with mha.editing():` for a nested block");
+        return NULL;
+    }
+    if (lock_write(&((MHAObject *)self->module)->lock, &token) < 0) return NULL;
+    self->token = token;
+    return Py_NewRef(self->module);
+}
+
+static void edit_release(EditObject *self)
+{
+    uint64_t token = self->token;
+    self->token = 0;
+    if (token) lock_write_release(&((MHAObject *)self->module)->lock, token);
+}
+
+static PyObject *edit_exit(EditObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)args;
+    (void)nargs;
+    edit_release(self);
+    Py_RETURN_FALSE; /* an exception in the block goes on */
+}
+
+static int edit_traverse(EditObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->module);
+    return 0;
+}
+
+static int edit_clear(EditObject *self)
+{
+    if (self->module) edit_release(self);
+    Py_CLEAR(self->module);
+    return 0;
+}
+
+static void edit_dealloc(EditObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    edit_clear(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef edit_methods[] = {
+    {"__enter__", (PyCFunction)edit_enter, METH_NOARGS,
+     "__enter__($self, /)\n--\n\nTake the module's write lock; returns the module."},
+    {"__exit__", (PyCFunction)(void (*)(void))edit_exit, METH_FASTCALL,
+     "__exit__($self, *exc_info)\n--\n\nRelease the hold __enter__ took; False."},
+    {NULL}
+};
+
+static PyType_Slot edit_slots[] = {
+    {Py_tp_new, edit_new},
+    {Py_tp_dealloc, edit_dealloc},
+    {Py_tp_traverse, edit_traverse},
+    {Py_tp_clear, edit_clear},
+    {Py_tp_methods, edit_methods},
+    {Py_tp_doc, "_Editing(module, /)\n--\n\n"
+                "editing()'s context manager: the module's write lock, taken and released in C."},
+    {0, NULL}
+};
+
+static PyType_Spec edit_spec = {
+    .name = "mha_ext._core._Editing",
+    .basicsize = sizeof(EditObject),
+    .itemsize = 0,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .slots = edit_slots,
 };
 
 /* ------------------------------------------------------------- module */
@@ -628,6 +733,9 @@ static int module_exec(PyObject *m)
     if (!state->mha_type) return -1;
     if (PyModule_AddObjectRef(m, "MultiHeadAttention", (PyObject *)state->mha_type) < 0)
         return -1;
+    state->edit_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &edit_spec, NULL);
+    if (!state->edit_type) return -1;
+    if (PyModule_AddObjectRef(m, "_Editing", (PyObject *)state->edit_type) < 0) return -1;
     return 0;
 }
 
@@ -635,6 +743,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
 {
     module_state *state = (module_state *)PyModule_GetState(m);
     Py_VISIT(state->mha_type);
+    Py_VISIT(state->edit_type);
     return 0;
 }
 
@@ -642,6 +751,7 @@ static int module_clear(PyObject *m)
 {
     module_state *state = (module_state *)PyModule_GetState(m);
     Py_CLEAR(state->mha_type);
+    Py_CLEAR(state->edit_type);
     return 0;
 }
 

@@ -98,6 +98,7 @@ int poll_signals(void *ctx);
 /* ---------------------------------------------------------------- the type */
 typedef struct {
     PyTypeObject *mha_type;
+    PyTypeObject *edit_type; /* _Editing, editing()'s context manager */
 } module_state;
 
 typedef struct {

@@ -54,7 +54,7 @@ class KVCache:
     stores it with its module.
     """
 
-    __slots__ = ("_module", "_k", "_v", "_length", "_cross", "_busy", "__weakref__")
+    __slots__ = ("_module", "_k", "_v", "_length", "_cross", "_busy", "_epoch", "__weakref__")
     # _busy: {"by": token} while a call extends the cache, or reset() or a
     # copy reads it (never waited on: a second one finds it taken and
     # refuses); token = [the holder's thread], made before the try whose
@@ -63,6 +63,8 @@ class KVCache:
     # cannot fall between a test and its change, nor between the try's end
     # and the release; a threading.Lock acquired before that try stayed
     # held for good).  In a fork child, another thread's hold is dropped.
+    # A cross cache is never extended: no hold.  _epoch: counts the cache's
+    # changes (extensions, resets), under the hold (trace() checks it).
 
     def __init__(self, module: MultiHeadAttention, batch_size: Int, capacity: Int,
                  cross: Flag = False) -> None:
@@ -97,6 +99,7 @@ class KVCache:
         self._length = int(length)
         self._cross = bool(cross)
         self._busy: dict[str, list[int]] = {}
+        self._epoch = 0
         _LIVE.add(self)
 
     @property
@@ -139,6 +142,8 @@ class KVCache:
     # one copy's call overwrite the other's keys)
     def _state(self) -> tuple[np.ndarray, np.ndarray, int]:
         """K, V (copies) and the length, taken while no call extends it."""
+        if self._cross:  # never extended: copied as it is, also during calls
+            return self._k.copy(), self._v.copy(), self._length
         token = [threading.get_ident()]
         try:
             self._hold(token, "this cache is in use by a call: copy it after the call")
@@ -173,6 +178,7 @@ class KVCache:
         try:
             self._hold(token, "this cache is in use by a call: reset it after the call")
             self._length = 0
+            self._epoch += 1
         finally:
             _give(self._busy, "by", token)
         return self

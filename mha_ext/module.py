@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import numpy as np
@@ -310,8 +310,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         self._counter = state["counter"]
         self.__dict__.update(state["dict"])
 
-    @contextlib.contextmanager
-    def editing(self) -> Iterator[MultiHeadAttention]:
+    def editing(self) -> contextlib.AbstractContextManager[MultiHeadAttention]:
         """``with mha.editing(): mha.W_q.weight[...] = w`` -- in-place writes
         into the parameter views made inside the block are atomic for calls
         from other threads: those wait, and then see all the new values (the
@@ -320,16 +319,13 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
         The lock belongs to the thread that entered the block (blocks nest).
         Leaving the block releases it whichever thread leaves it (a block
-        entered in one thread and left in another, or a generator of this
-        block finalised by the garbage collector): it is never left held
-        by a thread that has gone."""
-        held: list[int] = []
-        try:
-            self._write_lock(held)  # the token lands in `held` with the hold
-            yield self
-        finally:
-            if held:
-                self._write_unlock(held[0])
+        entered in one thread and left in another, or a block object
+        dropped without leaving: the garbage collector releases it): it is
+        never left held by a thread that has gone.  The lock is taken and
+        released in C (_core._Editing): Ctrl-C cannot fall between taking
+        it and the block's start, nor between the block's end and the
+        release."""
+        return _core._Editing(self)
 
     # ------------------------------------------------------------ modes
     def train(self, mode: Flag = True) -> MultiHeadAttention:

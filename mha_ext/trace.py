@@ -327,13 +327,21 @@ def _softmax(s, zero_rows):
     return a.astype(s.dtype, copy=False)
 
 
-def _cache_after(cache: KVCache) -> tuple[int, np.ndarray, np.ndarray]:
-    """(length, K, V copies) of a cache, read while no call extends it."""
+def _cache_state(cache: KVCache, arrays: bool = True) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """(length, epoch, K, V) of a cache, read while no call extends it (K,
+    V copies, or empty arrays without `arrays`; a cross cache, which no
+    call changes, read as it is)."""
+    def read() -> tuple[int, int, np.ndarray, np.ndarray]:
+        if not arrays:
+            return cache.length, cache._epoch, np.empty(0), np.empty(0)
+        return cache.length, cache._epoch, np.array(cache.keys), np.array(cache.values)
+    if cache.cross:
+        return read()
     token = [threading.get_ident()]
     try:
         cache._hold(token, "trace(): the cache is in use by another call: trace with a "
                            "cache no other thread extends meanwhile")
-        return cache.length, np.array(cache.keys), np.array(cache.values)
+        return read()
     finally:
         _give(cache._busy, "by", token)
 
@@ -395,7 +403,7 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
                                   "extra keys yet: trace a module without them")
     cache = kwargs.get("cache")
     # keys cached before the call (another type: the call's TypeError below)
-    L0 = cache.length if isinstance(cache, KVCache) else 0
+    L0, epoch0 = _cache_state(cache, False)[:2] if isinstance(cache, KVCache) else (0, 0)
     dtype = np.dtype(module.dtype)
     need_weights = flag(kwargs.get("need_weights", True), "need_weights")
     average = flag(kwargs.get("average_weights", False), "average_weights")
@@ -408,7 +416,7 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
         call_kw["average_weights"] = False
     output, weights = module(query, key, value, mask, **call_kw)
     if cache is not None:  # the cache as the call left it, read at once
-        L1, kh, vh = _cache_after(cache)
+        L1, epoch1, kh, vh = _cache_state(cache)
     dropped = None
     if dropout_active:
         dropped = weights
@@ -434,10 +442,10 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     B, Sq, E = xq.shape
     Sk = xk.shape[1]
     if cache is not None:  # the keys attended: the cached ones and the new ones
-        if L1 != L0 + (0 if cache.cross else Sk):
-            raise RuntimeError(f"trace(): another call extended the cache while trace() ran "
+        if not cache.cross and epoch1 != epoch0 + 1:  # one change: the traced call's
+            raise RuntimeError(f"trace(): another call changed the cache while trace() ran "
                                f"(length {L0} before, {L1} after, {Sk} new keys): trace with "
-                               f"a cache no other thread extends meanwhile")
+                               f"a cache no other thread uses meanwhile")
         Sk = L1
     H = int(module.n_heads)
     Hkv = int(module.n_kv_heads)  # grouped-query attention: fewer K/V heads

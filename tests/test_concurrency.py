@@ -344,3 +344,66 @@ def test_trace_of_a_cache_another_thread_extends_is_whole_or_refused():
         t.join()
         sys.setswitchinterval(old)
     assert outcomes["traced"] + outcomes["refused"] == 500
+
+
+def test_trace_refuses_a_cache_reset_and_refilled_behind_its_call():
+    # the length alone cannot tell: another thread resets the cache and
+    # refills it to the same length between the traced call and trace()'s
+    # read; the trace showed keys its call never saw (now: the cache's count
+    # of changes must be the call's one)
+    import pytest
+    rng = np.random.default_rng(0)
+    other = rng.standard_normal((1, 4, 16)).astype(np.float32)
+
+    class Module(mha_ext.MultiHeadAttention):
+        hook = None
+
+        def __call__(self, *args, **kwargs):
+            result = super().__call__(*args, **kwargs)
+            if self.hook:  # another thread's turn, right after the call
+                hook, self.hook = self.hook, None
+                t = threading.Thread(target=hook)
+                t.start()
+                t.join()
+            return result
+    m = Module(16, 2, seed=0).eval()
+    cache = m.new_cache(1, 8)
+    m(rng.standard_normal((1, 3, 16)).astype(np.float32), cache=cache)
+
+    def reset_and_refill():
+        cache.reset()
+        m(other, cache=cache)
+    m.hook = reset_and_refill
+    with pytest.raises(RuntimeError, match="another call changed the cache"):
+        m.trace(rng.standard_normal((1, 1, 16)).astype(np.float32), cache=cache)
+
+
+def test_a_cross_cache_is_copied_and_traced_while_calls_read_it():
+    import copy
+    rng = np.random.default_rng(1)
+    m = mha_ext.MultiHeadAttention(32, 4, seed=1).eval()
+    memory = rng.standard_normal((2, 64, 32)).astype(np.float32)
+    cache = m.cache_memory(memory)
+    x = rng.standard_normal((2, 1, 32)).astype(np.float32)
+    want = m(x, memory, memory)[0]
+    errors, start = [], threading.Barrier(3)
+
+    def work(kind):
+        try:
+            start.wait(timeout=60)
+            for _ in range(100):
+                if kind == "call":
+                    assert np.allclose(m(x, cache=cache)[0], want, rtol=1e-5, atol=1e-6)
+                elif kind == "copy":
+                    assert copy.deepcopy(cache).length == 64
+                else:
+                    assert np.allclose(m.trace(x, cache=cache).output, want, rtol=1e-5,
+                                       atol=1e-6)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"{kind}: {e!r}")
+    threads = [threading.Thread(target=work, args=(k,)) for k in ("call", "copy", "trace")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]

@@ -139,3 +139,30 @@ def test_ctrl_c_interrupts_a_long_backward():
         print(max(lat))
     """, timeout=300)
     assert float(out) < 1.0, f"KeyboardInterrupt {float(out):.2f} s after the signal"
+
+
+def test_an_editing_block_dropped_without_leaving_releases_its_lock():
+    # editing()'s manager is a C object (the lock taken and released in C);
+    # entered and then dropped unexited (a generator abandoned, a frame
+    # gone), the collector releases the hold: another thread's call runs
+    import gc
+    import threading
+    m = mha_ext.MultiHeadAttention(16, 4, seed=0)
+    x = np.ones((1, 2, 16), np.float32)
+    block = m.editing()
+    assert block.__enter__() is m
+    with pytest.raises(RuntimeError, match="entered already"):
+        block.__enter__()
+    del block
+    gc.collect()
+    t = threading.Thread(target=m, args=(x,), daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "the dropped block kept the write lock"
+    with m.editing() as same:  # and the usual way still nests and leaves
+        with m.editing():
+            same.W_q.bias[...] = 0.0
+    t = threading.Thread(target=m, args=(x,), daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive()
