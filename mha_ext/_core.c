@@ -162,28 +162,6 @@ static PyObject *mha_block(MHAObject *self, PyObject *Py_UNUSED(ignored))
     return PyArray_View(self->params, NULL, NULL);
 }
 
-/* _snapshot(): a copy of every parameter (a new 1-D array), taken under the
- * read lock, as a call reads them: a load_state_dict or an editing() block
- * in another thread is wholly in it or not at all (state_dict, and so
- * pickle and copy.deepcopy, which copied tensor by tensor and could mix
- * old and new values). */
-static PyObject *mha_snapshot(MHAObject *self, PyObject *Py_UNUSED(ignored))
-{
-    read_ticket t = {0};
-    npy_intp n = (npy_intp)self->total;
-    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, &n, typenum_of(self));
-    if (!out) return NULL;
-    if (lock_read(&self->lock, &t) < 0) {
-        Py_DECREF(out);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    memcpy(PyArray_DATA(out), self->block, (size_t)self->total * mha_dtype_size(self->cfg.dtype));
-    lock_read_release(&self->lock, &t);
-    Py_END_ALLOW_THREADS
-    return (PyObject *)out;
-}
-
 /* (offset, size) of every tensor in the block, in mha_param_layout order. */
 static PyObject *mha_layout(MHAObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -225,38 +203,6 @@ static PyObject *mha_load(MHAObject *self, PyObject *obj)
 fail:
     Py_DECREF(arr);
     return result;
-}
-
-/* _write_lock() -> token / _write_unlock(token=None): the parameters' write
- * lock (editing() takes it through _Editing, below).  In between, in-place
- * writes into the parameter views are atomic for calls from other threads:
- * they wait, then see all new values.  The holder is a thread (its holds
- * nest, and it may call the module meanwhile); the token names that hold,
- * so that any thread may end it.  Without a token, the calling thread's
- * own hold is released. */
-static PyObject *mha_write_lock(MHAObject *self, PyObject *Py_UNUSED(ignored))
-{
-    uint64_t token;
-    if (lock_write(&self->lock, &token) < 0) return NULL;
-    return PyLong_FromUnsignedLongLong(token);
-}
-
-static PyObject *mha_write_unlock(MHAObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    uint64_t token = thread_number();
-    if (nargs > 1) {
-        PyErr_SetString(PyExc_TypeError, "_write_unlock takes at most 1 argument (token)");
-        return NULL;
-    }
-    if (nargs == 1 && args[0] != Py_None && parse_u64(args[0], "token", &token) < 0)
-        return NULL;
-    if (lock_write_release(&self->lock, token) < 0) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "_write_unlock: the parameters' write lock is not held by this "
-                        "thread or token");
-        return NULL;
-    }
-    Py_RETURN_NONE;
 }
 
 static PyObject *mha_take_counter(MHAObject *self, PyObject *Py_UNUSED(ignored))
@@ -410,123 +356,6 @@ static PyType_Spec mha_spec = {
     .slots = mha_slots,
 };
 
-/* ------------------------------------------------------- _Editing */
-
-/* _Editing(module): editing()'s context manager (module.py).  __enter__
- * takes the module's write lock and __exit__ releases that hold, each in
- * one C call: no Python code (an exception from a signal handler, Ctrl-C)
- * runs between taking the lock and the start of the with block, or
- * between its end and the release.  contextlib's generator manager ran
- * Python code in both places, and an interrupt there left the lock held
- * until the generator was collected (never, while a traceback kept it).
- * The hold is the entering thread's (holds nest); any thread may end it,
- * and a guard dropped while entered ends its hold. */
-typedef struct {
-    PyObject_HEAD
-    PyObject *module; /* the MHAObject */
-    uint64_t token;   /* the hold: lock_write's token, 0 while not entered */
-} EditObject;
-
-static PyObject *edit_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
-{
-    module_state *state = (module_state *)PyType_GetModuleState(type);
-    PyObject *module;
-    EditObject *self;
-    if (!state) return NULL;
-    if (kwargs && PyDict_GET_SIZE(kwargs)) {
-        PyErr_SetString(PyExc_TypeError, "_Editing(module) takes no keyword arguments");
-        return NULL;
-    }
-    if (!PyArg_UnpackTuple(args, "_Editing", 1, 1, &module)) return NULL;
-    if (!PyObject_TypeCheck(module, state->mha_type)) {
-        PyErr_SetString(PyExc_TypeError, "_Editing(module): module must be a MultiHeadAttention");
-        return NULL;
-    }
-    self = (EditObject *)type->tp_alloc(type, 0);
-    if (!self) return NULL;
-    self->module = Py_NewRef(module);
-    self->token = 0;
-    return (PyObject *)self;
-}
-
-static PyObject *edit_enter(EditObject *self, PyObject *Py_UNUSED(ignored))
-{
-    uint64_t token;
-    if (self->token) {
-        PyErr_SetString(PyExc_RuntimeError, "this editing() block is entered already: use a "
-                                            "new `with mha.editing():` for a nested block");
-        return NULL;
-    }
-    if (lock_write(&((MHAObject *)self->module)->lock, &token) < 0) return NULL;
-    self->token = token;
-    return Py_NewRef(self->module);
-}
-
-static void edit_release(EditObject *self)
-{
-    uint64_t token = self->token;
-    self->token = 0;
-    if (token) lock_write_release(&((MHAObject *)self->module)->lock, token);
-}
-
-static PyObject *edit_exit(EditObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)args;
-    (void)nargs;
-    edit_release(self);
-    Py_RETURN_FALSE; /* an exception in the block goes on */
-}
-
-static int edit_traverse(EditObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->module);
-    return 0;
-}
-
-static int edit_clear(EditObject *self)
-{
-    if (self->module) edit_release(self);
-    Py_CLEAR(self->module);
-    return 0;
-}
-
-static void edit_dealloc(EditObject *self)
-{
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    edit_clear(self);
-    tp->tp_free(self);
-    Py_DECREF(tp);
-}
-
-static PyMethodDef edit_methods[] = {
-    {"__enter__", (PyCFunction)edit_enter, METH_NOARGS,
-     "__enter__($self, /)\n--\n\nTake the module's write lock; returns the module."},
-    {"__exit__", (PyCFunction)(void (*)(void))edit_exit, METH_FASTCALL,
-     "__exit__($self, *exc_info)\n--\n\nRelease the hold __enter__ took; False."},
-    {NULL}
-};
-
-static PyType_Slot edit_slots[] = {
-    {Py_tp_new, edit_new},
-    {Py_tp_dealloc, edit_dealloc},
-    {Py_tp_traverse, edit_traverse},
-    {Py_tp_clear, edit_clear},
-    {Py_tp_methods, edit_methods},
-    {Py_tp_doc, "_Editing(module, /)\n--\n\n"
-                "editing()'s context manager: the module's write lock, taken and released in C."},
-    {0, NULL}
-};
-
-static PyType_Spec edit_spec = {
-    .name = "mha_ext._core._Editing",
-    .basicsize = sizeof(EditObject),
-    .itemsize = 0,
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .slots = edit_slots,
-};
-
 /* ------------------------------------------------------------- module */
 
 static PyObject *set_num_threads(PyObject *m, PyObject *arg)
@@ -633,42 +462,6 @@ static PyObject *memory_info(PyObject *m, PyObject *Py_UNUSED(ignored))
     out_cache_info(&cached, &blocks, &limit);
     return Py_BuildValue("{s:n,s:i,s:n}", "cached_bytes", (Py_ssize_t)cached, "cached_blocks",
                          blocks, "limit_bytes", (Py_ssize_t)limit);
-}
-
-/* _take(d, key, token) -> bool / _give(d, key, token): a KVCache's hold
- * (cache.py; d its `_busy` dict).  _take sets d[key] = token unless
- * another token is there (True: taken); _give removes d[key] if it is
- * `token`.  Each is one C call under the GIL: no Python code (a signal
- * handler's exception) runs between its test and its change, so a finally
- * whose first call is _give gives back whatever its try took. */
-static int hold_args(PyObject *const *args, Py_ssize_t nargs, const char *name)
-{
-    if (nargs != 3 || !PyDict_CheckExact(args[0])) {
-        PyErr_Format(PyExc_TypeError, "%s(d, key, token): d a dict", name);
-        return -1;
-    }
-    return 0;
-}
-
-static PyObject *hold_take(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *cur;
-    (void)m;
-    if (hold_args(args, nargs, "_take") < 0) return NULL;
-    cur = PyDict_SetDefault(args[0], args[1], args[2]); /* borrowed */
-    if (!cur) return NULL;
-    return PyBool_FromLong(cur == args[2]);
-}
-
-static PyObject *hold_give(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *cur;
-    (void)m;
-    if (hold_args(args, nargs, "_give") < 0) return NULL;
-    cur = PyDict_GetItemWithError(args[0], args[1]); /* borrowed */
-    if (!cur && PyErr_Occurred()) return NULL;
-    if (cur == args[2] && PyDict_DelItem(args[0], args[1]) < 0) return NULL;
-    Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {

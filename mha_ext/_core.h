@@ -208,4 +208,13 @@ PyArrayObject *out_new_array(int nd, const npy_intp *dims, int typenum, int zero
 size_t out_cache_release(void);  /* unmap every cached block: their bytes */
 void out_cache_info(size_t *cached, int *blocks, size_t *limit);
 
+/* _core_holds.c: holds taken and given back in one C call each; the
+ * module's methods _write_lock, _write_unlock and _snapshot */
+PyObject *mha_write_lock(MHAObject *self, PyObject *ignored);
+PyObject *mha_write_unlock(MHAObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mha_snapshot(MHAObject *self, PyObject *ignored);
+extern PyType_Spec edit_spec; /* _Editing(module): editing()'s context manager */
+PyObject *hold_take(PyObject *m, PyObject *const *args, Py_ssize_t nargs); /* _take */
+PyObject *hold_give(PyObject *m, PyObject *const *args, Py_ssize_t nargs); /* _give */
+
 #endif /* MHA_EXT_CORE_H */
