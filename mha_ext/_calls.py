@@ -15,7 +15,6 @@ Legend: B batch, Sq query length, Sk key length, E = d_model, H = n_heads.
 """
 from __future__ import annotations
 
-import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -310,11 +309,8 @@ def c_forward(mha, call, reference=False, params=None):
                             scale=call.scale, window=call.window, head_mask=call.head_mask,
                             layout=call.layout, average_weights=average)
     # a cross cache is read, never extended: calls share it.  Otherwise one
-    # call at a time (the token made before the try: see KVCache._busy)
-    token = [threading.get_ident()]
-    try:
-        if not cache.cross:
-            cache._hold(token)
+    # call at a time (see KVCache._busy)
+    with cache._held():
         result = mha._forward(call.query, call.key, call.value, params=params,
                               masks=call.masks, is_causal=call.is_causal,
                               need_weights=call.need_weights, zero_rows=call.zero_rows,
@@ -325,8 +321,6 @@ def c_forward(mha, call, reference=False, params=None):
         if not cache.cross:
             cache._length += call.key.shape[1]
             cache._epoch += 1
-    finally:
-        _core._give(cache._busy, "by", token)  # first: see KVCache._busy
     return result
 
 

@@ -465,12 +465,6 @@ static PyObject *memory_info(PyObject *m, PyObject *Py_UNUSED(ignored))
 }
 
 static PyMethodDef module_methods[] = {
-    {"_take", (PyCFunction)(void (*)(void))hold_take, METH_FASTCALL,
-     "_take(d, key, token, /)\n--\n\nd[key] = token unless another token is there: True "
-     "when taken (a KVCache's hold, atomic)."},
-    {"_give", (PyCFunction)(void (*)(void))hold_give, METH_FASTCALL,
-     "_give(d, key, token, /)\n--\n\nDelete d[key] if it is token (a KVCache's hold, "
-     "atomic)."},
     {"_set_isa", set_isa, METH_O, "_set_isa(name, /)\n--\n\nUse the kernels of one instruction set."},
     {"_get_isa", get_isa, METH_NOARGS, "_get_isa()\n--\n\nThe instruction set of the kernels in use."},
     {"_isa_available", isa_available, METH_O,
@@ -529,6 +523,9 @@ static int module_exec(PyObject *m)
     state->edit_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &edit_spec, NULL);
     if (!state->edit_type) return -1;
     if (PyModule_AddObjectRef(m, "_Editing", (PyObject *)state->edit_type) < 0) return -1;
+    state->holding_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &holding_spec, NULL);
+    if (!state->holding_type) return -1;
+    if (PyModule_AddObjectRef(m, "_Holding", (PyObject *)state->holding_type) < 0) return -1;
     return 0;
 }
 
@@ -537,6 +534,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     module_state *state = (module_state *)PyModule_GetState(m);
     Py_VISIT(state->mha_type);
     Py_VISIT(state->edit_type);
+    Py_VISIT(state->holding_type);
     return 0;
 }
 
@@ -545,6 +543,7 @@ static int module_clear(PyObject *m)
     module_state *state = (module_state *)PyModule_GetState(m);
     Py_CLEAR(state->mha_type);
     Py_CLEAR(state->edit_type);
+    Py_CLEAR(state->holding_type);
     return 0;
 }
 

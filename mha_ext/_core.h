@@ -98,7 +98,8 @@ int poll_signals(void *ctx);
 /* ---------------------------------------------------------------- the type */
 typedef struct {
     PyTypeObject *mha_type;
-    PyTypeObject *edit_type; /* _Editing, editing()'s context manager */
+    PyTypeObject *edit_type;    /* _Editing, editing()'s context manager */
+    PyTypeObject *holding_type; /* _Holding, a KVCache's hold */
 } module_state;
 
 typedef struct {
@@ -214,7 +215,6 @@ PyObject *mha_write_lock(MHAObject *self, PyObject *ignored);
 PyObject *mha_write_unlock(MHAObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mha_snapshot(MHAObject *self, PyObject *ignored);
 extern PyType_Spec edit_spec; /* _Editing(module): editing()'s context manager */
-PyObject *hold_take(PyObject *m, PyObject *const *args, Py_ssize_t nargs); /* _take */
-PyObject *hold_give(PyObject *m, PyObject *const *args, Py_ssize_t nargs); /* _give */
+extern PyType_Spec holding_spec; /* _Holding(d, busy): a KVCache's hold */
 
 #endif /* MHA_EXT_CORE_H */

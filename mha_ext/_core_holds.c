@@ -3,7 +3,7 @@
  * a signal handler, Ctrl-C) can run between a hold and the block that
  * releases it: the parameters' write lock (_write_lock / _write_unlock,
  * editing()'s context manager _Editing), the read lock of a snapshot of
- * them (_snapshot) and a KVCache's hold (_take / _give). */
+ * them (_snapshot) and a KVCache's hold (_Holding). */
 #include "_core.h"
 
 /* _write_lock() -> token / _write_unlock(token=None): the parameters' write
@@ -175,38 +175,161 @@ PyType_Spec edit_spec = {
     .slots = edit_slots,
 };
 
-/* _take(d, key, token) -> bool / _give(d, key, token): a KVCache's hold
- * (cache.py; d its `_busy` dict).  _take sets d[key] = token unless
- * another token is there (True: taken); _give removes d[key] if it is
- * `token`.  Each is one C call under the GIL: no Python code (a signal
- * handler's exception) runs between its test and its change, so a finally
- * whose first call is _give gives back whatever its try took. */
-static int hold_args(PyObject *const *args, Py_ssize_t nargs, const char *name)
+/* _Holding(d, busy): a KVCache's hold (cache.py; d its `_busy` dict) as a
+ * context manager.  __enter__ sets d["by"] = [the entering thread's id]
+ * (the token) unless another token is there: then RuntimeError(busy), never
+ * a wait.  __exit__ removes d["by"] if it is still this hold's token (a fork
+ * child drops other threads' holds by giving the cache a new dict).  Each is
+ * one C call, and a with statement runs no Python code between __enter__
+ * and its block, nor between the block and __exit__: an exception from a
+ * signal handler (Ctrl-C) cannot leave the cache held, nor take it without
+ * the block that gives it back.  A guard dropped while entered gives back
+ * its hold. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *d;     /* the cache's _busy dict */
+    PyObject *busy;  /* the RuntimeError's message */
+    PyObject *key;   /* "by" */
+    PyObject *token; /* [thread id] while entered, else NULL */
+} HoldObject;
+
+static PyObject *holding_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    if (nargs != 3 || !PyDict_CheckExact(args[0])) {
-        PyErr_Format(PyExc_TypeError, "%s(d, key, token): d a dict", name);
-        return -1;
+    PyObject *d, *busy;
+    HoldObject *self;
+    if (kwargs && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "_Holding(d, busy) takes no keyword arguments");
+        return NULL;
     }
+    if (!PyArg_UnpackTuple(args, "_Holding", 2, 2, &d, &busy)) return NULL;
+    if (!PyDict_CheckExact(d) || !PyUnicode_Check(busy)) {
+        PyErr_SetString(PyExc_TypeError, "_Holding(d, busy): d a dict, busy a str");
+        return NULL;
+    }
+    self = (HoldObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->key = PyUnicode_InternFromString("by");
+    if (!self->key) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->d = Py_NewRef(d);
+    self->busy = Py_NewRef(busy);
+    self->token = NULL;
+    return (PyObject *)self;
+}
+
+static PyObject *holding_enter(HoldObject *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *token, *id, *cur;
+    if (self->token) {
+        PyErr_SetString(PyExc_RuntimeError, "this cache hold is entered already");
+        return NULL;
+    }
+    id = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    if (!id) return NULL;
+    token = PyList_New(1);
+    if (!token) {
+        Py_DECREF(id);
+        return NULL;
+    }
+    PyList_SET_ITEM(token, 0, id); /* steals id */
+    cur = PyDict_SetDefault(self->d, self->key, token); /* borrowed */
+    if (!cur || cur != token) {
+        if (cur) PyErr_SetObject(PyExc_RuntimeError, self->busy);
+        Py_DECREF(token);
+        return NULL;
+    }
+    self->token = token;
+    Py_RETURN_NONE;
+}
+
+/* give back this hold's token if d still holds it: 0, or -1 with an error */
+static int holding_release(HoldObject *self)
+{
+    PyObject *token = self->token, *cur;
+    int rc = 0;
+    if (!token) return 0;
+    self->token = NULL;
+    cur = PyDict_GetItemWithError(self->d, self->key); /* borrowed */
+    if (!cur && PyErr_Occurred()) rc = -1;
+    else if (cur == token && PyDict_DelItem(self->d, self->key) < 0) rc = -1;
+    Py_DECREF(token);
+    return rc;
+}
+
+static PyObject *holding_exit(HoldObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)args;
+    (void)nargs;
+    if (holding_release(self) < 0) return NULL;
+    Py_RETURN_FALSE; /* an exception in the block goes on */
+}
+
+static int holding_traverse(HoldObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->d);
+    Py_VISIT(self->busy);
+    Py_VISIT(self->token);
     return 0;
 }
 
-PyObject *hold_take(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+/* the collector's clear and dealloc: give back an entered hold (an error
+ * being raised around them is kept) */
+static int holding_clear(HoldObject *self)
 {
-    PyObject *cur;
-    (void)m;
-    if (hold_args(args, nargs, "_take") < 0) return NULL;
-    cur = PyDict_SetDefault(args[0], args[1], args[2]); /* borrowed */
-    if (!cur) return NULL;
-    return PyBool_FromLong(cur == args[2]);
+    if (self->token && self->d && self->key) {
+#if PY_VERSION_HEX >= 0x030C0000
+        PyObject *exc = PyErr_GetRaisedException();
+        if (holding_release(self) < 0) PyErr_WriteUnraisable((PyObject *)self);
+        PyErr_SetRaisedException(exc);
+#else
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (holding_release(self) < 0) PyErr_WriteUnraisable((PyObject *)self);
+        PyErr_Restore(type, value, tb);
+#endif
+    }
+    Py_CLEAR(self->token);
+    Py_CLEAR(self->d);
+    Py_CLEAR(self->busy);
+    Py_CLEAR(self->key);
+    return 0;
 }
 
-PyObject *hold_give(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+static void holding_dealloc(HoldObject *self)
 {
-    PyObject *cur;
-    (void)m;
-    if (hold_args(args, nargs, "_give") < 0) return NULL;
-    cur = PyDict_GetItemWithError(args[0], args[1]); /* borrowed */
-    if (!cur && PyErr_Occurred()) return NULL;
-    if (cur == args[2] && PyDict_DelItem(args[0], args[1]) < 0) return NULL;
-    Py_RETURN_NONE;
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    holding_clear(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
 }
+
+static PyMethodDef holding_methods[] = {
+    {"__enter__", (PyCFunction)holding_enter, METH_NOARGS,
+     "__enter__($self, /)\n--\n\nTake the cache, or RuntimeError(busy) when another holds it."},
+    {"__exit__", (PyCFunction)(void (*)(void))holding_exit, METH_FASTCALL,
+     "__exit__($self, *exc_info)\n--\n\nGive back the hold __enter__ took; False."},
+    {NULL}
+};
+
+static PyType_Slot holding_slots[] = {
+    {Py_tp_new, holding_new},
+    {Py_tp_dealloc, holding_dealloc},
+    {Py_tp_traverse, holding_traverse},
+    {Py_tp_clear, holding_clear},
+    {Py_tp_methods, holding_methods},
+    {Py_tp_doc, "_Holding(d, busy, /)\n--\n\n"
+                "A KVCache's hold as a context manager, taken and given back in C."},
+    {0, NULL}
+};
+
+PyType_Spec holding_spec = {
+    .name = "mha_ext._core._Holding",
+    .basicsize = sizeof(HoldObject),
+    .itemsize = 0,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .slots = holding_slots,
+};

@@ -17,12 +17,13 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import _convert
-from ._core import _give, _take
+from ._core import _Holding
 from ._types import Flag, Int
 
 if TYPE_CHECKING:
@@ -57,13 +58,13 @@ class KVCache:
     __slots__ = ("_module", "_k", "_v", "_length", "_cross", "_busy", "_epoch", "__weakref__")
     # _busy: {"by": token} while a call extends the cache, or reset() or a
     # copy reads it (never waited on: a second one finds it taken and
-    # refuses); token = [the holder's thread], made before the try whose
-    # finally's first call is _give (taken and given back each by one C
-    # call, _core._take / _give: an exception from a signal handler, Ctrl-C,
-    # cannot fall between a test and its change, nor between the try's end
-    # and the release; a threading.Lock acquired before that try stayed
-    # held for good).  In a fork child, another thread's hold is dropped.
-    # A cross cache is never extended: no hold.  _epoch: counts the cache's
+    # refuses); token = [the holder's thread].  Taken only by `with
+    # self._held(...)`: _core._Holding's __enter__ and __exit__ take and give
+    # it back, each in one C call, and a with statement runs no Python code
+    # between them and its block: an exception from a signal handler (Ctrl-C)
+    # cannot leave it held (a threading.Lock acquired before a try stayed
+    # held for good).  In a fork child, another thread's hold is dropped.  A
+    # cross cache is never extended: no hold.  _epoch: counts the cache's
     # changes (extensions, resets), under the hold (trace() checks it).
 
     def __init__(self, module: MultiHeadAttention, batch_size: Int, capacity: Int,
@@ -141,15 +142,10 @@ class KVCache:
     # ---- copies: each its own keys and values (a shared buffer would let
     # one copy's call overwrite the other's keys)
     def _state(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """K, V (copies) and the length, taken while no call extends it."""
-        if self._cross:  # never extended: copied as it is, also during calls
+        """K, V (copies) and the length, taken while no call extends it (a
+        cross cache is copied as it is, also during calls)."""
+        with self._held("this cache is in use by a call: copy it after the call"):
             return self._k.copy(), self._v.copy(), self._length
-        token = [threading.get_ident()]
-        try:
-            self._hold(token, "this cache is in use by a call: copy it after the call")
-            return self._k.copy(), self._v.copy(), self._length
-        finally:
-            _give(self._busy, "by", token)
 
     def __copy__(self) -> "KVCache":
         """copy.copy: a cache of the same module with its own copy of the
@@ -174,30 +170,18 @@ class KVCache:
         if self._cross:
             raise ValueError("a cross-attention cache (cache_memory) holds its memory for "
                              "good: make a new one with cache_memory(memory)")
-        token = [threading.get_ident()]
-        try:
-            self._hold(token, "this cache is in use by a call: reset it after the call")
+        with self._held("this cache is in use by a call: reset it after the call"):
             self._length = 0
             self._epoch += 1
-        finally:
-            _give(self._busy, "by", token)
         return self
 
     # ---- for the call (mha_ext._calls and module), not public
-    def _hold(self, token: list[int] | None = None,
-              busy: str = "this cache is in use by another call: one call at a time "
-                          "extends a cache") -> list[int]:
-        """Take the cache for `token` (made here when None; returned), or
-        RuntimeError(busy) when another holds it.  Call it inside a try
-        whose finally's first call is _give(cache._busy, "by", token)."""
-        token = [threading.get_ident()] if token is None else token
-        if not _take(self._busy, "by", token):
-            raise RuntimeError(busy)
-        return token
-
-    def _release(self, token: list[int]) -> None:
-        """Give the cache back if `token` holds it (else nothing)."""
-        _give(self._busy, "by", token)
+    def _held(self, busy: str = "this cache is in use by another call: one call at a "
+                                "time extends a cache") -> AbstractContextManager[None]:
+        """`with cache._held(busy):` the cache for this block, or
+        RuntimeError(busy) when another holds it; no hold for a cross cache
+        (never extended)."""
+        return nullcontext() if self._cross else _Holding(self._busy, busy)
 
     def _check_owner(self, module: MultiHeadAttention) -> None:
         if self._module is not module:

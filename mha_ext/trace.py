@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import html
 import os
-import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, SupportsIndex
 
@@ -38,7 +37,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _habits, _teach
-from ._core import MultiHeadAttention as _CoreModule, _give
+from ._core import MultiHeadAttention as _CoreModule
 from ._calls import head_mean, score_scale
 from .cache import KVCache
 from ._trace_masks import masks as _masks
@@ -335,15 +334,9 @@ def _cache_state(cache: KVCache, arrays: bool = True) -> tuple[int, int, np.ndar
         if not arrays:
             return cache.length, cache._epoch, np.empty(0), np.empty(0)
         return cache.length, cache._epoch, np.array(cache.keys), np.array(cache.values)
-    if cache.cross:
+    with cache._held("trace(): the cache is in use by another call: trace with a cache "
+                     "no other thread extends meanwhile"):
         return read()
-    token = [threading.get_ident()]
-    try:
-        cache._hold(token, "trace(): the cache is in use by another call: trace with a "
-                           "cache no other thread extends meanwhile")
-        return read()
-    finally:
-        _give(cache._busy, "by", token)
 
 
 def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = None,

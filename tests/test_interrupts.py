@@ -166,3 +166,32 @@ def test_an_editing_block_dropped_without_leaving_releases_its_lock():
     t.start()
     t.join(20)
     assert not t.is_alive()
+
+
+def test_a_cache_hold_dropped_without_leaving_is_given_back():
+    # a KVCache's hold is a C context manager (_core._Holding); entered and
+    # dropped unexited, it gives the cache back; entered twice it refuses;
+    # it leaves alone a hold it no longer has (a fork child's new _busy)
+    import gc
+    m = mha_ext.MultiHeadAttention(16, 4, seed=0)
+    cache = m.new_cache(1, 4)
+    x = np.ones((1, 1, 16), np.float32)
+    hold = cache._held()
+    hold.__enter__()
+    with pytest.raises(RuntimeError, match="entered already"):
+        hold.__enter__()
+    with pytest.raises(RuntimeError, match="one call at a time"):
+        m(x, cache=cache)
+    del hold
+    gc.collect()
+    m(x, cache=cache)
+    assert cache.length == 1 and not cache._busy
+    hold = cache._held()
+    hold.__enter__()
+    cache._busy = {}            # as _after_fork_in_child drops another thread's hold
+    with cache._held():         # a new holder; the old hold's exit leaves it be
+        assert hold.__exit__(None, None, None) is False
+        with pytest.raises(RuntimeError, match="one call at a time"):
+            m(x, cache=cache)
+    m(x, cache=cache)
+    assert cache.length == 2 and not cache._busy

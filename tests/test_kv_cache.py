@@ -262,13 +262,12 @@ def test_a_cache_in_use_refuses_a_second_call_and_a_reset():
     m = _module(64, 4, 2, "float32")
     cache = m.new_cache(1, 4)
     m(_x(1, 1, 64, "float32"), cache=cache)
-    token = cache._hold()  # as while another thread's call runs
-    with pytest.raises(RuntimeError, match="in use"):
-        m(_x(1, 1, 64, "float32"), cache=cache)
-    with pytest.raises(RuntimeError, match="in use"):
-        cache.reset()      # the call would then add its keys to an emptied cache
-    assert cache.length == 1
-    cache._release(token)
+    with cache._held():  # as while another thread's call runs
+        with pytest.raises(RuntimeError, match="in use"):
+            m(_x(1, 1, 64, "float32"), cache=cache)
+        with pytest.raises(RuntimeError, match="in use"):
+            cache.reset()      # the call would then add its keys to an emptied cache
+        assert cache.length == 1
     assert cache.reset().length == 0
     m(_x(1, 1, 64, "float32"), cache=cache)  # free again: the next call goes through
     assert cache.length == 1 and not cache._busy
@@ -358,13 +357,10 @@ def test_a_cache_in_use_refuses_a_copy():
     import copy
     m = _module(64, 4, 2, "float32")
     cache = m.new_cache(1, 4)
-    token = cache._hold()  # as a call in another thread holds it
-    try:
+    with cache._held():  # as a call in another thread holds it
         for f in (copy.copy, copy.deepcopy, pickle.dumps):
             with pytest.raises(RuntimeError, match="in use by a call"):
                 f(cache)
-    finally:
-        cache._release(token)
     assert copy.copy(cache).length == 0
 
 
