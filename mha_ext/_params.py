@@ -88,10 +88,11 @@ def tensor(mha, i, block=None):
 
 
 def state_dict(mha):
-    """A dict of NumPy copies under the seed keys, from one snapshot of the
-    parameters (atomic for load_state_dict and editing() in other threads)."""
+    """A dict of NumPy copies under the seed keys: views of one snapshot of
+    the parameters (a new array, taken atomically for load_state_dict and
+    editing() in other threads), each its own part of it."""
     block = mha._snapshot()
-    return {k: tensor(mha, BLOCK_KEYS.index(k), block).copy() for k in seed_keys(mha)}
+    return {k: tensor(mha, BLOCK_KEYS.index(k), block) for k in seed_keys(mha)}
 
 
 def _torch_layout(mha, state):

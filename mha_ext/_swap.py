@@ -60,6 +60,13 @@ def _properties(cls):
     return {k for k, v in vars(cls).items() if isinstance(v, property)}
 
 
+def _plain(key):
+    """An attribute the swapped-in module copies in and restore() copies
+    back (training, dropout, batch_first, a backward hook's kind), not one
+    of the shared dicts and sets of its state."""
+    return not key.startswith("_") or key == "_is_full_backward_hook"
+
+
 def sharing(module):
     """An mha_ext.torch.MultiheadAttention computing with `module`'s own
     state: the same dict objects for its parameters, buffers, submodules
@@ -77,7 +84,7 @@ def sharing(module):
     for key, value in module.__dict__.items():
         if key.startswith("_") and isinstance(value, (dict, set)) and key in new.__dict__:
             new.__dict__[key] = value  # shared, not copied
-        elif not key.startswith("_") or key == "_is_full_backward_hook":
+        elif _plain(key):
             new.__dict__[key] = value
     if _parametrized(module):
         # parametrize's class for torch's module (a property per parametrized
@@ -103,8 +110,7 @@ def _give_back(old, ours):
     elif type(old) is nn.MultiheadAttention or _properties(type(old)) != _properties(type(ours)):
         old.__class__ = type(type(ours).__name__, (nn.MultiheadAttention,), _body(type(ours)))
     for key in old.__dict__:
-        if (not key.startswith("_") or key == "_is_full_backward_hook") \
-                and key in ours.__dict__:
+        if _plain(key) and key in ours.__dict__:
             old.__dict__[key] = ours.__dict__[key]
 
 
