@@ -342,10 +342,12 @@ def c_forward_train(mha, call, block, dropout, counter, keep):
 
 def c_backward(mha, block, query, key, value, masks, is_causal, zero_rows, dropout,
                counter, grad_output, grad_weights, saved, scale=None, window=None,
-               head_mask=None, layout=None):
+               head_mask=None, layout=None, scores_grad=False):
     """The backward of one c_forward_train call: (parameter gradient block,
-    d query, d key, d value), the inputs' gradients 3-D."""
+    d query, d key, d value), the inputs' gradients 3-D; with scores_grad,
+    then d masked scores (B, H, Sq, Sk')."""
     return mha._backward(query, key, value, grad_output, params=block, masks=list(masks),
                          is_causal=is_causal, zero_rows=zero_rows, dropout=dropout,
                          counter=counter, grad_weights=grad_weights, saved=saved,
-                         scale=scale, window=window, head_mask=head_mask, layout=layout)
+                         scale=scale, window=window, head_mask=head_mask, layout=layout,
+                         scores_grad=scores_grad)

@@ -312,9 +312,9 @@ static PyMethodDef mha_methods[] = {
     {"_backward", (PyCFunction)(void (*)(void))mha_backward_py, METH_VARARGS | METH_KEYWORDS,
      "_backward($self, query, key, value, grad_output, *, params=None, masks=(), is_causal=False, "
      "zero_rows=False, dropout=0.0, counter=0, grad_weights=None, saved=None, scale=None, "
-     "window=None, head_mask=None, layout=None)\n--\n\n"
-     "The gradients (grad_params, grad_query, grad_key, grad_value) of _forward_train's "
-     "call with the same arguments; use MultiHeadAttention.backward."},
+     "window=None, head_mask=None, layout=None, scores_grad=False)\n--\n\n"
+     "The gradients (grad_params, grad_query, grad_key, grad_value[, grad_scores]) of "
+     "_forward_train's call with the same arguments; use MultiHeadAttention.backward."},
     {"_block", (PyCFunction)mha_block, METH_NOARGS,
      "_block($self)\n--\n\nA 1-D view of all parameters (live memory; its base is the "
      "parameter array, not the module)."},
@@ -506,8 +506,8 @@ static PyMethodDef module_methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "_sdpa_backward(q, k, v, grad_output, *, masks=(), is_causal=False, scale=None, "
      "dropout=0.0, seed=0, counter=0, zero_rows=False, grad_weights=None, "
-     "reference=False, window=None, layout=None, head_mask=None)\n--\n\n"
-     "The gradients of one _sdpa call: (grad_q, grad_k, grad_v)."},
+     "reference=False, window=None, layout=None, head_mask=None, scores_grad=False)\n--\n\n"
+     "The gradients of one _sdpa call: (grad_q, grad_k, grad_v[, grad_scores])."},
     {NULL}
 };
 

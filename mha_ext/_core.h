@@ -164,6 +164,7 @@ typedef struct {
     PyObject *grad_output, *grad_weights, *saved, *head_mask, *layout;
     PyObject *cache; /* None, or (K (B, Hkv, Dk, cap), V (B, Hkv, cap, Dk), length) */
     PyObject *average_weights; /* _forward's: the weights (B, Sq, Sk'), the heads' mean */
+    PyObject *scores_grad; /* _backward's: also dL/d masked scores (B, H, Sq, Sk') */
 } call_objects;
 
 struct call {
@@ -171,6 +172,7 @@ struct call {
     call_op op;
     const char *name;           /* "forward", ... the public method, for messages */
     int need_weights, reference, save, save_p;
+    int scores_grad;            /* _backward: dL/d masked scores asked for */
     /* owned references, converted to the module's dtype, C-contiguous */
     PyArrayObject *params;      /* NULL: the module's own (under its lock) */
     PyArrayObject *parts[MHA_NPARAM]; /* or one array per parameter (params given

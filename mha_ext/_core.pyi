@@ -106,8 +106,8 @@ def _sdpa_backward(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike,
                    seed: int = ..., counter: int = ..., zero_rows: _Flag = ...,
                    grad_weights: Optional[npt.ArrayLike] = ..., reference: _Flag = ...,
                    window: _Window = ..., layout: _Layout = ...,
-                   head_mask: Optional[npt.ArrayLike] = ...,
-                   ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+                   head_mask: Optional[npt.ArrayLike] = ..., scores_grad: _Flag = ...,
+                   ) -> Tuple[np.ndarray, ...]: ...  # dq, dk, dv[, d scores]
 
 # a C type with its own instance layout: no second such base (PEP 800)
 @disjoint_base
@@ -181,8 +181,8 @@ class MultiHeadAttention:
                   grad_weights: Optional[npt.ArrayLike] = ...,
                   saved: Optional[_Saved] = ..., scale: Optional[float] = ...,
                   window: _Window = ..., head_mask: Optional[npt.ArrayLike] = ...,
-                  layout: _Layout = ...,
-                  ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
+                  layout: _Layout = ..., scores_grad: _Flag = ...,
+                  ) -> Tuple[np.ndarray, ...]: ...  # params, query, key, value[, scores]
     def _block(self) -> np.ndarray: ...
     def _layout(self) -> Tuple[Tuple[int, int], ...]: ...
     def _load(self, block: npt.ArrayLike, /) -> None: ...

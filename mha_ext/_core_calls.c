@@ -31,11 +31,13 @@
  *       module's made under its lock).
  *   _backward(query, key, value, grad_output, *, params=None, masks=(),
  *             is_causal=False, zero_rows=False, dropout=0.0, counter=0,
- *             grad_weights=None, saved=None, scale=None)
- *       -> (grad_params, grad_query, grad_key, grad_value)
+ *             grad_weights=None, saved=None, scale=None, scores_grad=False)
+ *       -> (grad_params, grad_query, grad_key, grad_value[, grad_scores])
  *       The gradients of the _forward_train call with the same arguments
  *       (saved: its saved tuple, or None to recompute); params as for
- *       _forward.
+ *       _forward.  scores_grad=True adds dL/d masked scores (B, H, Sq, Sk'),
+ *       the scores after the masks are added, before the softmax: an
+ *       additive mask's gradient before its broadcast is summed.
  *
  * query (B, Sq, E), key (B, Sk, kdim), value (B, Sk, vdim); masks a
  * sequence of (kind, array) pairs, kind 0 blocking (nonzero = blocked) or
@@ -233,17 +235,18 @@ PyObject *mha_backward_py(MHAObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"query", "key", "value", "grad_output", "params", "masks",
                              "is_causal", "zero_rows", "dropout", "counter", "grad_weights",
-                             "saved", "scale", "window", "head_mask", "layout", NULL};
+                             "saved", "scale", "window", "head_mask", "layout", "scores_grad",
+                             NULL};
     call_objects o = {0};
     struct call c;
-    PyArrayObject *gp = NULL, *gq = NULL, *gk = NULL, *gv = NULL;
+    PyArrayObject *gp = NULL, *gq = NULL, *gk = NULL, *gv = NULL, *gs = NULL;
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOOOO:_backward", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOOOOO:_backward", kwlist,
                                      &o.query, &o.key, &o.value, &o.grad_output, &o.params,
                                      &o.masks, &o.is_causal, &o.zero_rows, &o.dropout,
                                      &o.counter, &o.grad_weights, &o.saved, &o.scale, &o.window,
-                                     &o.head_mask, &o.layout))
+                                     &o.head_mask, &o.layout, &o.scores_grad))
         return NULL;
     if (call_parse(self, CALL_BACKWARD, &o, &c) < 0) return NULL;
     {
@@ -253,6 +256,11 @@ PyObject *mha_backward_py(MHAObject *self, PyObject *args, PyObject *kwds)
         if (!(gp = new_array(&c, 1, pd, 0)) || !(gq = new_array(&c, 3, qd, 0)) ||
             !(gk = new_array(&c, 3, kd, 0)) || !(gv = new_array(&c, 3, vd, 0)))
             goto fail;
+        if (c.scores_grad) {
+            const int64_t sd[4] = {B, self->cfg.n_heads, Sq, Sk + mha_extra_keys(&self->cfg)};
+            if (!(gs = new_array(&c, 4, sd, 0))) goto fail;
+            c.ba.grad_scores = PyArray_DATA(gs);
+        }
     }
     c.ba.grad_out = PyArray_DATA(c.grad_output);
     c.ba.grad_weights = c.grad_weights ? PyArray_DATA(c.grad_weights) : NULL;
@@ -261,8 +269,11 @@ PyObject *mha_backward_py(MHAObject *self, PyObject *args, PyObject *kwds)
     c.ba.grad_key = PyArray_DATA(gk);
     c.ba.grad_value = PyArray_DATA(gv);
     if (call_run(&c) < 0) goto fail;
-    result = PyTuple_Pack(4, (PyObject *)gp, (PyObject *)gq, (PyObject *)gk, (PyObject *)gv);
+    result = gs ? PyTuple_Pack(5, (PyObject *)gp, (PyObject *)gq, (PyObject *)gk, (PyObject *)gv,
+                               (PyObject *)gs)
+                : PyTuple_Pack(4, (PyObject *)gp, (PyObject *)gq, (PyObject *)gk, (PyObject *)gv);
 fail:
+    Py_XDECREF(gs);
     Py_XDECREF(gp);
     Py_XDECREF(gq);
     Py_XDECREF(gk);

@@ -167,7 +167,8 @@ static int check_memory(MHAObject *self, struct call *c)
                __builtin_mul_overflow(a->B * (a->average_weights ? 1 : H) * a->Sq, Skx, &n_w) ||
                add_bytes(&need, n_q, es) || add_bytes(&need, n_k, es) ||
                add_bytes(&need, n_v, es) || add_bytes(&need, n_q, 3 * es) ||
-               add_bytes(&need, n_kv, 2 * es) || (weights && add_bytes(&need, n_w, es));
+               add_bytes(&need, n_kv, 2 * es) || (weights && add_bytes(&need, n_w, es)) ||
+               (c->scores_grad && add_bytes(&need, n_p, es));
     if (!over && c->op == CALL_FORWARD_TRAIN)
         over = (c->save && (add_bytes(&need, n_q, 2 * es) || add_bytes(&need, n_kv, 2 * es))) ||
                (c->save && c->save_p && add_bytes(&need, n_p, es)) ||
@@ -348,7 +349,8 @@ int call_parse(MHAObject *self, call_op op, const call_objects *o, struct call *
         FLAG(zero_rows, o->zero_rows, "zero_rows") ||
         FLAG(c->reference, o->reference, "reference") || FLAG(c->save, o->save, "save") ||
         FLAG(c->save_p, o->save_p, "save_p") ||
-        FLAG(a->average_weights, o->average_weights, "average_weights"))
+        FLAG(a->average_weights, o->average_weights, "average_weights") ||
+        FLAG(c->scores_grad, o->scores_grad, "scores_grad"))
         return -1;
     if (parse_window(o->window, &a->has_window, &a->window_left, &a->window_right) < 0)
         return -1;

@@ -9,9 +9,11 @@
  *   _sdpa_backward(q, k, v, grad_output, *, masks=(), is_causal=False,
  *                  scale=None, dropout=0.0, seed=0, counter=0,
  *                  zero_rows=False, grad_weights=None, reference=False,
- *                  window=None, layout=None, head_mask=None)
- *       -> (grad_q, grad_k, grad_v)
- *       the gradients of the _sdpa call with the same arguments.
+ *                  window=None, layout=None, head_mask=None, scores_grad=False)
+ *       -> (grad_q, grad_k, grad_v[, grad_scores])
+ *       the gradients of the _sdpa call with the same arguments; with
+ *       scores_grad, also dL/d (q·kᵀ·scale + masks) (B, H, L, S): an
+ *       additive mask's gradient before its broadcast is summed.
  *
  * q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) with H % Hkv == 0
  * (query head h reads key/value head h // (H // Hkv)); the dtype is q's
@@ -265,20 +267,22 @@ PyObject *sdpa_backward_py(PyObject *m, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"q", "k", "v", "grad_output", "masks", "is_causal", "scale",
                              "dropout", "seed", "counter", "zero_rows", "grad_weights",
-                             "reference", "window", "layout", "head_mask", NULL};
+                             "reference", "window", "layout", "head_mask", "scores_grad", NULL};
     PyObject *q, *k, *v, *go, *win = NULL, *lay = NULL, *hm = NULL, *masks = NULL, *causal = NULL, *scale = NULL, *p = NULL,
              *seed = NULL, *counter = NULL, *zero = NULL, *gw = Py_None, *ref = NULL,
-             *result = NULL;
-    PyArrayObject *dq = NULL, *dk = NULL, *dv = NULL;
+             *sg = NULL, *result = NULL;
+    PyArrayObject *dq = NULL, *dk = NULL, *dv = NULL, *ds = NULL;
     sdpa_call c;
     mha_sdpa_args *a = &c.ba.fwd;
+    int scores_grad = 0;
     (void)m;
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOOOO:_sdpa_backward", kwlist, &q,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OOOOOOOOOOOOO:_sdpa_backward", kwlist, &q,
                                      &k, &v, &go, &masks, &causal, &scale, &p, &seed, &counter,
-                                     &zero, &gw, &ref, &win, &lay, &hm))
+                                     &zero, &gw, &ref, &win, &lay, &hm, &sg))
         return NULL;
-    if (parse_window(win, &a->has_window, &a->window_left, &a->window_right) < 0 ||
+    if ((sg && parse_flag(sg, "scores_grad", &scores_grad) < 0) ||
+        parse_window(win, &a->has_window, &a->window_left, &a->window_right) < 0 ||
         sdpa_parse(&c, q, k, v, masks, causal, scale, p, seed, counter, zero, ref, lay, hm) < 0)
         goto fail;
     {
@@ -301,16 +305,20 @@ PyObject *sdpa_backward_py(PyObject *m, PyObject *args, PyObject *kwds)
         }
     }
     if (!(dq = new4(&c, a->B, a->H, a->L, a->D)) || !(dk = new4(&c, a->B, a->Hkv, a->S, a->D)) ||
-        !(dv = new4(&c, a->B, a->Hkv, a->S, a->Dv)))
+        !(dv = new4(&c, a->B, a->Hkv, a->S, a->Dv)) ||
+        (scores_grad && !(ds = new4(&c, a->B, a->H, a->L, a->S))))
         goto fail;
+    c.ba.grad_scores = ds ? PyArray_DATA(ds) : NULL;
     c.ba.grad_out = PyArray_DATA(c.grad_output);
     c.ba.grad_weights = c.grad_weights ? PyArray_DATA(c.grad_weights) : NULL;
     c.ba.grad_q = PyArray_DATA(dq);
     c.ba.grad_k = PyArray_DATA(dk);
     c.ba.grad_v = PyArray_DATA(dv);
     if (sdpa_run(&c, 1) < 0) goto fail;
-    result = PyTuple_Pack(3, (PyObject *)dq, (PyObject *)dk, (PyObject *)dv);
+    result = ds ? PyTuple_Pack(4, (PyObject *)dq, (PyObject *)dk, (PyObject *)dv, (PyObject *)ds)
+                : PyTuple_Pack(3, (PyObject *)dq, (PyObject *)dk, (PyObject *)dv);
 fail:
+    Py_XDECREF(ds);
     Py_XDECREF(dq);
     Py_XDECREF(dk);
     Py_XDECREF(dv);

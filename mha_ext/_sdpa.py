@@ -219,10 +219,14 @@ def sdpa_forward(q4, k4, v4, masks, is_causal, scale, p, seed, need_weights=Fals
 
 
 def sdpa_backward(q4, k4, v4, grad_out, masks, is_causal, scale, p, seed, reference=False,
-                  window=None, layout=None, head_mask=None):
+                  window=None, layout=None, head_mask=None, scores_grad=False):
     """_core._sdpa_backward: (dq, dk, dv) of the sdpa_forward call with the
-    same arguments (zeros where sdpa_forward computed nothing)."""
+    same arguments (zeros where sdpa_forward computed nothing); scores_grad
+    adds dL/d scores (B, H, L, S), the scores after the masks are added
+    (an additive mask's gradient, before its broadcast is summed)."""
     shapes = (q4.shape, k4.shape, v4.shape)
+    if scores_grad:
+        shapes += (q4.shape[:3] + k4.shape[2:3],)
     if q4.shape[1] == 0 or k4.shape[1] == 0:
         return tuple(np.zeros(sh, q4.dtype) for sh in shapes)
     q4, k4, v4, scale = _widened(q4, k4, v4, scale)
@@ -231,6 +235,6 @@ def sdpa_backward(q4, k4, v4, grad_out, masks, is_causal, scale, p, seed, refere
     grads = _core._sdpa_backward(q4, k4, v4, grad_out, masks=masks, is_causal=is_causal,
                                  scale=scale, dropout=p, seed=seed, counter=0, zero_rows=True,
                                  reference=reference, window=window, layout=layout,
-                                 head_mask=head_mask)
+                                 head_mask=head_mask, scores_grad=scores_grad)
     # a widened input's gradient: its real columns (none)
     return tuple(g if g.shape == sh else np.zeros(sh, g.dtype) for g, sh in zip(grads, shapes))

@@ -11,7 +11,6 @@ query / key-value heads.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
@@ -28,16 +27,22 @@ _DTYPES = (torch.float32, torch.float64)
 
 
 class SDPAFunction(torch.autograd.Function):
-    """forward(plan, query, key, value[, head_mask]) -> output; plan holds the
-    arguments in the C side's form except q, k, v (computed here from the
-    tensors) and the head mask (plan["head_mask"], or the fourth tensor when
-    it requires grad: then its gradient is returned too)."""
+    """forward(plan, query, key, value[, attn_mask][, head_mask]) -> output;
+    plan holds the arguments in the C side's form except q, k, v (computed
+    here from the tensors), the mask (plan["attn_mask"], or the next tensor
+    when plan["mask_input"]: a float mask that requires grad, which gets
+    dL/d mask, the C backward's gradient of the masked scores summed over
+    the mask's broadcast) and the head mask (plan["head_mask"], or the last
+    tensor when it requires grad: then its gradient is returned too)."""
 
     @staticmethod
-    def forward(ctx, plan, query, key, value, *head_mask):
+    def forward(ctx, plan, query, key, value, *extra):
+        mask_input = plan.get("mask_input", False)
+        mask = to_numpy(extra[0].detach(), "attn_mask") if mask_input else plan["attn_mask"]
+        head_mask = extra[1:] if mask_input else extra
         q4, k4, v4, masks, c, s, (lead, lead_kv), dtype = _sdpa.sdpa_arrays(
             to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value"),
-            plan["attn_mask"], plan["is_causal"], plan["scale"], plan["enable_gqa"],
+            mask, plan["is_causal"], plan["scale"], plan["enable_gqa"],
             causal_and_mask=plan["causal_and_mask"])
         lay = _sdpa.sdpa_layout(plan["layout"], q4, k4)
         hm = head_mask[0] if head_mask else plan["head_mask"]
@@ -47,13 +52,14 @@ class SDPAFunction(torch.autograd.Function):
                                     window=plan["window"], layout=lay, head_mask=hm)
         ctx.args = (q4, k4, v4, masks, c, s, plan["p"], plan["seed"], plan["window"], lay, hm)
         ctx.hm_shape = tuple(head_mask[0].shape) if head_mask else None
+        ctx.mask = (tuple(extra[0].shape), extra[0].dtype) if mask_input else None
         ctx.leads = (lead, lead_kv, lead_kv)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.set_materialize_grads(False)
         # only what requires grad: create_graph's anchors (a tensor made under
         # inference_mode may not be saved; the gradients come from ctx.args)
         ctx.save_for_backward(*(t if t.requires_grad else None
-                                for t in (query, key, value, *head_mask)))
+                                for t in (query, key, value, *extra)))
         return torch.from_numpy(out.reshape(lead + out.shape[2:]))
 
     @staticmethod
@@ -62,21 +68,27 @@ class SDPAFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         if grad_out is None:
             return (None,) * len(need)
+        dt = torch.float64 if q4.dtype == np.float64 else torch.float32
         if grad_out.numel() == 0:
             # an empty output (Ev, L or a batch dimension 0): no loss depends on
             # the inputs; zeros, not the NaN a blocked row's 0 * NaN would give
-            dt = torch.float64 if q4.dtype == np.float64 else torch.float32
-            shapes = list(ctx.shapes) + ([ctx.hm_shape] if ctx.hm_shape is not None else [])
+            shapes = list(ctx.shapes) + ([ctx.mask[0]] if ctx.mask else []) + \
+                ([ctx.hm_shape] if ctx.hm_shape is not None else [])
             return (None, *(torch.zeros(shape, dtype=dt) if need[1 + i] else None
                             for i, shape in enumerate(shapes)))
         with torch.no_grad():
             go = np.ascontiguousarray(to_numpy(grad_out, "grad_output"),
                                       dtype=q4.dtype).reshape(q4.shape[:3] + v4.shape[3:])
-            dq, dk, dv = _sdpa.sdpa_backward(q4, k4, v4, go, masks, c, s, p, seed,
-                                             window=window, layout=lay, head_mask=hm)
+            want_mask = ctx.mask is not None and need[4]
+            dq, dk, dv, *ds = _sdpa.sdpa_backward(q4, k4, v4, go, masks, c, s, p, seed,
+                                                  window=window, layout=lay, head_mask=hm,
+                                                  scores_grad=want_mask)
             grads = [_unbroadcast(g, lead, shape) if need[1 + i] else None
                      for i, (g, lead, shape) in enumerate(zip((dq, dk, dv), ctx.leads,
                                                                ctx.shapes))]
+            if ctx.mask is not None:  # dL/d mask: the masked scores' gradient, summed
+                grads.append(_unbroadcast(ds[0], ctx.leads[0], ctx.mask[0]).to(ctx.mask[1])
+                             if want_mask else None)
             if ctx.hm_shape is not None:
                 # out_bh = m[b, h]·(A·V)_bh: dL/dm = Σ dout · (A·V), A·V from the
                 # call without the head mask (the same dropout stream)
@@ -84,7 +96,7 @@ class SDPAFunction(torch.autograd.Function):
                                               window=window, layout=lay)
                 g = np.einsum("bhld,bhld->bh", go, plain)
                 g = g.sum(axis=0) if len(ctx.hm_shape) == 1 else g.reshape(ctx.hm_shape)
-                grads.append(torch.from_numpy(np.ascontiguousarray(g)) if need[4] else None)
+                grads.append(torch.from_numpy(np.ascontiguousarray(g)) if need[-1] else None)
         if torch.is_grad_enabled():
             # create_graph=True: make a later differentiation of these fail loudly
             anchors = [t for t in ctx.saved_tensors if t is not None]
@@ -148,10 +160,9 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         raise RuntimeError("torch.jit.trace would fix this call's dropout draw (made from "
                            "torch's generator outside the traced op) for every later call: "
                            "trace with dropout_p=0, or pass seed=")
-    if isinstance(attn_mask, torch.Tensor):
-        if attn_mask.requires_grad and torch.is_grad_enabled():
-            return _with_mask_grad(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                   enable_gqa, seed, window, layout, head_mask, both)
+    mask_input = (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
+                  and torch.is_grad_enabled())
+    if isinstance(attn_mask, torch.Tensor) and not mask_input:
         attn_mask = to_numpy(attn_mask, "attn_mask")
     p = probability(dropout_p, "dropout_p")
     with refused_draws_nothing(p > 0 and seed is None):
@@ -159,60 +170,14 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                     enable_gqa=enable_gqa, causal_and_mask=both, p=p,
                     seed=_sdpa._seed(seed, p, torch_stream), window=_calls.sliding_window(window),
                     layout=layout, head_mask=head_mask)
+        extra = []
+        if mask_input:  # a learned bias (Swin, BEiT, T5): it gets its gradient
+            plan["attn_mask"], plan["mask_input"] = None, True
+            extra.append(attn_mask)
         if hm_input:
             plan["head_mask"] = None
-            return SDPAFunction.apply(plan, query, key, value, head_mask)
-        return SDPAFunction.apply(plan, query, key, value)
-
-
-def _with_mask_grad(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, seed,
-                    window, layout, head_mask, pair):
-    """The call with a float attn_mask M that requires grad (a learned
-    relative-position bias: Swin, BEiT, T5): the C backward gives no
-    gradient for a mask, so dLoss/dM rides in L extra columns of the query
-    and the keys, whose products are zero:
-
-        q~_i = [scale * q_i, e_i]   (e_i: row i of the L x L identity)
-        k~_j = [k_j, Z[:, j]]       Z = 0 in value, M's gradient in autograd
-
-    so q~_i . k~_j = scale q_i . k_j, the call (scale 1) takes M itself,
-    detached, as its mask, and the C backward's gradient of k~'s extra
-    columns, dLoss/dscores, is dLoss/dM; autograd carries it back to M
-    (summed over the dimensions it was broadcast along; 0 where M is -inf,
-    as torch's softmax gives; NaN or +inf in M is refused).  Costs L more depth in the scores'
-    products and (..., Hq, S, E + L) keys."""
-    np_dtype = np.float64 if query.dtype == torch.float64 else np.float32
-
-    def shape_of(t):  # the argument checks, on zero-stride arrays of the shapes
-        return np.broadcast_to(np.zeros((), np_dtype), tuple(t.shape))
-    _, _, _, _, _, s, (lead, _), _ = _sdpa.sdpa_check(
-        shape_of(query), shape_of(key), shape_of(value), shape_of(mask), is_causal, scale,
-        enable_gqa, causal_and_mask=pair)
-    L, E = query.shape[-2:]
-    s = (1.0 / math.sqrt(E) if E else 1.0) if s is None else s  # E 0: every score 0
-    if not math.isfinite(s):
-        raise ValueError(f"scale must be finite when attn_mask requires grad, got {scale}")
-    if bool(torch.isnan(mask).any()) or bool(torch.isposinf(mask).any()):
-        # torch gives those rows NaN and the rest of the mask its gradient; here
-        # the NaN would reach every row's gradient (summed with zeros)
-        raise ValueError("attn_mask requires grad and holds NaN or +inf: its gradient is not "
-                         "computed then (torch gives NaN rows); fix the mask, or detach it")
-    H = lead[-1] if lead else 1
-
-    def per_head(t):  # (..., heads, n, w) -> lead + (n, w), enable_gqa's heads repeated
-        if enable_gqa and t.dim() >= 3 and t.shape[-3] not in (1, H):
-            t = t.repeat_interleave(H // t.shape[-3], dim=-3)
-        return t.expand(lead + tuple(t.shape[-2:]))
-    k = per_head(key)
-    M = mask.to(query.dtype).expand(lead + (L, k.shape[-2]))
-    finite = M.masked_fill(~torch.isfinite(M.detach()), 0.0)
-    Z = finite - finite.detach()
-    eye = torch.eye(L, dtype=query.dtype).expand(lead + (L, L))
-    q_aug = torch.cat([per_head(query) * s, eye], dim=-1)
-    k_aug = torch.cat([k, Z.transpose(-1, -2)], dim=-1)
-    return sdpa_torch(q_aug, k_aug, per_head(value), mask.detach(), dropout_p, is_causal, 1.0,
-                      False, seed, window=window, layout=layout, head_mask=head_mask,
-                      pair=pair)
+            extra.append(head_mask)
+        return SDPAFunction.apply(plan, query, key, value, *extra)
 
 
 def fused_causal_and_mask(query, key, value, attn_mask, dropout_p, is_causal, scale,

@@ -72,16 +72,39 @@ def refused_draws_nothing(draws: bool) -> Iterator[None]:
 
 
 def refuse_mask_grads(**masks) -> None:
-    """A float mask that requires grad gets its gradient from torch's module;
-    mha_ext's backward gives masks none: a ValueError (under grad mode), not
-    a gradient silently missing from the mask's .grad."""
+    """A 0/1 blocking mask (MultiHeadAttention's `mask`) that requires grad:
+    a ValueError under grad mode (it blocks keys, it is not added to the
+    scores: it has no gradient to give), not a .grad silently left None."""
     if not torch.is_grad_enabled():
         return
     for name, mask in masks.items():
         if isinstance(mask, torch.Tensor) and mask.requires_grad:
-            raise ValueError(f"{name} requires grad: mha_ext's backward gives no gradient for "
-                             f"masks (torch.nn.MultiheadAttention does); detach it, or use "
-                             f"torch's module to learn it")
+            raise ValueError(f"{name} requires grad, but it is a 0/1 blocking mask (not added "
+                             f"to the scores): it has no gradient; detach it, or pass an "
+                             f"additive float mask as attn_mask to learn it")
+
+
+MASKS = ("mask", "attn_mask", "key_padding_mask")  # the order of _masks.masks
+
+
+def mask_inputs(opts) -> tuple[str, ...]:
+    """The masks of a call that get a gradient: float tensors in opts
+    requiring grad under grad mode (added to the scores, as torch's
+    modules add them: their gradient is the masked scores' gradient)."""
+    if not torch.is_grad_enabled():
+        return ()
+    return tuple(n for n in MASKS if isinstance(opts.get(n), torch.Tensor)
+                 and opts[n].requires_grad)
+
+
+def _apply(core, opts, query, key, value, *params):
+    """AttentionFunction.apply, the masks that get a gradient (mask_inputs)
+    passed as its last tensors."""
+    names = mask_inputs(opts)
+    if names:
+        return AttentionFunction.apply(core, dict(opts, mask_inputs=names), query, key, value,
+                                       *params, *(opts[n] for n in names))
+    return AttentionFunction.apply(core, opts, query, key, value, *params)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -106,14 +129,21 @@ class AttentionFunction(torch.autograd.Function):
     none), then bias_k, bias_v when the core has add_bias_kv, in the order
     of the C parameter block.  params beyond the core's block (bias_k,
     bias_v given to a core without add_bias_kv) are unused: their gradient
-    is zero.  With opts["head_mask_input"] True the last tensor is the head
-    mask (opts["head_mask"] its detached copy), which gets dL/d head_mask.
-    weights is an empty tensor with need_weights=False."""
+    is zero.  With opts["head_mask_input"] True the next tensor is the head
+    mask (opts["head_mask"] its detached copy), which gets dL/d head_mask;
+    with opts["mask_inputs"] (names of MASKS) the last tensors are those
+    masks (taken detached), which get dL/d mask (their part of the masked
+    scores' gradient).  weights is an empty tensor with need_weights=False."""
 
     @staticmethod
     def forward(ctx, core, opts, query, key, value, *params):
         ctx.hm_input = bool(opts.get("head_mask_input", False))
-        opts = {k: v for k, v in opts.items() if k != "head_mask_input"}
+        names = opts.get("mask_inputs", ())
+        opts = {k: v for k, v in opts.items() if k not in ("head_mask_input", "mask_inputs")}
+        masks = ()
+        if names:
+            params, masks = params[:-len(names)], params[-len(names):]
+            opts.update((n, t.detach()) for n, t in zip(names, masks))
         head_mask = ()
         if ctx.hm_input:
             params, head_mask = params[:-1], params[-1:]
@@ -134,13 +164,17 @@ class AttentionFunction(torch.autograd.Function):
             saved = _ag.forward_train(core, q, k, v, params=parts, **opts)
         ctx.core = core
         ctx.saved = saved
+        # each mask's place among the call's masks (_masks.masks's order),
+        # its shape and dtype
+        present = [n for n in MASKS if opts.get(n) is not None]
+        ctx.masks = [(present.index(n), tuple(t.shape), t.dtype) for n, t in zip(names, masks)]
         ctx.set_materialize_grads(False)
         # only what requires grad (a tensor made under inference_mode may not
         # be saved, and the gradients come from `saved`): the anchors of
         # create_graph's guard (the head mask too: alone, it is the only
         # one), and the unused parameters' shapes
         ctx.save_for_backward(*(t if t.requires_grad else None
-                                for t in (query, key, value, *params, *head_mask)))
+                                for t in (query, key, value, *params, *head_mask, *masks)))
         out = torch.from_numpy(saved.output)
         if saved.weights is None:
             weights = torch.empty(0, dtype=out.dtype)
@@ -176,7 +210,7 @@ def records(core, opts, tensors) -> bool:
         refuse_traced_tensors(opts)  # that op cannot take as an input, refused
         return True
     return bool((torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-                or opts.get("dropout") or opts.get("head_mask_input")
+                or mask_inputs(opts) or opts.get("dropout") or opts.get("head_mask_input")
                 or (core.training and core.dropout > 0) or _has_tangent(tensors))
 
 
@@ -201,7 +235,7 @@ def attention(core, opts, query, key, value, *params):
     inference_mode, or no tensor requiring grad) and there is no dropout,
     the core's plain forward: nothing copied or kept for a backward."""
     if records(core, opts, (query, key, value, *params)):
-        return AttentionFunction.apply(core, opts, query, key, value, *params)
+        return _apply(core, opts, query, key, value, *params)
     return _plain(core, opts, query, key, value, _parts(core, params))
 
 
@@ -228,7 +262,7 @@ def attention_kept(module, core, opts, query, key, value, sources, get_params):
     about a sixth of the drop-in's call)."""
     present = tuple(t for t in sources if t is not None)
     if records(core, opts, (query, key, value, *present)):
-        return AttentionFunction.apply(core, opts, query, key, value, *get_params())
+        return _apply(core, opts, query, key, value, *get_params())
     memory = None  # kept only for registered parameters (not a parametrization's
     if all(t is None or isinstance(t, torch.nn.Parameter) for t in sources):  # new tensors)
         try:
@@ -308,18 +342,34 @@ def _gradients(ctx, saved_tensors, grad_out, grad_weights):
     gw = None
     if grad_weights is not None and saved.weights is not None:
         gw = to_numpy(grad_weights, "grad_weights")
-    grads = _ag.backward(core, saved, go, gw, head_mask_grad=ctx.hm_input)
+    n_masks = len(ctx.masks)
     need = ctx.needs_input_grad
+    want_masks = n_masks and any(need[-n_masks:])
+    grads = _ag.backward(core, saved, go, gw, head_mask_grad=ctx.hm_input,
+                         scores_grad=want_masks)
     inputs = [torch.from_numpy(grads[k]) if need[2 + i] else None
               for i, k in enumerate(("query", "key", "value"))]
     keys = [k for k in BLOCK_KEYS if k in grads]  # block order: bias_k, bias_v last
     params = [torch.from_numpy(np.ascontiguousarray(grads[k])) if need[5 + i] else None
               for i, k in enumerate(keys)]
-    # parameters outside the core's block (the head mask, saved last, is not one)
-    unused = saved_tensors[3 + len(keys):len(saved_tensors) - ctx.hm_input]
+    # parameters outside the core's block (the head mask and the masks,
+    # saved last, are not)
+    unused = saved_tensors[3 + len(keys):len(saved_tensors) - ctx.hm_input - n_masks]
     # (one that needs a gradient requires grad, so forward saved it)
     params += [torch.zeros_like(p) if need[5 + len(keys) + i] else None
                for i, p in enumerate(unused)]
     if ctx.hm_input:
-        params.append(torch.from_numpy(grads["head_mask"]) if need[-1] else None)
+        params.append(torch.from_numpy(grads["head_mask"]) if need[-1 - n_masks] else None)
+    if n_masks:
+        # dL/d mask: the masked scores' gradient over the given keys (not
+        # add_bias_kv's and add_zero_attn's), summed over the axes along
+        # which the mask (as the C call took it) was broadcast
+        g = grads["scores"][..., :saved._key.shape[1]] if want_masks else None
+        for i, (at, shape, dtype) in enumerate(ctx.masks):
+            if not need[len(need) - n_masks + i]:
+                params.append(None)
+                continue
+            taken = saved._masks[at][1].shape
+            gm = torch.from_numpy(np.ascontiguousarray(g)).sum_to_size(taken)
+            params.append(gm.reshape(shape).to(dtype))
     return inputs + params

@@ -178,8 +178,8 @@ def multi_head_attention_forward(
     S' counting bias_k's and the zero key.
 
     Gradients reach every tensor passed that requires grad (the weights
-    and biases too; a mask that requires grad is a ValueError under grad
-    mode), from mha_ext's C backward; query, key and value have the
+    and biases too, a float mask: the masked scores' gradient, summed over
+    its broadcast), from mha_ext's C backward; query, key and value have the
     weights' dtype (another is a TypeError, as torch raises, except under
     CPU autocast).  Under torch.compile the call is a graph break (see
     _refuse_fake).  float32 and float64 on

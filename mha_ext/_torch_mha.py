@@ -35,7 +35,7 @@ from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._torch_errors import TypeErrorAndRuntimeError, metas, torchs
-from ._torch_fn import HALF, attention, attention_kept, refuse_mask_grads, refuse_script
+from ._torch_fn import HALF, attention, attention_kept, refuse_script
 from ._types import Int, Window
 
 if TYPE_CHECKING:
@@ -424,7 +424,6 @@ class MultiheadAttention(nn.MultiheadAttention):
                                  "with a nested query")
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
-        refuse_mask_grads(attn_mask=attn_mask, key_padding_mask=key_padding_mask)
         # which of torch's paths would run decides only need_weights=False
         # calls (masked_rows, and is_causal's mask): with weights both give NaN
         fast = not need_weights and (

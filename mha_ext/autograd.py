@@ -170,7 +170,7 @@ def forward_train(mha: MultiHeadAttention, query: ArrayLike, key: ArrayLike | No
 
 def backward(mha: MultiHeadAttention, ctx: ForwardContext, grad_output: ArrayLike,
              grad_weights: ArrayLike | None = None, *,
-             head_mask_grad: Flag = False) -> dict[str, np.ndarray]:
+             head_mask_grad: Flag = False, scores_grad: Flag = False) -> dict[str, np.ndarray]:
     """The gradients of a loss L from dL/d output (``grad_output``, the shape of
     ``ctx.output``) and optionally dL/d weights (``grad_weights``, the shape of
     ``ctx.weights``).
@@ -189,6 +189,13 @@ def backward(mha: MultiHeadAttention, ctx: ForwardContext, grad_output: ArrayLik
     head mask (Michel et al.'s head-importance score); A·V and A come from
     one more forward without the head mask (same stream), so this costs a
     forward call.
+
+    scores_grad=True adds 'scores': dL/dS', S' the scores after the masks
+    were added, before the softmax ((B, H, Sq, Sk'), unbatched (H, Sq, Sk');
+    Sk' with add_bias_kv's and add_zero_attn's keys).  A float attn_mask or
+    key_padding_mask is added to S', so its gradient is this summed over
+    the axes it was broadcast along (an (Sq, Sk) attn_mask: over B and H);
+    0 where a key was blocked, NaN in a row whose output is NaN.
     """
     if not isinstance(ctx, ForwardContext):
         raise TypeError(f"ctx must be the ForwardContext of forward_train, not "
@@ -214,16 +221,21 @@ def backward(mha: MultiHeadAttention, ctx: ForwardContext, grad_output: ArrayLik
             raise ValueError(f"grad_weights must have the weights' shape {ctx.weights.shape}, "
                              f"got {gw.shape}")
     go, gw = _calls.grads_for_c(go, gw, ctx._batched, ctx._average_weights, mha.n_heads)
-    gp, gq, gk, gv = _calls.c_backward(mha, ctx._params, ctx._query, ctx._key, ctx._value,
-                                       ctx._masks, ctx._is_causal, ctx._zero_rows,
-                                       ctx.dropout, ctx.counter, go, gw, ctx._saved,
-                                       ctx._scale, ctx._window, ctx._head_mask, ctx._layout)
+    scores = flag(scores_grad, "scores_grad")
+    gp, gq, gk, gv, *gs = _calls.c_backward(mha, ctx._params, ctx._query, ctx._key,
+                                            ctx._value, ctx._masks, ctx._is_causal,
+                                            ctx._zero_rows, ctx.dropout, ctx.counter, go, gw,
+                                            ctx._saved, ctx._scale, ctx._window,
+                                            ctx._head_mask, ctx._layout, scores)
     grads = _params.grads(mha, gp)
     if not ctx._batched:
         gq, gk, gv = gq[0], gk[0], gv[0]
+        gs = [g[0] for g in gs]
     grads["query"] = gq
     grads["key"] = gk
     grads["value"] = gv
+    if scores:
+        grads["scores"] = gs[0]
     if flag(head_mask_grad, "head_mask_grad"):
         if ctx._head_mask is None:
             raise ValueError("head_mask_grad=True, but forward_train had no head_mask")

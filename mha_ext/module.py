@@ -514,13 +514,16 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
     def backward(self, ctx: ForwardContext, grad_output: ArrayLike,
                  grad_weights: ArrayLike | None = None, *,
-                 head_mask_grad: Flag = False) -> dict[str, np.ndarray]:
+                 head_mask_grad: Flag = False,
+                 scores_grad: Flag = False) -> dict[str, np.ndarray]:
         """Gradients of the forward_train call that made ctx, from dL/d output
         (and optionally dL/d weights): a dict keyed like state_dict() plus
-        'query', 'key' and 'value', and 'head_mask' with head_mask_grad=True
-        (see mha_ext.autograd.backward)."""
+        'query', 'key' and 'value', 'head_mask' with head_mask_grad=True and
+        'scores' (dL/d masked scores, a float mask's gradient before its
+        broadcast is summed) with scores_grad=True (see
+        mha_ext.autograd.backward)."""
         return _autograd.backward(self, ctx, grad_output, grad_weights,
-                                  head_mask_grad=head_mask_grad)
+                                  head_mask_grad=head_mask_grad, scores_grad=scores_grad)
 
     trace = _trace
 

@@ -87,7 +87,8 @@ class MultiHeadAttention(nn.Module):
     gets dL/d head_mask), layout None or a
     mha_ext.layout.BlockLayout), on (B, S, E) or (S, E) CPU tensors;
     weights is None with need_weights=False.  Gradients flow to query, key,
-    value and every parameter.
+    value, every parameter and a float attn_mask or key_padding_mask that
+    requires grad (``mask``, 0/1 blocking, has none: a ValueError then).
     """
 
     def __init__(self, d_model: Int, n_heads: Int, dropout: Real = 0.0, *, bias: Flag = True,
@@ -234,7 +235,7 @@ class MultiHeadAttention(nn.Module):
         for p in params:
             if p.device.type != "cpu":
                 raise ValueError(f"parameters must be on the CPU, got device {p.device}")
-        refuse_mask_grads(mask=mask, attn_mask=attn_mask, key_padding_mask=key_padding_mask)
+        refuse_mask_grads(mask=mask)
         opts = dict(mask=mask, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                     is_causal=is_causal, need_weights=need_weights,
                     average_weights=average_weights, masked_rows=masked_rows,

@@ -13,7 +13,7 @@
  *   per (b, h):
  *     S = Q_bh·K_bhᵀ · scale        dQ_bh = dS·K_bh · scale   dK_bh = dSᵀ·Q_bh · scale
  *     S = masked(S)                 (masks are constants: dS passes where S was finite)
- *     P = softmax(S)                dS_j = P_j (dP_j - Σ_k P_k dP_k)
+ *     P = softmax(S)                dS_j = P_j (dP_j - Σ_k P_k dP_k)   (dS: grad_scores)
  *     A = dropout(P)                dP = dA · keep / (1 - p)   (keep replayed, not stored)
  *     ctx_bh = A·V_bh               dA = dctx_bh·V_bhᵀ (+ d weights)   dV_bh = Aᵀ·dctx_bh
  *   out = ctx·W_oᵀ + b_o            dctx = d out·W_o   dW_o = d outᵀ·ctx   db_o = Σ_rows d out
@@ -63,6 +63,8 @@ typedef struct {
 typedef struct {
     const mha_backward_args *a;
     const T *grad_weights; /* NULL, or dL/d weights (B, H, Sq, Sk) */
+    T *dscores;           /* NULL, or dL/d masked scores (B, H, Sq, Sk) written,
+                             zeroed before the tasks (grad_scores) */
     mha_rows rr;          /* the forward's masks, causality, blocked rows */
     int64_t B, Sq, Sk, E, H, Hkv, Dk, Dv, Ekv; /* Sk: every key, the extra ones too;
                                                 Ekv = Hkv*Dk, K and V's width */
@@ -321,8 +323,16 @@ static void SUF(attend_backward_task)(void *vf, int64_t task, int slot)
                     for (j = ks; j < ke; j++)
                         d_r[j] = keep[r * Sk + j] ? d_r[j] * f->drop_scale : (T)0;
                 /* backward of P = softmax(S): dS_j = P_j (dP_j - Σ_k P_k dP_k),
-                 * and of S = ... · scale: the scale folded in */
-                f->kern->softmax_grad(pb + r * Sk + ks, d_r + ks, n, f->scale);
+                 * and of S = ... · scale: the scale folded in (after dS is
+                 * written out, when asked for: an additive mask's gradient) */
+                if (f->dscores) {
+                    f->kern->softmax_grad(pb + r * Sk + ks, d_r + ks, n, (T)1);
+                    memcpy(f->dscores + (bh * Sq + i0 + r) * Sk + ks, d_r + ks,
+                           (size_t)n * sizeof(T));
+                    f->kern->scale(d_r + ks, n, f->scale);
+                } else {
+                    f->kern->softmax_grad(pb + r * Sk + ks, d_r + ks, n, f->scale);
+                }
             }
             /* backward of S = Q_bh·K_bhᵀ: dQ_bh = dS·K_bh, dK_bh += dSᵀ·Q_bh
              * (dS is 0 between the runs) */
@@ -408,6 +418,8 @@ static mha_status SUF(backward)(const mha_config *cfg, const mha_params *p,
     memset(&f, 0, sizeof f);
     f.a = a;
     f.grad_weights = (const T *)a->grad_weights;
+    f.dscores = (T *)a->grad_scores;
+    if (f.dscores) memset(f.dscores, 0, (size_t)sz.n_weights * sizeof(T)); /* blocked keys: 0 */
     f.hmask = (const T *)a->fwd.head_mask;
     f.hm_sb = a->fwd.head_mask_stride[0];
     f.hm_sh = a->fwd.head_mask_stride[1];

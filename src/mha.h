@@ -329,7 +329,10 @@ mha_status mha_get_cpu_info(mha_cpu_info *out);
  * A row with every key blocked: with zero_masked_rows its weights are 0 and
  * it contributes nothing to any gradient but W_o.bias's; without, its NaN
  * output makes the gradients NaN (as torch autograd gives on the seed
- * module).  Masks are constants: no gradient flows into them. */
+ * module).  Masks are constants to the other gradients; grad_scores, when
+ * asked for, is dL/dS' for the masked scores S' = S·scale + masks (before
+ * the softmax): the gradient of any additive mask, summed over the
+ * dimensions it broadcasts along (0 where a key is blocked). */
 typedef struct {
     mha_forward_args fwd;     /* the forward call; fwd.out, fwd.weights unused */
     const void *grad_out;     /* (B, Sq, E): dL/d out */
@@ -340,6 +343,8 @@ typedef struct {
     void *grad_value;         /* (B, Sk, Ev) written, or NULL */
     void *grad_params;        /* the parameter block of mha_param_layout
                                  (every weight and bias) written, or NULL */
+    void *grad_scores;        /* (B, H, Sq, Sk + extra): dL/d masked scores
+                                 written, or NULL */
 } mha_backward_args;
 
 /* Every gradient asked for, overwritten (not accumulated).  Threaded on the
@@ -439,7 +444,8 @@ typedef struct {
 
 /* The gradients of one mha_sdpa_forward call `fwd` (its out, weights
  * unused), recomputed from its inputs; each output NULL when not wanted,
- * overwritten (dk, dv summed over the query heads of each group). */
+ * overwritten (dk, dv summed over the query heads of each group);
+ * grad_scores as mha_backward_args's, dL/d (q·kᵀ·scale + masks). */
 typedef struct {
     mha_sdpa_args fwd;
     const void *grad_out;     /* (B, H, L, Dv) */
@@ -447,6 +453,7 @@ typedef struct {
     void *grad_q;             /* (B, H, L, D)    written, or NULL */
     void *grad_k;             /* (B, Hkv, S, D)  written, or NULL */
     void *grad_v;             /* (B, Hkv, S, Dv) written, or NULL */
+    void *grad_scores;        /* (B, H, L, S)    written, or NULL */
 } mha_sdpa_backward_args;
 
 mha_status mha_sdpa_forward(const mha_sdpa_args *a);

@@ -168,6 +168,9 @@ static mha_status SUF(backward_ref)(const mha_config *cfg, const mha_params *p,
                 /* backward of p = softmax(s): ds_j = p_j (dp_j - Σ_k p_k dp_k) */
                 for (j = 0; j < Skx; j++) dot += row[j] * drow[j];
                 for (j = 0; j < Skx; j++) drow[j] = row[j] * (drow[j] - dot);
+                if (ba->grad_scores) /* dL/d masked scores: an additive mask's gradient */
+                    memcpy((T *)ba->grad_scores + ((b * H + h) * Sq + i) * Skx, drow,
+                           (size_t)Skx * sizeof(T));
                 /* the masks are constants: ds passes where s was finite (p_j = 0
                  * elsewhere, so ds_j = 0 there) */
                 /* backward of s_j = q_i·k_j · scale: dq_i += ds_j k_j · scale,

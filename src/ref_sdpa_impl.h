@@ -181,6 +181,8 @@ static mha_status SUF(sdpa_backward_ref)(const mha_sdpa_backward_args *ba)
                 /* backward of p = softmax(s): ds_j = p_j (dp_j - Σ_k p_k dp_k) */
                 for (j = 0; j < S; j++) dot += p[j] * drow[j];
                 for (j = 0; j < S; j++) drow[j] = p[j] * (drow[j] - dot);
+                if (ba->grad_scores) /* dL/d masked scores: an additive mask's gradient */
+                    memcpy((T *)ba->grad_scores + (bh * a->L + i) * S, drow, (size_t)S * sizeof(T));
                 /* backward of s_j = q_i·k_j · scale (masks are constants) */
                 for (j = 0; j < S; j++) {
                     const T ds = drow[j] * scale;

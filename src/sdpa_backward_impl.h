@@ -33,11 +33,14 @@ static mha_status SUF(sdpa_backward)(const mha_sdpa_backward_args *a)
         if (a->grad_q) memset(a->grad_q, 0, (size_t)sz.n_query * sizeof(T));
         if (a->grad_k) memset(a->grad_k, 0, (size_t)sz.n_key * sizeof(T));
         if (a->grad_v) memset(a->grad_v, 0, (size_t)sz.n_value * sizeof(T));
+        if (a->grad_scores) memset(a->grad_scores, 0, (size_t)sz.n_weights * sizeof(T));
         return MHA_OK;
     }
 
     memset(&f, 0, sizeof f);
     f.grad_weights = (const T *)a->grad_weights;
+    f.dscores = (T *)a->grad_scores;
+    if (f.dscores) memset(f.dscores, 0, (size_t)sz.n_weights * sizeof(T)); /* blocked keys: 0 */
     f.rr = mha_rows_make(fa->masks, fa->n_masks, fa->is_causal, fa->L, fa->S,
                          fa->zero_masked_rows);
     mha_rows_window(&f.rr, fa->has_window, fa->window_left, fa->window_right, fa->L, fa->S);

@@ -184,14 +184,22 @@ def test_a_mask_gradient_with_dropout_windows_and_half_tensors(torch):
     out = f(*(t.detach().to(torch.bfloat16) for t in (q, k, v)), attn_mask=mh)
     out.float().sum().backward()
     assert mh.grad.dtype == torch.bfloat16 and mh.grad.shape == mh.shape
-    with pytest.raises(ValueError, match="scale must be finite when attn_mask requires grad"):
-        f(q, k, v, attn_mask=m, scale=float("inf"))
-    # one NaN or +inf would reach every row's gradient here (torch: its row's)
-    for bad in (float("nan"), float("inf")):
-        nan = m.detach().clone()
-        nan[0, 1, 2] = bad
-        with pytest.raises(ValueError, match="holds NaN or \\+inf"):
-            f(q, k, v, attn_mask=nan.requires_grad_())
+    # an infinite scale, a NaN or +inf in the mask: NaN where torch has NaN
+    # (that query's row), the other rows' gradients as torch's
+    F = torch.nn.functional
+    for scale, bad in ((float("inf"), None), (None, float("nan")), (None, float("inf"))):
+        mb = m.detach().clone()
+        if bad is not None:
+            mb[0, 1, 2] = bad
+        results = []
+        for fn in (f, F.scaled_dot_product_attention):
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, mb)]
+            out = fn(*leaves[:3], attn_mask=leaves[3], scale=scale)
+            results.append((out, torch.autograd.grad(out.sum(), leaves)))
+        (got, grads), (want, wants) = results
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-12, atol=1e-12)
+        for name, a, b in zip("qkvm", grads, wants):
+            torch.testing.assert_close(a, b, equal_nan=True, rtol=1e-10, atol=1e-10, msg=name)
     with pytest.raises(ValueError, match="does not broadcast"):
         f(q, k, v, attn_mask=torch.zeros(3, 4, 5, requires_grad=True, dtype=torch.float64))
 

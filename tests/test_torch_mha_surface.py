@@ -345,28 +345,6 @@ def test_refuses_what_it_cannot_compute(bad, exc, word):
         m(q, q, q)
 
 
-def test_a_mask_that_requires_grad_is_refused():
-    """torch differentiates a float attn_mask or key_padding_mask that
-    requires grad; mha_ext's backward gives masks no gradient, and left
-    .grad None without a word: a ValueError now (no_grad: computed)."""
-    t, m = pair()
-    q, k, v = x(L, B, E), x(S, B, E, seed=2), x(S, B, E, seed=3)
-    a = mt.MultiHeadAttention(E, H, dtype=torch.float64, seed=0)   # self-attention, (B, L, E)
-    for name, shape in (("attn_mask", (L, S)), ("key_padding_mask", (B, S))):
-        learned = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
-        own = torch.zeros(shape[0], L, dtype=torch.float64, requires_grad=True)  # a's: S = L
-        with pytest.raises(ValueError, match=f"{name} requires grad: mha_ext's backward"):
-            m(q, k, v, **{name: learned})
-        with pytest.raises(ValueError, match=f"{name} requires grad: mha_ext's backward"):
-            a(q.transpose(0, 1), **{name: own})
-        with torch.no_grad():
-            close(m(q, k, v, **{name: learned})[0], t(q, k, v, **{name: learned})[0],
-                  torch.float64)
-            a(q.transpose(0, 1), **{name: own})
-    with pytest.raises(ValueError, match="mask requires grad"):
-        a(q.transpose(0, 1), mask=torch.zeros(L, L, requires_grad=True))
-
-
 # ------------------------------------------- README "Differences from torch", rows
 # where torch 2.13 raises or its paths disagree (found by a differential fuzz)
 

@@ -273,6 +273,34 @@ static void test_saved(int64_t B, int64_t Sq, int64_t Sk, int64_t E, int64_t H, 
         CHECK(e_p < 1e-14 && e_w < 1e-14 && e_out < 1e-13 && e_g <= 1e-12 * fmax(scale, 1.0),
               "kept P B%lld Sq%lld Sk%lld: P %g weights %g out %g gradients %g", (long long)B,
               (long long)Sq, (long long)Sk, e_p, e_w, e_out, e_g);
+        /* the masked scores' gradient: the reference's, recomputed, read from
+         * Q, K, V and ctx kept, and from P kept (every entry written) */
+        {
+            double *ds[4], e_s = 0;
+            int k2, nan_bad = 0;
+            for (k2 = 0; k2 < 4; k2++) {
+                ds[k2] = malloc((size_t)(nw + 1) * 8);
+                memset(ds[k2], 0x7f, (size_t)nw * 8);
+                ba.grad_scores = ds[k2];
+                CHECK((k2 == 0 ? mha_backward_ref(&c, &p, &ba)
+                       : k2 == 1 ? mha_backward(&c, &p, &ba)
+                       : mha_backward_saved(&c, &p, &ba, k2 == 2 ? &kept : &full)) == MHA_OK,
+                      "backward %d with grad_scores", k2);
+            }
+            ba.grad_scores = NULL;
+            for (k2 = 1; k2 < 4; k2++)
+                for (i = 0; i < nw; i++) {
+                    if (isnan(ds[0][i]) || isnan(ds[k2][i])) {
+                        nan_bad += isnan(ds[0][i]) != isnan(ds[k2][i]);
+                        continue;
+                    }
+                    e_s = fmax(e_s, fabs(ds[0][i] - ds[k2][i]));
+                }
+            CHECK(nan_bad == 0 && e_s <= 1e-12,
+                  "grad_scores B%lld Sq%lld Sk%lld: %g, %d NaN misplaced", (long long)B,
+                  (long long)Sq, (long long)Sk, e_s, nan_bad);
+            for (k2 = 0; k2 < 4; k2++) free(ds[k2]);
+        }
         free(sp); free(w0); free(w1); free(w2); free(cx); free(cp);
     }
     free(P); free(X); free(G); free(out); free(out2); free(sq); free(sk); free(sv); free(sc);

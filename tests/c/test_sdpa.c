@@ -110,13 +110,13 @@ static void sdpa_case(mha_dtype dt, int64_t B, int64_t H, int64_t Hkv, int64_t L
     problem pr;
     const size_t es = mha_dtype_size(dt);
     int64_t nan_bad = 0, n, k;
-    double e_out, e_on, e_w, e_g;
+    double e_out, e_on, e_w, e_g, e_s;
     problem_make(&pr, dt, B, H, Hkv, L, S, D, Dv, &o);
     n = pr.nq + pr.nk + pr.nv;
     char *out = malloc((size_t)(pr.no + 1) * es), *out2 = malloc((size_t)(pr.no + 1) * es);
     char *ref = malloc((size_t)(pr.no + 1) * es);
     char *w = malloc((size_t)(pr.nw + 1) * es), *wr = malloc((size_t)(pr.nw + 1) * es);
-    char *g[2];
+    char *g[2], *ds[2];
     mha_sdpa_args a = pr.a;
     mha_sdpa_backward_args ba;
     a.out = out; a.weights = w;
@@ -138,10 +138,15 @@ static void sdpa_case(mha_dtype dt, int64_t B, int64_t H, int64_t Hkv, int64_t L
         ba.grad_q = g[k];
         ba.grad_k = g[k] + pr.nq * es;
         ba.grad_v = g[k] + (pr.nq + pr.nk) * es;
+        ds[k] = malloc((size_t)(pr.nw + 1) * es); /* the masked scores' gradient */
+        memset(ds[k], 0x7f, (size_t)pr.nw * es);  /* every one written (0 where blocked) */
+        ba.grad_scores = ds[k];
         CHECK((k ? mha_sdpa_backward(&ba) : mha_sdpa_backward_ref(&ba)) == MHA_OK,
               "backward %lld", (long long)k);
     }
+    ba.grad_scores = NULL;
     e_g = rel_err(dt, g[1], g[0], n, &nan_bad);
+    e_s = rel_err(dt, ds[1], ds[0], pr.nw, &nan_bad);
     /* one gradient at a time: the others NULL, the same numbers */
     {
         char *one = malloc((size_t)(n + 1) * es);
@@ -160,15 +165,19 @@ static void sdpa_case(mha_dtype dt, int64_t B, int64_t H, int64_t Hkv, int64_t L
         CHECK(bad1 == 0, "gradients alone differ from together (%lld)", (long long)bad1);
         free(one);
     }
-    CHECK(nan_bad == 0 && e_out < tol(dt) && e_on < tol(dt) && e_w < tol(dt) && e_g < tol(dt),
+    CHECK(nan_bad == 0 && e_out < tol(dt) && e_on < tol(dt) && e_w < tol(dt) && e_g < tol(dt) &&
+              e_s < tol(dt),
           "%s %s B%lld H%lld Hkv%lld L%lld S%lld D%lld Dv%lld causal %d scale %d:%g masked %d "
-          "zero %d p %g gw %d win %d:%lld,%lld: out %g online %g weights %g grads %g, "
-          "%lld NaN misplaced",
+          "zero %d p %g gw %d win %d:%lld,%lld: out %g online %g weights %g grads %g "
+          "scores %g, %lld NaN misplaced",
           mha_get_isa(), dt == MHA_FLOAT32 ? "f32" : "f64", (long long)B, (long long)H,
           (long long)Hkv, (long long)L, (long long)S, (long long)D, (long long)Dv, o.causal,
           o.has_scale, o.scale, o.masked, o.zero_rows, o.p, o.gw, o.win, (long long)o.wl,
-          (long long)o.wr, e_out, e_on, e_w, e_g, (long long)nan_bad);
-    for (k = 0; k < 2; k++) free(g[k]);
+          (long long)o.wr, e_out, e_on, e_w, e_g, e_s, (long long)nan_bad);
+    for (k = 0; k < 2; k++) {
+        free(g[k]);
+        free(ds[k]);
+    }
     free(out); free(out2); free(ref); free(w); free(wr);
     problem_free(&pr);
 }
