@@ -18,8 +18,8 @@ import torch
 from . import _sdpa
 from . import _calls
 from ._convert import probability, to_numpy
-from ._torch_fn import (HALF, _NoDoubleBackward, refuse_traced_tensors, refused_draws_nothing,
-                        torch_stream)
+from ._torch_fn import (HALF, _NoDoubleBackward, refuse_traced_tensors, refuse_unrecordable,
+                        refused_draws_nothing, torch_stream)
 
 __all__ = ["sdpa_torch", "SDPAFunction"]
 
@@ -98,8 +98,11 @@ class SDPAFunction(torch.autograd.Function):
                 g = g.sum(axis=0) if len(ctx.hm_shape) == 1 else g.reshape(ctx.hm_shape)
                 grads.append(torch.from_numpy(np.ascontiguousarray(g)) if need[-1] else None)
         if torch.is_grad_enabled():
-            # create_graph=True: make a later differentiation of these fail loudly
-            anchors = [t for t in ctx.saved_tensors if t is not None]
+            # create_graph=True: make a later differentiation of these fail
+            # loudly, also one through grad_out (a loss on the layers after
+            # this one, torch.autograd.functional.jvp)
+            anchors = [t for t in ctx.saved_tensors if t is not None] + \
+                ([grad_out] if grad_out.requires_grad else [])
             have = [i for i, g in enumerate(grads) if g is not None]
             if anchors and have:
                 guarded = _NoDoubleBackward.apply(len(have), *[grads[i] for i in have],
@@ -140,6 +143,8 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, "
                         f"{key.dtype}, {value.dtype}")
+    refuse_unrecordable({"query": query, "key": key, "value": value, "attn_mask": attn_mask,
+                         "head_mask": head_mask})
     # (asked on the tensors as given: the half dtypes' float32 copies below
     # are contiguous, torch's choice reads the strides)
     both = pair if pair is not None else fused_causal_and_mask(

@@ -12,6 +12,7 @@ Legend: B batch, Sq query length, Sk key length, E = d_model, H = n_heads.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from typing import Any, Iterator, NoReturn
 
@@ -189,8 +190,11 @@ class AttentionFunction(torch.autograd.Function):
         with torch.no_grad():
             grads = _gradients(ctx, saved_tensors, grad_out, grad_weights)
         if torch.is_grad_enabled():
-            # create_graph=True: make a later differentiation of these fail loudly
-            anchors = [t for t in saved_tensors if t is not None]
+            # create_graph=True: make a later differentiation of these fail
+            # loudly, also one through the incoming gradients (a loss on the
+            # layers after this one, torch.autograd.functional.jvp)
+            anchors = [t for t in saved_tensors if t is not None] + \
+                [g for g in (grad_out, grad_weights) if g is not None and g.requires_grad]
             have = [i for i, g in enumerate(grads) if g is not None]
             if anchors and have:
                 guarded = _NoDoubleBackward.apply(len(have), *[grads[i] for i in have],
@@ -200,12 +204,54 @@ class AttentionFunction(torch.autograd.Function):
         return (None, None, *grads)
 
 
+ONNX_EXPORT = ("torch.onnx.export cannot record mha_ext's C computation (its TorchScript "
+               "exporter, dynamo=False, would store the result as a constant, the same for "
+               "every input); export a model that uses torch's own attention "
+               "(torch.nn.MultiheadAttention, F.scaled_dot_product_attention, "
+               "attn_implementation='sdpa'), or compare mha_ext with the exported model "
+               "outside the export")
+FUNC_TRANSFORMS = ("is a tensor of a torch.func transform (grad, jacrev, jacfwd, jvp, "
+                   "hessian), which mha_ext's C kernels cannot read and its autograd function "
+                   "cannot take; use torch.autograd.grad or torch.autograd.functional (their "
+                   "first derivatives run through mha_ext's C backward), or torch's own "
+                   "attention under torch.func")
+
+
+def refuse_unrecordable(named) -> None:
+    """Refuse, naming mha_ext, the calls whose derivatives or export would
+    be silently wrong, before anything runs (`named`: name -> tensor or
+    None, every tensor of the call): torch.onnx's TorchScript export (it
+    would store the C call's result as a constant), tensors of torch.func's
+    transforms (torch's own message named no one; vmap's batched tensors
+    are refused by check_tensor), and a forward-mode tangent on a mask or
+    head mask (not an input of the autograd function: the tangent was
+    dropped where torch's math path carries it)."""
+    onnx = sys.modules.get("torch.onnx")
+    if onnx is not None and onnx.is_in_onnx_export():
+        raise RuntimeError(ONNX_EXPORT)
+    ft = torch._C._functorch
+    for name, t in named.items():
+        if isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t) \
+                and not ft.is_batchedtensor(t):
+            raise RuntimeError(f"{name} {FUNC_TRANSFORMS}")
+    for name in (*MASKS, "head_mask"):
+        t = named.get(name)
+        if isinstance(t, torch.Tensor) and _has_tangent((t,)):
+            raise NotImplementedError(
+                f"{name} carries a forward-mode tangent (a dual tensor): mha_ext has no "
+                f"forward-mode AD (jvp) for its masks; use torch's own attention for it")
+
+
 def records(core, opts, tensors) -> bool:
     """Whether a call must go through AttentionFunction: autograd records it
     (grad mode on and a tensor requiring grad), it has dropout or a head mask
     to differentiate, a tensor carries a forward-mode tangent, or torch.jit.trace
     is recording (the plain path's result would be traced as a constant;
-    refuse_traced_tensors refuses what the traced op cannot take)."""
+    refuse_traced_tensors refuses what the traced op cannot take).  What no
+    path can record is refused first (refuse_unrecordable)."""
+    names = ("query", "key", "value") + tuple(f"parameter #{i}" for i in range(len(tensors)))
+    refuse_unrecordable({**{n: opts.get(n) for n in (*MASKS, "head_mask")},
+                         **dict(zip(names, tensors))})
     if torch.jit.is_tracing():  # the trace's PythonOp, not a constant; and what
         refuse_traced_tensors(opts)  # that op cannot take as an input, refused
         return True

@@ -1,0 +1,99 @@
+"""What autograd's other modes, torch.func and torch.onnx cannot get from
+mha_ext is refused with a message naming mha_ext, never computed silently
+wrong: each case below gave zeros, a dropped term or a constant graph
+before (found by an audit against torch; see docs/API.md §4).
+
+Legend: B batch, L query length, E = embed_dim, H = num_heads.
+"""
+import io
+import warnings
+
+import pytest
+
+from _support import require_torch
+
+torch = require_torch()
+import mha_ext  # noqa: E402
+import mha_ext.torch as mt  # noqa: E402
+
+E, H, B, L = 8, 2, 2, 5
+F64 = torch.float64
+
+
+def _entry_points():
+    torch.manual_seed(0)
+    drop_in = mt.MultiheadAttention(E, H, batch_first=True, dtype=F64)
+    own = mt.MultiHeadAttention(E, H, dtype=F64, seed=0)
+    return {
+        "drop-in": lambda x, **kw: drop_in(x, x, x, **kw)[0],
+        "MultiHeadAttention": lambda x, **kw: own(x, **kw)[0],
+        "SDPA twin": lambda x, **kw: mha_ext.scaled_dot_product_attention(x, x, x, **kw),
+    }
+
+
+ENTRY_POINTS = ["drop-in", "MultiHeadAttention", "SDPA twin"]
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_differentiating_through_the_incoming_gradient_is_refused(name):
+    # torch.autograd.functional.jvp differentiates a vjp with respect to its
+    # grad_outputs; a gradient penalty on later layers differentiates the
+    # gradient through them: both gave wrong numbers (zeros, a dropped term)
+    f = _entry_points()[name]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, L, E, generator=g, dtype=F64)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.functional.jvp(f, x, torch.randn_like(x))
+    head = torch.nn.Linear(E, 1, dtype=F64)
+    xx = x.clone().requires_grad_()
+    out = torch.tanh(head(f(xx))).sum()
+    gx, = torch.autograd.grad(out, xx, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(gx.pow(2).sum() + out, head.weight)
+    # first derivatives still run (the loss, its gradient, no second one)
+    gx2, = torch.autograd.grad(torch.tanh(head(f(xx))).sum(), xx)
+    torch.testing.assert_close(gx2, gx.detach())
+
+
+@pytest.mark.parametrize("name,mask", [(n, "attn_mask") for n in ENTRY_POINTS]
+                         + [(n, "key_padding_mask") for n in ENTRY_POINTS[:2]])
+def test_a_forward_mode_tangent_on_a_mask_is_refused(name, mask):
+    import torch.autograd.forward_ad as fwAD
+    f = _entry_points()[name]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(B, L, E, generator=g, dtype=F64)
+    m = torch.randn((L, L) if mask == "attn_mask" else (B, L), generator=g, dtype=F64)
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match=f"{mask} carries a forward-mode tangent"):
+            f(x, **{mask: fwAD.make_dual(m, torch.ones_like(m))})
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_torch_func_transforms_name_mha_ext(name):
+    f = _entry_points()[name]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, L, E, generator=g, dtype=F64)
+    m = torch.randn(L, L, generator=g, dtype=F64)
+    with pytest.raises(RuntimeError, match="query is a tensor of a torch.func transform"):
+        torch.func.grad(lambda t: f(t).sum())(x)
+    with pytest.raises(RuntimeError, match="attn_mask is a tensor of a torch.func transform"):
+        torch.func.jvp(lambda a: f(x, attn_mask=a), (m,), (m,))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_torchscript_onnx_export_is_refused(name, grad):
+    # the TorchScript exporter inlined the autograd function: the C call's
+    # result became one Constant node, the graph without inputs
+    f = _entry_points()[name]
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return f(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.set_grad_enabled(grad), pytest.raises(RuntimeError,
+                                                         match="torch.onnx.export cannot record"):
+            torch.onnx.export(Model(), (torch.randn(B, L, E, dtype=F64),), io.BytesIO(),
+                              dynamo=False)
+    f(torch.randn(B, L, E, dtype=F64))  # and outside the export, the call runs
