@@ -19,7 +19,7 @@ from . import _sdpa
 from . import _calls
 from ._convert import probability, to_numpy
 from ._torch_fn import (HALF, _NoDoubleBackward, refuse_traced_tensors, refuse_unrecordable,
-                        refused_draws_nothing, torch_stream)
+                        refused_draws_nothing, save_arrays, saved_arrays, torch_stream)
 
 __all__ = ["sdpa_torch", "SDPAFunction"]
 
@@ -50,21 +50,27 @@ class SDPAFunction(torch.autograd.Function):
             to_numpy(hm, "head_mask") if isinstance(hm, torch.Tensor) else hm, q4, lead)
         out, _ = _sdpa.sdpa_forward(q4, k4, v4, masks, c, s, plan["p"], plan["seed"],
                                     window=plan["window"], layout=lay, head_mask=hm)
-        ctx.args = (q4, k4, v4, masks, c, s, plan["p"], plan["seed"], plan["window"], lay, hm)
+        # q4, k4, v4 and the masks' arrays go through autograd's saved tensors
+        # (save_arrays: freed by torch.utils.checkpoint, seen by saved-tensor hooks)
+        ctx.args = (None, None, None, [(kind, None) for kind, _ in masks], c, s, plan["p"],
+                    plan["seed"], plan["window"], lay, hm)
         ctx.hm_shape = tuple(head_mask[0].shape) if head_mask else None
         ctx.mask = (tuple(extra[0].shape), extra[0].dtype) if mask_input else None
         ctx.leads = (lead, lead_kv, lead_kv)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.set_materialize_grads(False)
-        # only what requires grad: create_graph's anchors (a tensor made under
-        # inference_mode may not be saved; the gradients come from ctx.args)
-        ctx.save_for_backward(*(t if t.requires_grad else None
-                                for t in (query, key, value, *extra)))
+        # anchors: only what requires grad, for create_graph's guard (a tensor
+        # made under inference_mode may not be saved; the arrays are new tensors)
+        save_arrays(ctx, [t if t.requires_grad else None for t in (query, key, value, *extra)],
+                    [q4, k4, v4, *(m for _, m in masks)])
         return torch.from_numpy(out.reshape(lead + out.shape[2:]))
 
     @staticmethod
     def backward(ctx, grad_out):
-        q4, k4, v4, masks, c, s, p, seed, window, lay, hm = ctx.args
+        anchors, arrays = saved_arrays(ctx, ctx.saved_tensors)
+        _, _, _, masks, c, s, p, seed, window, lay, hm = ctx.args
+        q4, k4, v4 = arrays[:3]
+        masks = [(kind, m) for (kind, _), m in zip(masks, arrays[3:])]
         need = ctx.needs_input_grad
         if grad_out is None:
             return (None,) * len(need)
@@ -101,7 +107,7 @@ class SDPAFunction(torch.autograd.Function):
             # create_graph=True: make a later differentiation of these fail
             # loudly, also one through grad_out (a loss on the layers after
             # this one, torch.autograd.functional.jvp)
-            anchors = [t for t in ctx.saved_tensors if t is not None] + \
+            anchors = [t for t in anchors if t is not None] + \
                 ([grad_out] if grad_out.requires_grad else [])
             have = [i for i, g in enumerate(grads) if g is not None]
             if anchors and have:

@@ -122,6 +122,47 @@ class _NoDoubleBackward(torch.autograd.Function):
         raise RuntimeError(DOUBLE_BACKWARD)
 
 
+def save_arrays(ctx, anchors, arrays) -> None:
+    """ctx.save_for_backward(*anchors, *arrays): the NumPy arrays a backward
+    needs go through autograd's saved tensors (tensors sharing their
+    memory), so that torch.utils.checkpoint (non-reentrant: transformers'
+    gradient_checkpointing_enable) frees them after the forward and
+    recomputes them, and saved_tensors_hooks (save_on_cpu) see them.  Kept
+    on ctx were they held for good.  None, a read-only array (a broadcast
+    view) or one torch cannot take stays on ctx; the same array object
+    twice is saved once.  saved_arrays() gives back (anchors, arrays)."""
+    slots, tensors, seen = [], [], {}
+    for a in arrays:
+        if isinstance(a, np.ndarray) and id(a) in seen:
+            slots.append(("same", seen[id(a)]))
+            continue
+        if isinstance(a, np.ndarray) and a.flags.writeable:
+            try:
+                t = torch.from_numpy(a)
+            except (TypeError, ValueError):  # negative strides, a dtype torch lacks
+                t = None
+            if t is not None:
+                seen[id(a)] = len(slots)
+                slots.append(("saved", len(tensors)))
+                tensors.append(t)
+                continue
+        slots.append(("kept", a))
+    ctx.array_slots = slots
+    ctx.n_anchors = len(anchors)
+    ctx.save_for_backward(*anchors, *tensors)
+
+
+def saved_arrays(ctx, saved_tensors):
+    """(anchors, arrays) of save_arrays, from ctx.saved_tensors (unpacked
+    once by the caller)."""
+    anchors, tensors = saved_tensors[:ctx.n_anchors], saved_tensors[ctx.n_anchors:]
+    arrays = []
+    for how, x in ctx.array_slots:
+        arrays.append(tensors[x].numpy() if how == "saved" else arrays[x] if how == "same"
+                      else x)
+    return anchors, arrays
+
+
 class AttentionFunction(torch.autograd.Function):
     """forward(core, opts, query, key, value, *params) -> (output, weights);
     core a mha_ext.MultiHeadAttention of the computation's dtype (its own
@@ -164,7 +205,7 @@ class AttentionFunction(torch.autograd.Function):
                 opts.setdefault("save_projections", False)
             saved = _ag.forward_train(core, q, k, v, params=parts, **opts)
         ctx.core = core
-        ctx.saved = saved
+        ctx.saved, arrays = _ag.hollow(saved)  # the arrays: saved tensors (save_arrays)
         # each mask's place among the call's masks (_masks.masks's order),
         # its shape and dtype
         present = [n for n in MASKS if opts.get(n) is not None]
@@ -174,8 +215,8 @@ class AttentionFunction(torch.autograd.Function):
         # be saved, and the gradients come from `saved`): the anchors of
         # create_graph's guard (the head mask too: alone, it is the only
         # one), and the unused parameters' shapes
-        ctx.save_for_backward(*(t if t.requires_grad else None
-                                for t in (query, key, value, *params, *head_mask, *masks)))
+        save_arrays(ctx, [t if t.requires_grad else None
+                          for t in (query, key, value, *params, *head_mask, *masks)], arrays)
         out = torch.from_numpy(saved.output)
         if saved.weights is None:
             weights = torch.empty(0, dtype=out.dtype)
@@ -186,9 +227,11 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):
-        saved_tensors = ctx.saved_tensors  # once: checkpoint's unpack runs once per backward
+        # once: checkpoint's unpack runs once per backward
+        saved_tensors, arrays = saved_arrays(ctx, ctx.saved_tensors)
         with torch.no_grad():
-            grads = _gradients(ctx, saved_tensors, grad_out, grad_weights)
+            grads = _gradients(ctx, _ag.filled(ctx.saved, arrays), saved_tensors, grad_out,
+                               grad_weights)
         if torch.is_grad_enabled():
             # create_graph=True: make a later differentiation of these fail
             # loudly, also one through the incoming gradients (a loss on the
@@ -381,9 +424,10 @@ def _forward_plain(core, q, k, v, parts, opts):
     return _calls.shape_output(call, out, weights)
 
 
-def _gradients(ctx, saved_tensors, grad_out, grad_weights):
+def _gradients(ctx, saved, saved_tensors, grad_out, grad_weights):
     # [d query, d key, d value, d params...] as tensors, None where not needed
-    saved, core = ctx.saved, ctx.core
+    # (saved: the forward's context, filled again)
+    core = ctx.core
     go = np.zeros_like(saved.output) if grad_out is None else to_numpy(grad_out, "grad_out")
     gw = None
     if grad_weights is not None and saved.weights is not None:

@@ -168,6 +168,35 @@ def forward_train(mha: MultiHeadAttention, query: ArrayLike, key: ArrayLike | No
                           tuple(getattr(head_mask, "shape", np.shape(head_mask))))
 
 
+def hollow(ctx: ForwardContext) -> tuple[ForwardContext, list[np.ndarray | None]]:
+    """(a copy of ctx without its arrays, those arrays): the parameters, the
+    inputs, the saved projections and the masks (mha_ext.torch keeps them
+    as autograd's saved tensors); output and weights become zero-stride
+    stand-ins of their shape and dtype (the backward reads nothing else of
+    them).  filled() puts the arrays back."""
+    sv = ctx._saved
+    arrays = [ctx._params, ctx._query, ctx._key, ctx._value, *(sv or ()),
+              *(m for _, m in ctx._masks)]
+    h = ForwardContext(**{k: getattr(ctx, k) for k in ForwardContext.__slots__})
+    h._params = h._query = h._key = h._value = None  # type: ignore[assignment]
+    h._saved = None if sv is None else len(sv)  # type: ignore[assignment]
+    h._masks = tuple((kind, None) for kind, _ in ctx._masks)  # type: ignore[misc]
+    h.output = np.broadcast_to(np.zeros((), ctx.output.dtype), ctx.output.shape)
+    if ctx.weights is not None:
+        h.weights = np.broadcast_to(np.zeros((), ctx.weights.dtype), ctx.weights.shape)
+    return h, arrays
+
+
+def filled(h: ForwardContext, arrays: list[Any]) -> ForwardContext:
+    """hollow()'s context with its arrays back (a new object)."""
+    ctx = ForwardContext(**{k: getattr(h, k) for k in ForwardContext.__slots__})
+    ctx._params, ctx._query, ctx._key, ctx._value = arrays[:4]
+    n = 0 if h._saved is None else int(h._saved)  # type: ignore[call-overload]
+    ctx._saved = None if h._saved is None else tuple(arrays[4:4 + n])  # type: ignore[assignment]
+    ctx._masks = tuple((kind, m) for (kind, _), m in zip(h._masks, arrays[4 + n:]))
+    return ctx
+
+
 def backward(mha: MultiHeadAttention, ctx: ForwardContext, grad_output: ArrayLike,
              grad_weights: ArrayLike | None = None, *,
              head_mask_grad: Flag = False, scores_grad: Flag = False) -> dict[str, np.ndarray]:
