@@ -131,7 +131,9 @@ def save_arrays(ctx, anchors, arrays) -> None:
     on ctx were they held for good.  None, a read-only array (a broadcast
     view) or one torch cannot take stays on ctx; the same array object
     twice is saved once.  saved_arrays() gives back (anchors, arrays)."""
-    slots, tensors, seen = [], [], {}
+    slots: list[tuple[str, Any]] = []
+    tensors: list[torch.Tensor] = []
+    seen: dict[int, int] = {}
     for a in arrays:
         if isinstance(a, np.ndarray) and id(a) in seen:
             slots.append(("same", seen[id(a)]))

@@ -1,5 +1,5 @@
-/* check.h: what the C test programs after test_core.c share (test_options.c,
- * test_sdpa.c): the CHECK counter, a deterministic random stream, and the
+/* check.h: what the C test programs after test_core.c share (test_saved.c,
+ * test_options.c, test_sdpa.c, test_cache.c): the CHECK counter, a deterministic random stream, and the
  * comparison of a fast result with its reference.  Each program includes it
  * once and prints "N passed, N failed". */
 #ifndef MHA_TEST_CHECK_H
@@ -26,7 +26,7 @@ static int g_pass, g_fail;
     } while (0)
 
 /* uniform in [-1, 1) */
-static double lcg_next(uint64_t *s)
+static inline double lcg_next(uint64_t *s)
 {
     *s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
     return (double)(*s >> 11) * 0x1.0p-53 * 2.0 - 1.0;
@@ -34,7 +34,7 @@ static double lcg_next(uint64_t *s)
 
 /* n random scalars of dtype (float32: values exactly representable, so
  * that float64 copies hold the same numbers) */
-static void *rand_array(mha_dtype dt, int64_t n, uint64_t *s)
+static inline void *rand_array(mha_dtype dt, int64_t n, uint64_t *s)
 {
     int64_t i;
     void *x = malloc((size_t)(n + 1) * mha_dtype_size(dt));
@@ -46,14 +46,14 @@ static void *rand_array(mha_dtype dt, int64_t n, uint64_t *s)
     return x;
 }
 
-static double get(mha_dtype dt, const void *x, int64_t i)
+static inline double get(mha_dtype dt, const void *x, int64_t i)
 {
     return dt == MHA_FLOAT32 ? (double)((const float *)x)[i] : ((const double *)x)[i];
 }
 
 /* max |x - r| over n scalars where r is not NaN, relative to max(1, max |r|);
  * NaN positions must agree (counted in *nan_bad) */
-static double rel_err(mha_dtype dt, const void *x, const void *r, int64_t n, int64_t *nan_bad)
+static inline double rel_err(mha_dtype dt, const void *x, const void *r, int64_t n, int64_t *nan_bad)
 {
     double err = 0, scale = 1;
     int64_t i;
@@ -73,7 +73,7 @@ static double rel_err(mha_dtype dt, const void *x, const void *r, int64_t n, int
 }
 
 /* the tolerance of fast vs reference in dtype */
-static double tol(mha_dtype dt)
+static inline double tol(mha_dtype dt)
 {
     return dt == MHA_FLOAT32 ? 2e-5 : 1e-12;
 }
