@@ -154,7 +154,10 @@ def test_mha_ext_torch_module_learns_additive_masks_not_its_blocking_mask():
 def test_backward_returns_the_masked_scores_gradient():
     # the NumPy API: scores_grad=True adds dL/dS'; summed as an (Sq, Sk)
     # attn_mask broadcasts, it is that mask's gradient (against torch's)
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
     mha = mha_ext.MultiHeadAttention(E, H, dtype="float64", seed=0)
+    mha.load_state_dict({k: v.numpy() for k, v in ref.state_dict().items()})  # torch's keys
     rng = np.random.default_rng(5)
     x = rng.standard_normal((B, L, E))
     mask = rng.standard_normal((L, L))
@@ -163,15 +166,6 @@ def test_backward_returns_the_masked_scores_gradient():
     grads = mha.backward(ctx, go, scores_grad=True)
     assert grads["scores"].shape == (B, H, L, L)
     tm = torch.tensor(mask, requires_grad=True)
-    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
-    sd = mha.state_dict()
-    with torch.no_grad():
-        ref.in_proj_weight.copy_(torch.tensor(np.concatenate(
-            [sd["W_q.weight"], sd["W_k.weight"], sd["W_v.weight"]])))
-        ref.in_proj_bias.copy_(torch.tensor(np.concatenate(
-            [sd["W_q.bias"], sd["W_k.bias"], sd["W_v.bias"]])))
-        ref.out_proj.weight.copy_(torch.tensor(sd["W_o.weight"]))
-        ref.out_proj.bias.copy_(torch.tensor(sd["W_o.bias"]))
     xt = torch.tensor(x)
     out = ref(xt, xt, xt, attn_mask=tm, need_weights=False)[0]
     (out * torch.tensor(go)).sum().backward()
