@@ -127,8 +127,8 @@ def save_arrays(ctx, anchors, arrays) -> None:
     needs go through autograd's saved tensors (tensors sharing their
     memory), so that torch.utils.checkpoint (non-reentrant: transformers'
     gradient_checkpointing_enable) frees them after the forward and
-    recomputes them, and saved_tensors_hooks (save_on_cpu) see them.  Kept
-    on ctx were they held for good.  None, a read-only array (a broadcast
+    recomputes them, and saved_tensors_hooks (save_on_cpu) see them (kept
+    on ctx, they were held for good).  None, a read-only array (a broadcast
     view) or one torch cannot take stays on ctx; the same array object
     twice is saved once.  saved_arrays() gives back (anchors, arrays)."""
     slots: list[tuple[str, Any]] = []
