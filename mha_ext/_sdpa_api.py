@@ -74,9 +74,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         masks, where True = blocked.
         Float masks are added to the scores (-inf blocks); a float mask
         tensor that requires grad (a learned position bias) gets its
-        gradient, as from torch (computed through L extra key columns:
-        more work for a long L; the scale must then be finite, and NaN or
-        +inf in the mask is a ValueError).
+        gradient, as from torch (the C backward's gradient of the masked
+        scores, summed over the mask's broadcast).
     dropout_p: probability of dropping a weight (applied whenever > 0, as
         torch's functional does); the stream is mha_ext's own (seed=, a
         keyword of ours, an int in [0, 2**64); None draws one: from torch's

@@ -59,9 +59,12 @@ class SDPAFunction(torch.autograd.Function):
         ctx.leads = (lead, lead_kv, lead_kv)
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.set_materialize_grads(False)
-        # anchors: only what requires grad, for create_graph's guard (a tensor
-        # made under inference_mode may not be saved; the arrays are new tensors)
-        save_arrays(ctx, [t if t.requires_grad else None for t in (query, key, value, *extra)],
+        # anchors: create_graph's guard, and torch's check that no input was
+        # changed in place before the backward (q4, k4, v4 may be views of
+        # them), as torch's SDPA saves them (not a tensor made under
+        # inference_mode that needs no grad: it may not be saved)
+        save_arrays(ctx, [t if t.requires_grad or not t.is_inference() else None
+                          for t in (query, key, value, *extra)],
                     [q4, k4, v4, *(m for _, m in masks)])
         return torch.from_numpy(out.reshape(lead + out.shape[2:]))
 

@@ -145,7 +145,7 @@ def save_arrays(ctx, anchors, arrays) -> None:
                 t = None
             if t is not None:
                 seen[id(a)] = len(slots)
-                slots.append(("saved", len(tensors)))
+                slots.append(("saved", (len(tensors), t.dtype)))
                 tensors.append(t)
                 continue
         slots.append(("kept", a))
@@ -154,14 +154,20 @@ def save_arrays(ctx, anchors, arrays) -> None:
     ctx.save_for_backward(*anchors, *tensors)
 
 
-def saved_arrays(ctx, saved_tensors):
+def saved_arrays(ctx: Any, saved_tensors: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Any]]:
     """(anchors, arrays) of save_arrays, from ctx.saved_tensors (unpacked
-    once by the caller)."""
+    once by the caller; a saved-tensor hook that gave back another dtype or
+    device is undone: the arrays are as the forward made them)."""
     anchors, tensors = saved_tensors[:ctx.n_anchors], saved_tensors[ctx.n_anchors:]
-    arrays = []
+    arrays: list[Any] = []
     for how, x in ctx.array_slots:
-        arrays.append(tensors[x].numpy() if how == "saved" else arrays[x] if how == "same"
-                      else x)
+        if how == "saved":
+            t = tensors[x[0]]
+            if t.dtype != x[1] or t.device.type != "cpu":
+                t = t.to("cpu", x[1])
+            arrays.append(t.detach().numpy())
+        else:
+            arrays.append(arrays[x] if how == "same" else x)
     return anchors, arrays
 
 
@@ -256,7 +262,7 @@ ONNX_EXPORT = ("torch.onnx.export cannot record mha_ext's C computation (its Tor
                "attn_implementation='sdpa'), or compare mha_ext with the exported model "
                "outside the export")
 FUNC_TRANSFORMS = ("is a tensor of a torch.func transform (grad, jacrev, jacfwd, jvp, "
-                   "hessian), which mha_ext's C kernels cannot read and its autograd function "
+                   "hessian, functionalize), which mha_ext's C kernels cannot read and its autograd function "
                    "cannot take; use torch.autograd.grad or torch.autograd.functional (their "
                    "first derivatives run through mha_ext's C backward), or torch's own "
                    "attention under torch.func")

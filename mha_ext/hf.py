@@ -46,8 +46,7 @@ scaled_dot_product_attention``:
   "sdpa" does: bias where the mask attends, the dtype's lowest value where it
   blocks (the causal pattern too when there is no mask).
 - A float mask that needs a gradient (T5's bias while training) gets it
-  from the twin (mha_ext._sdpa_torch's ``_with_mask_grad``: the C backward's
-  gradient of L extra key columns).
+  from the twin (the C backward's gradient of the masked scores).
 
 Refused with a clear error instead of computed wrongly: ``softcap``,
 attention sinks (``s_aux``), a ``head_mask`` (gone from transformers 5),

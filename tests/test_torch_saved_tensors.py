@@ -126,3 +126,30 @@ def test_save_on_cpu_and_offloading_hooks_give_the_same_gradients():
         out = f(0, x, bias)
     got = torch.autograd.grad(out.square().sum(), x)[0]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_an_input_changed_in_place_before_the_backward_is_an_error_as_in_torch():
+    # the SDPA twin's backward read q, k, v as views of the inputs: a key
+    # doubled in place gave other gradients without a word (torch raises)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 2, 4, 3, generator=g, dtype=torch.float64)
+    k0 = torch.randn(1, 2, 5, 3, generator=g, dtype=torch.float64)
+    for f in (mha_ext.scaled_dot_product_attention,
+              torch.nn.functional.scaled_dot_product_attention):
+        qq, k = q.clone().requires_grad_(), k0.clone()
+        out = f(qq, k, k)
+        k.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+def test_a_hook_that_changes_the_dtype_is_undone():
+    # a pack hook that widens (or compresses) and an unpack that leaves it:
+    # the backward reads the arrays as the forward made them
+    m = mt.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    want = torch.autograd.grad(m(x, x, x)[0].sum(), x)[0]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.double(), lambda t: t):
+        out = m(x, x, x)[0]
+    got = torch.autograd.grad(out.sum(), x)[0]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -78,6 +78,8 @@ def test_torch_func_transforms_name_mha_ext(name):
         torch.func.grad(lambda t: f(t).sum())(x)
     with pytest.raises(RuntimeError, match="attn_mask is a tensor of a torch.func transform"):
         torch.func.jvp(lambda a: f(x, attn_mask=a), (m,), (m,))
+    with pytest.raises(RuntimeError, match="functionalize"):
+        torch.func.functionalize(f)(x)
 
 
 @pytest.mark.parametrize("grad", [False, True])
