@@ -432,6 +432,10 @@ def _forward_plain(core, q, k, v, parts, opts):
     return _calls.shape_output(call, out, weights)
 
 
+# what the attention weights do not depend on: the values' path and W_o
+_WEIGHTS_ONLY = ("value", "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias", "bias_v")
+
+
 def _gradients(ctx, saved, saved_tensors, grad_out, grad_weights):
     # [d query, d key, d value, d params...] as tensors, None where not needed
     # (saved: the forward's context, filled again)
@@ -445,11 +449,15 @@ def _gradients(ctx, saved, saved_tensors, grad_out, grad_weights):
     want_masks = n_masks and any(need[-n_masks:])
     grads = _ag.backward(core, saved, go, gw, head_mask_grad=ctx.hm_input,
                          scores_grad=want_masks)
-    inputs = [torch.from_numpy(grads[k]) if need[2 + i] else None
+    # only the weights reached the loss (an attention-map loss): what they do
+    # not depend on gets None, as from torch (not zeros, which an optimiser's
+    # weight decay and momentum would act on)
+    off = _WEIGHTS_ONLY if grad_out is None else ()
+    inputs = [torch.from_numpy(grads[k]) if need[2 + i] and k not in off else None
               for i, k in enumerate(("query", "key", "value"))]
     keys = [k for k in BLOCK_KEYS if k in grads]  # block order: bias_k, bias_v last
-    params = [torch.from_numpy(np.ascontiguousarray(grads[k])) if need[5 + i] else None
-              for i, k in enumerate(keys)]
+    params = [torch.from_numpy(np.ascontiguousarray(grads[k]))
+              if need[5 + i] and k not in off else None for i, k in enumerate(keys)]
     # parameters outside the core's block (the head mask and the masks,
     # saved last, are not)
     unused = saved_tensors[3 + len(keys):len(saved_tensors) - ctx.hm_input - n_masks]

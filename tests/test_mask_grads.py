@@ -173,3 +173,32 @@ def test_backward_returns_the_masked_scores_gradient():
     np.testing.assert_allclose(grads["scores"].sum(axis=(0, 1)), tm.grad.numpy(), rtol=0,
                                atol=1e-12)
     assert "scores" not in mha.backward(ctx, go)
+
+
+@pytest.mark.parametrize("kw", [{}, {"add_bias_kv": True}, {"kdim": 6, "vdim": 5}],
+                         ids=["packed", "add_bias_kv", "separate"])
+def test_a_loss_on_the_weights_alone_leaves_the_values_path_none_as_torch(kw):
+    # an attention-map loss (distillation): the values, W_v and out_proj do
+    # not reach it; torch leaves their .grad None, which AdamW's weight decay
+    # and momentum skip; zeros were acted on
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64, **kw)
+    ours = mt.MultiheadAttention.from_torch(ref)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, L, E, generator=g, dtype=torch.float64)
+    k = torch.randn(B, S, kw.get("kdim", E), generator=g, dtype=torch.float64)
+    v = torch.randn(B, S, kw.get("vdim", E), generator=g, dtype=torch.float64)
+    results = []
+    for m in (ours, ref):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        w = m(*leaves, average_attn_weights=False)[1]
+        _loss(w, None).backward()
+        results.append({**{n: p.grad for n, p in m.named_parameters()},
+                        **dict(zip("qkv", (t.grad for t in leaves)))})
+    got, want = results
+    assert set(got) == set(want)
+    for name in want:
+        if want[name] is None:
+            assert got[name] is None, name
+        else:
+            _close(got[name], want[name], torch.float64, name)
