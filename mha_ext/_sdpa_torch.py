@@ -152,8 +152,7 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, "
                         f"{key.dtype}, {value.dtype}")
-    refuse_unrecordable({"query": query, "key": key, "value": value, "attn_mask": attn_mask,
-                         "head_mask": head_mask})
+    refuse_unrecordable({"attn_mask": attn_mask, "head_mask": head_mask}, (query, key, value))
     # (asked on the tensors as given: the half dtypes' float32 copies below
     # are contiguous, torch's choice reads the strides)
     both = pair if pair is not None else fused_causal_and_mask(

@@ -268,10 +268,15 @@ FUNC_TRANSFORMS = ("is a tensor of a torch.func transform (grad, jacrev, jacfwd,
                    "attention under torch.func")
 
 
-def refuse_unrecordable(named) -> None:
+_MASKS_AND_HEAD = (*MASKS, "head_mask")
+
+
+def refuse_unrecordable(masks, tensors) -> None:
     """Refuse, naming mha_ext, the calls whose derivatives or export would
-    be silently wrong, before anything runs (`named`: name -> tensor or
-    None, every tensor of the call): torch.onnx's TorchScript export (it
+    be silently wrong, before anything runs (`masks`: name -> the mask or
+    head mask or None; `tensors`: query, key, value, then the parameters;
+    named only in a message, as this runs on every call): torch.onnx's
+    TorchScript export (it
     would store the C call's result as a constant), tensors of torch.func's
     transforms (torch's own message named no one; vmap's batched tensors
     are refused by check_tensor), and a forward-mode tangent on a mask or
@@ -281,12 +286,14 @@ def refuse_unrecordable(named) -> None:
     if onnx is not None and onnx.is_in_onnx_export():
         raise RuntimeError(ONNX_EXPORT)
     ft = torch._C._functorch
-    for name, t in named.items():
+    for i, t in enumerate((*masks.values(), *tensors)):  # the masks named first
         if isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t) \
                 and not ft.is_batchedtensor(t):
+            i -= len(masks)
+            name = list(masks)[i + len(masks)] if i < 0 else \
+                ("query", "key", "value")[i] if i < 3 else f"parameter #{i - 3}"
             raise RuntimeError(f"{name} {FUNC_TRANSFORMS}")
-    for name in (*MASKS, "head_mask"):
-        t = named.get(name)
+    for name, t in masks.items():
         if isinstance(t, torch.Tensor) and _has_tangent((t,)):
             raise NotImplementedError(
                 f"{name} carries a forward-mode tangent (a dual tensor): mha_ext has no "
@@ -300,9 +307,7 @@ def records(core, opts, tensors) -> bool:
     is recording (the plain path's result would be traced as a constant;
     refuse_traced_tensors refuses what the traced op cannot take).  What no
     path can record is refused first (refuse_unrecordable)."""
-    names = ("query", "key", "value") + tuple(f"parameter #{i}" for i in range(len(tensors)))
-    refuse_unrecordable({**{n: opts.get(n) for n in (*MASKS, "head_mask")},
-                         **dict(zip(names, tensors))})
+    refuse_unrecordable({n: opts.get(n) for n in _MASKS_AND_HEAD}, tensors)
     if torch.jit.is_tracing():  # the trace's PythonOp, not a constant; and what
         refuse_traced_tensors(opts)  # that op cannot take as an input, refused
         return True
