@@ -116,8 +116,16 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
     A query with no visible key gives a zero output row (and zero
     gradients), as torch's SDPA does.  Empty shapes (zero batches, heads,
     L, S, E or Ev) give torch's results; with E = 0 every score is 0.
+    Tensors on the meta device (no data) go to torch's own function, which
+    checks them and gives the result's shape (window, layout and head_mask
+    leave it unchanged).
     """
     attn_mask, is_causal = _causal_bias(attn_mask, is_causal, query, key)
+    if any(getattr(x, "is_meta", False) for x in (query, key, value, attn_mask)):
+        import torch  # torch's own function: F's may be this twin, patched in
+        return torch._C._nn.scaled_dot_product_attention(
+            query, key, value, attn_mask, float(dropout_p), is_causal is True,
+            scale=None if scale is None else float(scale), enable_gqa=bool(enable_gqa))
     if any(is_tensor(x) for x in (query, key, value)):
         from ._sdpa_torch import sdpa_torch  # needs torch: imported on first use only
         try:

@@ -78,17 +78,21 @@ class SDPAFunction(torch.autograd.Function):
         if grad_out is None:
             return (None,) * len(need)
         dt = torch.float64 if q4.dtype == np.float64 else torch.float32
+        # torch's SDPA returns early for an empty output or no key (S = 0),
+        # its result then made from query, key and value only: the mask
+        # gets no gradient (None, as torch's), they get zeros
+        no_mask_grad = grad_out.numel() == 0 or k4.shape[2] == 0
         if grad_out.numel() == 0:
             # an empty output (Ev, L or a batch dimension 0): no loss depends on
             # the inputs; zeros, not the NaN a blocked row's 0 * NaN would give
-            shapes = list(ctx.shapes) + ([ctx.mask[0]] if ctx.mask else []) + \
+            shapes = list(ctx.shapes) + ([None] if ctx.mask else []) + \
                 ([ctx.hm_shape] if ctx.hm_shape is not None else [])
-            return (None, *(torch.zeros(shape, dtype=dt) if need[1 + i] else None
-                            for i, shape in enumerate(shapes)))
+            return (None, *(torch.zeros(shape, dtype=dt) if need[1 + i] and shape is not None
+                            else None for i, shape in enumerate(shapes)))
         with torch.no_grad():
             go = np.ascontiguousarray(to_numpy(grad_out, "grad_output"),
                                       dtype=q4.dtype).reshape(q4.shape[:3] + v4.shape[3:])
-            want_mask = ctx.mask is not None and need[4]
+            want_mask = ctx.mask is not None and need[4] and not no_mask_grad
             dq, dk, dv, *ds = _sdpa.sdpa_backward(q4, k4, v4, go, masks, c, s, p, seed,
                                                   window=window, layout=lay, head_mask=hm,
                                                   scores_grad=want_mask)
@@ -139,10 +143,22 @@ def _unbroadcast(g, lead, shape):
     return torch.from_numpy(np.ascontiguousarray(g.reshape(shape)))
 
 
+def _autocast(*tensors):
+    """Under CPU autocast, torch's SDPA takes its floating tensors (the mask
+    too; not float64) in the autocast dtype, computes there and returns it:
+    so does the twin (in float32, rounded back, as for such tensors)."""
+    want = torch.get_autocast_dtype("cpu")
+    return [t.to(want) if isinstance(t, torch.Tensor) and t.is_floating_point()
+            and t.dtype not in (torch.float64, want) and t.device.type == "cpu" else t
+            for t in tensors]
+
+
 def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
                window=None, layout=None, head_mask=None, pair=None):
     """scaled_dot_product_attention on tensors (see mha_ext._sdpa); pair:
     fused_causal_and_mask's answer when the caller has it (None: asked)."""
+    if pair is None and torch.is_autocast_enabled("cpu"):
+        query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor like the others, not {type(t).__name__}")

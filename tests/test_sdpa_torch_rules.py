@@ -234,3 +234,52 @@ def test_a_float_mask_of_another_dtype_takes_its_values_in_the_querys(torch):
         got = f(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 5, 4, 4), (2, 3, 0, 4, 4), (0, 3, 5, 4, 4),
+                                   (2, 3, 5, 4, 0), (2, 3, 5, 0, 4), (2, 3, 5, 4, 4)])
+def test_a_mask_gets_no_gradient_where_torch_returns_early(torch, shape):
+    # torch's SDPA returns early for an empty output or no key (S = 0): its
+    # result is made from query, key and value, and a mask that requires grad
+    # gets None; ours gave zeros, which AdamW's decay and momentum act on
+    B, L, S, E, Ev = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    grads = []
+    for f in (torch.nn.functional.scaled_dot_product_attention,
+              mha_ext.scaled_dot_product_attention):
+        leaves = [torch.randn(B, 2, L, E, generator=g, dtype=torch.float64).requires_grad_(),
+                  torch.randn(B, 2, S, E, generator=g, dtype=torch.float64).requires_grad_(),
+                  torch.randn(B, 2, S, Ev, generator=g, dtype=torch.float64).requires_grad_(),
+                  torch.randn(L, S, generator=g, dtype=torch.float64).requires_grad_()]
+        f(*leaves[:3], attn_mask=leaves[3]).sum().backward()
+        grads.append([t.grad for t in leaves])
+    want, got = grads
+    for name, a, b in zip("qkvm", got, want):
+        assert (a is None) == (b is None), name
+        if b is not None:
+            assert a.shape == b.shape, name
+    assert (want[3] is None) == (0 in (B, L, S, Ev))
+
+
+def test_under_cpu_autocast_the_twin_computes_in_the_autocast_dtype(torch):
+    # torch's SDPA under CPU autocast takes its floating tensors (the mask
+    # too, float64 left alone) in the autocast dtype and returns it; the twin
+    # returned float32, and refused a bfloat16 query with float32 key and value
+    f, ref = mha_ext.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))
+    m = torch.randn(9, 9, generator=g)
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
+            for args in ((q, k, v), (q.to(dtype), k, v), (q.half(), k.half(), v.half())):
+                want, got = ref(*args, attn_mask=m), f(*args, attn_mask=m)
+                assert got.dtype == want.dtype == dtype
+                # both round inputs and output to dtype: a few of its ulps apart
+                torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+            qd, kd, vd = q.double(), k.double(), v.double()
+            assert f(qd, kd, vd).dtype == ref(qd, kd, vd).dtype == torch.float64
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            f(*leaves).float().sum().backward()
+            assert all(t.grad.dtype == torch.float32 for t in leaves)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert f(q, k, v).dtype == torch.float32
