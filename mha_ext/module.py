@@ -261,7 +261,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                    seed: Int | None = None, names: Mapping[str, str] | None = None,
                    n_heads: Int | None = None,
                    mask_polarity: Literal["block", "keep"] | None = None,
-                   ) -> "MultiHeadAttention":
+                   **unknown: NoReturn) -> "MultiHeadAttention":
         """A copy of a torch module: torch.nn.MultiheadAttention, or a
         seed-style attention module: W_q/W_k/W_v/W_o,
         q_linear/k_linear/v_linear/out_linear or q_proj/k_proj/v_proj/out_proj
@@ -285,8 +285,14 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         add_bias_kv (bias_k, bias_v) and add_zero_attn are copied too.  A
         module on the meta device is a ValueError (it has no data to copy).  The
         copy owns its memory: later changes to either module do not reach
-        the other.
+        the other.  torch's keyword names are a TypeError naming ours
+        (num_heads: n_heads; embed_dim: none, the width is the module's).
         """
+        if "embed_dim" in unknown:
+            raise TypeError("MultiHeadAttention.from_torch() got torch's keyword 'embed_dim': "
+                            "the copy takes its width (d_model) from the module")
+        if unknown:
+            _habits.call_keywords(unknown, "MultiHeadAttention.from_torch")
         return _interop.from_torch(cls, module, dtype, seed, names, n_heads, mask_polarity)
 
     # ------------------------------------------------------------ copies

@@ -385,11 +385,12 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
                         "module: mha_ext.MultiHeadAttention.from_torch(module))"
                         % type(module).__name__)
     _habits.plain_layout_only(module, "trace")
-    # as the call takes them (unknown: the call's own TypeError)
+    if unknown:  # torch's names named with ours, as the call does
+        _habits.call_keywords(unknown, "trace")
     kwargs: dict[str, Any] = dict(
         attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
         need_weights=need_weights, average_weights=average_weights, masked_rows=masked_rows,
-        scale=scale, window=window, head_mask=head_mask, layout=layout, cache=cache, **unknown)
+        scale=scale, window=window, head_mask=head_mask, layout=layout, cache=cache)
     # the steps below are the plain computation: refuse what they do not show
     if getattr(module, "add_bias_kv", False) or getattr(module, "add_zero_attn", False):
         raise NotImplementedError("trace() does not show add_bias_kv's or add_zero_attn's "

@@ -61,6 +61,22 @@ def test_average_attn_weights_names_ours(method):
         getattr(m, method)(rng_x(B, S, E), average_attn_weights=True)
 
 
+def test_trace_and_from_torch_name_ours():
+    # trace's message named forward(); from_torch gave Python's "unexpected
+    # keyword argument 'num_heads'" although it takes n_heads=
+    m = MultiHeadAttention(E, H, seed=0)
+    with pytest.raises(TypeError, match=r"^trace\(\) got torch's keyword "
+                                        r"'average_attn_weights'; mha_ext spells it"):
+        m.trace(rng_x(B, S, E), average_attn_weights=True)
+    ref = torch.nn.MultiheadAttention(E, H)
+    with pytest.raises(TypeError, match="from_torch.*'num_heads'; mha_ext spells it 'n_heads'"):
+        MultiHeadAttention.from_torch(ref, num_heads=H)
+    with pytest.raises(TypeError, match="'embed_dim': the copy takes its width"):
+        MultiHeadAttention.from_torch(ref, embed_dim=E)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'heads'"):
+        MultiHeadAttention.from_torch(ref, heads=H)
+
+
 def test_torch_adapter_names_ours_too():
     import mha_ext.torch as mt
 
