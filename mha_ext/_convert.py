@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "as_array", "check_real",
+__all__ = ["batched", "is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "as_array", "check_real",
            "as_real", "contiguous", "flag", "probability", "seed", "counter"]
 
 
@@ -42,6 +42,13 @@ def _batched_checks():
     return _BATCHED
 
 
+def batched(name):
+    """The refusal of a batched tensor `name`."""
+    return (f"{name} is a batched tensor (torch.func.vmap, or batched gradients: "
+            f"autograd.grad(is_grads_batched=True), gradcheck's check_batched_grad), which "
+            f"mha_ext's C kernels cannot read; loop over the batch instead")
+
+
 def check_tensor(x, name):
     """Refuse, naming `name`, the tensors NumPy cannot read: nested tensors,
     sparse or other non-strided layouts and torch's CausalBias (TypeError),
@@ -57,10 +64,7 @@ def check_tensor(x, name):
         raise TypeError(f"{name} must be a dense tensor, got a {layout.replace('torch.', '')} "
                         f"tensor; convert it with .to_dense() first")
     if any(f(x) for f in _batched_checks()):  # vmap's, and autograd's legacy batching
-        raise RuntimeError(f"{name} is a batched tensor (torch.func.vmap, or batched "
-                           f"gradients: autograd.grad(is_grads_batched=True), gradcheck's "
-                           f"check_batched_grad), which mha_ext's C kernels cannot read; "
-                           f"loop over the batch instead")
+        raise RuntimeError(batched(name))
     if is_causal_bias(x):
         raise TypeError(f"{name} is a torch CausalBias, which holds no mask values: give it "
                         f"to mha_ext.scaled_dot_product_attention as attn_mask, or ask for "

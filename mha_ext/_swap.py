@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._torch_mha import MultiheadAttention, _use_our_forward
+from ._torch_mha import MultiheadAttention, _use_our_forward, holds
 
 __all__ = ["attention_modules", "swap_in", "restore", "swapped", "sharing"]
 
@@ -74,13 +74,15 @@ def sharing(module):
     (load_state_dict(assign=True), a hook registered or removed) is done to
     `module`; its plain attributes (training, dropout, ...) are copied, and
     put back by restore()."""
-    ref = module.out_proj.weight
+    # made on the meta device, its own parameters never used (the shared
+    # dicts replace them): no parameter of `module` is read here (a read
+    # would run a parametrization, spectral_norm's power iteration, once
+    # more than torch does); add_bias_kv decides its plain attributes
     new = MultiheadAttention(module.embed_dim, module.num_heads, module.dropout,
-                             bias=module.in_proj_bias is not None,
-                             add_bias_kv=module.bias_k is not None,
+                             add_bias_kv=holds(module, "bias_k"),
                              add_zero_attn=module.add_zero_attn, kdim=module.kdim,
                              vdim=module.vdim, batch_first=module.batch_first,
-                             device="meta", dtype=ref.dtype)
+                             device="meta")
     for key, value in module.__dict__.items():
         if key.startswith("_") and isinstance(value, (dict, set)) and key in new.__dict__:
             new.__dict__[key] = value  # shared, not copied

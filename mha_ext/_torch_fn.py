@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import _calls, _params, autograd as _ag
-from ._convert import to_numpy
+from ._convert import batched, to_numpy
 from ._params import BLOCK_KEYS, seed_keys
 
 __all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "HALF", "attention", "attention_kept",
@@ -279,7 +279,7 @@ def refuse_unrecordable(masks, tensors) -> None:
     TorchScript export (it
     would store the C call's result as a constant), tensors of torch.func's
     transforms (torch's own message named no one; vmap's batched tensors
-    are refused by check_tensor), and a forward-mode tangent on a mask or
+    get check_tensor's), and a forward-mode tangent on a mask or
     head mask (not an input of the autograd function: the tangent was
     dropped where torch's math path carries it)."""
     onnx = sys.modules.get("torch.onnx")
@@ -287,12 +287,12 @@ def refuse_unrecordable(masks, tensors) -> None:
         raise RuntimeError(ONNX_EXPORT)
     ft = torch._C._functorch
     for i, t in enumerate((*masks.values(), *tensors)):  # the masks named first
-        if isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t) \
-                and not ft.is_batchedtensor(t):
+        if isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t):
             i -= len(masks)
             name = list(masks)[i + len(masks)] if i < 0 else \
                 ("query", "key", "value")[i] if i < 3 else f"parameter #{i - 3}"
-            raise RuntimeError(f"{name} {FUNC_TRANSFORMS}")
+            raise RuntimeError(batched(name) if ft.is_batchedtensor(t)
+                               else f"{name} {FUNC_TRANSFORMS}")
     for name, t in masks.items():
         if isinstance(t, torch.Tensor) and _has_tangent((t,)):
             raise NotImplementedError(

@@ -21,15 +21,14 @@ Legend: L query length, S key length, B batch, E = embed_dim, H = num_heads.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
 from . import _convert
 from ._torch_errors import ValueErrorAndRuntimeError, metas, torchs
+from ._torch_fn import refuse_unrecordable
 from ._torch_mha import MultiheadAttention
-from .module import MultiHeadAttention as _Core
 
 __all__ = ["multi_head_attention_forward"]
 
@@ -39,31 +38,11 @@ __all__ = ["multi_head_attention_forward"]
 _TORCH_MHA_FORWARD = torch.nn.functional.multi_head_attention_forward
 
 
-# the C modules doing the work (their parameters unused: the call's tensors
-# are passed to every call), per configuration
-_CORES: dict[tuple[Any, ...], _Core] = {}
-_KEEP = 16  # configurations kept, the oldest dropped first
-_LOCK = threading.Lock()  # calls from several threads share the dict
-
-
 class _Call(MultiheadAttention):
     """The drop-in holding one call's tensors, on torch's unfused path."""
 
     _checks_hint_mask = False  # torch's functional drops the hint's mask unread
     _tail = None  # (out_proj_weight, out_proj_bias) of another width than E, for torch's linear
-
-    def _core_for(self, name, extra):
-        # kept between calls (each call's module is new), per configuration
-        config = (self.embed_dim, self.num_heads, self._has_bias(), self.kdim, self.vdim,
-                  name, extra)
-        core = _CORES.get(config)
-        if core is None:
-            core = self._new_core(name, extra)
-            with _LOCK:
-                while len(_CORES) >= _KEEP:
-                    _CORES.pop(next(iter(_CORES)))
-                _CORES[config] = core
-        return core
 
     def _torch_fast_path(self, query, key, value, attn_mask, key_padding_mask):
         return False                                 # the functional is never fused
@@ -203,6 +182,14 @@ def multi_head_attention_forward(
     _refuse_fake(tensors)
     if any(t.device.type == "meta" for t in tensors):
         return _TORCH_MHA_FORWARD(*args, **kwargs)  # no data to compute: torch's shapes
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        # refused before the call's module is made (its initialisation draws:
+        # vmap's randomness error, which named no one)
+        params = [t for t in (in_proj_weight, q_proj_weight, k_proj_weight, v_proj_weight,
+                              in_proj_bias, out_proj_weight, out_proj_bias, bias_k, bias_v)
+                  if isinstance(t, torch.Tensor)]
+        refuse_unrecordable({"attn_mask": attn_mask, "key_padding_mask": key_padding_mask},
+                            (query, key, value, *params))
     try:
         module = _module(*args, training, need_weights, use_separate_proj_weight, q_proj_weight,
                          k_proj_weight, v_proj_weight, static_k, static_v)

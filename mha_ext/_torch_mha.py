@@ -22,6 +22,7 @@ Legend: B batch, L query length, S key length, E = embed_dim, H = num_heads.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -29,12 +30,13 @@ from torch import nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.parameter import Parameter
+from torch.nn.utils import parametrize
 
 from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
-from ._torch_errors import TypeErrorAndRuntimeError, metas, torchs
+from ._torch_errors import TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas, torchs
 from ._torch_fn import HALF, attention, attention_kept, refuse_script
 from ._types import Int, Window
 
@@ -44,6 +46,11 @@ if TYPE_CHECKING:
 __all__ = ["MultiheadAttention"]
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+# the C modules doing the work of every module and functional call (their
+# parameters unused: each call passes its tensors), per configuration
+_CORES: dict[tuple[Any, ...], _Core] = {}
+_KEEP = 16  # configurations kept, the oldest dropped first
+_LOCK = threading.Lock()  # calls from several threads share the dict
 
 
 def _use_our_forward(module, args):
@@ -54,6 +61,17 @@ def _use_our_forward(module, args):
 
 
 _SA_BLOCK = nn.TransformerEncoderLayer._sa_block.__code__
+
+
+def holds(m, name):
+    """Whether module m has the tensor `name`, found without reading it where
+    it is a parameter (a read computes a parametrized one: spectral_norm's
+    power iteration moves, once more than in torch's module)."""
+    if parametrize.is_parametrized(m, name):
+        return True
+    if name in m._parameters:
+        return m._parameters[name] is not None
+    return getattr(m, name, None) is not None
 
 
 def _layer_would_fuse(layer, src):
@@ -243,21 +261,33 @@ class MultiheadAttention(nn.MultiheadAttention):
         return self._core_for(name, extra)
 
     def _core_for(self, name, extra):
-        """_core's module, kept in this module for its next calls"""
-        cores = self.__dict__.setdefault("_cores", {})
-        if (name, extra) not in cores:
-            cores[name, extra] = self._new_core(name, extra)
-        return cores[name, extra]
+        """_core's module, shared by every module and functional call of its
+        configuration (its parameters and dropout are never read: each call
+        passes its own, and draws its dropout stream from torch's generator),
+        so that no module carries one: a model's memory, torch.save, pickle
+        and deepcopy hold the parameters once, as torch's do."""
+        config = (self.embed_dim, self.num_heads, self._has_bias(), self.kdim, self.vdim,
+                  name, extra)
+        core = _CORES.get(config)
+        if core is None:
+            # seed 0: the dropout mask depends on torch's generator alone
+            # (_torch_fn.torch_stream draws each call's), as torch's does
+            core = _Core(self.embed_dim, self.num_heads, bias=self._has_bias(),
+                         kdim=self.kdim, vdim=self.vdim, dtype=name, seed=0,
+                         add_bias_kv=extra[0], add_zero_attn=extra[1])
+            with _LOCK:
+                while len(_CORES) >= _KEEP:
+                    _CORES.pop(next(iter(_CORES)))
+                _CORES[config] = core
+        return core
 
-    def _new_core(self, name, extra):
-        # seed 0: the dropout mask depends on torch's generator alone
-        # (_torch_fn.torch_stream draws each call's), as torch's does
-        return _Core(self.embed_dim, self.num_heads, bias=self._has_bias(), kdim=self.kdim,
-                     vdim=self.vdim, dtype=name, seed=0, add_bias_kv=extra[0],
-                     add_zero_attn=extra[1])
+    def __setstate__(self, state):
+        # checkpoints of earlier versions carried their cores: dropped
+        state.pop("_cores", None)
+        super().__setstate__(state)
 
     def _has_bias(self):
-        return self.in_proj_bias is not None or self.out_proj.bias is not None
+        return holds(self, "in_proj_bias") or holds(self.out_proj, "bias")
 
     def _sources(self):
         """The parameter tensors _params() is made from (None where absent):
@@ -294,30 +324,35 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     def _torch_fast_path(self, query, key, value, attn_mask, key_padding_mask):
         """Whether torch.nn.MultiheadAttention would take its fused path for
-        this call (its conditions, in its order); that path gives NaN for a
-        query that sees no key even with need_weights=False."""
-        if ((attn_mask is not None and torch.is_floating_point(attn_mask))
-                or (key_padding_mask is not None and torch.is_floating_point(key_padding_mask))):
-            return False
+        this call; that path gives NaN for a query that sees no key even
+        with need_weights=False.  torch's conditions in torch's order, and
+        checked on every call as torch's forward checks them: each read of
+        a parametrized weight computes it (spectral_norm's power iteration
+        in training), so this reads the parameters where torch's checks
+        read them (their last read is _sources()', as torch's functional
+        call's)."""
+        floats = ((attn_mask is not None and torch.is_floating_point(attn_mask))
+                  or (key_padding_mask is not None
+                      and torch.is_floating_point(key_padding_mask)))
         if not torch.backends.mha.get_fastpath_enabled() or query.dim() != 3:
             return False
         if query is not key or key is not value:
             return False
-        if self.in_proj_bias is None or self.in_proj_weight is None:
+        if self.in_proj_bias is not None and query.dtype != self.in_proj_bias.dtype:
             return False
-        if query.dtype != self.in_proj_weight.dtype or query.dtype != self.in_proj_bias.dtype:
+        if self.in_proj_weight is None or query.dtype != self.in_proj_weight.dtype:
             return False
         if self.training or self.num_heads % 2 or not self.batch_first:
             return False
-        if self.bias_k is not None or self.add_zero_attn:
+        if self.bias_k is not None or self.bias_v is not None or self.add_zero_attn:
             return False
-        if torch.is_autocast_enabled():
+        if floats or not self._qkv_same_embed_dim or torch.is_autocast_enabled():
             return False
         args = (query, self.in_proj_weight, self.in_proj_bias, self.out_proj.weight,
                 self.out_proj.bias)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
             return False
-        return True
+        return self.in_proj_bias is not None and self.in_proj_weight is not None
 
     def _in_fused_layer(self, query):
         """Whether an nn.TransformerEncoderLayer calling us (found on the call
@@ -384,6 +419,17 @@ class MultiheadAttention(nn.MultiheadAttention):
         as well as ours (mha_ext._torch_errors: an AssertionError for a
         key of another rank, say, is also our ValueError), with both messages.
         """
+        if any(getattr(x, "is_meta", False) for x in (query, key, value)):
+            if not all(p.is_meta for p in self.parameters()):  # torch: a RuntimeError
+                raise ValueErrorAndRuntimeError(
+                    "query, key and value are on the meta device and the parameters are not: "
+                    "mha_ext computes CPU tensors (for the results' shapes, put the module "
+                    "on the meta device too)")
+            # no data to compute: torch's forward gives the results' shapes on
+            # the meta device (and its refusals), as torch's module does
+            return nn.MultiheadAttention.forward(
+                self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                average_attn_weights, is_causal is True)
         try:
             return self._forward_call(query, key, value, key_padding_mask, need_weights,
                                       attn_mask, average_attn_weights, is_causal, window, layout)
@@ -425,10 +471,10 @@ class MultiheadAttention(nn.MultiheadAttention):
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
         # which of torch's paths would run decides only need_weights=False
-        # calls (masked_rows, and is_causal's mask): with weights both give NaN
-        fast = not need_weights and (
-            self._torch_fast_path(query, key, value, attn_mask, key_padding_mask)
-            or self._in_fused_layer(query))
+        # calls (masked_rows, and is_causal's mask): with weights both give
+        # NaN; its conditions are read on every call, as torch reads them
+        fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask)
+        fast = not need_weights and (fast or self._in_fused_layer(query))
         causal = False
         if isinstance(is_causal, str):  # ours: lower-right causality, no hint
             causal = _causal(is_causal)
@@ -462,8 +508,14 @@ class MultiheadAttention(nn.MultiheadAttention):
             if x.device.type != "cpu":
                 raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
         for p in sources:
-            if p is not None and p.device.type != "cpu":
-                raise ValueError(f"parameters must be on the CPU, got device {p.device}")
+            if p is not None and not isinstance(p, torch.Tensor):
+                raise TypeError(f"a parameter is a {type(p).__name__}, not a tensor (a "
+                                f"quantized out_proj, torch.ao.quantization.convert?): mha_ext "
+                                f"computes in float; leave the attention unquantized (its "
+                                f"qconfig None)")
+            if p is not None and p.device.type != "cpu":  # torch: its device RuntimeError
+                raise ValueErrorAndRuntimeError(f"parameters must be on the CPU, got device "
+                                                f"{p.device}")
         own = half or dtype  # the parameters' dtype
         for name, x in (("query", query), ("key", key), ("value", value)):
             # torch's module refuses another dtype (its linear's RuntimeError);

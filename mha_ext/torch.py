@@ -60,6 +60,19 @@ __all__ = ["MultiHeadAttention", "MultiheadAttention", "multi_head_attention_for
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 
 
+def _config(core: _Core) -> dict[str, Any]:
+    """What rebuilds `core` (_built): its configuration, dropout and seed."""
+    return dict(d_model=core.d_model, n_heads=core.n_heads, dropout=core.dropout,
+                bias=core.bias, kdim=core.kdim, vdim=core.vdim, dtype=core.dtype.name,
+                seed=core.seed, n_kv_heads=core.n_kv_heads)
+
+
+def _built(config: dict[str, Any]) -> _Core:
+    # in eval mode for good: each call passes its dropout (the module's
+    # training flag decides), so the core's own never applies
+    return _Core(**config).eval()
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention computed by mha_ext's C core, forward and
     backward, as a torch module.
@@ -186,11 +199,22 @@ class MultiHeadAttention(nn.Module):
         if want is None:
             raise TypeError(f"parameters must be float32 or float64, got {dtype}")
         if core.dtype != np.dtype(want):
-            new = _Core(core.d_model, core.n_heads, core.dropout, bias=core.bias,
-                        kdim=core.kdim, vdim=core.vdim, dtype=want, seed=core.seed,
-                        n_kv_heads=core.n_kv_heads).eval()
-            self._core = core = new
+            self._core = core = _built(dict(_config(core), dtype=want))
         return core
+
+    def __getstate__(self) -> dict[str, Any]:
+        """pickle, copy.deepcopy, torch.save: the core's configuration instead
+        of the core (whose parameters are never read: the calls pass this
+        module's), so that a copy holds the parameters once."""
+        state = super().__getstate__()
+        state["_core"] = _config(state["_core"])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if isinstance(state["_core"], dict):
+            state["_core"] = _built(state["_core"])
+        super().__setstate__(state)
 
     def __prepare_scriptable__(self):
         """torch.jit.script's first step on each module: refused (see
