@@ -13,8 +13,8 @@ import sys
 
 import numpy as np
 
-__all__ = ["batched", "is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "as_array", "check_real",
-           "as_real", "contiguous", "flag", "probability", "seed", "counter"]
+__all__ = ["batched", "is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "as_array",
+           "check_real", "as_real", "contiguous", "flag", "probability", "seed", "counter"]
 
 
 def is_tensor(x) -> bool:

@@ -266,15 +266,15 @@ class MultiheadAttention(nn.MultiheadAttention):
         passes its own, and draws its dropout stream from torch's generator),
         so that no module carries one: a model's memory, torch.save, pickle
         and deepcopy hold the parameters once, as torch's do."""
-        config = (self.embed_dim, self.num_heads, self._has_bias(), self.kdim, self.vdim,
-                  name, extra)
+        bias = self._has_bias()
+        config = (self.embed_dim, self.num_heads, bias, self.kdim, self.vdim, name, extra)
         core = _CORES.get(config)
         if core is None:
             # seed 0: the dropout mask depends on torch's generator alone
             # (_torch_fn.torch_stream draws each call's), as torch's does
-            core = _Core(self.embed_dim, self.num_heads, bias=self._has_bias(),
-                         kdim=self.kdim, vdim=self.vdim, dtype=name, seed=0,
-                         add_bias_kv=extra[0], add_zero_attn=extra[1])
+            core = _Core(self.embed_dim, self.num_heads, bias=bias, kdim=self.kdim,
+                         vdim=self.vdim, dtype=name, seed=0, add_bias_kv=extra[0],
+                         add_zero_attn=extra[1])
             with _LOCK:
                 while len(_CORES) >= _KEEP:
                     _CORES.pop(next(iter(_CORES)))
