@@ -236,3 +236,22 @@ def test_a_quantized_out_proj_is_a_typeerror_that_says_so():
     converted = tq.convert(prepared)
     with pytest.raises(TypeError, match="quantized out_proj"):
         converted(x)
+
+
+def test_the_shared_cores_are_kept_for_the_configurations_used_last():
+    # the drop-ins share one C module per configuration: a model with more
+    # configurations than the 16 the functional twin kept (dropped oldest
+    # first, even when just used) would rebuild one (its parameters'
+    # initialisation: 15 ms at E 1024) at every call
+    from mha_ext import _torch_mha
+    x = torch.randn(1, 3, 8)
+    first = mt.MultiheadAttention(8, 2, batch_first=True)
+    first(x, x, x)
+    core = first._core(torch.float32)
+    for heads in (1, 2, 4, 8):  # 4 ...
+        for kdim in range(1, 9):  # ... x 8 other configurations, the first used between
+            m = mt.MultiheadAttention(8, heads, batch_first=True, kdim=kdim)
+            m(x, torch.randn(1, 3, kdim), x)
+            first(x, x, x)
+    assert first._core(torch.float32) is core
+    assert len(_torch_mha._CORES) <= _torch_mha._KEEP
