@@ -35,18 +35,20 @@ static void free_block(PyObject *capsule)
 }
 
 /* The parameter memory: an array (total,) whose base is a capsule owning a
- * 64-byte aligned block.  Views of the parameters keep that array alive,
- * never the module, so a module that stores such a view (m.wq =
- * m.W_q.weight) makes no reference cycle through arrays, which the garbage
- * collector could not see. */
+ * zeroed block, its data 64-byte aligned.  Views of the parameters keep
+ * that array alive, never the module, so a module that stores such a view
+ * (m.wq = m.W_q.weight) makes no reference cycle through arrays, which the
+ * garbage collector could not see.  calloc: a large block is fresh pages
+ * the system zeroes on first touch, so a module never initialised
+ * (_empty) holds next to no memory. */
 static PyArrayObject *new_block(const MHAObject *self)
 {
     size_t bytes = (size_t)self->total * mha_dtype_size(self->cfg.dtype);
     npy_intp dims[1] = {(npy_intp)self->total};
-    void *mem = NULL;
+    void *mem = calloc(1, bytes + 64);
     PyObject *capsule = NULL;
     PyArrayObject *arr = NULL;
-    if (posix_memalign(&mem, 64, bytes + 64) != 0) {
+    if (!mem) {
         PyErr_Format(PyExc_MemoryError, "cannot allocate %lld parameters",
                      (long long)self->total);
         return NULL;
@@ -55,7 +57,8 @@ static PyArrayObject *new_block(const MHAObject *self)
         free(mem);
         return NULL;
     }
-    arr = (PyArrayObject *)PyArray_SimpleNewFromData(1, dims, typenum_of(self), mem);
+    arr = (PyArrayObject *)PyArray_SimpleNewFromData(
+        1, dims, typenum_of(self), (void *)(((uintptr_t)mem + 63) & ~(uintptr_t)63));
     if (!arr) {
         Py_DECREF(capsule);
         return NULL;
@@ -71,21 +74,24 @@ static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"d_model", "n_heads", "dropout", "bias", "kdim", "vdim",
                              "dtype", "seed", "add_bias_kv", "add_zero_attn", "n_kv_heads",
-                             NULL};
+                             "_empty", NULL};
     PyObject *o_e = NULL, *o_h = NULL, *o_p = NULL, *o_bias = Py_True, *o_kdim = Py_None,
              *o_vdim = Py_None, *o_dtype = NULL, *o_seed = Py_None, *o_bkv = NULL,
-             *o_zero = NULL, *o_kvh = Py_None;
+             *o_zero = NULL, *o_kvh = Py_None, *o_empty = NULL;
     MHAObject *self = NULL;
     mha_config cfg;
     double p = 0.0;
     uint64_t seed;
     mha_status st;
-    int b;
+    int b, empty = 0;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$OOOOOOOO:MultiHeadAttention", kwlist,
+    /* _empty (private): parameters left zero and never touched, for the
+     * torch classes' cores, which every call hands their tensors */
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$OOOOOOOOO:MultiHeadAttention", kwlist,
                                      &o_e, &o_h, &o_p, &o_bias, &o_kdim, &o_vdim,
-                                     &o_dtype, &o_seed, &o_bkv, &o_zero, &o_kvh))
+                                     &o_dtype, &o_seed, &o_bkv, &o_zero, &o_kvh, &o_empty))
         return NULL;
+    if (o_empty && parse_flag(o_empty, "_empty", &empty) < 0) return NULL;
     memset(&cfg, 0, sizeof cfg);
     if (positive_int(o_e, "d_model", &cfg.d_model) < 0) return NULL;
     if (positive_int(o_h, "n_heads", &cfg.n_heads) < 0) return NULL;
@@ -138,7 +144,7 @@ static PyObject *mha_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (!(self->params = new_block(self))) goto fail;
     self->block = PyArray_DATA(self->params);
     if (lock_init(&self->lock) < 0) goto fail;
-    mha_params_init(&cfg, self->block, seed);
+    if (!empty) mha_params_init(&cfg, self->block, seed);
     return (PyObject *)self;
 fail:
     Py_XDECREF(self);
@@ -343,8 +349,10 @@ static PyType_Slot mha_slots[] = {
     {Py_tp_getset, mha_getset},
     {Py_tp_doc, "MultiHeadAttention(d_model, n_heads, dropout=0.0, *, bias=True, kdim=None, "
                 "vdim=None, dtype='float32', seed=None, add_bias_kv=False, "
-                "add_zero_attn=False, n_kv_heads=None)\n--\n\n"
-                "The C part of mha_ext.MultiHeadAttention: parameter memory and the calls."},
+                "add_zero_attn=False, n_kv_heads=None, _empty=False)\n--\n\n"
+                "The C part of mha_ext.MultiHeadAttention: parameter memory and the calls "
+                "(_empty: the parameters left zero and untouched, for the torch classes' "
+                "modules, whose calls pass their own)."},
     {0, NULL}
 };
 

@@ -121,7 +121,8 @@ class MultiHeadAttention:
                 dtype: npt.DTypeLike = ...,
                 seed: int | np.integer[Any] | None = ...,
                 add_bias_kv: _Flag = ..., add_zero_attn: _Flag = ...,
-                n_kv_heads: int | np.integer[Any] | None = ...) -> _Self: ...
+                n_kv_heads: int | np.integer[Any] | None = ...,
+                _empty: _Flag = ...) -> _Self: ...
     @property
     def d_model(self) -> int: ...
     @property

@@ -78,21 +78,17 @@ class SDPAFunction(torch.autograd.Function):
         if grad_out is None:
             return (None,) * len(need)
         dt = torch.float64 if q4.dtype == np.float64 else torch.float32
-        # torch's SDPA returns early for an empty output or no key (S = 0),
-        # its result then made from query, key and value only: the mask
-        # gets no gradient (None, as torch's), they get zeros
-        no_mask_grad = grad_out.numel() == 0 or k4.shape[2] == 0
         if grad_out.numel() == 0:
             # an empty output (Ev, L or a batch dimension 0): no loss depends on
             # the inputs; zeros, not the NaN a blocked row's 0 * NaN would give
-            shapes = list(ctx.shapes) + ([None] if ctx.mask else []) + \
+            shapes = list(ctx.shapes) + ([ctx.mask[0]] if ctx.mask else []) + \
                 ([ctx.hm_shape] if ctx.hm_shape is not None else [])
-            return (None, *(torch.zeros(shape, dtype=dt) if need[1 + i] and shape is not None
-                            else None for i, shape in enumerate(shapes)))
+            return (None, *(torch.zeros(shape, dtype=dt) if need[1 + i] else None
+                            for i, shape in enumerate(shapes)))
         with torch.no_grad():
             go = np.ascontiguousarray(to_numpy(grad_out, "grad_output"),
                                       dtype=q4.dtype).reshape(q4.shape[:3] + v4.shape[3:])
-            want_mask = ctx.mask is not None and need[4] and not no_mask_grad
+            want_mask = ctx.mask is not None and need[4]
             dq, dk, dv, *ds = _sdpa.sdpa_backward(q4, k4, v4, go, masks, c, s, p, seed,
                                                   window=window, layout=lay, head_mask=hm,
                                                   scores_grad=want_mask)
@@ -189,8 +185,12 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         raise RuntimeError("torch.jit.trace would fix this call's dropout draw (made from "
                            "torch's generator outside the traced op) for every later call: "
                            "trace with dropout_p=0, or pass seed=")
+    # (not where torch's SDPA returns early, an empty output or no key: its
+    # result is then made from query, key and value alone, and the mask
+    # gets no gradient, None)
     mask_input = (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
-                  and torch.is_grad_enabled())
+                  and torch.is_grad_enabled() and 0 not in query.shape[:-1]
+                  and 0 not in key.shape[:-1] and 0 not in value.shape)
     if isinstance(attn_mask, torch.Tensor) and not mask_input:
         attn_mask = to_numpy(attn_mask, "attn_mask")
     p = probability(dropout_p, "dropout_p")

@@ -17,7 +17,8 @@ from typing import Generic, TypeVar
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._torch_mha import MultiheadAttention, _use_our_forward, holds
+from ._torch_fn import holds
+from ._torch_mha import MultiheadAttention, _use_our_forward
 
 __all__ = ["attention_modules", "swap_in", "restore", "swapped", "sharing"]
 

@@ -18,12 +18,13 @@ from typing import Any, Iterator, NoReturn
 
 import numpy as np
 import torch
+from torch.nn.utils import parametrize
 
 from . import _calls, _params, autograd as _ag
 from ._convert import batched, to_numpy
 from ._params import BLOCK_KEYS, seed_keys
 
-__all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "HALF", "attention", "attention_kept",
+__all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "HALF", "attention", "attention_kept", "holds",
            "records", "refuse_mask_grads", "refuse_script", "refused_draws_nothing",
            "torch_stream"]
 
@@ -44,6 +45,17 @@ def torch_stream() -> int:
     masks, and torch.utils.checkpoint, which restores that generator before
     it recomputes a forward, recomputes the same mask."""
     return int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
+
+
+def holds(m, name):
+    """Whether module m has the tensor `name`, found without reading it where
+    it is a parameter (a read computes a parametrized one: spectral_norm's
+    power iteration moves, once more than in torch's module)."""
+    if parametrize.is_parametrized(m, name):
+        return True
+    if name in m._parameters:
+        return m._parameters[name] is not None
+    return getattr(m, name, None) is not None
 
 
 def refuse_script(name: str) -> NoReturn:

@@ -31,14 +31,13 @@ from torch import nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.parameter import Parameter
-from torch.nn.utils import parametrize
 
 from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._torch_errors import TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas, torchs
-from ._torch_fn import HALF, attention, attention_kept, refuse_script
+from ._torch_fn import HALF, attention, attention_kept, holds, refuse_script, refuse_unrecordable
 from ._types import Int, Window
 
 if TYPE_CHECKING:
@@ -49,8 +48,8 @@ __all__ = ["MultiheadAttention"]
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 # the C modules doing the work of every module and functional call (their
 # parameters unused: each call passes its tensors), per configuration
-# (a core costs its parameters' memory and their initialisation, 15 ms at
-# E 1024: kept for the 64 configurations used last, which no model reaches)
+# (made _empty: its parameter block is never touched, next to no memory and
+# no initialisation; kept for the 64 configurations used last)
 _CORES: OrderedDict[tuple[Any, ...], _Core] = OrderedDict()
 _KEEP = 64
 _LOCK = threading.Lock()  # calls from several threads share the dict
@@ -64,17 +63,6 @@ def _use_our_forward(module, args):
 
 
 _SA_BLOCK = nn.TransformerEncoderLayer._sa_block.__code__
-
-
-def holds(m, name):
-    """Whether module m has the tensor `name`, found without reading it where
-    it is a parameter (a read computes a parametrized one: spectral_norm's
-    power iteration moves, once more than in torch's module)."""
-    if parametrize.is_parametrized(m, name):
-        return True
-    if name in m._parameters:
-        return m._parameters[name] is not None
-    return getattr(m, name, None) is not None
 
 
 def _layer_would_fuse(layer, src):
@@ -260,7 +248,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             raise TypeError(f"mha_ext computes in float32 or float64 (float16 and bfloat16 "
                             f"in float32); the parameters are {dtype}")
         if extra is None:
-            extra = (self.bias_k is not None, bool(self.add_zero_attn))
+            extra = (holds(self, "bias_k"), bool(self.add_zero_attn))
         return self._core_for(name, extra)
 
     def _core_for(self, name, extra):
@@ -278,9 +266,9 @@ class MultiheadAttention(nn.MultiheadAttention):
                 return core
         # seed 0: the dropout mask depends on torch's generator alone
         # (_torch_fn.torch_stream draws each call's), as torch's does
-        core = _Core(self.embed_dim, self.num_heads, bias=bias, kdim=self.kdim,
-                     vdim=self.vdim, dtype=name, seed=0, add_bias_kv=extra[0],
-                     add_zero_attn=extra[1])
+        core = _Core.__new__(_Core, self.embed_dim, self.num_heads, bias=bias,
+                             kdim=self.kdim, vdim=self.vdim, dtype=name, seed=0,
+                             add_bias_kv=extra[0], add_zero_attn=extra[1], _empty=True)
         with _LOCK:
             while len(_CORES) >= _KEEP:
                 _CORES.popitem(last=False)
@@ -424,6 +412,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         as well as ours (mha_ext._torch_errors: an AssertionError for a
         key of another rank, say, is also our ValueError), with both messages.
         """
+        if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (query, key, value)
+               if isinstance(t, torch.Tensor)):  # named as given (what the call derives
+            refuse_unrecordable({}, (query, key, value))  # from them is wrapped too)
         if any(getattr(x, "is_meta", False) for x in (query, key, value)):
             if not all(p.is_meta for p in self.parameters()):  # torch: a RuntimeError
                 raise ValueErrorAndRuntimeError(
@@ -462,7 +453,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             return
         ref = nn.MultiheadAttention(
             self.embed_dim, self.num_heads, dropout=self.dropout, bias=self._has_bias(),
-            add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn,
+            add_bias_kv=holds(self, "bias_k"), add_zero_attn=self.add_zero_attn,
             kdim=self.kdim, vdim=self.vdim, batch_first=self.batch_first, device="meta",
             dtype=self.out_proj.weight.dtype).train(self.training)
         ref(*metas(*args))
@@ -540,7 +531,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                     masked_rows="nan" if need_weights or fast else "zero",
                     dropout=float(self.dropout) if self.training else 0.0,
                     window=window, layout=layout)
-        if causal is True and (self.bias_k is not None or self.add_zero_attn):
+        if causal is True and (holds(self, "bias_k") or self.add_zero_attn):
             if window is not None or layout is not None:
                 raise ValueError("window and layout are not taken with the is_causal hint "
                                  "on torch's SDPA path with add_bias_kv or add_zero_attn "
@@ -571,7 +562,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         # rows [0, S) causal over the S keys and no extra key; row S + e the
         # first e + 1 extra keys and every key (the last block: to L).
         L, S = q.shape[-2], k.shape[-2]
-        kv = self.bias_k is not None
+        kv = holds(self, "bias_k")
         extras = ([(True, False)] if kv else []) + ([(kv, True)] if self.add_zero_attn else [])
         blocks = [(0, min(L, S), (False, False), True)]
         for e, extra in enumerate(extras):

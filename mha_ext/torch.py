@@ -68,9 +68,11 @@ def _config(core: _Core) -> dict[str, Any]:
 
 
 def _built(config: dict[str, Any]) -> _Core:
-    # in eval mode for good: each call passes its dropout (the module's
-    # training flag decides), so the core's own never applies
-    return _Core(**config).eval()
+    """A core of that configuration whose parameters are never initialised
+    nor touched (next to no memory: each call passes the module's own).  In
+    eval mode for good: each call passes its dropout (the module's training
+    flag decides), so the core's own never applies."""
+    return _Core.__new__(_Core, **config, _empty=True).eval()
 
 
 class MultiHeadAttention(nn.Module):
@@ -116,12 +118,12 @@ class MultiHeadAttention(nn.Module):
             np_dtype = _DTYPES[dtype]
         else:
             np_dtype = dtype
-        # in eval mode for good: each call passes its dropout (this module's
-        # training flag decides), so the core's own never applies
-        self._core = _Core(d_model, n_heads, dropout, bias=bias, kdim=kdim, vdim=vdim,
-                           dtype=np_dtype, seed=seed, n_kv_heads=n_kv_heads).eval()
-        tdtype = torch.float64 if self._core.dtype == np.float64 else torch.float32
-        core = self._core
+        # the initialisation of the NumPy module with this seed, copied into
+        # torch's Linears; then a core holding no parameters of its own
+        core = _Core(d_model, n_heads, dropout, bias=bias, kdim=kdim, vdim=vdim,
+                     dtype=np_dtype, seed=seed, n_kv_heads=n_kv_heads)
+        self._core = _built(_config(core))
+        tdtype = torch.float64 if core.dtype == np.float64 else torch.float32
         ins = (core.d_model, core.kdim, core.vdim, core.d_model)
         ekv = core.n_kv_heads * core.d_k
         outs = (core.d_model, ekv, ekv, core.d_model)

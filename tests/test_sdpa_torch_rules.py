@@ -259,6 +259,13 @@ def test_a_mask_gets_no_gradient_where_torch_returns_early(torch, shape):
         if b is not None:
             assert a.shape == b.shape, name
     assert (want[3] is None) == (0 in (B, L, S, Ev))
+    # the mask alone requiring grad: torch's early result does not require
+    # grad (ours did, its backward giving the mask None)
+    m = torch.randn(L, S, dtype=torch.float64, requires_grad=True)
+    q, k, v = (torch.zeros(B, 2, n, d, dtype=torch.float64) for n, d in ((L, E), (S, E), (S, Ev)))
+    outs = [f(q, k, v, attn_mask=m) for f in (torch.nn.functional.scaled_dot_product_attention,
+                                              mha_ext.scaled_dot_product_attention)]
+    assert outs[1].requires_grad == outs[0].requires_grad == (0 not in (B, L, S, Ev))
 
 
 def test_under_cpu_autocast_the_twin_computes_in_the_autocast_dtype(torch):

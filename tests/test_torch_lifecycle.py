@@ -62,22 +62,24 @@ def _calls():
     ]
 
 
+@pytest.mark.parametrize("bias_kv", [False, True])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("case", range(5))
-def test_a_parametrized_weight_is_computed_as_often_as_torch_computes_it(case, training):
+def test_a_parametrized_weight_is_computed_as_often_as_torch_computes_it(case, training,
+                                                                         bias_kv):
     name, call = _calls()[case]
+    names = ["in_proj_weight", "in_proj_bias"] + ["bias_k", "bias_v"] * bias_kv
     counts = []
-    for m in _pair():
+    for m in _pair(add_bias_kv=bias_kv):
         m.train(training)
-        for tensor in ("in_proj_weight", "in_proj_bias"):
+        for tensor in names:
             parametrize.register_parametrization(m, tensor, Counted())
         parametrize.register_parametrization(m.out_proj, "weight", Counted())
         call(m)
         with torch.no_grad():
             call(m)
-        counts.append([m.parametrizations.in_proj_weight[0].n,
-                       m.parametrizations.in_proj_bias[0].n,
-                       m.out_proj.parametrizations.weight[0].n])
+        counts.append([m.parametrizations[t][0].n for t in names]
+                      + [m.out_proj.parametrizations.weight[0].n])
     assert counts[1] == counts[0], name
 
 
@@ -255,3 +257,43 @@ def test_the_shared_cores_are_kept_for_the_configurations_used_last():
             first(x, x, x)
     assert first._core(torch.float32) is core
     assert len(_torch_mha._CORES) <= _torch_mha._KEEP
+
+
+def test_the_cores_hold_no_parameters_of_their_own():
+    # every call hands the C module the torch parameters: its own block is
+    # never initialised nor touched (zeros, next to no memory); each core
+    # initialised its own before (a model's parameters twice in memory)
+    x = torch.randn(1, 3, 16)
+    drop_in = mt.MultiheadAttention(16, 4, batch_first=True)
+    drop_in(x, x, x)
+    own = mt.MultiHeadAttention(16, 4, seed=1)
+    assert own.W_q.weight.abs().sum() > 0  # the seed's initialisation, in torch's Linears
+    for core in (drop_in._core(torch.float32), own._core, copy.deepcopy(own)._core,
+                 own.double()._core_for(torch.float64)):
+        assert not core._block().any()
+
+
+_RSS = """
+import torch, mha_ext.torch as mt
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096
+x = torch.randn(2, 5, 1024)
+ms = [mt.MultiheadAttention(1024, 16, batch_first=True) for _ in range(4)]
+with torch.no_grad():
+    ms[0](x, x, x)   # the output cache, thread pool, first-call state
+    before = rss()
+    for m in ms:
+        m(x, x, x)
+print((rss() - before) / 2 ** 20)
+"""
+
+
+def test_calling_drop_ins_adds_no_copy_of_their_parameters():
+    # four drop-ins at E 1024 (16 MiB of parameters each): 101 MiB more for
+    # eight after one call each before (a core per module, initialised)
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", _RSS], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert float(run.stdout) < 8, run.stdout

@@ -127,3 +127,25 @@ def test_torchscript_onnx_export_is_refused(name, grad):
             torch.onnx.export(Model(), (torch.randn(B, L, E, dtype=F64),), io.BytesIO(),
                               dynamo=False)
     f(torch.randn(B, L, E, dtype=F64))  # and outside the export, the call runs
+
+
+def test_the_refusal_names_the_argument_transformed():
+    # inside jacfwd/jacrev what the call derives from its arguments is
+    # wrapped too: the drop-in named "query" for a transform over key
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(L, B, E, generator=g, dtype=F64) for _ in range(2))
+    torch.manual_seed(0)
+    m = mt.MultiheadAttention(E, H, dtype=F64)
+    ref = torch.nn.MultiheadAttention(E, H, dtype=F64)
+    q4, k4 = q[None], k[None]  # made outside the transform (inside, they are its tensors)
+    cases = {
+        "key": lambda x: m(q, x, x, need_weights=False)[0],
+        "value": lambda x: mha_ext.scaled_dot_product_attention(q4, k4, x),
+        "query": lambda x: mt.multi_head_attention_forward(
+            x, k, k, E, H, ref.in_proj_weight, ref.in_proj_bias, None, None, False, 0.0,
+            ref.out_proj.weight, ref.out_proj.bias, training=False)[0],
+    }
+    for name, f in cases.items():
+        for transform in (torch.func.jacfwd, torch.func.jacrev):
+            with pytest.raises(RuntimeError, match=f"^{name} is a tensor of a torch.func"):
+                transform(f)(k)
