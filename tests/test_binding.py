@@ -259,7 +259,7 @@ def test_type_has_a_text_signature():
     sig = inspect.signature(_core.MultiHeadAttention)
     assert str(sig) == ("(d_model, n_heads, dropout=0.0, *, bias=True, kdim=None, "
                         "vdim=None, dtype='float32', seed=None, add_bias_kv=False, "
-                        "add_zero_attn=False, n_kv_heads=None)")
+                        "add_zero_attn=False, n_kv_heads=None, _empty=False)")
     assert str(inspect.signature(M(8, 2)._forward)).startswith(
         "(query, key, value, *, params=None, masks=()")
     assert str(inspect.signature(M(8, 2)._forward)).endswith(
