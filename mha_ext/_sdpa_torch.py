@@ -149,6 +149,7 @@ def _autocast(*tensors):
             for t in tensors]
 
 
+@torch.compiler.disable  # called as it is under torch.compile (see the drop-in's forward)
 def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
                window=None, layout=None, head_mask=None, pair=None):
     """scaled_dot_product_attention on tensors (see mha_ext._sdpa); pair:

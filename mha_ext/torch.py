@@ -223,6 +223,7 @@ class MultiHeadAttention(nn.Module):
         _torch_fn.refuse_script)."""
         refuse_script("MultiHeadAttention")
 
+    @torch.compiler.disable  # torch.compile calls it as it is (see the drop-in's forward)
     def forward(self, query: torch.Tensor | ArrayLike, key: torch.Tensor | ArrayLike | None = None,
                 value: torch.Tensor | ArrayLike | None = None,
                 mask: torch.Tensor | ArrayLike | None = None, *,
