@@ -352,7 +352,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         stack) would have run torch's fused layer kernel but for our hook;
         that kernel gives NaN for a query that sees no key."""
         frame = sys._getframe(1)
-        for _ in range(8):
+        for _ in range(16):  # (the layer's call, hooks, torch.compiler.disable's wrapper)
             frame = frame.f_back
             if frame is None:
                 return False
@@ -367,12 +367,6 @@ class MultiheadAttention(nn.MultiheadAttention):
         _torch_fn.refuse_script)."""
         refuse_script("MultiheadAttention")
 
-    # torch.compile calls it as it is, a graph break: Dynamo traced into it
-    # and compiled each Python function it calls on its own, recompiled for
-    # each kind of tensor met (a Parameter, a plain tensor) until its limit
-    # (a DETR-like model: 31 s for the first call, 29 ms a step, against
-    # 4 s and 8.5 ms)
-    @torch.compiler.disable
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
@@ -441,6 +435,10 @@ class MultiheadAttention(nn.MultiheadAttention):
             raise torchs(exc, lambda: self._torch_refuses(
                 query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal)) from exc.__cause__
+
+    if not TYPE_CHECKING:  # torch.compile calls it as it is (Dynamo compiled each function
+        # it calls, per kind of tensor met: a DETR-like model's first call 31 s, not 4)
+        forward = torch.compiler.disable(forward)
 
     def _torch_refuses(self, *args):
         """torch.nn.MultiheadAttention's forward with this configuration on

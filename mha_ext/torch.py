@@ -223,7 +223,6 @@ class MultiHeadAttention(nn.Module):
         _torch_fn.refuse_script)."""
         refuse_script("MultiHeadAttention")
 
-    @torch.compiler.disable  # torch.compile calls it as it is (see the drop-in's forward)
     def forward(self, query: torch.Tensor | ArrayLike, key: torch.Tensor | ArrayLike | None = None,
                 value: torch.Tensor | ArrayLike | None = None,
                 mask: torch.Tensor | ArrayLike | None = None, *,
@@ -278,3 +277,6 @@ class MultiHeadAttention(nn.Module):
         out, weights = _attention_kept(self, core, opts, query, key, value, params,
                                        lambda: params + extra)
         return out, (weights if need_weights else None)
+
+    if not TYPE_CHECKING:  # torch.compile calls it as it is (the drop-in's forward says why)
+        forward = torch.compiler.disable(forward)

@@ -330,3 +330,34 @@ def test_torch_compile_calls_the_entry_points_as_they_are():
         assert not inside, (name, inside)
         torch._dynamo.reset()
         torch.testing.assert_close(torch.compile(f)(x), f(x), rtol=0, atol=0)
+
+
+def test_a_wrapped_forward_inside_an_encoder_layer_keeps_torchs_nan_rows():
+    # torch's fused encoder layer (eval, no grad) gives NaN for a fully padded
+    # sequence; the drop-in finds the calling layer on the stack, within a
+    # few frames: torch.compiler.disable's wrapper took one of them, and a
+    # forward wrapped three times more (instrumentation) came out finite
+    import functools
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 8)
+    pad = torch.zeros(3, 4, dtype=torch.bool)
+    pad[1] = True
+    base = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    outs = []
+    for ours in (False, True):
+        m = copy.deepcopy(base)
+        if ours:
+            m.self_attn = mt.MultiheadAttention.from_torch(m.self_attn).eval()
+        for _ in range(3):
+            old = m.self_attn.forward
+
+            @functools.wraps(old)
+            def forward(*a, _old=old, **k):
+                return _old(*a, **k)
+            m.self_attn.forward = forward
+        with torch.no_grad():
+            outs.append(m(x, src_key_padding_mask=pad))
+    assert outs[0][1].isnan().all()
+    assert torch.equal(outs[0].isnan(), outs[1].isnan())
+    torch.testing.assert_close(outs[1].nan_to_num(), outs[0].nan_to_num(), rtol=1e-5,
+                               atol=1e-6)
