@@ -25,7 +25,8 @@ from ._convert import batched, to_numpy
 from ._params import BLOCK_KEYS, seed_keys
 
 __all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "HALF", "attention", "attention_kept", "holds",
-           "records", "refuse_mask_grads", "refuse_script", "refused_draws_nothing",
+           "records", "refuse_mask_grads", "refuse_script", "refuse_transformed",
+           "refused_draws_nothing",
            "torch_stream"]
 
 # float16 and bfloat16: computed in float32 and rounded back, as torch's CPU
@@ -310,6 +311,17 @@ def refuse_unrecordable(masks, tensors) -> None:
             raise NotImplementedError(
                 f"{name} carries a forward-mode tangent (a dual tensor): mha_ext has no "
                 f"forward-mode AD (jvp) for its masks; use torch's own attention for it")
+
+
+def refuse_transformed(masks, tensors) -> None:
+    """refuse_unrecordable at a call's entry, on its arguments as given, when
+    one is a tensor of a torch.func transform: what the call derives from
+    them is the transform's too, and the call's own work (a module made,
+    drawing its initialisation) would meet the transform first."""
+    ft = torch._C._functorch
+    if any(isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t)
+           for t in (*masks.values(), *tensors)):
+        refuse_unrecordable(masks, tensors)
 
 
 def records(core, opts, tensors) -> bool:

@@ -27,7 +27,7 @@ import torch
 
 from . import _convert
 from ._torch_errors import ValueErrorAndRuntimeError, metas, torchs
-from ._torch_fn import refuse_unrecordable
+from ._torch_fn import refuse_transformed
 from ._torch_mha import MultiheadAttention
 
 __all__ = ["multi_head_attention_forward"]
@@ -182,14 +182,12 @@ def multi_head_attention_forward(
     _refuse_fake(tensors)
     if any(t.device.type == "meta" for t in tensors):
         return _TORCH_MHA_FORWARD(*args, **kwargs)  # no data to compute: torch's shapes
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
-        # refused before the call's module is made (its initialisation draws:
-        # vmap's randomness error, which named no one)
-        params = [t for t in (in_proj_weight, q_proj_weight, k_proj_weight, v_proj_weight,
-                              in_proj_bias, out_proj_weight, out_proj_bias, bias_k, bias_v)
-                  if isinstance(t, torch.Tensor)]
-        refuse_unrecordable({"attn_mask": attn_mask, "key_padding_mask": key_padding_mask},
-                            (query, key, value, *params))
+    # before the call's module is made (its initialisation draws: under vmap,
+    # torch's randomness error, which named no one)
+    refuse_transformed({"attn_mask": attn_mask, "key_padding_mask": key_padding_mask},
+                       (query, key, value, in_proj_weight, q_proj_weight, k_proj_weight,
+                        v_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias, bias_k,
+                        bias_v))
     try:
         module = _module(*args, training, need_weights, use_separate_proj_weight, q_proj_weight,
                          k_proj_weight, v_proj_weight, static_k, static_v)

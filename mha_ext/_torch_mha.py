@@ -37,7 +37,7 @@ from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._torch_errors import TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas, torchs
-from ._torch_fn import HALF, attention, attention_kept, holds, refuse_script, refuse_unrecordable
+from ._torch_fn import HALF, attention, attention_kept, holds, refuse_script, refuse_transformed
 from ._types import Int, Window
 
 if TYPE_CHECKING:
@@ -412,9 +412,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         as well as ours (mha_ext._torch_errors: an AssertionError for a
         key of another rank, say, is also our ValueError), with both messages.
         """
-        if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (query, key, value)
-               if isinstance(t, torch.Tensor)):  # named as given (what the call derives
-            refuse_unrecordable({}, (query, key, value))  # from them is wrapped too)
+        refuse_transformed({}, (query, key, value))
         if any(getattr(x, "is_meta", False) for x in (query, key, value)):
             if not all(p.is_meta for p in self.parameters()):  # torch: a RuntimeError
                 raise ValueErrorAndRuntimeError(
