@@ -11,6 +11,7 @@ query / key-value heads.
 """
 from __future__ import annotations
 
+import numbers
 
 import numpy as np
 import torch
@@ -149,6 +150,22 @@ def _autocast(*tensors):
             for t in tensors]
 
 
+def _dropout_p(value):
+    """dropout_p as a probability.  A negative or NaN one, which torch's
+    fused CPU kernel refuses with a RuntimeError (its math path, for 3-D or
+    strided tensors, computes without dropout), is a ValueError that is also
+    a RuntimeError (API.md §7)."""
+    try:
+        return probability(value, "dropout_p")
+    except ValueError as exc:
+        bad = isinstance(value, numbers.Real) and not float(value) >= 0.0
+        if not bad:
+            raise
+        from ._torch_errors import ValueErrorAndRuntimeError
+        raise ValueErrorAndRuntimeError(
+            f"{exc} (torch's fused CPU attention refuses it too, a RuntimeError)") from None
+
+
 @torch.compiler.disable  # called as it is under torch.compile (see the drop-in's forward)
 def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
                window=None, layout=None, head_mask=None, pair=None):
@@ -194,7 +211,7 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                   and 0 not in key.shape[:-1] and 0 not in value.shape)
     if isinstance(attn_mask, torch.Tensor) and not mask_input:
         attn_mask = to_numpy(attn_mask, "attn_mask")
-    p = probability(dropout_p, "dropout_p")
+    p = _dropout_p(dropout_p)
     with refused_draws_nothing(p > 0 and seed is None):
         plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa, causal_and_mask=both, p=p,

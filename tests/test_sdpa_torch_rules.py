@@ -290,3 +290,19 @@ def test_under_cpu_autocast_the_twin_computes_in_the_autocast_dtype(torch):
             assert all(t.grad.dtype == torch.float32 for t in leaves)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
         assert f(q, k, v).dtype == torch.float32
+
+
+@pytest.mark.parametrize("p", [-0.5, float("nan")])
+def test_a_negative_or_nan_dropout_p_is_torchs_runtimeerror_too(torch, p):
+    """torch's fused CPU kernel (4-D tensors, last dimension contiguous)
+    refuses a negative or NaN dropout_p with a RuntimeError: ours is a
+    ValueError that is a RuntimeError as well (API.md §7), as for p > 1."""
+    F = torch.nn.functional
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, q, q, dropout_p=p)
+    for bad in (p, 1.5):
+        with pytest.raises(RuntimeError) as info:
+            mha_ext.scaled_dot_product_attention(q, q, q, dropout_p=bad)
+        assert isinstance(info.value, ValueError)
+        assert "dropout_p must be a probability in [0, 1]" in str(info.value)
