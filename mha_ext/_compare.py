@@ -2,7 +2,11 @@
 every attention layer of a torch model.
 
 Three runs of the model on the same inputs, all without grad and in the
-model's current mode (use eval(), or dropout 0, for comparable numbers):
+model's current mode (use eval(), or dropout 0, for comparable numbers),
+each from the model's state as it was (its parameters' and buffers' values
+and torch's random state, restored after each run: a layer that changes
+them in training mode, BatchNorm's running statistics or spectral_norm's
+power iteration, would otherwise give the second run other numbers):
 
   torch    the model as it is (float32, or whatever its dtype is)
   mha_ext  the same model with every nn.MultiheadAttention computed by
@@ -183,6 +187,26 @@ def _warn_dropout(model):
             return
 
 
+def _snapshot(model):
+    """What a run may change: each parameter's and buffer's value (by
+    name) and torch's random state; _restore puts them back in place."""
+    values = {("p", n): t.detach().clone() for n, t in model.named_parameters()}
+    values.update({("b", n): t.detach().clone() for n, t in model.named_buffers()})
+    return values, torch.get_rng_state()
+
+
+def _restore(model, snapshot):
+    values, rng = snapshot
+    now = {("p", n): t for n, t in model.named_parameters()}
+    now.update({("b", n): t for n, t in model.named_buffers()})
+    with torch.no_grad():
+        for key, t in now.items():
+            v = values.get(key)
+            if v is not None and v.shape == t.shape and v.dtype == t.dtype:
+                t.copy_(v)
+    torch.set_rng_state(rng)
+
+
 def _dtype_name(model):
     for p in model.parameters():
         return str(p.dtype).replace("torch.", "")
@@ -196,16 +220,29 @@ def compare(model: nn.Module, *inputs: Any, from_torch_options: Mapping[str, Any
     :class:`Comparison` of every nn.MultiheadAttention layer's output and
     of the model's output.  `model` may also be one seed-style attention
     module (see the module docstring; ``from_torch_options`` go to
-    mha_ext.MultiHeadAttention.from_torch).  The model is left as it was."""
+    mha_ext.MultiHeadAttention.from_torch).  Each run starts from the model's
+    state as it was (parameters, buffers, torch's random state), and the
+    model is left as it was."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"compare expects a torch.nn.Module, not {type(model).__name__}")
     if isinstance(model, MultiheadAttention):
         raise TypeError("compare takes the torch model or module: this is mha_ext's "
                         "MultiheadAttention already (compare computes it with mha_ext itself)")
     _warn_dropout(model)
+    state = _snapshot(model)
+    try:
+        return _compare(model, inputs, from_torch_options, kwargs, state)
+    finally:
+        _restore(model, state)
+
+
+def _compare(model, inputs, from_torch_options, kwargs, state):
+    # compare's runs, each from `state` (a parametrized weight read by
+    # from_torch, say, advances it in training mode)
     if isinstance(model, nn.MultiheadAttention):
-        ours: nn.Module | _NumpyMHA = MultiheadAttention.from_torch(model)
-        return _compare_module(model, ours, inputs, kwargs)
+        ours = MultiheadAttention.from_torch(model)
+        _restore(model, state)
+        return _compare_module(model, ours, inputs, kwargs, state)
     names = [n for n, _ in attention_modules(model)]
     if not names:
         try:
@@ -214,7 +251,8 @@ def compare(model: nn.Module, *inputs: Any, from_torch_options: Mapping[str, Any
             raise TypeError(f"compare found no torch.nn.MultiheadAttention in this "
                             f"{type(model).__name__}, and it is not an attention module "
                             f"from_torch converts: {exc}") from None
-        return _compare_module(model, ours, inputs, kwargs)
+        _restore(model, state)
+        return _compare_module(model, ours, inputs, kwargs, state)
     truth_model = copy.deepcopy(model).double()
     with torch.no_grad():
         seen_t, hs = _capture(model, names)
@@ -223,6 +261,7 @@ def compare(model: nn.Module, *inputs: Any, from_torch_options: Mapping[str, Any
         finally:
             for h in hs:
                 h.remove()
+        _restore(model, state)
         with swapped(model):
             seen_m, hs = _capture(model, names)
             try:
@@ -230,6 +269,7 @@ def compare(model: nn.Module, *inputs: Any, from_torch_options: Mapping[str, Any
             finally:
                 for h in hs:
                     h.remove()
+        torch.set_rng_state(state[1])
         seen_x, hs = _capture(truth_model, names)
         out_x = truth_model(*_to64(inputs), **_to64(kwargs))
     rows = [_row(n, seen_t.get(n), seen_m.get(n), seen_x.get(n)) for n in names]
@@ -237,7 +277,7 @@ def compare(model: nn.Module, *inputs: Any, from_torch_options: Mapping[str, Any
     return Comparison(rows, _dtype_name(model))
 
 
-def _compare_module(module, ours, inputs, kwargs):
+def _compare_module(module, ours, inputs, kwargs, state):
     # one attention module against ours (a torch module, or the NumPy
     # module, which is given the arguments as arrays)
     truth_module = copy.deepcopy(module).double()
@@ -250,7 +290,9 @@ def _compare_module(module, ours, inputs, kwargs):
         ours_args, ours_kwargs = inputs, kwargs
     with torch.no_grad():
         out_t = module(*inputs, **kwargs)
+        _restore(module, state)
         out_m = ours(*ours_args, **ours_kwargs)
+        torch.set_rng_state(state[1])
         out_x = truth_module(*_to64(inputs), **_to64(kwargs))
     name = type(module).__name__
     return Comparison([_row(name, _first(out_t), _first(out_m), _first(out_x))],

@@ -18,6 +18,40 @@ from mha_ext.torch import MultiheadAttention  # noqa: E402
 E, H, B, S = 16, 4, 2, 6
 
 
+class _Stateful(nn.Module):
+    # training mode, no dropout: spectral_norm's power iteration and
+    # BatchNorm's running statistics move at every call
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.utils.parametrizations.spectral_norm(nn.Linear(E, E))
+        with torch.no_grad():
+            self.proj.parametrizations.weight.original.mul_(torch.logspace(0, 1, E)[:, None])
+        self.bn = nn.BatchNorm1d(E)
+        self.att = nn.MultiheadAttention(E, H, batch_first=True)
+
+    def forward(self, x):
+        x = self.bn(self.proj(x).transpose(1, 2)).transpose(1, 2)
+        return self.att(x, x, x)[0]
+
+
+def test_each_run_starts_from_the_models_state_and_leaves_it_so():
+    """A model whose training-mode calls change its state (buffers,
+    parametrizations): every run starts where the model was, so mha_ext's
+    column is mha_ext's error (against the float64 copy, as torch's), and
+    the model's parameters and buffers are left as they were."""
+    model = _Stateful()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    table = mha_ext.compare(model, x(B, S, E))
+    for row in table:
+        assert row.mha_ext_error < 1e-5 and row.torch_error < 1e-5, table
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    assert int(model.bn.num_batches_tracked) == 0
+
+
 def encoder(batch_first=True, layers=2):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=batch_first)
