@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _core
 from ._convert import as_real, contiguous, flag
+from ._habits import causal_call
 from ._masks import block_layout, masks as _masks
 from .cache import KVCache
 
@@ -159,7 +160,9 @@ def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
     are C-contiguous arrays of it (no copy when they already are).  With a
     cache (a KVCache), key and value are the new keys (a cross cache: none),
     the masks cover the cached keys and the new ones, and the call is
-    causal as _cache_check says."""
+    causal as _cache_check says.  A module with causal = True (from_torch
+    of a module applying its own causal mask) makes a false is_causal True."""
+    is_causal = causal_call(mha, is_causal)
     if cache is not None:
         is_causal = _cache_check(mha, cache, key, value, is_causal)
         if layout is not None:  # its blocks count queries from the call's first

@@ -11,6 +11,11 @@ errors with the NumPy module, the one home for them:
   "keep": 1 = attend, as teaching modules that ``masked_fill(mask == 0,
   -inf)`` write it): the seed ``mask`` argument is read in that polarity.
   Never guessed: it is set explicitly (or by from_torch(mask_polarity=)).
+- the module's ``causal`` attribute (default False; True: every call is
+  causal, is_causal=True unless the call asks for "lower_right"), for the
+  copy of a module whose forward applies a causal mask buffer of its own
+  (a ``tril``, as the nanoGPT ``Head`` does).  Never guessed either:
+  from_torch refuses such a module unless told causal=True or False.
 
 Legend: B batch, S sequence length, E = d_model.
 """
@@ -21,7 +26,8 @@ import numpy as np
 from ._convert import as_array, flag
 
 __all__ = ["TORCH_NAMES", "constructor_keywords", "call_keywords", "batch_first",
-           "set_batch_first", "mask_polarity", "set_mask_polarity", "adapt_call",
+           "set_batch_first", "mask_polarity", "set_mask_polarity", "causal", "set_causal",
+           "causal_call", "adapt_call",
            "seq_first_output", "plain_layout_only"]
 
 # torch's spelling -> ours
@@ -75,6 +81,25 @@ def set_mask_polarity(module, value):
         raise ValueError(f"mask_polarity must be 'block' (1 = blocked, the default) or "
                          f"'keep' (1 = attend), got {value!r}")
     module.__dict__["_mask_polarity"] = value
+
+
+def causal(module):
+    """The module's causal attribute (False unless set; the core objects
+    the torch classes call through have none)."""
+    return getattr(module, "__dict__", {}).get("_causal", False)
+
+
+def set_causal(module, value):
+    module.__dict__["_causal"] = flag(value, "causal")
+
+
+def causal_call(module, is_causal):
+    """A call's is_causal under the module's causal attribute: a false
+    value becomes True (top-left) on a causal module; anything else as given
+    (checked by the call)."""
+    if causal(module) and isinstance(is_causal, (bool, np.bool_)) and not is_causal:
+        return True
+    return is_causal
 
 
 def _swap(x, name):

@@ -44,7 +44,7 @@ _HEAD_WIDTHS = ("d_k", "head_dim", "d_head", "head_size")
 
 
 def from_torch(cls, module, dtype=None, seed=None, names=None, n_heads=None,
-               mask_polarity=None):
+               mask_polarity=None, causal=None):
     """A `cls` (a MultiHeadAttention class) holding a copy of `module`."""
     _check_materialised(module)
     if names is None and hasattr(module, "in_proj_weight") and hasattr(module, "out_proj"):
@@ -52,9 +52,42 @@ def from_torch(cls, module, dtype=None, seed=None, names=None, n_heads=None,
     else:
         found = _find(module, names)
         m = _from_linears(cls, module, found, dtype, seed, n_heads)
+        buffer = _causal_buffer(module) if causal is None else None
+        if buffer is not None:
+            raise ValueError(
+                f"from_torch: this {type(module).__name__} holds a buffer {buffer!r} shaped "
+                f"as a causal mask (one value on and below the diagonal, another above it), "
+                f"which its forward presumably applies; from_torch copies the projections, "
+                f"not the forward, so say what the copy does: causal=True (every call "
+                f"causal, query i sees keys j <= i) or causal=False (calls as given); in "
+                f"mha_ext.compare: from_torch_options={{'causal': True}}")
     if mask_polarity is not None:
         m.mask_polarity = mask_polarity
+    if causal is not None:
+        m.causal = causal
     return m
+
+
+def _causal_buffer(module):
+    """The name of the first buffer of `module` (its children's included)
+    shaped as a causal mask: (n, n), n >= 2, leading dimensions of 1, one
+    value on and below the diagonal and another above it (a tril of ones, a
+    triu of True, 0 below and -inf above); None if there is none."""
+    named = getattr(module, "named_buffers", None)
+    if not callable(named):
+        return None
+    for name, b in named():
+        shape = tuple(getattr(b, "shape", ()))
+        if (len(shape) < 2 or shape[-1] != shape[-2] or shape[-1] < 2
+                or any(s != 1 for s in shape[:-2]) or b.is_complex() or b.is_meta):
+            continue
+        n = shape[-1]
+        a = b.detach().reshape(n, n).cpu().double().numpy()
+        below = np.tri(n, dtype=bool)
+        lo, up = a[below], a[~below]
+        if np.all(lo == lo[0]) and np.all(up == up[0]) and lo[0] != up[0]:
+            return name
+    return None
 
 
 def _check_materialised(module):

@@ -179,6 +179,18 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     def mask_polarity(self, value: Literal["block", "keep"]) -> None:
         _habits.set_mask_polarity(self, value)
 
+    @property
+    def causal(self) -> bool:
+        """False (default): calls are causal as their is_causal says.  True:
+        every call is causal (a false is_causal reads as True; "lower_right"
+        stays), as the copy of a module that applies its own causal mask
+        (from_torch(..., causal=True)) must be."""
+        return _habits.causal(self)
+
+    @causal.setter
+    def causal(self, value: Flag) -> None:
+        _habits.set_causal(self, value)
+
     # ------------------------------------------------------------ parameters
     def _linear(self, i: int) -> Linear:
         return Linear(_params.tensor(self, i), _params.tensor(self, i + 1))
@@ -261,6 +273,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                    seed: Int | None = None, names: Mapping[str, str] | None = None,
                    n_heads: Int | None = None,
                    mask_polarity: Literal["block", "keep"] | None = None,
+                   causal: Flag | None = None,
                    **unknown: NoReturn) -> "MultiHeadAttention":
         """A copy of a torch module: torch.nn.MultiheadAttention, or a
         seed-style attention module: W_q/W_k/W_v/W_o,
@@ -282,6 +295,11 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         are its caller's business (they are not part of these projections).
         mask_polarity="keep" makes ``mask`` read 1 = attend, as modules that
         ``masked_fill(mask == 0, -inf)`` do; it is never guessed.
+        A seed module holding a buffer shaped as a causal mask (a ``tril``
+        of ones, a ``triu`` of True, 0 and -inf: one value on and below the
+        diagonal, another above), which its forward presumably applies, is
+        a ValueError unless ``causal=`` says what the copy does: True, every
+        call causal (the ``causal`` attribute), or False, calls as given.
         add_bias_kv (bias_k, bias_v) and add_zero_attn are copied too.  A
         module on the meta device is a ValueError (it has no data to copy).  The
         copy owns its memory: later changes to either module do not reach
@@ -293,7 +311,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                             "the copy takes its width (d_model) from the module")
         if unknown:
             _habits.call_keywords(unknown, "MultiHeadAttention.from_torch")
-        return _interop.from_torch(cls, module, dtype, seed, names, n_heads, mask_polarity)
+        return _interop.from_torch(cls, module, dtype, seed, names, n_heads, mask_polarity,
+                                   causal)
 
     # ------------------------------------------------------------ copies
     def __reduce__(self) -> tuple[Any, ...]:

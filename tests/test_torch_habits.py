@@ -61,6 +61,76 @@ def test_average_attn_weights_names_ours(method):
         getattr(m, method)(rng_x(B, S, E), average_attn_weights=True)
 
 
+class _Head(nn.Module):
+    # the nanoGPT lecture's Head: causal through its own tril buffer
+    def __init__(self, E, hs, T=8, kind="tril"):
+        super().__init__()
+        self.key, self.query, self.value = (nn.Linear(E, hs, bias=False) for _ in range(3))
+        if kind == "tril":
+            self.register_buffer("tril", torch.tril(torch.ones(T, T)))
+        elif kind == "triu":  # True = blocked, as a bool mask
+            self.register_buffer("mask", torch.ones(1, 1, T, T, dtype=torch.bool).triu(1))
+        else:                 # additive: -inf above the diagonal
+            self.register_buffer("bias", torch.full((T, T), -math.inf).triu(1))
+        self.kind = kind
+
+    def forward(self, x):
+        T = x.shape[1]
+        k, q = self.key(x), self.query(x)
+        w = q @ k.transpose(-2, -1) * k.shape[-1] ** -0.5
+        if self.kind == "tril":
+            w = w.masked_fill(self.tril[:T, :T] == 0, -math.inf)
+        elif self.kind == "triu":
+            w = w.masked_fill(self.mask[0, 0, :T, :T], -math.inf)
+        else:
+            w = w + self.bias[:T, :T]
+        return w.softmax(-1) @ self.value(x)
+
+
+class _Heads(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.heads = nn.ModuleList([_Head(12, 4, kind=kind) for _ in range(3)])
+        self.proj = nn.Linear(12, 12)
+
+    def forward(self, x):
+        return self.proj(torch.cat([h(x) for h in self.heads], -1))
+
+
+@pytest.mark.parametrize("kind", ["tril", "triu", "additive"])
+def test_a_module_with_its_own_causal_buffer_is_converted_only_when_told(kind):
+    """from_torch copies the projections, not the forward: a seed module
+    holding a causal mask buffer is a ValueError naming it until causal= is
+    given; causal=True makes every call of the copy causal (torch's
+    numbers, through the call, trace, forward_train and compare, kept by
+    pickle), causal=False leaves calls as given."""
+    torch.manual_seed(0)
+    mod = _Heads(kind).double()
+    xt = torch.randn(2, 6, 12, dtype=torch.float64)
+    want = mod(xt).detach().numpy()
+    buffer = {"tril": "heads.0.tril", "triu": "heads.0.mask", "additive": "heads.0.bias"}[kind]
+    with pytest.raises(ValueError, match=f"'{buffer}' shaped as a causal mask.*causal=True"):
+        MultiHeadAttention.from_torch(mod)
+    with pytest.raises(ValueError, match="causal mask"):
+        mha_ext.compare(mod, xt)
+    m = MultiHeadAttention.from_torch(mod, causal=True)
+    x = xt.numpy()
+    assert m.causal is True
+    np.testing.assert_allclose(m(x)[0], want, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(m(x, is_causal=False)[0], want, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(m.trace(x).output, want, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(m.forward_train(x).output, want, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(pickle.loads(pickle.dumps(m))(x)[0], want, rtol=0, atol=1e-12)
+    row = mha_ext.compare(mod, xt, from_torch_options={"causal": True})[0]
+    assert row.mha_ext_error < 1e-12, row
+    plain = MultiHeadAttention.from_torch(mod, causal=False)
+    assert plain.causal is False
+    np.testing.assert_allclose(plain(x, is_causal=True)[0], want, rtol=0, atol=1e-12)
+    assert np.abs(plain(x)[0] - want).max() > 1e-3
+    m.causal = False
+    np.testing.assert_array_equal(m(x)[0], plain(x)[0])
+
+
 def test_trace_and_from_torch_name_ours():
     # trace's message named forward(); from_torch gave Python's "unexpected
     # keyword argument 'num_heads'" although it takes n_heads=
