@@ -39,7 +39,7 @@ from __future__ import annotations
 import html
 import inspect
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, SupportsFloat
+from typing import TYPE_CHECKING, Any, SupportsFloat
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -63,12 +63,26 @@ _ABOUT = {"entropy": "attention entropy (nats)",
           "loss_delta": "loss increase when the head is switched off"}
 
 
-class _Heads(Protocol):
-    """What ablate reads besides W_o.weight: mha_ext.MultiHeadAttention or
-    mha_ext.torch's module (W_o is checked at run time)."""
+_Heads = object
+"""What ablate takes: an attention module with n_heads and W_o.weight
+(mha_ext.MultiHeadAttention, mha_ext.torch.MultiHeadAttention) or with
+num_heads and out_proj.weight (torch.nn.MultiheadAttention and
+mha_ext.torch.MultiheadAttention), checked at run time (_heads_and_out)."""
 
-    @property
-    def n_heads(self) -> int: ...
+
+def _heads_and_out(module):
+    """(H, the output projection's weight (E_out, E)), its columns the heads'
+    contexts side by side, of a module ablate takes; else a TypeError."""
+    for heads, out in (("n_heads", "W_o"), ("num_heads", "out_proj")):
+        H = getattr(module, heads, None)
+        w = getattr(getattr(module, out, None), "weight", None)
+        if isinstance(H, (int, np.integer)) and not isinstance(H, bool) and H > 0 \
+                and w is not None and len(getattr(w, "shape", ())) == 2:
+            return int(H), w
+    raise TypeError("module must be an attention module with n_heads and W_o.weight "
+                    "(mha_ext's) or num_heads and out_proj.weight (torch's "
+                    "nn.MultiheadAttention, mha_ext.torch.MultiheadAttention), got %r"
+                    % (type(module).__name__,))
 
 
 def _weights(weights):
@@ -166,18 +180,16 @@ def ablate(module: _Heads, loss: Callable[[], SupportsFloat]) -> tuple[float, np
     base = loss() as the module is and per_head[h] = loss() with head h's
     context zeroed (W_o.weight[:, h·Dk:(h+1)·Dk] = 0 during that call).
 
-    module: an ``mha_ext.MultiHeadAttention`` or ``mha_ext.torch``'s module
-    (anything with ``W_o.weight`` (E, E) and ``n_heads``).  loss: a callable
-    with no arguments returning a number, that uses the module."""
+    module: an ``mha_ext.MultiHeadAttention``, ``mha_ext.torch``'s modules or
+    ``torch.nn.MultiheadAttention`` (anything with ``n_heads`` and
+    ``W_o.weight``, or ``num_heads`` and ``out_proj.weight``: its columns
+    h·Dk:(h+1)·Dk are zeroed, torch's under ``torch.no_grad``).  loss: a
+    callable with no arguments returning a number, that uses the module."""
     if not callable(loss) or _required_arguments(loss):
         raise TypeError("loss must be a callable with no arguments returning a number "
                         "(it runs the model itself, e.g. lambda: float(mha(x)[0].sum())), "
                         "got %r" % (loss,))
-    H = int(getattr(module, "n_heads", 0) or 0)
-    if H <= 0 or not hasattr(getattr(module, "W_o", None), "weight"):
-        raise TypeError("module must be an attention module with n_heads and "
-                        "W_o.weight, got %r" % (type(module).__name__,))
-    w_o = getattr(module, "W_o").weight  # checked above
+    H, w_o = _heads_and_out(module)
     E = int(w_o.shape[1])
     Dk = E // H
     base = float(loss())
@@ -334,7 +346,7 @@ def analyze(weights: Trace | ArrayLike, module: _Heads | None = None,
     if (module is None) != (loss is None):
         raise ValueError("give both module and loss (to switch heads off), or neither")
     if module is not None and loss is not None:  # both or neither, as checked
-        H = int(getattr(module, "n_heads", -1))
+        H, _ = _heads_and_out(module)
         if H != w.shape[1]:
             raise ValueError("the weights have %d heads but the module has %s"
                              % (w.shape[1], H))

@@ -118,6 +118,37 @@ def test_ablate_torch_module():
     assert torch.equal(m.W_o.weight.detach(), before)
 
 
+@pytest.mark.parametrize("kind", ["nn.MultiheadAttention", "drop-in"])
+def test_ablate_and_analyze_take_torchs_attention_modules(kind):
+    """torch's nn.MultiheadAttention and the drop-in (num_heads, out_proj):
+    switching head h off is the call with a head mask of 0 at h (the NumPy
+    copy's head_mask, an independent path), the module restored after."""
+    torch = need("torch")
+    import mha_ext.torch as mt
+    cls = torch.nn.MultiheadAttention if kind == "nn.MultiheadAttention" else mt.MultiheadAttention
+    torch.manual_seed(0)
+    m = cls(16, 4, batch_first=True, dtype=torch.float64).eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    before = m.out_proj.weight.detach().clone()
+
+    def loss():
+        with torch.no_grad():
+            return float(m(x, x, x, need_weights=False)[0].pow(2).sum())
+    base, per_head = ablate(m, loss)
+    copy = mha_ext.MultiHeadAttention.from_torch(m)
+    want = [float((copy(x.numpy(), head_mask=np.where(np.arange(4) == h, 0.0, 1.0))[0] ** 2)
+                  .sum()) for h in range(4)]
+    np.testing.assert_allclose(per_head, want, rtol=1e-12)
+    assert base == pytest.approx(float((copy(x.numpy())[0] ** 2).sum()), rel=1e-12)
+    assert torch.equal(m.out_proj.weight.detach(), before)
+    with torch.no_grad():
+        w = m(x, x, x, average_attn_weights=False)[1].numpy()
+    report = analyze(w, module=m, loss=loss)
+    np.testing.assert_allclose(report.values["loss_delta"], np.array(want) - base, rtol=1e-9)
+    with pytest.raises(ValueError, match="the weights have 2 heads but the module has 4"):
+        analyze(w[:, :2], module=m, loss=loss)
+
+
 def test_report_text_html_plot():
     S = 5
     w = np.stack([_shift(S, -1), _shift(S, 0)[:, ::-1]])[None]
