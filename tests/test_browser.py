@@ -123,11 +123,12 @@ def _run(browser, page, tmp_path, *extra):
     return r
 
 
-def _probe(browser, html_text, tmp_path, name):
-    """Load the page with the probe; returns the probe's findings."""
+def _probe(browser, html_text, tmp_path, name, *extra):
+    """Load the page with the probe (chromium's flags `extra` too); returns
+    the probe's findings."""
     page = tmp_path / (name + ".html")
     page.write_text(html_text.replace("<head>", "<head>" + PROBE, 1), encoding="utf-8")
-    r = _run(browser, page, tmp_path, "--dump-dom")
+    r = _run(browser, page, tmp_path, "--dump-dom", *extra)
     m = re.search(r'<pre id="mha-probe">(.*?)</pre>', r.stdout, re.S)
     assert m, "the probe did not report (exit %d): %s" % (r.returncode, r.stderr[-2000:])
     import html as _html
@@ -369,3 +370,38 @@ def test_legend_and_hover_say_what_is_drawn(tmp_path):
     raw = [line for line in x["tip_blocked"].split("\n") if line.startswith("raw scores:")]
     assert raw and "blocked" not in raw[0], x["tip_blocked"]
     assert "masked scores: \u2212\u221e (blocked)" in x["tip_blocked"], x
+
+
+ZOOM_PROBE = r"""<script>
+window.__mhaExtra = function () {
+  var root = document.querySelector(".mha-explorer");
+  var pick = root.querySelector('select[data-control="head"]');
+  pick.value = "0"; pick.dispatchEvent(new Event("change"));
+  var z = root.querySelector('input[data-control="zoom"]');
+  z.value = z.max; z.dispatchEvent(new Event("input"));
+  var cv = root.querySelector(".mha-view canvas"), g = cv.mhaGeom;
+  var k = cv.width / parseFloat(cv.style.width), out = {w: cv.width, h: cv.height, cs: g.cs,
+                                                       dpr: window.devicePixelRatio};
+  // cell (200, 100): below the diagonal (drawn in colour) and (100, 200) above it (blocked)
+  out.drawn = Array.prototype.slice.call(cv.getContext("2d").getImageData(
+      Math.floor((g.left + 100.5 * g.cs) * k), Math.floor((g.top + 200.5 * g.cs) * k), 1, 1).data);
+  return out;
+};
+</script>"""
+
+
+def test_the_largest_zoom_over_many_tokens_stays_drawn(tmp_path):
+    """256 tokens at the zoom's largest cells on a display of pixel ratio 2:
+    a canvas at that ratio would pass what Chromium draws (32767 pixels a
+    side, 268M in all; it then stays blank, no error): it is drawn with
+    fewer pixels, and the cells keep their colours."""
+    browser = _chromium()
+    m = mha_ext.MultiHeadAttention(16, 2, seed=0).eval()
+    tr = m.trace(np.random.default_rng(0).standard_normal((1, 256, 16)), is_causal=True)
+    text = explore(tr, head=0).to_html(full_page=True).replace("</body>", ZOOM_PROBE + "</body>")
+    out = _probe(browser, text, tmp_path, "zoom", "--force-device-scale-factor=2")
+    assert out["errors"] == [] and out["violations"] == [], out
+    x = out["extra"]
+    assert x["dpr"] == 2 and x["cs"] == 40, x
+    assert x["w"] * x["h"] <= 268435456 and max(x["w"], x["h"]) <= 32767, x
+    assert x["drawn"][3] == 255 and x["drawn"][:3] != [0, 0, 0], x  # an opaque colour

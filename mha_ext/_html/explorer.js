@@ -18,6 +18,7 @@ function mhaExplorer(root, data) {
   "use strict";
   var B = data.B, H = data.H, Sq = data.Sq, Sk = data.Sk;
   var layers = data.layers;
+  var MAX_SIDE = 16384, MAX_AREA = 1.2e8;  // a heatmap canvas's pixels at most
   var state = { layer: 0, batch: 0, head: 0, query: -1, scale: "row", cell: 0 };
   for (var li = 0; li < layers.length; li++) if (layers[li].name === data.layer) state.layer = li;
   state.cell = Math.max(4, Math.min(28, Math.floor(520 / Math.max(Sq, Sk, 1))));
@@ -143,11 +144,16 @@ function mhaExplorer(root, data) {
     }
     var right = withLabels ? top : 0;                          // room for the last rotated label
     var w = left + Sk * cs + right, hgt = top + Sq * cs;
-    var dpr = window.devicePixelRatio || 1;
-    var cv = el("canvas", { width: String(Math.round(w * dpr)), height: String(Math.round(hgt * dpr)) });
+    // drawn at the display's pixel ratio, or fewer pixels where that canvas
+    // would pass what browsers draw (Chromium: 32767 a side, 268M pixels;
+    // past it the canvas stays blank): then scaled up by the page, blurred
+    var dpr = Math.min(window.devicePixelRatio || 1, MAX_SIDE / w, MAX_SIDE / hgt,
+                       Math.sqrt(MAX_AREA / (w * hgt)));
+    var cv = el("canvas", { width: String(Math.max(1, Math.floor(w * dpr))),
+                            height: String(Math.max(1, Math.floor(hgt * dpr))) });
     cv.style.width = w + "px"; cv.style.height = hgt + "px";
     var g = cv.getContext("2d");
-    g.scale(dpr, dpr);
+    g.scale(cv.width / w, cv.height / hgt);
     var pattern = g.createPattern(hatch, "repeat");
     var lim = state.scale === "row" ? null : limits(b, h, 0);
     for (var i = 0; i < Sq; i++) {
