@@ -32,15 +32,37 @@ import types
 from typing import TYPE_CHECKING
 
 
+def _first_differing(tree: str, installed: str) -> "str | None":
+    """The first of the tree's package files (.py, .pyi, .js, .css, py.typed)
+    missing from the installed package or not the same bytes there, as a
+    path relative to the package; None when all are the same."""
+    for root, dirs, files in os.walk(tree):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if not name.endswith((".py", ".pyi", ".js", ".css", "py.typed")):
+                continue
+            rel = os.path.relpath(os.path.join(root, name), tree)
+            try:
+                with open(os.path.join(root, name), "rb") as a, \
+                        open(os.path.join(installed, rel), "rb") as b:
+                    if a.read() != b.read():
+                        return rel
+            except OSError:
+                return rel
+    return None
+
+
 def _installed_package(source_dir: str) -> types.ModuleType:
     """The installed mha_ext that a source checkout without a built
     extension stands in front of, or an ImportError that says what to do.
 
     Looks on sys.path past the entry holding this source folder for another
     mha_ext package that has its _core extension, and checks that its
-    distribution's version is this one: an installed package of another
-    version would pair this tree's docs with other code.
-    Returns the imported installed package."""
+    distribution's version is this one and that it was installed from this
+    tree as it is (its Python files, stubs and page assets the same bytes):
+    an installed package of another version or of older sources (a pull, an
+    edit since `pip install .`) would pair this tree's docs and tests with
+    other code.  Returns the imported installed package."""
     here = os.path.realpath(source_dir)
     others = [p for p in sys.path
               if os.path.realpath(os.path.join(p or os.curdir, "mha_ext")) != here]
@@ -67,6 +89,13 @@ def _installed_package(source_dir: str) -> types.ModuleType:
             "mha_ext's C extension is not built in the source tree %s, and the "
             "mha_ext installed in %s is version %s, not this tree's %s: %s"
             % (source_dir, site, installed or "(unknown)", __version__, build_hint),
+            name="mha_ext._core")
+    stale = _first_differing(here, pkg_dir)
+    if stale is not None:
+        raise ImportError(
+            "mha_ext's C extension is not built in the source tree %s, and the "
+            "mha_ext installed in %s was installed from other sources (its %s is not "
+            "this tree's): %s" % (source_dir, site, stale, build_hint),
             name="mha_ext._core")
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)

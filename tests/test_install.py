@@ -102,6 +102,27 @@ def test_root_with_another_installed_version_says_so(fresh):
     assert "pip install ." in proc.stderr
 
 
+def test_root_with_an_installed_copy_of_older_sources_says_so(fresh):
+    """The same version installed from other sources (the tree edited or
+    pulled since `pip install .`): the tree's files would pair with other
+    code, so the import is refused, naming the first file that differs."""
+    python, repo = fresh
+    run([str(python), "-m", "pip", "install", "-q", "."], repo)
+    target = repo / "mha_ext" / "trace.py"
+    text = target.read_text()
+    target.write_text(text + "\n# edited after the install\n")
+    try:
+        proc = run([str(python), "-c", "import mha_ext"], repo, check=False)
+    finally:
+        target.write_text(text)
+    assert proc.returncode == 1
+    assert "installed from other sources (its trace.py is not this tree's)" in proc.stderr, \
+        proc.stderr
+    assert "pip install ." in proc.stderr
+    ok = run([str(python), "-c", "import mha_ext; print(mha_ext.__file__)"], repo)
+    assert "site-packages" in ok.stdout, ok.stdout
+
+
 def test_notebook_kernel_at_the_root(fresh):
     """A notebook started at the root (its kernel's cwd, first on sys.path)
     gets the installed mha_ext.  The kernel is this Python's: it needs an
