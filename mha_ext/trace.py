@@ -151,8 +151,8 @@ class Trace:
     # -- display -----------------------------------------------------------
     def _header(self) -> tuple[str, str]:
         z = self.sizes
-        parts = ["%s=%d" % (k, z[k]) for k in ("B", "Sq", "Sk", "L", "E", "H", "Hkv", "Dk")
-                 if k in z]
+        parts = ["%s=%d" % (k, z[k]) for k in ("B", "Sq", "Sk", "Sn", "L", "E", "H", "Hkv",
+                                               "Dk", "Ekv") if k in z]
         for k in ("Ek", "Ev"):
             if k in z and z[k] != z["E"]:
                 parts.append("%s=%d" % (k, z[k]))
@@ -451,6 +451,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
         sizes.update({"Hkv": Hkv, "Ekv": Hkv * Dk})
     if cache is not None:
         sizes["L"] = L0
+        if not cache.cross:  # the call's own keys (Sk counts the cached ones too)
+            sizes["Sn"] = int(xk.shape[1])
     kvH, kvE = ("Hkv", "Ekv") if G > 1 else ("H", "E")
 
     wq, wk, wv, wo = module.W_q, module.W_k, module.W_v, module.W_o

@@ -586,3 +586,25 @@ def test_steps_are_read_only_and_info_holds_the_blocked_cells():
     causal = np.triu(np.ones((4, 4), dtype=bool), 1)
     np.testing.assert_array_equal(u.info["blocked"], np.broadcast_to(causal, (2, 4, 4)))
     assert np.isneginf(u["masked scores"].array[:, ~causal]).any()
+
+
+def test_every_symbol_in_the_dims_is_in_the_legend():
+    """Each step's dims use only symbols the legend defines (trace.sizes,
+    and the header of the printed and HTML table): with a cache, Sn (the
+    call's own keys) and L; with grouped heads, Hkv and Ekv."""
+    m = mha_ext.MultiHeadAttention(16, 4, n_kv_heads=2, kdim=6, vdim=10, seed=1).eval()
+    rng = np.random.default_rng(0)
+    x, kv = rng.standard_normal((2, 9, 16)), rng.standard_normal((2, 9, 6))
+    cache = m.new_cache(2, 20)
+    traces = [m.trace(x, kv, rng.standard_normal((2, 9, 10))),
+              m.trace(x[:, :5], kv[:, :5], kv[:, :5, :1].repeat(10, -1), cache=cache),
+              m.trace(x[:, 5:6], kv[:, 5:6], kv[:, 5:6, :1].repeat(10, -1), cache=cache)]
+    for tr in traces:
+        used = {d for s in tr.steps for d in s.dims if not d.isdigit()}
+        assert used <= set(tr.sizes), (used - set(tr.sizes), tr.sizes)
+        header = str(tr).splitlines()[1]
+        for d in used:
+            assert "%s=%d" % (d, tr.sizes[d]) in header or \
+                d in ("Ek", "Ev") and tr.sizes[d] == tr.sizes["E"], (d, header)
+            assert "%s=%d" % (d, tr.sizes[d]) in tr._repr_html_() or d in ("Ek", "Ev"), d
+    assert traces[2].sizes["Sn"] == 1 and traces[2].sizes["L"] == 5
