@@ -239,8 +239,10 @@ def bigbird(Sq: Int, Sk: Int, block_size: BlockSize, global_blocks: Int = 1,
             width: Int = 1, random_blocks: Int = 2, seed: Int | None = 0,
             causal: Flag = False, heads: Int | None = None) -> BlockLayout:
     """BigBird: global_local plus `random_blocks` random key blocks per
-    query block (drawn with numpy's default_rng(seed), seed an int in
-    [0, 2**64) or None for a fresh draw; causal: among kb <= qb).  heads:
+    query block, drawn among the blocks global_local does not keep (as
+    BigBird draws outside its window and global blocks; all of them where
+    fewer are left), with numpy's default_rng(seed), seed an int in
+    [0, 2**64) or None for a fresh draw; causal: among kb <= qb.  heads:
     None, one layout for every head; an int H, a different random draw per
     head, shape (H, nqb, nkb)."""
     base = global_local(Sq, Sk, block_size, global_blocks, width, causal).keep
@@ -252,7 +254,7 @@ def bigbird(Sq: Int, Sk: Int, block_size: BlockSize, global_blocks: Int = 1,
     pick: np.ndarray | list[int]
     for h in range(nh):
         for i in range(nqb):
-            pool = np.arange(min(nkb, i + 1) if causal else nkb)
+            pool = np.flatnonzero(~base[i, :min(nkb, i + 1) if causal else nkb])
             pick = rng.choice(pool, size=min(r, pool.size), replace=False) if pool.size else []
             keep[h, i, pick] = True
     return BlockLayout(keep if heads is not None else keep[0], _block_size(block_size))

@@ -444,12 +444,20 @@ def test_pattern_helpers():
     assert bb.shape == (4, 6, 6)
     assert (bb.keep >= gl.keep).all()                       # global + local kept
     extra = bb.keep & ~gl.keep
-    assert (extra.sum(-1) <= 2).all() and extra.any()       # at most 2 random per row
+    # 2 random blocks per row, drawn among those the band and the global
+    # blocks leave (BigBird's rule), all of them where fewer are left
+    np.testing.assert_array_equal(extra.sum(-1),
+                                  np.broadcast_to(np.minimum(2, (~gl.keep).sum(-1)), (4, 6)))
+    big = L.bigbird(4096, 4096, 64, random_blocks=2, seed=0)
+    free = ~L.global_local(4096, 4096, 64).keep
+    np.testing.assert_array_equal((big.keep & free).sum(-1), np.minimum(2, free.sum(-1)))
     assert not (bb.keep[0] == bb.keep[1]).all() or not (bb.keep[1] == bb.keep[2]).all()
     again = L.bigbird(60, 60, 10, global_blocks=1, width=1, random_blocks=2, seed=7, heads=4)
     np.testing.assert_array_equal(bb.keep, again.keep)      # the seed fixes the draw
     bc = L.bigbird(60, 60, 10, random_blocks=3, seed=1, causal=True)
     assert not (bc.keep & (j > i)).any()
+    free = ~L.global_local(60, 60, 10, causal=True).keep & (j <= i)
+    np.testing.assert_array_equal((bc.keep & free).sum(-1), np.minimum(3, free.sum(-1)))
     # block sizes not dividing S: the last block partial
     assert L.local_blocks(61, 45, (10, 8)).shape == (7, 6)
     # a 10 % pattern as in the benchmark
