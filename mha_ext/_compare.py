@@ -189,21 +189,47 @@ def _warn_dropout(model):
 
 def _snapshot(model):
     """What a run may change: each parameter's and buffer's value (by
-    name) and torch's random state; _restore puts them back in place."""
-    values = {("p", n): t.detach().clone() for n, t in model.named_parameters()}
-    values.update({("b", n): t.detach().clone() for n, t in model.named_buffers()})
+    name) and torch's random state; _restore puts them back."""
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if isinstance(t, nn.parameter.UninitializedTensorMixin):
+            raise ValueError(f"compare: {n!r} is not initialised yet (a lazy module's, "
+                             f"made by its first call): call the model once first, so that "
+                             f"the three runs compute with the same parameters")
+    with torch.inference_mode(False), torch.no_grad():
+        values = {("p", n): t.detach().clone() for n, t in model.named_parameters()}
+        values.update({("b", n): t.detach().clone() for n, t in model.named_buffers()})
     return values, torch.get_rng_state()
 
 
+def _same(t, v):
+    # the same values (NaN where NaN: a value a run left alone)
+    return t.shape == v.shape and t.dtype == v.dtype and bool(
+        ((t == v) | (t != t) & (v != v)).all())
+
+
 def _restore(model, snapshot):
+    """The snapshot's values back where a run changed them (in place: a
+    tensor a run left alone is not written, so a graph that saved it still
+    backpropagates; a buffer a run replaced by one of another shape or dtype
+    is put back as it was)."""
     values, rng = snapshot
-    now = {("p", n): t for n, t in model.named_parameters()}
-    now.update({("b", n): t for n, t in model.named_buffers()})
+    owners = dict(model.named_modules())
     with torch.no_grad():
-        for key, t in now.items():
-            v = values.get(key)
-            if v is not None and v.shape == t.shape and v.dtype == t.dtype:
-                t.copy_(v)
+        for (kind, name), v in values.items():
+            owner_name, _, attr = name.rpartition(".")
+            owner = owners.get(owner_name)
+            store = None if owner is None else (owner._parameters if kind == "p"
+                                                else owner._buffers)
+            t = None if store is None else store.get(attr)
+            if t is None or _same(t, v):
+                continue
+            if t.shape == v.shape and t.dtype == v.dtype:
+                with torch.inference_mode(t.is_inference()):
+                    t.copy_(v)
+            elif kind == "b":
+                store[attr] = v.clone()
+            else:
+                t.data = v.clone()
     torch.set_rng_state(rng)
 
 

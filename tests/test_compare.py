@@ -52,6 +52,45 @@ def test_each_run_starts_from_the_models_state_and_leaves_it_so():
     assert int(model.bn.num_batches_tracked) == 0
 
 
+def test_state_that_is_untouched_written_replaced_or_lazy():
+    """compare writes back only what a run changed: a backward still
+    pending on an earlier output works after it, a model made under
+    inference_mode compares, a buffer a run replaces by a longer one is put
+    back; a lazy module not yet called is a ValueError saying so."""
+    model = encoder(layers=1)
+    inp = x(B, S, E)
+    out = model(inp)
+    mha_ext.compare(model, inp)
+    out.sum().backward()                      # its saved tensors were not written
+    with torch.inference_mode():
+        frozen = encoder(layers=1)
+    assert mha_ext.compare(frozen, inp)[-1].mha_ext_error < 1e-5
+
+    class Grow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = nn.MultiheadAttention(E, H, batch_first=True)
+            self.register_buffer("seen", torch.zeros(0, E))
+
+        def forward(self, t):
+            self.seen = torch.cat([self.seen, t.mean((0, 1))[None]])
+            return self.att(t, t, t)[0] + self.seen.shape[0]
+    grow = Grow().eval()
+    assert mha_ext.compare(grow, inp)[-1].mha_ext_error < 1e-5
+    assert grow.seen.shape == (0, E)
+
+    class Lazy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = nn.MultiheadAttention(E, H, batch_first=True)
+            self.head = nn.LazyLinear(3)
+
+        def forward(self, t):
+            return self.head(self.att(t, t, t)[0])
+    with pytest.raises(ValueError, match="'head.weight' is not initialised yet.*call the model once"):
+        mha_ext.compare(Lazy(), inp)
+
+
 def encoder(batch_first=True, layers=2):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=batch_first)
