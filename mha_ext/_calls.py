@@ -162,7 +162,7 @@ def prepare(mha, query, key=None, value=None, mask=None, attn_mask=None,
     the masks cover the cached keys and the new ones, and the call is
     causal as _cache_check says.  A module with causal = True (from_torch
     of a module applying its own causal mask) makes a false is_causal True."""
-    is_causal = causal_call(mha, is_causal)
+    is_causal = causal_call(mha, is_causal, cache)
     if cache is not None:
         is_causal = _cache_check(mha, cache, key, value, is_causal)
         if layout is not None:  # its blocks count queries from the call's first

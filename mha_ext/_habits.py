@@ -93,13 +93,18 @@ def set_causal(module, value):
     module.__dict__["_causal"] = flag(value, "causal")
 
 
-def causal_call(module, is_causal):
+def causal_call(module, is_causal, cache=None):
     """A call's is_causal under the module's causal attribute: a false
-    value becomes True (top-left) on a causal module; anything else as given
-    (checked by the call)."""
-    if causal(module) and isinstance(is_causal, (bool, np.bool_)) and not is_causal:
-        return True
-    return is_causal
+    truth value (False, None, 0, a false 0-d array) becomes True (top-left)
+    on a causal module, but for a cross-attention cache's call (its memory
+    has no order); anything else as given (checked by the call)."""
+    if not causal(module) or isinstance(is_causal, str) or getattr(cache, "cross", False):
+        return is_causal
+    try:
+        false = not bool(is_causal)
+    except Exception:  # not a single truth value: the call's TypeError names it
+        return is_causal
+    return True if false else is_causal
 
 
 def _swap(x, name):

@@ -70,24 +70,45 @@ def from_torch(cls, module, dtype=None, seed=None, names=None, n_heads=None,
 
 def _causal_buffer(module):
     """The name of the first buffer of `module` (its children's included)
-    shaped as a causal mask: (n, n), n >= 2, leading dimensions of 1, one
-    value on and below the diagonal and another above it (a tril of ones, a
-    triu of True, 0 below and -inf above); None if there is none."""
+    shaped as a causal mask: (..., n, n), n >= 2, each (n, n) slice one value
+    on and below the diagonal and another above it, the same two in every
+    slice (a tril of ones, a triu of True, 0 below and -inf above, one per
+    head); None if there is none."""
     named = getattr(module, "named_buffers", None)
     if not callable(named):
         return None
     for name, b in named():
         shape = tuple(getattr(b, "shape", ()))
-        if (len(shape) < 2 or shape[-1] != shape[-2] or shape[-1] < 2
-                or any(s != 1 for s in shape[:-2]) or b.is_complex() or b.is_meta):
+        if (len(shape) < 2 or shape[-1] != shape[-2] or shape[-1] < 2 or b.is_complex()
+                or b.is_meta or b.is_sparse or b.numel() == 0):
             continue
-        n = shape[-1]
-        a = b.detach().reshape(n, n).cpu().double().numpy()
-        below = np.tri(n, dtype=bool)
-        lo, up = a[below], a[~below]
-        if np.all(lo == lo[0]) and np.all(up == up[0]) and lo[0] != up[0]:
+        if _causal_pattern(b.detach().reshape(-1, shape[-1], shape[-1])):
             return name
     return None
+
+
+def _causal_pattern(s):
+    # s (m, n, n): every slice is lo on and below the diagonal, up above it
+    # (corners first, then rows in chunks: a large buffer costs no copy of it)
+    n = s.shape[-1]
+    lo, up = s[0, 0, 0], s[0, 0, 1]
+    if bool(lo == up) or bool(lo != lo) or bool(up != up):
+        return False
+    if not bool((s[:, -1, :] == lo).all()) or not bool((s[:, 0, 1:] == up).all()):
+        return False
+    cols = _arange(n, s.device)
+    for r0 in range(0, n, 256):
+        rows = _arange(n, s.device)[r0:r0 + 256, None]
+        below = cols[None, :] <= rows
+        blk = s[:, r0:r0 + 256, :]
+        if not bool(((blk == lo) == below).all()) or not bool(((blk == up) != below).all()):
+            return False
+    return True
+
+
+def _arange(n, device):
+    import torch  # a torch module's buffer: torch is there
+    return torch.arange(n, device=device)
 
 
 def _check_materialised(module):

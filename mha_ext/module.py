@@ -385,6 +385,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
             s += ", batch_first=False"
         if self.mask_polarity != "block":
             s += f", mask_polarity={self.mask_polarity!r}"
+        if self.causal:
+            s += ", causal=True"
         return s + ")"
 
     # ------------------------------------------------------------ caches

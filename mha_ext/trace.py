@@ -1,7 +1,9 @@
 """Step-by-step trace of one multi-head attention call, for teaching.
 
 Legend: B batch, Sq query length, Sk key length, E d_model, H heads,
-Dk = E / H head width, Ek kdim, Ev vdim.
+Dk = E / H head width, Ek kdim, Ev vdim; with a cache L the keys cached
+before the call and Sn the call's own; with grouped heads Hkv key/value
+heads and Ekv = Hkv·Dk.
 
 ``trace(module, query, ...)`` (also ``module.trace(query, ...)``) redoes the
 computation of ``module(query, ...)`` in plain NumPy, one step at a time, and
@@ -387,6 +389,7 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     _habits.plain_layout_only(module, "trace")
     if unknown:  # torch's names named with ours, as the call does
         _habits.call_keywords(unknown, "trace")
+    is_causal = _habits.causal_call(module, is_causal, cache)  # a causal module's calls
     kwargs: dict[str, Any] = dict(
         attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
         need_weights=need_weights, average_weights=average_weights, masked_rows=masked_rows,

@@ -70,6 +70,9 @@ class _Head(nn.Module):
             self.register_buffer("tril", torch.tril(torch.ones(T, T)))
         elif kind == "triu":  # True = blocked, as a bool mask
             self.register_buffer("mask", torch.ones(1, 1, T, T, dtype=torch.bool).triu(1))
+        elif kind == "per-head":  # one tril per head of a batch of heads
+            self.register_buffer("tril", torch.ones(3, T, T).tril())
+            self.register_buffer("eye", torch.eye(T))  # square, not causal: no matter
         else:                 # additive: -inf above the diagonal
             self.register_buffer("bias", torch.full((T, T), -math.inf).triu(1))
         self.kind = kind
@@ -80,6 +83,8 @@ class _Head(nn.Module):
         w = q @ k.transpose(-2, -1) * k.shape[-1] ** -0.5
         if self.kind == "tril":
             w = w.masked_fill(self.tril[:T, :T] == 0, -math.inf)
+        elif self.kind == "per-head":
+            w = w.masked_fill(self.tril[0, :T, :T] == 0, -math.inf)
         elif self.kind == "triu":
             w = w.masked_fill(self.mask[0, 0, :T, :T], -math.inf)
         else:
@@ -97,7 +102,7 @@ class _Heads(nn.Module):
         return self.proj(torch.cat([h(x) for h in self.heads], -1))
 
 
-@pytest.mark.parametrize("kind", ["tril", "triu", "additive"])
+@pytest.mark.parametrize("kind", ["tril", "triu", "additive", "per-head"])
 def test_a_module_with_its_own_causal_buffer_is_converted_only_when_told(kind):
     """from_torch copies the projections, not the forward: a seed module
     holding a causal mask buffer is a ValueError naming it until causal= is
@@ -108,7 +113,8 @@ def test_a_module_with_its_own_causal_buffer_is_converted_only_when_told(kind):
     mod = _Heads(kind).double()
     xt = torch.randn(2, 6, 12, dtype=torch.float64)
     want = mod(xt).detach().numpy()
-    buffer = {"tril": "heads.0.tril", "triu": "heads.0.mask", "additive": "heads.0.bias"}[kind]
+    buffer = {"tril": "heads.0.tril", "triu": "heads.0.mask", "additive": "heads.0.bias",
+              "per-head": "heads.0.tril"}[kind]
     with pytest.raises(ValueError, match=f"'{buffer}' shaped as a causal mask.*causal=True"):
         MultiHeadAttention.from_torch(mod)
     with pytest.raises(ValueError, match="causal mask"):
@@ -129,6 +135,29 @@ def test_a_module_with_its_own_causal_buffer_is_converted_only_when_told(kind):
     assert np.abs(plain(x)[0] - want).max() > 1e-3
     m.causal = False
     np.testing.assert_array_equal(m(x)[0], plain(x)[0])
+
+
+def test_a_causal_modules_calls_traces_and_caches():
+    """On a module with causal = True every false truth value of is_causal
+    is causal (None, 0, a false 0-d array, as for a plain module's False),
+    the trace's steps are the causal ones (weights above the diagonal 0,
+    the masked scores -inf there), a cross-attention cache's call is not
+    made causal (its memory has no order), and repr says causal=True."""
+    m = MultiHeadAttention(8, 2, seed=0).eval()
+    x = np.random.default_rng(0).standard_normal((1, 5, 8))
+    want = m(x, is_causal=True)[0]
+    m.causal = True
+    assert "causal=True" in repr(m)
+    for flag_ in (False, None, 0, np.False_, np.array(False)):
+        np.testing.assert_array_equal(m(x, is_causal=flag_)[0], want)
+    tr = m.trace(x)
+    above = np.triu(np.ones((5, 5), bool), 1)
+    assert (tr["softmax"].array[..., above] == 0).all()
+    assert np.isneginf(tr["masked scores"].array[..., above]).all()
+    np.testing.assert_allclose(tr.output, want, rtol=0, atol=1e-6)
+    memory = np.random.default_rng(1).standard_normal((1, 7, 8))
+    plain = MultiHeadAttention(8, 2, seed=0).eval()
+    np.testing.assert_array_equal(m(x, cache=m.cache_memory(memory))[0], plain(x, memory)[0])
 
 
 def test_trace_and_from_torch_name_ours():
