@@ -39,7 +39,7 @@ from __future__ import annotations
 import html
 import inspect
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, SupportsFloat
+from typing import TYPE_CHECKING, Any, Protocol, SupportsFloat, Union
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -63,11 +63,23 @@ _ABOUT = {"entropy": "attention entropy (nats)",
           "loss_delta": "loss increase when the head is switched off"}
 
 
-_Heads = object
-"""What ablate takes: an attention module with n_heads and W_o.weight
-(mha_ext.MultiHeadAttention, mha_ext.torch.MultiHeadAttention) or with
-num_heads and out_proj.weight (torch.nn.MultiheadAttention and
-mha_ext.torch.MultiheadAttention), checked at run time (_heads_and_out)."""
+class _OurHeads(Protocol):
+    """mha_ext.MultiHeadAttention, mha_ext.torch.MultiHeadAttention (W_o
+    checked at run time)."""
+
+    @property
+    def n_heads(self) -> int: ...
+
+
+class _TorchHeads(Protocol):
+    """torch.nn.MultiheadAttention, mha_ext.torch.MultiheadAttention
+    (out_proj checked at run time)."""
+
+    @property
+    def num_heads(self) -> int: ...
+
+
+_Heads = Union[_OurHeads, _TorchHeads]  # what ablate takes (_heads_and_out)
 
 
 def _heads_and_out(module):
@@ -78,6 +90,11 @@ def _heads_and_out(module):
         w = getattr(getattr(module, out, None), "weight", None)
         if isinstance(H, (int, np.integer)) and not isinstance(H, bool) and H > 0 \
                 and w is not None and len(getattr(w, "shape", ())) == 2:
+            if "weight" in getattr(getattr(module, out), "parametrizations", {}):
+                raise TypeError(f"{out}.weight is parametrized (torch.nn.utils.parametrize): "
+                                f"it is computed at each call, so zeroing its columns would "
+                                f"switch no head off; ablate a copy without the "
+                                f"parametrization (parametrize.remove_parametrizations)")
             return int(H), w
     raise TypeError("module must be an attention module with n_heads and W_o.weight "
                     "(mha_ext's) or num_heads and out_proj.weight (torch's "

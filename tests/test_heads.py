@@ -147,6 +147,11 @@ def test_ablate_and_analyze_take_torchs_attention_modules(kind):
     np.testing.assert_allclose(report.values["loss_delta"], np.array(want) - base, rtol=1e-9)
     with pytest.raises(ValueError, match="the weights have 2 heads but the module has 4"):
         analyze(w[:, :2], module=m, loss=loss)
+    # a parametrized out_proj.weight is computed at each call: zeroing the
+    # computed one would switch nothing off
+    torch.nn.utils.parametrizations.weight_norm(m.out_proj)
+    with pytest.raises(TypeError, match="out_proj.weight is parametrized"):
+        ablate(m, loss)
 
 
 def test_report_text_html_plot():
