@@ -33,19 +33,25 @@ from typing import TYPE_CHECKING
 
 
 def _first_differing(tree: str, installed: str) -> "str | None":
-    """The first of the tree's package files (.py, .pyi, .js, .css, py.typed)
-    missing from the installed package or not the same bytes there, as a
-    path relative to the package; None when all are the same."""
-    for root, dirs, files in os.walk(tree):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for name in sorted(files):
-            if not name.endswith((".py", ".pyi", ".js", ".css", "py.typed")):
+    """The first of the tree's files that `pip install .` installs (the
+    package's .py, .pyi and py.typed, _html's .js and .css; not hidden ones:
+    an editor's lock or backup, a copier's ._ file) missing from the
+    installed package or not the same text there (line endings aside), as
+    a path relative to the package; None when all are the same."""
+    for sub, kinds in (("", (".py", ".pyi", "py.typed")), ("_html", (".js", ".css"))):
+        try:
+            names = sorted(os.listdir(os.path.join(tree, sub)))
+        except OSError:
+            continue
+        for name in names:
+            rel = os.path.join(sub, name) if sub else name
+            if name.startswith(".") or not name.endswith(kinds) \
+                    or not os.path.isfile(os.path.join(tree, rel)):
                 continue
-            rel = os.path.relpath(os.path.join(root, name), tree)
             try:
-                with open(os.path.join(root, name), "rb") as a, \
+                with open(os.path.join(tree, rel), "rb") as a, \
                         open(os.path.join(installed, rel), "rb") as b:
-                    if a.read() != b.read():
+                    if a.read().replace(b"\r\n", b"\n") != b.read().replace(b"\r\n", b"\n"):
                         return rel
             except OSError:
                 return rel

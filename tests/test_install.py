@@ -121,6 +121,22 @@ def test_root_with_an_installed_copy_of_older_sources_says_so(fresh):
     assert "pip install ." in proc.stderr
     ok = run([str(python), "-c", "import mha_ext; print(mha_ext.__file__)"], repo)
     assert "site-packages" in ok.stdout, ok.stdout
+    # what pip does not install is not compared: hidden files (a copier's ._
+    # file, an editor's lock), other folders; nor line endings
+    extra = [repo / "mha_ext" / "._trace.py", repo / "mha_ext" / ".#trace.py",
+             repo / "mha_ext" / "contrib" / "__init__.py"]
+    extra[2].parent.mkdir()
+    for p in extra:
+        p.write_bytes(b"\x00\x01 not python")
+    target.write_bytes(text.replace("\n", "\r\n").encode())
+    try:
+        ok = run([str(python), "-c", "import mha_ext; print(mha_ext.__file__)"], repo)
+    finally:
+        target.write_text(text)
+        for p in extra:
+            p.unlink()
+        extra[2].parent.rmdir()
+    assert "site-packages" in ok.stdout, ok.stdout
 
 
 def test_notebook_kernel_at_the_root(fresh):
