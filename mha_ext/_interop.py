@@ -90,25 +90,20 @@ def _causal_buffer(module):
 def _causal_pattern(s):
     # s (m, n, n): every slice is lo on and below the diagonal, up above it
     # (corners first, then rows in chunks: a large buffer costs no copy of it)
+    import torch  # a torch module's buffer: torch is there
     n = s.shape[-1]
     lo, up = s[0, 0, 0], s[0, 0, 1]
     if bool(lo == up) or bool(lo != lo) or bool(up != up):
         return False
     if not bool((s[:, -1, :] == lo).all()) or not bool((s[:, 0, 1:] == up).all()):
         return False
-    cols = _arange(n, s.device)
+    idx = torch.arange(n, device=s.device)
     for r0 in range(0, n, 256):
-        rows = _arange(n, s.device)[r0:r0 + 256, None]
-        below = cols[None, :] <= rows
         blk = s[:, r0:r0 + 256, :]
-        if not bool(((blk == lo) == below).all()) or not bool(((blk == up) != below).all()):
+        below = idx[None, :] <= idx[r0:r0 + 256, None]
+        if not bool(torch.where(below, blk == lo, blk == up).all()):
             return False
     return True
-
-
-def _arange(n, device):
-    import torch  # a torch module's buffer: torch is there
-    return torch.arange(n, device=device)
 
 
 def _check_materialised(module):
