@@ -36,8 +36,9 @@ class _Tensor(Protocol[_T_co]):
 @overload
 def scaled_dot_product_attention(
         query: _Tensor[_T], key: _Tensor[Any], value: _Tensor[Any],
-        attn_mask: _Tensor[Any] | ArrayLike | None = None, dropout_p: Real = 0.0,
-        is_causal: Causal = False, scale: Real | None = None, enable_gqa: Flag = False, *,
+        attn_mask: _Tensor[Any] | ArrayLike | None = None,
+        dropout_p: Real | _Tensor[Any] = 0.0, is_causal: Causal = False,
+        scale: Real | _Tensor[Any] | None = None, enable_gqa: Flag = False, *,
         seed: Int | None = None, window: Window = None, layout: BlockLayout | None = None,
         head_mask: _Tensor[Any] | ArrayLike | None = None) -> _T: ...
 @overload
@@ -49,8 +50,8 @@ def scaled_dot_product_attention(
 
 
 def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
-                                 dropout_p: Real = 0.0, is_causal: Causal = False,
-                                 scale: Real | None = None, enable_gqa: Flag = False, *,
+                                 dropout_p: Any = 0.0, is_causal: Causal = False,
+                                 scale: Any = None, enable_gqa: Flag = False, *,
                                  seed: Int | None = None, window: Window = None,
                                  layout: BlockLayout | None = None, head_mask: Any = None,
                                  ) -> Any:
@@ -82,6 +83,8 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         default generator with tensors, as torch's dropout does, so that
         torch.manual_seed and torch.utils.checkpoint repeat the mask; a
         fresh one with arrays), so the dropped entries differ from torch's.
+        With tensors a 0-d real tensor without grad is read as its value,
+        as torch reads it.
     is_causal: True: query i sees keys j <= i (top-left, torch's).  Given
         with attn_mask, tensors follow torch: both apply where torch's own
         choice takes its fused CPU kernel (4-D, unit last stride, no
@@ -90,7 +93,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
         arrays always raise it.  "lower_right": query i sees keys
         j <= i + S - L (torch's causal_lower_right), and may be combined
         with attn_mask.
-    scale: None (1/sqrt(E)) or any real number.
+    scale: None (1/sqrt(E)) or any real number (a 0-d tensor too).
     enable_gqa: query head h reads key head h // (Hq // Hk) and value head
         h // (Hq // Hv) (Hq a multiple of both), as torch's grouped-query
         attention does.

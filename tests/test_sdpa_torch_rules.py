@@ -306,3 +306,28 @@ def test_a_negative_or_nan_dropout_p_is_torchs_runtimeerror_too(torch, p):
             mha_ext.scaled_dot_product_attention(q, q, q, dropout_p=bad)
         assert isinstance(info.value, ValueError)
         assert "dropout_p must be a probability in [0, 1]" in str(info.value)
+
+
+def test_a_0d_tensor_dropout_p_is_read_as_torch_reads_it(torch):
+    """torch takes dropout_p as a 0-d real tensor without grad (its value)
+    and refuses one with dimensions or one that requires grad with a
+    TypeError: the twin does the same (API.md §7)."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v)
+    got = mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.0))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for one in (torch.tensor(1), torch.tensor(1.0, dtype=torch.float64)):   # all dropped
+        assert not F.scaled_dot_product_attention(q, k, v, dropout_p=one).any()
+        assert not mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=one).any()
+    torch.manual_seed(7)
+    by_tensor = mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.25))
+    torch.manual_seed(7)
+    by_float = mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+    assert torch.equal(by_tensor, by_float) and not torch.equal(by_float, want)
+    for bad in (torch.tensor([0.5]), torch.tensor(0.5, requires_grad=True)):
+        with pytest.raises(TypeError):
+            F.scaled_dot_product_attention(q, k, v, dropout_p=bad)
+        with pytest.raises(TypeError, match="dropout_p must be a float or a 0-d real tensor"):
+            mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=bad)
