@@ -36,7 +36,8 @@ from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
-from ._torch_errors import TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas, torchs
+from ._torch_errors import (TypeErrorAndRuntimeError, ValueErrorAndAssertionError,
+                            ValueErrorAndRuntimeError, metas, torchs)
 from ._torch_fn import HALF, attention, attention_kept, holds, refuse_script, refuse_transformed
 from ._types import Int, Window
 
@@ -463,6 +464,15 @@ class MultiheadAttention(nn.MultiheadAttention):
     def _forward_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                       average_attn_weights, is_causal, window, layout):
         if query.is_nested:
+            # (a jagged one is a tensor subclass: torch's fast path refuses it)
+            if query.layout != torch.strided or \
+                    not self._torch_fast_path(query, key, value, attn_mask, key_padding_mask):
+                raise ValueErrorAndAssertionError(
+                    "a nested tensor is taken only where torch's own module takes it, on its "
+                    "fast path: eval mode, no grad (or nothing requiring it), a 3-D "
+                    "batch-first self-attention call (query is key is value), an even "
+                    "num_heads, packed in_proj with biases, no bias_k, bias_v or "
+                    "add_zero_attn, no float mask, no autocast, not a jagged layout")
             if window is not None or layout is not None or isinstance(is_causal, str):
                 raise ValueError("window, layout and is_causal='lower_right' are not taken "
                                  "with a nested query")
@@ -478,6 +488,8 @@ class MultiheadAttention(nn.MultiheadAttention):
             causal = _causal(is_causal)
         elif is_causal:
             if attn_mask is None:
+                # torch checks key_padding_mask's dtype first (_canonical_mask)
+                _check_mask_dtype(key_padding_mask, "key_padding_mask")
                 raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may "
                                    "use the Transformer module method "
                                    "`generate_square_subsequent_mask` to create this mask.")
@@ -590,6 +602,10 @@ class MultiheadAttention(nn.MultiheadAttention):
         padded = query.to_padded_tensor(0.0)
         S = padded.shape[1]
         pad = torch.arange(S)[None, :] >= torch.tensor(lengths)[:, None]
-        out, _ = self.forward(padded, padded, padded, key_padding_mask=pad,
-                              need_weights=False)
-        return torch.nested.nested_tensor([o[:n] for o, n in zip(out, lengths)]), None
+        out, weights = self.forward(padded, padded, padded, key_padding_mask=pad,
+                                    need_weights=need_weights,
+                                    average_attn_weights=average_attn_weights)
+        if weights is not None:  # torch's: padded, 0 on the padding's rows and columns
+            rows = pad[:, :, None] if average_attn_weights else pad[:, None, :, None]
+            weights = weights.masked_fill(rows, 0.0)
+        return torch.nested.nested_tensor([o[:n] for o, n in zip(out, lengths)]), weights

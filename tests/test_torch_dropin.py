@@ -230,6 +230,44 @@ def test_nested_tensor_path_of_the_encoder():
                    grad=False)
 
 
+def test_a_nested_query_only_where_torchs_module_takes_one():
+    """torch's module takes a nested tensor on its fast path only (eval, no
+    grad): elsewhere an AssertionError (ours then lost the autograd graph
+    without a word); an empty or jagged one too (an IndexError before); and
+    with need_weights=True its weights padded, 0 on the padding."""
+    ref = nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    ours = MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(5)
+    parts = [torch.randn(n, 8, generator=g, dtype=torch.float64) for n in (3, 5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the nested tensors' prototype warning
+        x = torch.nested.nested_tensor(parts, requires_grad=True)
+        empty = torch.nested.nested_tensor([])
+        jagged = torch.nested.nested_tensor(parts, layout=torch.jagged)
+        for training, q in ((True, x), (False, x), (False, empty)):
+            for m in (ref, ours):
+                m.train(training)
+                with pytest.raises(AssertionError, match="outside of its fast path"):
+                    m(q, q, q, need_weights=False)
+        odd = MultiheadAttention(10, 5, batch_first=True).eval()
+        with pytest.raises(AssertionError):
+            odd(empty, empty, empty)
+        a = torch.nested.nested_tensor(parts)
+        with torch.no_grad():
+            with pytest.raises(AssertionError):
+                ref(jagged, jagged, jagged)
+            with pytest.raises(AssertionError, match="jagged"):
+                ours(jagged, jagged, jagged)
+            for average in (True, False):
+                want, want_w = ref(a, a, a, average_attn_weights=average)
+                got, got_w = ours(a, a, a, average_attn_weights=average)
+                assert got.is_nested and got_w.shape == want_w.shape
+                torch.testing.assert_close(got_w, want_w, rtol=0, atol=1e-12)
+                torch.testing.assert_close(got.to_padded_tensor(0.0),
+                                           want.to_padded_tensor(0.0), rtol=0, atol=1e-12)
+
+
 def test_swapped_shares_parameters_and_restores():
     stock = randomise_biases(_build("Transformer", False, False, torch.float64)).train()
     before = [id(m) for m in stock.modules()]

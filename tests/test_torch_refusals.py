@@ -38,6 +38,9 @@ BAD_CALLS = {
                                                   torch.zeros(2, L, L, dtype=torch.bool)),
     "int attn_mask": lambda q: (q, q, q, None, True, torch.zeros(L, L, dtype=torch.int64)),
     "2-D query, 3-D key": lambda q: (q[:, 0], q, q),
+    # torch checks the padding mask's dtype before the hint's missing mask
+    "uint8 key_padding_mask, is_causal without attn_mask": lambda q: (
+        q, q, q, torch.zeros(B, L, dtype=torch.uint8), True, None, True, True),
 }
 
 
