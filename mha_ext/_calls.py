@@ -71,7 +71,9 @@ def score_scale(scale):
     turns every score NaN into a row of zeros, its other paths into NaN)."""
     if scale is None:
         return None
-    bad = (isinstance(scale, (bool, np.bool_, str, bytes, complex, np.complexfloating))
+    boolean = isinstance(scale, (bool, np.bool_)) or \
+        str(getattr(scale, "dtype", "")) in ("bool", "torch.bool")  # 0-d bool arrays too
+    bad = (boolean or isinstance(scale, (str, bytes, complex, np.complexfloating))
            or getattr(scale, "ndim", 0) != 0)
     if not bad:
         try:
@@ -83,7 +85,8 @@ def score_scale(scale):
                 raise ValueError("scale must be a real number, not NaN (every score would be "
                                  "NaN; torch gives zeros on one path and NaN on another)")
             return value
-    raise TypeError(f"scale must be None or a real number, not {type(scale).__name__}")
+    kind = "a bool" if boolean else type(scale).__name__
+    raise TypeError(f"scale must be None or a real number, not {kind}")
 
 
 def _window_bound(x, side):

@@ -149,12 +149,20 @@ int parse_causal(PyObject *obj, int *out)
     return 0;
 }
 
+/* a Python or NumPy bool (a scalar or a 0-d array): no real number here */
+static int bool_like(PyObject *obj)
+{
+    return PyBool_Check(obj) || PyArray_IsScalar(obj, Bool) ||
+           (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) == 0 &&
+            PyArray_TYPE((PyArrayObject *)obj) == NPY_BOOL);
+}
+
 int parse_scale(PyObject *obj, int *has, double *out)
 {
     double s;
     *has = 0;
     if (obj == Py_None) return 0;
-    if (PyBool_Check(obj) || PyComplex_Check(obj) || PyUnicode_Check(obj) ||
+    if (bool_like(obj) || PyComplex_Check(obj) || PyUnicode_Check(obj) ||
         (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) != 0))
         goto type;
     s = PyFloat_AsDouble(obj);
@@ -174,7 +182,7 @@ type:
 int parse_dropout(PyObject *obj, const char *name, double *out)
 {
     double p;
-    if (PyBool_Check(obj) || PyComplex_Check(obj) ||
+    if (bool_like(obj) || PyComplex_Check(obj) ||
         (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) != 0))
         goto type;
     p = PyFloat_AsDouble(obj);

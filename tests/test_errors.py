@@ -10,6 +10,7 @@ Good inputs throughout: E = 16, H = 4, query (2, 5, 16), key and value
 import numpy as np
 import pytest
 
+import mha_ext
 from mha_ext import MultiHeadAttention
 
 E, H, B, Sq, Sk = 16, 4, 2, 5, 7
@@ -176,6 +177,9 @@ CTOR_CASES = [
     ("dropout-str", (16, 4, "0.1"), {}, ValueError, r"dropout"),   # API.md: "ValueError
     ("dropout-None", (16, 4, None), {}, ValueError, r"dropout"),   # otherwise"
     ("dropout-bool", (16, 4, True), {}, ValueError, r"dropout"),
+    # NumPy's bools as Python's (API.md §9: NumPy scalars where Python's are)
+    ("dropout-numpy-bool", (16, 4, np.bool_(True)), {}, ValueError, r"dropout"),
+    ("dropout-0d-bool-array", (16, 4, np.array(False)), {}, ValueError, r"dropout"),
     ("dtype-float16", (16, 4), dict(dtype="float16"), (TypeError, ValueError),
      r"dtype"),
     ("dtype-int", (16, 4), dict(dtype=np.int32), (TypeError, ValueError),
@@ -208,6 +212,7 @@ def test_constructor_rejects_bad_arguments(args, kwargs, exc, pattern):
 @pytest.mark.parametrize("value, exc", [
     (-0.5, ValueError), (1.01, ValueError), (float("nan"), ValueError),
     (float("-inf"), ValueError), ("0.5", ValueError), (None, ValueError), (True, ValueError),
+    (np.bool_(True), ValueError), (np.array(True), ValueError),
 ])
 def test_dropout_attribute_rejects(value, exc):
     mod = MultiHeadAttention(E, H, 0.2)
@@ -334,3 +339,15 @@ def test_calls_do_not_leak_references(m):
             m(q, k, v, mask=bad_mask)
     after = [sys.getrefcount(x) for x in objs]
     assert after == before
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(True), np.array(True), np.array(False)])
+def test_a_bool_scale_is_refused_whatever_its_kind(value):
+    """scale is a real number: a Python bool, a NumPy bool and a 0-d bool
+    array alike are a TypeError saying so (the 0-d array read as 1.0 before)."""
+    mod = MultiHeadAttention(E, H)
+    x = np.ones((1, 3, E), np.float32)
+    with pytest.raises(TypeError, match="scale must be None or a real number, not a bool"):
+        mod(x, scale=value)
+    with pytest.raises(TypeError, match="scale must be None or a real number, not a bool"):
+        mha_ext.scaled_dot_product_attention(x, x, x, scale=value)
