@@ -110,6 +110,12 @@ def sdpa_check(query, key, value, attn_mask, is_causal, scale, enable_gqa,
     return q, k, v, m, c, score_scale(scale), (lead, lead_kv), dtype
 
 
+def _to(x, shape):
+    """x broadcast to shape (x itself when it has it: a call's usual case,
+    where np.broadcast_to's checks were a tenth of a small call's time)."""
+    return x if x.shape == shape else np.broadcast_to(x, shape)
+
+
 def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                 causal_and_mask=False):
     """The arguments checked (sdpa_check) and brought to the C side's form:
@@ -127,11 +133,9 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
     # enable_gqa's heads repeated to Hkv (a head of 1 broadcast the same way)
     k, v = (np.repeat(x, Hkv // x.shape[-3], axis=-3)
             if x.ndim >= 3 and x.shape[-3] not in (0, Hkv) else x for x in (k, v))
-    q4 = np.ascontiguousarray(np.broadcast_to(q, lead + (L, E)), dtype=dtype).reshape(B, H, L, E)
-    k4 = np.ascontiguousarray(np.broadcast_to(k, lead_kv + (S, E)),
-                              dtype=dtype).reshape(B, Hkv, S, E)
-    v4 = np.ascontiguousarray(np.broadcast_to(v, lead_kv + (S, Ev)),
-                              dtype=dtype).reshape(B, Hkv, S, Ev)
+    q4 = np.ascontiguousarray(_to(q, lead + (L, E)), dtype=dtype).reshape(B, H, L, E)
+    k4 = np.ascontiguousarray(_to(k, lead_kv + (S, E)), dtype=dtype).reshape(B, Hkv, S, E)
+    v4 = np.ascontiguousarray(_to(v, lead_kv + (S, Ev)), dtype=dtype).reshape(B, Hkv, S, Ev)
     masks = []
     if m is not None:
         if m.dtype == np.bool_:

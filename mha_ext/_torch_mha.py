@@ -36,8 +36,8 @@ from . import _convert
 from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
-from ._torch_errors import (TypeErrorAndRuntimeError, ValueErrorAndAssertionError,
-                            ValueErrorAndRuntimeError, metas, torchs)
+from ._nested import forward_nested
+from ._torch_errors import TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas, torchs
 from ._torch_fn import HALF, attention, attention_kept, holds, refuse_script, refuse_transformed
 from ._types import Int, Window
 
@@ -464,20 +464,8 @@ class MultiheadAttention(nn.MultiheadAttention):
     def _forward_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                       average_attn_weights, is_causal, window, layout):
         if query.is_nested:
-            # (a jagged one is a tensor subclass: torch's fast path refuses it)
-            if query.layout != torch.strided or \
-                    not self._torch_fast_path(query, key, value, attn_mask, key_padding_mask):
-                raise ValueErrorAndAssertionError(
-                    "a nested tensor is taken only where torch's own module takes it, on its "
-                    "fast path: eval mode, no grad (or nothing requiring it), a 3-D "
-                    "batch-first self-attention call (query is key is value), an even "
-                    "num_heads, packed in_proj with biases, no bias_k, bias_v or "
-                    "add_zero_attn, no float mask, no autocast, not a jagged layout")
-            if window is not None or layout is not None or isinstance(is_causal, str):
-                raise ValueError("window, layout and is_causal='lower_right' are not taken "
-                                 "with a nested query")
-            return self._forward_nested(query, key, value, key_padding_mask, need_weights,
-                                        attn_mask, average_attn_weights, is_causal)
+            return forward_nested(self, query, key, value, key_padding_mask, need_weights,
+                                  attn_mask, average_attn_weights, is_causal, window, layout)
         # which of torch's paths would run decides only need_weights=False
         # calls (masked_rows, and is_causal's mask): with weights both give
         # NaN; its conditions are read on every call, as torch reads them
@@ -587,25 +575,3 @@ class MultiheadAttention(nn.MultiheadAttention):
                                         q[..., a:b, :], k, v, *params)[0]
                 for a, b, extra, c in blocks]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-
-    def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask,
-                        average_attn_weights, is_causal):
-        # nn.TransformerEncoder's sparsity path: self-attention on a nested
-        # (B, ragged L, E) batch without masks; padded, attended with the
-        # padding ignored, and nested again
-        if not (query is key and key is value) or key_padding_mask is not None \
-                or attn_mask is not None or not self.batch_first:
-            raise ValueError("mha_ext.torch.MultiheadAttention takes a nested tensor only "
-                             "for batch-first self-attention without masks (as "
-                             "nn.TransformerEncoder passes it)")
-        lengths = [t.shape[0] for t in query.unbind()]
-        padded = query.to_padded_tensor(0.0)
-        S = padded.shape[1]
-        pad = torch.arange(S)[None, :] >= torch.tensor(lengths)[:, None]
-        out, weights = self.forward(padded, padded, padded, key_padding_mask=pad,
-                                    need_weights=need_weights,
-                                    average_attn_weights=average_attn_weights)
-        if weights is not None:  # torch's: padded, 0 on the padding's rows and columns
-            rows = pad[:, :, None] if average_attn_weights else pad[:, None, :, None]
-            weights = weights.masked_fill(rows, 0.0)
-        return torch.nested.nested_tensor([o[:n] for o, n in zip(out, lengths)]), weights
