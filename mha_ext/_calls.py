@@ -75,6 +75,9 @@ def score_scale(scale):
         str(getattr(scale, "dtype", "")) in ("bool", "torch.bool")  # 0-d bool arrays too
     bad = (boolean or isinstance(scale, (str, bytes, complex, np.complexfloating))
            or getattr(scale, "ndim", 0) != 0)
+    if getattr(scale, "requires_grad", False) is True:  # torch's TypeError too
+        raise TypeError("scale must be a number or a 0-d tensor without grad (its gradient "
+                        "would be lost): detach it, or scale the query")
     if not bad:
         try:
             value = float(scale)

@@ -208,7 +208,8 @@ def probability(value, name) -> float:
     ok = (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
           and 0.0 <= float(value) <= 1.0)
     if not ok:
-        raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+        what = "a bool" if isinstance(value, (bool, np.bool_)) else repr(value)
+        raise ValueError(f"{name} must be a probability in [0, 1], got {what}")
     return float(value)
 
 

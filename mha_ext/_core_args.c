@@ -149,12 +149,32 @@ int parse_causal(PyObject *obj, int *out)
     return 0;
 }
 
-/* a Python or NumPy bool (a scalar or a 0-d array): no real number here */
+/* a Python or NumPy bool (a scalar or a 0-d array), or another library's
+ * 0-d bool (a torch tensor: its dtype's name): no real number here */
 static int bool_like(PyObject *obj)
 {
-    return PyBool_Check(obj) || PyArray_IsScalar(obj, Bool) ||
-           (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) == 0 &&
-            PyArray_TYPE((PyArrayObject *)obj) == NPY_BOOL);
+    PyObject *dt, *name;
+    int r;
+    if (PyBool_Check(obj) || PyArray_IsScalar(obj, Bool)) return 1;
+    if (PyArray_Check(obj))
+        return PyArray_NDIM((PyArrayObject *)obj) == 0 &&
+               PyArray_TYPE((PyArrayObject *)obj) == NPY_BOOL;
+    if (PyFloat_Check(obj) || PyLong_Check(obj) || PyArray_IsScalar(obj, Number)) return 0;
+    dt = PyObject_GetAttrString(obj, "dtype");
+    if (!dt) {
+        PyErr_Clear();
+        return 0;
+    }
+    name = PyObject_Str(dt);
+    Py_DECREF(dt);
+    if (!name) {
+        PyErr_Clear();
+        return 0;
+    }
+    r = PyUnicode_CompareWithASCIIString(name, "torch.bool") == 0 ||
+        PyUnicode_CompareWithASCIIString(name, "bool") == 0;
+    Py_DECREF(name);
+    return r;
 }
 
 int parse_scale(PyObject *obj, int *has, double *out)
@@ -175,7 +195,7 @@ int parse_scale(PyObject *obj, int *has, double *out)
     return 0;
 type:
     PyErr_Format(PyExc_TypeError, "scale must be None or a real number, not %.100s",
-                 Py_TYPE(obj)->tp_name);
+                 bool_like(obj) ? "a bool" : Py_TYPE(obj)->tp_name);
     return -1;
 }
 
@@ -199,7 +219,7 @@ int parse_dropout(PyObject *obj, const char *name, double *out)
 type: /* a ValueError too, as docs/API.md says of every value that is not a
          real number in [0, 1] (the SDPA function's dropout_p likewise) */
     PyErr_Format(PyExc_ValueError, "%s must be a real number in [0, 1], not %.100s", name,
-                 Py_TYPE(obj)->tp_name);
+                 bool_like(obj) ? "a bool" : Py_TYPE(obj)->tp_name);
     return -1;
 }
 

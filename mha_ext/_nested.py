@@ -27,8 +27,8 @@ def forward_nested(module: Any, query: Any, key: Any, value: Any, key_padding_ma
             "a nested tensor is taken only where torch's own module takes it, on its fast "
             "path: eval mode, no grad (or nothing requiring it), a 3-D batch-first "
             "self-attention call (query is key is value), an even num_heads, packed in_proj "
-            "with biases, no bias_k, bias_v or add_zero_attn, no float mask, no autocast, "
-            "not a jagged layout")
+            "with biases, no bias_k, bias_v or add_zero_attn, no float mask, not a jagged "
+            "layout")
     if window is not None or layout is not None or isinstance(is_causal, str):
         raise ValueError("window, layout and is_causal='lower_right' are not taken with a "
                          "nested query")

@@ -155,14 +155,15 @@ def _dropout_p(value):
     fused CPU kernel refuses with a RuntimeError (its math path, for 3-D or
     strided tensors, computes without dropout), is a ValueError that is also
     a RuntimeError (API.md §7).  A 0-d real tensor is its value, as torch
-    reads it; one that requires grad, has dimensions or holds a bool is
-    torch's TypeError."""
+    reads it; one that requires grad or has dimensions is torch's
+    TypeError; a bool, complex or meta one is refused (torch reads a bool
+    as 0 or 1, as it does True, which is refused too)."""
     if isinstance(value, torch.Tensor):
         if value.ndim != 0 or value.requires_grad or value.dtype == torch.bool \
                 or value.is_complex() or value.is_meta:
-            raise TypeError(f"dropout_p must be a float or a 0-d real tensor without grad, as "
-                            f"torch reads it, got a tensor of shape {tuple(value.shape)}, "
-                            f"{value.dtype}, requires_grad={value.requires_grad}")
+            raise TypeError(f"dropout_p must be a float or a 0-d real tensor without grad, "
+                            f"got a tensor of shape {tuple(value.shape)}, {value.dtype}, "
+                            f"requires_grad={value.requires_grad}")
         value = value.item()
     try:
         return probability(value, "dropout_p")

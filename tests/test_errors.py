@@ -179,7 +179,7 @@ CTOR_CASES = [
     ("dropout-bool", (16, 4, True), {}, ValueError, r"dropout"),
     # NumPy's bools as Python's (API.md §9: NumPy scalars where Python's are)
     ("dropout-numpy-bool", (16, 4, np.bool_(True)), {}, ValueError, r"dropout"),
-    ("dropout-0d-bool-array", (16, 4, np.array(False)), {}, ValueError, r"dropout"),
+    ("dropout-0d-bool-array", (16, 4, np.array(False)), {}, ValueError, r"not a bool"),
     ("dtype-float16", (16, 4), dict(dtype="float16"), (TypeError, ValueError),
      r"dtype"),
     ("dtype-int", (16, 4), dict(dtype=np.int32), (TypeError, ValueError),
@@ -351,3 +351,16 @@ def test_a_bool_scale_is_refused_whatever_its_kind(value):
         mod(x, scale=value)
     with pytest.raises(TypeError, match="scale must be None or a real number, not a bool"):
         mha_ext.scaled_dot_product_attention(x, x, x, scale=value)
+
+
+def test_a_torch_bool_as_dropout_is_refused_as_a_bool():
+    """A torch bool tensor as dropout (constructor and setter) was read as
+    1.0 where a Python or NumPy bool is refused."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="dropout must be a real number in \\[0, 1\\], not a bool"):
+        MultiHeadAttention(E, H, torch.tensor(True))
+    mod = MultiHeadAttention(E, H, torch.tensor(0.25))
+    assert mod.dropout == 0.25
+    with pytest.raises(ValueError, match="not a bool"):
+        mod.dropout = torch.tensor(False)
+    assert mod.dropout == 0.25

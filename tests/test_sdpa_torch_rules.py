@@ -331,3 +331,22 @@ def test_a_0d_tensor_dropout_p_is_read_as_torch_reads_it(torch):
             F.scaled_dot_product_attention(q, k, v, dropout_p=bad)
         with pytest.raises(TypeError, match="dropout_p must be a float or a 0-d real tensor"):
             mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=bad)
+    # a bool: torch reads it as 0 or 1; refused here, as True is
+    with pytest.raises(TypeError, match="torch.bool"):
+        mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(True))
+    with pytest.raises(ValueError, match="got a bool"):
+        mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=True)
+
+
+def test_a_scale_that_requires_grad_is_torchs_typeerror(torch):
+    """torch refuses a scale tensor that requires grad (a TypeError); the
+    twin read its value and dropped its gradient without a word."""
+    q = torch.randn(1, 2, 4, 8)
+    s = torch.tensor(0.5, requires_grad=True)
+    with pytest.raises(TypeError):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=s)
+    with pytest.raises(TypeError, match="without grad"):
+        mha_ext.scaled_dot_product_attention(q, q, q, scale=s)
+    want = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5)
+    got = mha_ext.scaled_dot_product_attention(q, q, q, scale=s.detach())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
