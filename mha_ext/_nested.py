@@ -32,8 +32,8 @@ def forward_nested(module: Any, query: Any, key: Any, value: Any, key_padding_ma
     if window is not None or layout is not None or isinstance(is_causal, str):
         raise ValueError("window, layout and is_causal='lower_right' are not taken with a "
                          "nested query")
-    if not (query is key and key is value) or key_padding_mask is not None \
-            or attn_mask is not None or not module.batch_first:
+    # (the fast path is batch-first self-attention: masks alone are left)
+    if key_padding_mask is not None or attn_mask is not None:
         raise ValueError("mha_ext.torch.MultiheadAttention takes a nested tensor only for "
                          "batch-first self-attention without masks (as nn.TransformerEncoder "
                          "passes it)")
