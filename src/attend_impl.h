@@ -48,6 +48,9 @@
                         Ctrl-C between tasks, and a group is at most 8 / 48 of a
                         head's queries' work (long sequences: at S 4096 groups of 8
                         and of 22 blocks ran the same, within the noise) */
+#define HEAD_WORK (1 << 17) /* whole heads of little work (a decode step's few keys)
+                        grouped, several a task, until a task holds about this
+                        many products (att_hpt) */
 
 typedef struct {
     const KT *kern;
@@ -90,6 +93,7 @@ typedef struct {
     int64_t n_qblk;
     int64_t qgrp;         /* blocks of queries per task, consecutive ones of one
                              head (attend_blocks_task) */
+    int64_t hpt;          /* or, when > 1, whole heads per task (att_hpt) */
 } SUF(att);
 
 /* The weights alone, or P (kept for the backward, which reads it next) past
@@ -461,14 +465,15 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
         int64_t ns = (nk + NR - 1) / NR * NR;
         if (ns > Sk - j0) ns = Sk - j0;
         if (ns > KB) ns = KB;
-        if (at->k_rows) { /* a panel of keys at a time, transposed into L1, then read */
-            int64_t p, pn;
+        if (at->k_rows) { /* a panel of keys at a time, transposed into L1, then read
+                             there (rows a vector apart where the panel fits in one) */
+            int64_t p, pn, w;
             for (p = 0; p < ns; p += NR) {
                 pn = ns - p < NR ? ns - p : NR;
+                w = pn <= at->kern->nr_narrow ? at->kern->nr_narrow : NR;
                 SUF(transpose)(at->kern, at->k_rows + (bkv * Sk + j0 + p) * Dk, pn, Dk, Dk, kb,
-                               NR);
-                SUF(mha_gemm_fma)(at->kern, 0, nq, pn, Dk, q_bh, Dk, kb, NR, NULL, s + p, KB, 0,
-                              gs);
+                               w);
+                SUF(mha_gemm_panel)(at->kern, nq, pn, Dk, q_bh, Dk, kb, w, s + p, KB);
             }
         } else {
             SUF(mha_gemm_fma)(at->kern, 0, nq, ns, Dk, q_bh, Dk, kt_bh + j0, at->kld, NULL, s, KB,
@@ -535,6 +540,18 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
 static void SUF(attend_blocks_task)(void *ctx, int64_t t, int slot)
 {
     const SUF(att) *at = (const SUF(att) *)ctx;
+    if (at->hpt > 1) { /* whole heads, one after the other */
+        const int64_t nbh = at->B * at->H, end = (t + 1) * at->hpt < nbh ? (t + 1) * at->hpt : nbh;
+        int64_t bh, i;
+        for (bh = t * at->hpt; bh < end; bh++)
+            for (i = 0; i < at->n_qblk; i++) {
+                if (at->weights || at->p_save)
+                    SUF(attend_weights_task)(ctx, bh * at->n_qblk + i, slot);
+                else
+                    SUF(attend_online_task)(ctx, bh * at->n_qblk + i, slot);
+            }
+        return;
+    }
     const int64_t groups = (at->n_qblk + at->qgrp - 1) / at->qgrp;
     const int64_t bh = t / groups, first = (t % groups) * at->qgrp;
     const int64_t last = first + at->qgrp < at->n_qblk ? first + at->qgrp : at->n_qblk;
@@ -545,6 +562,26 @@ static void SUF(attend_blocks_task)(void *ctx, int64_t t, int slot)
         else
             SUF(attend_online_task)(ctx, bh * at->n_qblk + i, slot);
     }
+}
+
+/* Whole heads a task (attend_blocks_task): where a head is one task and
+ * does little work (few queries and keys: a decode step), heads are
+ * grouped until a task does about HEAD_WORK multiply-adds, leaving at
+ * least TASKS tasks a thread.  Each task took a head before: its work
+ * (~100 ns at one key) then weighed less than the pool's per-task cost
+ * (the shared counter's line between the cores, the caller's poll for
+ * Ctrl-C).  The same operations per head, so the same bits. */
+static int64_t SUF(att_hpt)(const SUF(att) *at, int slots)
+{
+    const int64_t nbh = at->B * at->H;
+    const double work = (double)at->Sq * ((double)at->Sk + 16.0) *
+                        ((double)at->Dk + (double)at->Dv + 16.0); /* a head's products, and
+                                                                     its fixed cost */
+    int64_t hpt;
+    if (at->qgrp < at->n_qblk) return 1; /* a head is split already */
+    hpt = (int64_t)((double)HEAD_WORK / work);
+    if (hpt > nbh / (TASKS * (int64_t)slots)) hpt = nbh / (TASKS * (int64_t)slots);
+    return hpt > 1 ? hpt : 1;
 }
 
 /* The attention pass: every (b, h, group of blocks of queries) on the pool
@@ -585,6 +622,10 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
         at->qgrp = (at->n_qblk + ng - 1) / ng;
         if (at->qgrp > QGRP) at->qgrp = QGRP;
         if (at->qgrp < 1) at->qgrp = 1;
+        at->hpt = SUF(att_hpt)(at, slots);
+        if (at->hpt > 1)
+            return mha_parallel_for((nbh + at->hpt - 1) / at->hpt, slots,
+                                    SUF(attend_blocks_task), at, ps);
         return mha_parallel_for(nbh * ((at->n_qblk + at->qgrp - 1) / at->qgrp), slots,
                                 SUF(attend_blocks_task), at, ps);
     }
@@ -595,4 +636,5 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
 #undef ROWS
 #undef TASKS
 #undef QGRP
+#undef HEAD_WORK
 #undef MEAN_CHUNK

@@ -43,12 +43,13 @@
  * gradient at medium): 1.08-1.10x; NN (1024, 256) with K 1024: 1.035x */
 #define PFB 16
 
-/* The micro-kernel for an mr x nr tile: the one-vector kernel for a panel
- * of few columns, the one-row one for a row, the half-height one for few
- * rows, else the full one (kernels.h; every one gives the same bits) */
+/* The micro-kernel for an mr x nr tile: the one-vector kernels for a panel
+ * of few columns (one row's, or MR rows'), the one-row one for a row, the
+ * half-height one for few rows, else the full one (kernels.h; every one
+ * gives the same bits) */
 static inline UKR_T SUF(ukr_for)(const KT *kt, int64_t mr, int64_t nr)
 {
-    return nr <= kt->nr_narrow ? kt->ukr_narrow
+    return nr <= kt->nr_narrow ? (mr == 1 ? kt->ukr_dot : kt->ukr_narrow)
            : mr == 1           ? kt->ukr_row
            : mr <= kt->mr_tail ? kt->ukr_tail
                                : kt->ukr;
@@ -292,6 +293,36 @@ void SUF(mha_gemm_fma)(const KT *kt, int trans_b, int64_t M, int64_t N, int64_t 
 {
     SUF(gemm_nest)(kt, trans_b, 0, M, N, K, A, lda, 1, B, ldb, bias, C, ldc, accumulate,
                    scratch, 0);
+}
+
+/* C (M, n) = A (M, K)·Bp for one packed panel of B, Bp (K, ldbp) with
+ * n <= NR: the forward's S = Q·Kᵀ over a panel of keys that
+ * attend_online_task transposed into its scratch (K given as rows).  The
+ * kernel gemm_nest would run, on the same depth blocks in the same order,
+ * so the same bits as mha_gemm_fma; the panel read where it lies, not
+ * copied again into a zero-padded one (a kernel reads whole vectors of a
+ * row of Bp: ldbp at least NR, or nr_narrow where n <= nr_narrow; the
+ * columns past n only reach sums never stored).  Zen 4, one thread, a
+ * decode step's SDPA at B 4096, H 1, L 1, S 1, D 64: the copy's zero fill
+ * (a memset of 63 of 64 columns per row of the panel) took 20% of the call */
+void SUF(mha_gemm_panel)(const KT *kt, int64_t M, int64_t n, int64_t K, const T *A,
+                         int64_t lda, const T *Bp, int64_t ldbp, T *C, int64_t ldc)
+{
+    int64_t pc, ir;
+    if (M <= 0 || n <= 0) return;
+    if (K <= 0) { /* an empty sum */
+        for (ir = 0; ir < M; ir++)
+            for (pc = 0; pc < n; pc++) C[ir * ldc + pc] = 0;
+        return;
+    }
+    for (pc = 0; pc < K; pc += MHA_GEMM_KC) {
+        const int64_t kc = K - pc < MHA_GEMM_KC ? K - pc : MHA_GEMM_KC;
+        for (ir = 0; ir < M; ir += kt->mr) {
+            const int64_t mr = M - ir < kt->mr ? M - ir : kt->mr;
+            SUF(ukr_for)(kt, mr, n)(kc, A + ir * lda + pc, lda, 1, Bp + pc * ldbp, ldbp,
+                                   C + ir * ldc, ldc, mr, n, pc > 0, NULL, NULL);
+        }
+    }
 }
 
 void SUF(mha_gemm_tn)(const KT *kt, int64_t M, int64_t N, int64_t K, const T *A, int64_t lda,

@@ -205,6 +205,14 @@ void mha_gemm_fma_f64(const mha_kern_f64 *kt, int trans_b, int64_t M, int64_t N,
                       const double *A, int64_t lda, const double *B, int64_t ldb,
                       const double *bias, double *C, int64_t ldc, int accumulate,
                       double *scratch);
+/* C (M, n) = A·Bp for one packed panel Bp (K, ldbp) of n <= NR columns
+ * (gemm_impl.h): mha_gemm_fma's bits, the panel read in place */
+void mha_gemm_panel_f32(const mha_kern_f32 *kt, int64_t M, int64_t n, int64_t K,
+                        const float *A, int64_t lda, const float *Bp, int64_t ldbp, float *C,
+                        int64_t ldc);
+void mha_gemm_panel_f64(const mha_kern_f64 *kt, int64_t M, int64_t n, int64_t K,
+                        const double *A, int64_t lda, const double *Bp, int64_t ldbp,
+                        double *C, int64_t ldc);
 void mha_gemm_tn_f32(const mha_kern_f32 *kt, int64_t M, int64_t N, int64_t K, const float *A,
                      int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
                      int accumulate, float *scratch);

@@ -340,6 +340,7 @@ KATTR static void transpose_f64_avx512(int64_t R, int64_t C, const double *x, in
     .ukr_tail = ukr_tail_f32_avx512,                                           \
     .ukr_narrow = ukr_narrow_f32_avx512,                                       \
     .ukr_row = ukr_row_f32_avx512,                                             \
+    .ukr_dot = ukr_dot_f32_avx512,                                             \
     .dot_rows = 0,                                                             \
     .dot = dot_f32_avx512,                                                     \
     .scale_max = scale_max_f32_avx512,                                         \
@@ -374,6 +375,7 @@ static const mha_kern_f64 avx512_f64 = {
     .ukr_tail = ukr_tail_f64_avx512,
     .ukr_narrow = ukr_narrow_f64_avx512,
     .ukr_row = ukr_row_f64_avx512,
+    .ukr_dot = ukr_dot_f64_avx512,
     .dot_rows = 16,
     .dot = dot_f64_avx512,
     .scale_max = scale_max_f64_avx512,

@@ -33,7 +33,7 @@
  *                    of NR), the generic loop's FMAs in its order
  * T, KDOUBLE, VL, VT, VI, V_SET1, SUF and those seven are undefined at the
  * end of this file; the rest stay the includer's.
- * Each instance defines ukr_S, ukr_tail_S, ukr_narrow_S and ukr_row_S (ukr_impl.h), dot_S,
+ * Each instance defines ukr_S, ukr_tail_S, ukr_narrow_S, ukr_row_S and ukr_dot_S (ukr_impl.h), dot_S,
  * scale_max_S, max_S, exp_sum_S, scale_S, exp_row_S and softmax_grad_S for
  * its suffix S (f32_avx2, f64_portable, ...), which the includer lists by
  * name in its table.
@@ -214,6 +214,10 @@ KATTR static inline VT SUF(vexp_neg)(VT x)
 #define UKR_FN SUF(ukr_row)
 #define UMR 1
 #define UNRV NRV
+#include "ukr_impl.h"
+#define UKR_FN SUF(ukr_dot)
+#define UMR 1
+#define UNRV 1
 #include "ukr_impl.h"
 
 /* C (m, n) = A (m, K)·B (n, K)ᵀ (+ bias), B read in place (no packing):

@@ -32,6 +32,10 @@
  * ukr_narrow: the same for nr <= nr_narrow (one vector) columns, in
  *   1/NRV of the work (a panel of few columns: S = Q·Kᵀ over few keys, the
  *   last panel of a product whose N leaves few); the same bits.
+ * ukr_dot: the same for one row and nr <= nr_narrow columns, in 1/MR of
+ *   ukr_narrow's work (a decode step's S = q·Kᵀ over few keys, which the
+ *   narrow kernel ran as MR rows: Zen 4, one thread, the SDPA at B 4096,
+ *   H 1, L 1, S 1, D 64: 32% of the call in ukr_narrow); the same bits.
  * dot_rows: the forward's projections of at most this many rows (B·Sq and
  *   B·Sk) take dot, not the packed GEMM (the same bits either way: a choice
  *   of speed).  Zen 5, 2 threads, a module call at E768 H12, float32:
@@ -64,7 +68,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* the micro-kernels' signature (ukr, ukr_tail, ukr_narrow and ukr_row above) */
+/* the micro-kernels' signature (ukr, ukr_tail, ukr_narrow, ukr_row and ukr_dot above) */
 typedef void (*mha_ukr_f32)(int64_t kc, const float *A, int64_t lda, int64_t ak,
                             const float *Bp, int64_t ldbk, float *C, int64_t ldc, int64_t mr,
                             int64_t nr, int accumulate, const float *bias, const float *pin);
@@ -119,7 +123,7 @@ typedef struct {
     const char *name;
     int mr, nr, mr_tail, nr_narrow;
     int dot_rows; /* projections of at most this many rows take dot (0: none) */
-    mha_ukr_f32 ukr, ukr_tail, ukr_narrow, ukr_row;
+    mha_ukr_f32 ukr, ukr_tail, ukr_narrow, ukr_row, ukr_dot;
     void (*dot)(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B,
                 int64_t ldb, const float *bias, float *C, int64_t ldc, int accumulate);
     float (*scale_max)(float *s, int64_t n, float c);
@@ -145,7 +149,7 @@ typedef struct {
     const char *name;
     int mr, nr, mr_tail, nr_narrow;
     int dot_rows;
-    mha_ukr_f64 ukr, ukr_tail, ukr_narrow, ukr_row;
+    mha_ukr_f64 ukr, ukr_tail, ukr_narrow, ukr_row, ukr_dot;
     void (*dot)(int64_t m, int64_t n, int64_t K, const double *A, int64_t lda, const double *B,
                 int64_t ldb, const double *bias, double *C, int64_t ldc, int accumulate);
     double (*scale_max)(double *s, int64_t n, double c);

@@ -11,6 +11,15 @@
  *   per (b, h, block of queries), h' = h / (H / Hkv):
  *     S = q_bh·kt_bh' · scale, masked, softmax, dropout;  out_bh = S·v_bh' */
 
+/* a query row's fixed cost in the pool's threshold below, as multiply-adds:
+ * Zen 4, one thread, B 4096, H 1, L 1, S 1, D 64 takes ~220 ns a row (its
+ * softmax, two kernel calls and a task's share), ~4,000 flops of the
+ * products at small sizes; counting the products alone, that call (1 ms)
+ * ran on one thread */
+#ifndef SDPA_ROW_COST
+#define SDPA_ROW_COST 4096.0
+#endif
+
 static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
 {
     mha_sizes sz;
@@ -59,8 +68,8 @@ static mha_status SUF(sdpa_forward)(const mha_sdpa_args *a)
         return MHA_ERR_OVERFLOW;
 
     slots = mha_get_num_threads();
-    if (2.0 * (double)a->B * (double)a->H * (double)a->L * (double)a->S *
-            (double)(a->D + a->Dv) < 2e6)
+    if ((double)a->B * (double)a->H * (double)a->L *
+                (2.0 * (double)a->S * (double)(a->D + a->Dv) + SDPA_ROW_COST) < 2e6)
         slots = 1;
     /* workspace: kt (B, Hkv, D, S), then per slot the GEMM's packing and the
      * task's state */

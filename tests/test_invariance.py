@@ -219,3 +219,49 @@ def test_batch_invariance_averaged_weights(isa, dtype):
         expect += per_head[:, h]
     expect /= per_head.dtype.type(H)
     assert np.array_equal(full, expect)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("D", [8, 64, 600])  # 600: two depth blocks of a product
+def test_batch_invariance_decode_shaped_sdpa(isa, dtype, D):
+    # a decode step's query row (L 1: its keys transposed a panel at a time
+    # into the thread's scratch and read there, one-row kernels), the same
+    # row in a block of 5 and in a call of 60 rows (K transposed whole, the
+    # full kernels): the same bits, at key counts around the kernels' panel
+    # widths (4 to 64 keys) and past them
+    r = np.random.default_rng(D)
+    for S in (1, 3, 15, 16, 17, 33, 63, 64, 65, 130):
+        q = r.standard_normal((2, 2, 60, D)).astype(dtype)
+        k = r.standard_normal((2, 2, S, D)).astype(dtype)
+        v = r.standard_normal((2, 2, S, D)).astype(dtype)
+        full = mha_ext.scaled_dot_product_attention(q, k, v)
+        for i in (0, 41, 59):
+            one = mha_ext.scaled_dot_product_attention(q[:, :, i:i + 1], k, v)
+            assert np.array_equal(one[:, :, 0], full[:, :, i]), (S, i)
+        blk = mha_ext.scaled_dot_product_attention(q[:, :, 50:55], k, v)
+        assert np.array_equal(blk, full[:, :, 50:55]), S
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_batch_invariance_many_small_heads(isa, dtype):
+    # many heads of little work (a decode step over a few keys) run several
+    # to a task on the pool: each head's bits are those it has alone, at 1,
+    # 2 and 3 threads
+    r = np.random.default_rng(3)
+    B, H, S, D = 512, 4, 5, 16
+    q = r.standard_normal((B, H, 1, D)).astype(dtype)
+    k = r.standard_normal((B, H, S, D)).astype(dtype)
+    v = r.standard_normal((B, H, S, D)).astype(dtype)
+    before = mha_ext.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            mha_ext.set_num_threads(n)
+            outs.append(mha_ext.scaled_dot_product_attention(q, k, v))
+        for b in (0, 1, 255, 511):
+            alone = mha_ext.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1],
+                                                         v[b:b + 1])
+            for out in outs:
+                assert np.array_equal(alone[0], out[b]), b
+    finally:
+        mha_ext.set_num_threads(before)
