@@ -17,9 +17,20 @@ __all__ = ["batched", "is_tensor", "is_causal_bias", "check_tensor", "to_numpy",
            "check_real", "as_real", "contiguous", "flag", "probability", "seed", "counter"]
 
 
+_TENSOR_TYPES: set[type] = set()  # the types is_tensor has found to be tensors
+
+
 def is_tensor(x) -> bool:
-    """Whether x is a torch tensor (torch is never imported here)."""
-    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+    """Whether x is a torch tensor (torch is never imported here).  A type
+    found once is remembered: 14 calls a small SDPA call on tensors."""
+    t = type(x)
+    if t in _TENSOR_TYPES:
+        return True
+    if t is np.ndarray or not t.__module__.startswith("torch") or not hasattr(x, "detach"):
+        return False
+    if len(_TENSOR_TYPES) < 64:  # (types made on the fly are not all kept)
+        _TENSOR_TYPES.add(t)
+    return True
 
 
 def is_causal_bias(x) -> bool:

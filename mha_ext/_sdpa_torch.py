@@ -19,8 +19,9 @@ import torch
 from . import _sdpa
 from . import _calls
 from ._convert import probability, to_numpy
-from ._torch_fn import (HALF, _NoDoubleBackward, refuse_traced_tensors, refuse_unrecordable,
-                        refused_draws_nothing, save_arrays, saved_arrays, torch_stream)
+from ._torch_fn import (HALF, _has_tangent, _NoDoubleBackward, refuse_traced_tensors,
+                        refuse_unrecordable, refused_draws_nothing, save_arrays, saved_arrays,
+                        torch_stream)
 
 __all__ = ["sdpa_torch", "SDPAFunction"]
 
@@ -39,18 +40,9 @@ class SDPAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, query, key, value, *extra):
         mask_input = plan.get("mask_input", False)
-        mask = to_numpy(extra[0].detach(), "attn_mask") if mask_input else plan["attn_mask"]
         head_mask = extra[1:] if mask_input else extra
-        q4, k4, v4, masks, c, s, (lead, lead_kv), dtype = _sdpa.sdpa_arrays(
-            to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value"),
-            mask, plan["is_causal"], plan["scale"], plan["enable_gqa"],
-            causal_and_mask=plan["causal_and_mask"])
-        lay = _sdpa.sdpa_layout(plan["layout"], q4, k4)
-        hm = head_mask[0] if head_mask else plan["head_mask"]
-        hm = None if hm is None else _sdpa.sdpa_head_mask(
-            to_numpy(hm, "head_mask") if isinstance(hm, torch.Tensor) else hm, q4, lead)
-        out, _ = _sdpa.sdpa_forward(q4, k4, v4, masks, c, s, plan["p"], plan["seed"],
-                                    window=plan["window"], layout=lay, head_mask=hm)
+        out, (q4, k4, v4, masks, c, s, lead, lead_kv, lay, hm) = _forward(plan, query, key,
+                                                                          value, extra)
         # q4, k4, v4 and the masks' arrays go through autograd's saved tensors
         # (save_arrays: freed by torch.utils.checkpoint, seen by saved-tensor hooks)
         ctx.args = (None, None, None, [(kind, None) for kind, _ in masks], c, s, plan["p"],
@@ -67,7 +59,7 @@ class SDPAFunction(torch.autograd.Function):
         save_arrays(ctx, [t if t.requires_grad or not t.is_inference() else None
                           for t in (query, key, value, *extra)],
                     [q4, k4, v4, *(m for _, m in masks)])
-        return torch.from_numpy(out.reshape(lead + out.shape[2:]))
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -120,6 +112,40 @@ class SDPAFunction(torch.autograd.Function):
                 for i, g in zip(have, guarded):
                     grads[i] = g
         return (None, *grads)
+
+
+def _forward(plan, query, key, value, extra):
+    """SDPAFunction's forward without autograd (also the call that needs no
+    recording: sdpa_torch's plain path): (output tensor, (q4, k4, v4, masks,
+    is_causal, scale, lead, lead_kv, layout, head mask) as the C side took
+    them)."""
+    mask_input = plan.get("mask_input", False)
+    mask = to_numpy(extra[0].detach(), "attn_mask") if mask_input else plan["attn_mask"]
+    head_mask = extra[1:] if mask_input else extra
+    q4, k4, v4, masks, c, s, (lead, lead_kv), _ = _sdpa.sdpa_arrays(
+        to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value"),
+        mask, plan["is_causal"], plan["scale"], plan["enable_gqa"],
+        causal_and_mask=plan["causal_and_mask"])
+    lay = _sdpa.sdpa_layout(plan["layout"], q4, k4)
+    hm = head_mask[0] if head_mask else plan["head_mask"]
+    hm = None if hm is None else _sdpa.sdpa_head_mask(
+        to_numpy(hm, "head_mask") if isinstance(hm, torch.Tensor) else hm, q4, lead)
+    out, _ = _sdpa.sdpa_forward(q4, k4, v4, masks, c, s, plan["p"], plan["seed"],
+                                window=plan["window"], layout=lay, head_mask=hm)
+    return (torch.from_numpy(out.reshape(lead + out.shape[2:])),
+            (q4, k4, v4, masks, c, s, lead, lead_kv, lay, hm))
+
+
+def _records(tensors) -> bool:
+    """Whether a twin call goes through SDPAFunction: autograd records it
+    (grad mode on and a tensor requiring grad), a tensor carries a
+    forward-mode tangent (the Function then says it has no jvp), or
+    torch.jit.trace is recording (its PythonOp, not a constant).  Else the
+    plain forward, the same numbers without the Function's cost (~15 us of
+    a small call's ~80)."""
+    return bool(torch.jit.is_tracing()
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+                or _has_tangent(tensors))
 
 
 def _unbroadcast(g, lead, shape):
@@ -234,6 +260,8 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         if hm_input:
             plan["head_mask"] = None
             extra.append(head_mask)
+        if not _records((query, key, value, *extra)):
+            return _forward(plan, query, key, value, extra)[0]
         return SDPAFunction.apply(plan, query, key, value, *extra)
 
 

@@ -350,3 +350,40 @@ def test_a_scale_that_requires_grad_is_torchs_typeerror(torch):
     want = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5)
     got = mha_ext.scaled_dot_product_attention(q, q, q, scale=s.detach())
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_call_autograd_does_not_record_gives_the_recorded_calls_bits(torch, dtype):
+    # a call that needs no graph (inference_mode, no_grad, or grad mode with
+    # no input requiring grad) skips the autograd Function: the same output
+    # bits as the recorded call, with every option that reaches the C call
+    # (a float mask, a head mask, dropout with a seed, GQA, a window, a
+    # scale); a head mask that requires grad under no_grad too.  A query
+    # with a forward-mode tangent still meets the Function (no jvp), as
+    # before, whatever the grad mode
+    import torch.autograd.forward_ad as fwAD
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 6, 8, generator=g, dtype=dt)
+    k = torch.randn(2, 2, 7, 8, generator=g, dtype=dt)
+    v = torch.randn(2, 2, 7, 8, generator=g, dtype=dt)
+    mask = torch.randn(6, 7, generator=g, dtype=dt)
+    hm = torch.rand(4, generator=g, dtype=dt)
+    kw = dict(attn_mask=mask, dropout_p=0.3, seed=11, enable_gqa=True, window=(3, 1),
+              scale=0.7, head_mask=hm)
+    recorded = mha_ext.scaled_dot_product_attention(q.clone().requires_grad_(), k, v, **kw)
+    assert recorded.grad_fn is not None
+    for ctx in (torch.inference_mode, torch.no_grad, torch.enable_grad):
+        with ctx():
+            plain = mha_ext.scaled_dot_product_attention(q, k, v, **kw)
+        assert plain.grad_fn is None and not plain.requires_grad
+        assert torch.equal(plain, recorded.detach()), ctx
+    with torch.no_grad():
+        out = mha_ext.scaled_dot_product_attention(
+            q, k, v, **dict(kw, head_mask=hm.clone().requires_grad_()))
+    assert torch.equal(out, recorded.detach())
+    for ctx in (torch.enable_grad, torch.no_grad):
+        with ctx(), fwAD.dual_level():
+            with pytest.raises(NotImplementedError, match="jvp"):
+                mha_ext.scaled_dot_product_attention(
+                    fwAD.make_dual(q, torch.ones_like(q)), k, v, enable_gqa=True)
