@@ -183,7 +183,9 @@ def _dropout_p(value):
     a RuntimeError (API.md §7).  A 0-d real tensor is its value, as torch
     reads it; one that requires grad or has dimensions is torch's
     TypeError; a bool, complex or meta one is refused (torch reads a bool
-    as 0 or 1, as it does True, which is refused too)."""
+    as 0 or 1, as it does True, which is refused too).  Anything else that
+    is not a real number (a NumPy array, a string, None) is torch's
+    TypeError."""
     if isinstance(value, torch.Tensor):
         if value.ndim != 0 or value.requires_grad or value.dtype == torch.bool \
                 or value.is_complex() or value.is_meta:
@@ -191,6 +193,9 @@ def _dropout_p(value):
                             f"got a tensor of shape {tuple(value.shape)}, {value.dtype}, "
                             f"requires_grad={value.requires_grad}")
         value = value.item()
+    elif not isinstance(value, numbers.Real):  # a NumPy array, a string, None: torch's type
+        raise TypeError(f"dropout_p must be a float or a 0-d real tensor without grad, not "
+                        f"{type(value).__name__} (torch: argument 'dropout_p' must be float)")
     try:
         return probability(value, "dropout_p")
     except ValueError as exc:

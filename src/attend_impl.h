@@ -132,6 +132,14 @@ static void SUF(att_k_rows)(SUF(att) *at, const T *k)
     at->k_rows = k;
 }
 
+/* slot's panel of keys (Dk, NR) for k_rows, after its GEMM scratch and its
+ * online state (att_state) */
+static T *SUF(att_kb)(const SUF(att) *at, int slot)
+{
+    return at->scratch + (int64_t)slot * at->scratch_len + MHA_GEMM_SCRATCH + QB * KB +
+           2 * QB + QB * at->Dv;
+}
+
 /* the keys [kbeg, kend) the block of queries i0 .. i0+nq-1 may see */
 static int64_t SUF(att_kend)(const SUF(att) *at, int64_t i0, int64_t nq)
 {
@@ -429,7 +437,7 @@ static void SUF(attend_online_task)(void *ctx, int64_t t, int slot)
     T *mx = s + QB * KB;                                   /* (QB) running max */
     T *l = mx + QB;                                        /* (QB) running sum */
     T *acc = l + QB;                                       /* (QB, Dv), ld ald */
-    T *kb = acc + QB * Dv;                                 /* k_rows: (Dk, NR) */
+    T *kb = SUF(att_kb)(at, slot);                         /* k_rows: (Dk, NR) */
     const T *kt_bh = at->kt + bkv * Dk * at->kld;          /* (Dk, Sk), ld kld */
     int64_t ald = Dv, first = 1; /* first: no block summed into acc yet */
     for (r = 0; r < nq; r++) {
@@ -603,6 +611,12 @@ static int SUF(attend)(SUF(att) *at, int slots, mha_poll_state *ps)
                                 SUF(attend_mean_task), at, ps);
     }
     at->stream = SUF(att_streams)(at);
+    if (at->k_rows) { /* a panel's columns past its keys are read, their sums never
+                         stored (mha_gemm_panel): zeros, not bytes never written */
+        int s;
+        for (s = 0; s < slots; s++)
+            memset(SUF(att_kb)(at, s), 0, (size_t)(at->Dk * at->kern->nr) * sizeof(T));
+    }
     if (at->avg)
         return mha_parallel_for(at->B * at->n_qblk, slots, SUF(attend_avg_task), at, ps);
     /* grouped-query attention with few queries: one task per key/value head

@@ -336,6 +336,16 @@ def test_a_0d_tensor_dropout_p_is_read_as_torch_reads_it(torch):
         mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(True))
     with pytest.raises(ValueError, match="got a bool"):
         mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=True)
+    # what is not a real number at all is torch's TypeError (a 0-d NumPy
+    # array was our ValueError)
+    import numpy as np
+    for bad in (np.array(0.5), "0.5", None, [0.5]):
+        with pytest.raises(TypeError):
+            F.scaled_dot_product_attention(q, k, v, dropout_p=bad)
+        with pytest.raises(TypeError, match="dropout_p must be a float or a 0-d real tensor"):
+            mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=bad)
+    assert torch.equal(mha_ext.scaled_dot_product_attention(q, k, v, dropout_p=np.float64(0)),
+                       mha_ext.scaled_dot_product_attention(q, k, v))
 
 
 def test_a_scale_that_requires_grad_is_torchs_typeerror(torch):

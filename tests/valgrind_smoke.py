@@ -89,6 +89,14 @@ def workload():
         m.backward(ctx, np.ones_like(ctx.output), head_mask_grad=True)
         q4 = rng.standard_normal((1, 4, 130, 6)).astype(dtype)
         mha_ext.scaled_dot_product_attention(q4, q4, q4, layout=lay, head_mask=[1, 0, 1, 2])
+        # decode-shaped SDPA: one query a head, keys transposed a panel at a
+        # time into the thread's scratch and read there, small heads grouped
+        for S in (1, 5, 17, 70):
+            qd = rng.standard_normal((70, 4, 1, 6)).astype(dtype)
+            kd = rng.standard_normal((70, 4, S, 6)).astype(dtype)
+            mha_ext.scaled_dot_product_attention(qd, kd, kd)
+            mha_ext.scaled_dot_product_attention(qd[:, :, :, :5], kd[:, :, :, :5], kd,
+                                                 is_causal="lower_right")
         mha_ext._core._sdpa_backward(q4, q4, q4, q4, layout=(lay.fitted(1, 4, 130, 130), 48, 20),
                                      head_mask=np.ones((1, 4)))
         try:
