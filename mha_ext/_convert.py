@@ -21,12 +21,15 @@ _TENSOR_TYPES: set[type] = set()  # the types is_tensor has found to be tensors
 
 
 def is_tensor(x) -> bool:
-    """Whether x is a torch tensor (torch is never imported here).  A type
-    found once is remembered: 14 calls a small SDPA call on tensors."""
+    """Whether x is a torch tensor, a subclass's too (a user's own, as
+    torch's functions take it; torch is never imported here: x can only be
+    one once it is).  A type found once is remembered: 14 calls a small
+    SDPA call on tensors."""
     t = type(x)
     if t in _TENSOR_TYPES:
         return True
-    if t is np.ndarray or not t.__module__.startswith("torch") or not hasattr(x, "detach"):
+    torch = sys.modules.get("torch")
+    if t is np.ndarray or torch is None or not isinstance(x, torch.Tensor):
         return False
     if len(_TENSOR_TYPES) < 64:  # (types made on the fly are not all kept)
         _TENSOR_TYPES.add(t)

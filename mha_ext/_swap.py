@@ -188,7 +188,14 @@ class swapped(contextlib.ContextDecorator, Generic[_Model]):
                                "swapped(model) for a nested block")
         self._used = True
         self._record = swap_in(self._model)
-        if not self._record:  # nothing to compute: say so rather than compare torch with itself
+        if not self._record and any(isinstance(m, MultiheadAttention)
+                                    for m in self._model.modules()):
+            # a block inside another swapped block, or a model of drop-ins
+            warnings.warn(f"mha_ext.torch.swapped: this {type(self._model).__name__}'s "
+                          f"attention modules are mha_ext's already (an outer swapped block, "
+                          f"or mha_ext.torch.MultiheadAttention), so the block changes nothing",
+                          RuntimeWarning, stacklevel=2)
+        elif not self._record:  # nothing to compute: say so rather than compare torch with itself
             warnings.warn(f"mha_ext.torch.swapped: this {type(self._model).__name__} holds no "
                           f"torch.nn.MultiheadAttention, so the block runs it unchanged (for "
                           f"models calling torch.nn.functional.scaled_dot_product_attention, "

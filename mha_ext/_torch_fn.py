@@ -274,6 +274,10 @@ ONNX_EXPORT = ("torch.onnx.export cannot record mha_ext's C computation (its Tor
                "(torch.nn.MultiheadAttention, F.scaled_dot_product_attention, "
                "attn_implementation='sdpa'), or compare mha_ext with the exported model "
                "outside the export")
+MAKE_FX = ("torch.fx's make_fx (a proxy tensor mode) cannot record mha_ext's C computation: "
+           "the graph would hold this call's result as a constant, the same for every input; "
+           "trace a model that uses torch's own attention (torch.nn.MultiheadAttention, "
+           "F.scaled_dot_product_attention), or call mha_ext outside the trace")
 FUNC_TRANSFORMS = ("is a tensor of a torch.func transform (grad, jacrev, jacfwd, jvp, "
                    "hessian, functionalize), which mha_ext's C kernels cannot read and its autograd function "
                    "cannot take; use torch.autograd.grad or torch.autograd.functional (their "
@@ -284,13 +288,17 @@ FUNC_TRANSFORMS = ("is a tensor of a torch.func transform (grad, jacrev, jacfwd,
 _MASKS_AND_HEAD = (*MASKS, "head_mask")
 
 
+# make_fx's mode (None where this torch has no such key)
+_PROXY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
+
+
 def refuse_unrecordable(masks, tensors) -> None:
     """Refuse, naming mha_ext, the calls whose derivatives or export would
     be silently wrong, before anything runs (`masks`: name -> the mask or
     head mask or None; `tensors`: query, key, value, then the parameters;
     named only in a message, as this runs on every call): torch.onnx's
-    TorchScript export (it
-    would store the C call's result as a constant), tensors of torch.func's
+    TorchScript export and make_fx's real-tensor tracing (both would store
+    the C call's result as a constant), tensors of torch.func's
     transforms (torch's own message named no one; vmap's batched tensors
     get check_tensor's), and a forward-mode tangent on a mask or
     head mask (not an input of the autograd function: the tangent was
@@ -298,6 +306,8 @@ def refuse_unrecordable(masks, tensors) -> None:
     onnx = sys.modules.get("torch.onnx")
     if onnx is not None and onnx.is_in_onnx_export():
         raise RuntimeError(ONNX_EXPORT)
+    if _PROXY is not None and torch._C._get_dispatch_mode(_PROXY) is not None:
+        raise RuntimeError(MAKE_FX)  # (fake and symbolic tracing: to_numpy's refusal)
     ft = torch._C._functorch
     for i, t in enumerate((*masks.values(), *tensors)):  # the masks named first
         if isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t):

@@ -401,30 +401,41 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
     def cache_memory(self, memory: ArrayLike, value: ArrayLike | None = None) -> KVCache:
         """A cross-attention cache: the keys and values of a fixed memory
-        (B, M, kdim) (value (B, M, vdim), default memory) projected once.
-        Later calls ``m(query, cache=cache)`` attend over all M of them (no
-        causality; masks cover the M keys) and never extend it."""
+        (B, M, kdim) (value (B, M, vdim), default memory) projected once;
+        (M, B, kdim) and (M, B, vdim) when ``batch_first`` is False, as the
+        module's calls take them.  Later calls ``m(query, cache=cache)``
+        attend over all M of them (no causality; masks cover the M keys)
+        and never extend it."""
+        seq_first = not _habits.batch_first(self)
+        dims = "(length, batch, {})" if seq_first else "(batch, length, {})"
         mem = as_array(memory, "memory")
+        given = mem.shape
+        if seq_first and mem.ndim == 3:  # (M, B, kdim) -> (B, M, kdim), as a call's key
+            mem = mem.swapaxes(0, 1)
         if mem.ndim != 3 or mem.shape[0] < 1 or mem.shape[1] < 1:
-            raise ValueError(f"memory must be 3-D (batch, length, kdim) with batch and "
-                             f"length >= 1, got shape {mem.shape}")
+            raise ValueError(f"memory must be 3-D {dims.format('kdim')} with batch and "
+                             f"length >= 1, got shape {given}")
         if mem.shape[2] != self.kdim:
-            raise ValueError(f"memory must be (batch, length, kdim = {self.kdim}), got shape "
-                             f"{mem.shape}")
+            raise ValueError(f"memory must be {dims.format(f'kdim = {self.kdim}')}, got shape "
+                             f"{given}")
+        M, B = mem.shape[1], mem.shape[0]
+        want = (M, B, self.vdim) if seq_first else (B, M, self.vdim)
         if value is None and self.vdim != self.kdim:
             raise ValueError(f"value is needed: this module's vdim ({self.vdim}) is not its "
                              f"kdim ({self.kdim}), so the memory cannot be its own value; "
-                             f"pass cache_memory(memory, value) with value (batch, "
-                             f"{mem.shape[1]}, {self.vdim})")
+                             f"pass cache_memory(memory, value) with value {dims.format('vdim')}"
+                             f" = {want}")
+        val = None
         if value is not None:
             val = as_array(value, "value")
-            if val.shape != mem.shape[:2] + (self.vdim,):
-                raise ValueError(f"value must be (batch, length, vdim) = "
-                                 f"{mem.shape[:2] + (self.vdim,)}, the memory's batch and "
-                                 f"length, got shape {val.shape}")
+            if val.shape != want:
+                raise ValueError(f"value must be {dims.format('vdim')} = {want}, the memory's "
+                                 f"batch and length, got shape {val.shape}")
+            if seq_first:
+                val = val.swapaxes(0, 1)
         cache = KVCache(self, mem.shape[0], mem.shape[1])
         empty = np.zeros((mem.shape[0], 0, self.d_model), dtype=self.dtype)
-        call = _calls.prepare(self, empty, mem, value, need_weights=False, cache=cache)
+        call = _calls.prepare(self, empty, mem, val, need_weights=False, cache=cache)
         _calls.c_forward(self, call)  # Sq = 0: only the cache is filled
         cache._cross = True
         return cache

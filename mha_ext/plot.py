@@ -114,6 +114,9 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
         nb = w.shape[0]
         if not isinstance(batch, (int, np.integer)) or isinstance(batch, bool):
             raise TypeError("batch must be an int, got %r" % (batch,))
+        if nb == 0:  # (as explore says it, and plot_heads for no query or key)
+            raise ValueError("there is nothing to plot: the weights have no batch elements "
+                             "(shape %s)" % (w.shape,))
         if not -nb <= batch < nb:
             raise IndexError("batch %d is out of range for %d batch elements"
                              % (batch, nb))

@@ -185,6 +185,26 @@ def test_cross_cache_equals_the_plain_call_over_the_memory(dtype):
     assert np.array_equal(fw, pw[:, :, :2])
 
 
+@pytest.mark.parametrize("M", [3, 5])  # M == B: the memory's axes read the other way
+def test_cross_cache_of_a_seq_first_module_takes_a_seq_first_memory(M):
+    # a module with batch_first False (from_torch of a seq-first torch module)
+    # takes (S, B, E) inputs; cache_memory read its memory as (B, M, kdim)
+    # all the same: 0.6 off the plain call at M == B, a misleading batch
+    # size error otherwise
+    m = _module(64, 4, 2, "float64", kdim=32, vdim=48)
+    m.batch_first = False
+    mem_k = _x(M, 3, 32, "float64", seed=3)  # (M, B, kdim)
+    mem_v = _x(M, 3, 48, "float64", seed=4)
+    q = _x(2, 3, 64, "float64", seed=5)      # (L, B, E)
+    plain, pw = m(q, mem_k, mem_v)
+    out, w = m(q, cache=m.cache_memory(mem_k, mem_v))
+    assert out.shape == (2, 3, 64)
+    assert np.array_equal(out, plain) and np.array_equal(w, pw)
+    if M != 3:  # a batch-first value: the shape the message asks for
+        with pytest.raises(ValueError, match=r"\(length, batch, vdim\) = \(5, 3, 48\)"):
+            m.cache_memory(mem_k, mem_v.swapaxes(0, 1))
+
+
 def test_cached_keys_and_values_are_the_projections():
     m = _module(64, 4, 2, "float64")
     x = _x(2, 5, 64, "float64")

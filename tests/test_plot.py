@@ -273,6 +273,9 @@ def test_nothing_to_plot_is_a_clear_error(mpl):
         plot_heads(np.zeros((2, 0, 3)))
     with pytest.raises(ValueError, match="nothing to plot: the weights have no keys"):
         plot_heads(np.zeros((1, 2, 3, 0)))
+    # no batch element (an IndexError, "batch 0 is out of range", before)
+    with pytest.raises(ValueError, match="nothing to plot: the weights have no batch elements"):
+        plot_heads(np.zeros((0, 2, 3, 3)))
     m = mha_ext.MultiHeadAttention(16, 2, seed=0).eval()
     with pytest.raises(ValueError, match=r"no weights \(need_weights=False\): trace the call"):
         plot_heads(m.trace(np.ones((1, 3, 16)), need_weights=False))

@@ -397,3 +397,38 @@ def test_a_call_autograd_does_not_record_gives_the_recorded_calls_bits(torch, dt
             with pytest.raises(NotImplementedError, match="jvp"):
                 mha_ext.scaled_dot_product_attention(
                     fwAD.make_dual(q, torch.ones_like(q)), k, v, enable_gqa=True)
+
+
+def test_a_tensor_subclass_is_read_as_a_tensor(torch):
+    # a user's subclass of torch.Tensor was taken for an array-like: the
+    # twin returned a NumPy array, and one requiring grad was a TypeError
+    # ("converting it raised ... Can't call numpy() on Tensor that requires
+    # grad"); now a tensor's call: a tensor out, torch's numbers, gradients
+    class Mine(torch.Tensor):
+        pass
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    mq, mk, mv = (t.as_subclass(Mine) for t in (q, k, v))
+    out = mha_ext.scaled_dot_product_attention(mq, mk, mv)
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    mq.requires_grad_()
+    out = mha_ext.scaled_dot_product_attention(mq, mk, mv)
+    out.sum().backward()
+    q2 = q.clone().requires_grad_()
+    torch.nn.functional.scaled_dot_product_attention(q2, k, v).sum().backward()
+    torch.testing.assert_close(mq.grad, q2.grad, rtol=0, atol=1e-12)
+
+
+def test_make_fx_is_refused_not_traced_as_a_constant(torch):
+    # make_fx on real tensors recorded the twin's result as a constant: the
+    # graph gave the traced call's output for every input
+    from torch.fx.experimental.proxy_tensor import make_fx
+    import mha_ext.torch as mt
+    q = torch.randn(1, 2, 3, 8)
+    m = mt.MultiheadAttention(8, 2, batch_first=True).eval()
+    for f, args in ((lambda a, b, c: mha_ext.scaled_dot_product_attention(a, b, c), (q, q, q)),
+                    (lambda x: m(x, x, x)[0], (q[0],))):
+        with pytest.raises(RuntimeError, match="make_fx"):
+            make_fx(f)(*args)

@@ -398,10 +398,17 @@ def test_swapped_leaves_ours_alone_and_warns_when_nothing_is_swapped():
     stock = _build("TransformerEncoderLayer", True, False, torch.float32)
     ours = MultiheadAttention.from_torch(stock.self_attn)
     stock.self_attn = ours
-    with pytest.warns(RuntimeWarning, match="holds no torch.nn.MultiheadAttention"):
+    # (the warning said the layer held no torch.nn.MultiheadAttention, which
+    # ours is, a subclass: now it says they are mha_ext's already)
+    with pytest.warns(RuntimeWarning, match="attention modules are mha_ext's already"):
         with mt.swapped(stock):
             assert stock.self_attn is ours
     assert stock.self_attn is ours
+    fresh = _build("TransformerEncoderLayer", True, False, torch.float32)
+    with mt.swapped(fresh):  # a block inside another: the same words
+        with pytest.warns(RuntimeWarning, match="mha_ext's already \\(an outer swapped"):
+            with mt.swapped(fresh):
+                pass
 
     class Sub(nn.MultiheadAttention):
         pass
