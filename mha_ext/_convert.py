@@ -107,6 +107,8 @@ def check_storage(x, name):
         else:
             need = (x.storage_offset() + 1 + sum((d - 1) * s for d, s in
                                                  zip(x.shape, x.stride()))) * x.element_size()
+        if not isinstance(need, int) or not isinstance(have, int):
+            return  # symbolic sizes (make_fx's symbolic tracing): refused later, by name
     except Exception:  # noqa: BLE001 (no storage to check: torch's own checks apply)
         return
     if need > have:
@@ -122,6 +124,25 @@ def _plain_tensor(x):
     return type(x) is torch.Tensor
 
 
+def _holds_no_data(x):
+    """Whether the tensor subclass x has no data of its own to read: a fake
+    tensor (torch.export, torch.compile), or a wrapper subclass whose data
+    sits in the tensors it wraps (its own storage is empty)."""
+    sys_torch = sys.modules["torch"]
+    fake = getattr(getattr(getattr(sys_torch, "_subclasses", None), "fake_tensor", None),
+                   "is_fake", None)
+    if fake is not None and fake(x):
+        return True
+    wrapper = getattr(getattr(getattr(sys_torch, "utils", None), "_python_dispatch", None),
+                      "is_traceable_wrapper_subclass", None)
+    if wrapper is not None and wrapper(x):  # its data in the tensors it wraps
+        return True
+    try:
+        return x.numel() > 0 and x.untyped_storage().nbytes() == 0
+    except Exception:  # no storage to ask about
+        return True
+
+
 def to_numpy(x, name="tensor"):
     """A torch tensor (also one that requires grad, on another device, in
     bfloat16, conjugated or negated lazily) as a NumPy array; anything else
@@ -135,12 +156,15 @@ def to_numpy(x, name="tensor"):
     except (RuntimeError, TypeError):  # another device, bfloat16, conj or neg bit
         pass
     if not _plain_tensor(x):  # after .detach(): a Parameter is a plain tensor then
-        raise RuntimeError(
-            f"{name} is a {type(x).__name__}, a tensor subclass, which mha_ext's C code "
-            f"cannot read (torch's .numpy() refuses subclasses): torch.export and "
-            f"torch.compile's fake tensors have no data at all. Under torch.export, export "
-            f"torch's own module or keep the mha_ext call out of the exported graph; "
-            f"otherwise pass a plain tensor (x.as_subclass(torch.Tensor) where it holds data)")
+        if _holds_no_data(x):
+            raise RuntimeError(
+                f"{name} is a {type(x).__name__}, a tensor subclass that holds no data of its "
+                f"own for mha_ext's C code to read: torch.export and torch.compile's fake "
+                f"tensors have no data at all. Under torch.export, export torch's own module "
+                f"or keep the mha_ext call out of the exported graph; otherwise pass a plain "
+                f"tensor")
+        import torch  # a user's subclass over its own data: read as a plain tensor
+        x = x.as_subclass(torch.Tensor)
     if x.device.type != "cpu":
         x = x.cpu()
     if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16

@@ -419,6 +419,22 @@ def test_a_tensor_subclass_is_read_as_a_tensor(torch):
     q2 = q.clone().requires_grad_()
     torch.nn.functional.scaled_dot_product_attention(q2, k, v).sum().backward()
     torch.testing.assert_close(mq.grad, q2.grad, rtol=0, atol=1e-12)
+    # one .numpy() cannot take as it is (a lazily negated view; bfloat16 in
+    # the NumPy class) is read as a plain tensor's would be (it was refused,
+    # "torch's .numpy() refuses subclasses")
+    neg = torch._neg_view(-q)
+    torch.testing.assert_close(
+        mha_ext.scaled_dot_product_attention(neg.as_subclass(Mine), mk, mv), want,
+        rtol=0, atol=1e-12)
+    m = mha_ext.MultiHeadAttention(8, 2, seed=0)
+    x = torch.randn(1, 3, 8, generator=g).bfloat16()
+    assert (m(x.as_subclass(Mine))[0] == m(x)[0]).all()
+    # a wrapper subclass (its data in the tensors it wraps) is refused by name
+    from torch.testing._internal.two_tensor import TwoTensor
+    t = TwoTensor(q, k)
+    with pytest.raises(RuntimeError, match="query is a TwoTensor, a tensor subclass that "
+                                           "holds no data of its own"):
+        mha_ext.scaled_dot_product_attention(t, t, t)
 
 
 def test_make_fx_is_refused_not_traced_as_a_constant(torch):
@@ -428,7 +444,9 @@ def test_make_fx_is_refused_not_traced_as_a_constant(torch):
     import mha_ext.torch as mt
     q = torch.randn(1, 2, 3, 8)
     m = mt.MultiheadAttention(8, 2, batch_first=True).eval()
+    own = mt.MultiHeadAttention(8, 2)
     for f, args in ((lambda a, b, c: mha_ext.scaled_dot_product_attention(a, b, c), (q, q, q)),
-                    (lambda x: m(x, x, x)[0], (q[0],))):
-        with pytest.raises(RuntimeError, match="make_fx"):
-            make_fx(f)(*args)
+                    (lambda x: m(x, x, x)[0], (q[0],)), (lambda x: own(x)[0], (q[0],))):
+        for mode in ("real", "fake", "symbolic"):  # (symbolic sizes: an obscure
+            with pytest.raises(RuntimeError, match="make_fx"):  # TypeError in our
+                make_fx(f, tracing_mode=mode)(*args)  # storage check, for own)
