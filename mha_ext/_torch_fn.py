@@ -307,7 +307,7 @@ def refuse_unrecordable(masks, tensors) -> None:
     if onnx is not None and onnx.is_in_onnx_export():
         raise RuntimeError(ONNX_EXPORT)
     if _PROXY is not None and torch._C._get_dispatch_mode(_PROXY) is not None:
-        raise RuntimeError(MAKE_FX)  # (fake and symbolic tracing: to_numpy's refusal)
+        raise RuntimeError(MAKE_FX)  # (make_fx's real, fake and symbolic tracing alike)
     ft = torch._C._functorch
     for i, t in enumerate((*masks.values(), *tensors)):  # the masks named first
         if isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t):

@@ -33,8 +33,8 @@
  *                    of NR), the generic loop's FMAs in its order
  * T, KDOUBLE, VL, VT, VI, V_SET1, SUF and those seven are undefined at the
  * end of this file; the rest stay the includer's.
- * Each instance defines ukr_S, ukr_tail_S, ukr_narrow_S, ukr_row_S and ukr_dot_S (ukr_impl.h), dot_S,
- * scale_max_S, max_S, exp_sum_S, scale_S, exp_row_S and softmax_grad_S for
+ * Each instance defines ukr_S, ukr_tail_S, ukr_narrow_S, ukr_row_S and ukr_dot_S
+ * (ukr_impl.h), dot_S, scale_max_S, max_S, exp_sum_S, scale_S, exp_row_S and softmax_grad_S for
  * its suffix S (f32_avx2, f64_portable, ...), which the includer lists by
  * name in its table.
  * Semantics are documented in kernels.h.  Every loop order is fixed: a
