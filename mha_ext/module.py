@@ -418,7 +418,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         if mem.shape[2] != self.kdim:
             raise ValueError(f"memory must be {dims.format(f'kdim = {self.kdim}')}, got shape "
                              f"{given}")
-        M, B = mem.shape[1], mem.shape[0]
+        B, M = mem.shape[:2]
         want = (M, B, self.vdim) if seq_first else (B, M, self.vdim)
         if value is None and self.vdim != self.kdim:
             raise ValueError(f"value is needed: this module's vdim ({self.vdim}) is not its "
@@ -433,8 +433,8 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                                  f"batch and length, got shape {val.shape}")
             if seq_first:
                 val = val.swapaxes(0, 1)
-        cache = KVCache(self, mem.shape[0], mem.shape[1])
-        empty = np.zeros((mem.shape[0], 0, self.d_model), dtype=self.dtype)
+        cache = KVCache(self, B, M)
+        empty = np.zeros((B, 0, self.d_model), dtype=self.dtype)
         call = _calls.prepare(self, empty, mem, val, need_weights=False, cache=cache)
         _calls.c_forward(self, call)  # Sq = 0: only the cache is filled
         cache._cross = True

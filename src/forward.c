@@ -1,9 +1,9 @@
 /* forward.c: the threaded forward pass (forward_impl.h) and the attention
  * on projected heads (sdpa_forward_impl.h), both on the attention tasks of
- * attend_impl.h, instantiated for float and double as mha_forward_f32,
- * mha_forward_f64, mha_sdpa_forward_f32 and mha_sdpa_forward_f64
- * (internal.h), which mha_forward, mha_forward_save and mha_sdpa_forward
- * call.
+ * attend_impl.h and their pass (attend_pass_impl.h), instantiated for
+ * float and double as mha_forward_f32, mha_forward_f64,
+ * mha_sdpa_forward_f32 and mha_sdpa_forward_f64 (internal.h), which
+ * mha_forward, mha_forward_save and mha_sdpa_forward call.
  * Legend as in mha.h. */
 #include <math.h>
 #include <stdint.h>
@@ -18,6 +18,7 @@
 #include "softmax_impl.h"
 #include "transpose_impl.h"
 #include "attend_impl.h"
+#include "attend_pass_impl.h"
 #include "forward_impl.h"
 #include "sdpa_forward_impl.h"
 #undef T
@@ -32,6 +33,7 @@
 #include "softmax_impl.h"
 #include "transpose_impl.h"
 #include "attend_impl.h"
+#include "attend_pass_impl.h"
 #include "forward_impl.h"
 #include "sdpa_forward_impl.h"
 #undef T

@@ -53,7 +53,7 @@ def test_module_forward_across_key_blocks(torch, isa, dtype, Sk, masking):
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_query_block_groups(torch, isa, dtype, need_weights):
     """Each attention task runs a group of consecutive blocks of 48 queries
-    of one head (attend_impl.h's attend_blocks_task), about 32 tasks a
+    of one head (attend_pass_impl.h's attend_blocks_task), about 32 tasks a
     thread: with 8 heads and 22 blocks a head, 1 thread runs groups of 6
     blocks (the last of 4), 2 threads groups of 3 (the last of 1), 3
     threads groups of 2.  Every row against torch, and the same bits
