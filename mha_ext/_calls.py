@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _core
-from ._convert import as_real, contiguous, flag
+from ._convert import as_real, contiguous, flag, too_large
 from ._habits import causal_call
 from ._masks import block_layout, masks as _masks
 from .cache import KVCache
@@ -81,6 +81,8 @@ def score_scale(scale):
     if not bad:
         try:
             value = float(scale)
+        except OverflowError:  # torch's error too, which this one also is
+            raise too_large(scale, "scale") from None
         except (TypeError, ValueError):
             pass
         else:

@@ -172,11 +172,29 @@ def to_numpy(x, name="tensor"):
     return x.resolve_conj().resolve_neg().numpy()
 
 
+def _unmasked(x, name):
+    """A NumPy masked array's data, when no entry is masked; one with masked
+    entries is a TypeError naming `name`: the C code reads the data alone,
+    so its mask would be dropped without a word (np.asarray and
+    torch.as_tensor drop it so)."""
+    ma = sys.modules.get("numpy.ma")  # not imported: x cannot be a masked array
+    if ma is None or not isinstance(x, ma.MaskedArray):
+        return x
+    if ma.is_masked(x):
+        raise TypeError(f"{name} is a NumPy masked array with masked entries: mha_ext reads "
+                        f"the array's data, not its mask, and would use the masked values; "
+                        f"fill them first ({name}.filled(value)), or block those positions "
+                        f"with a mask argument")
+    return x.data
+
+
 def as_array(x, name) -> np.ndarray:
     """x as an ndarray (no copy for an ndarray or a CPU tensor), with a
     message naming `name` when it cannot be one."""
     if is_tensor(x):
         check_tensor(x, name)
+    elif type(x) is not np.ndarray:
+        x = _unmasked(x, name)
     try:
         x = to_numpy(x, name)
         if isinstance(x, np.ndarray):
@@ -207,8 +225,9 @@ def as_real(x, name) -> np.ndarray:
 
 def contiguous(x, name, dtype) -> np.ndarray:
     """x as a C-contiguous array of dtype: the array itself when it already
-    is one, else a converted copy."""
-    return np.ascontiguousarray(as_real(x, name), dtype=dtype)
+    is one, else a converted copy (a 0-d one stays 0-d, so that a shape
+    check's message gives the shape the caller passed)."""
+    return np.asarray(as_real(x, name), dtype=dtype, order="C")
 
 
 def _describe(value):
@@ -240,11 +259,38 @@ def flag(value, name) -> bool:
                         f"({type(exc).__name__}: {exc})") from None
 
 
+class ValueErrorAndOverflowError(ValueError, OverflowError):
+    """An int too large for a float where a real number is expected: a
+    ValueError (docs/API.md §7) that is also the OverflowError torch raises
+    for it."""
+
+
+def too_large(value, name, what="a real number") -> ValueErrorAndOverflowError:
+    """The error for an int `value` that float() cannot take, naming `name`."""
+    bits = value.bit_length() if isinstance(value, int) else 0
+    return ValueErrorAndOverflowError(
+        f"{name} must be {what}, got an int too large for a float"
+        + (f" ({bits} bits)" if bits else ""))
+
+
+def float_or_inf(value) -> float:
+    """float(value), an int too large for a float taken as +-inf."""
+    try:
+        return float(value)
+    except OverflowError:
+        return float("inf") if value > 0 else float("-inf")
+
+
 def probability(value, name) -> float:
     """A real number in [0, 1] (Python's or NumPy's, not a bool) as a float;
-    ValueError naming `name` otherwise, NaN included."""
-    ok = (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-          and 0.0 <= float(value) <= 1.0)
+    ValueError naming `name` otherwise, NaN included (an int too large for a
+    float: also the OverflowError torch raises)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    if ok:
+        try:
+            ok = 0.0 <= float(value) <= 1.0
+        except OverflowError:
+            raise too_large(value, name, "a probability in [0, 1]") from None
     if not ok:
         what = "a bool" if isinstance(value, (bool, np.bool_)) else repr(value)
         raise ValueError(f"{name} must be a probability in [0, 1], got {what}")

@@ -28,8 +28,10 @@ __all__ = ["sdpa_arrays", "sdpa_check", "sdpa_forward", "sdpa_backward", "sdpa_l
 
 
 def _dtype(*arrays):
-    # float64 when any input is float64, else float32 (torch wants one dtype)
-    return np.float64 if any(a.dtype == np.float64 for a in arrays) else np.float32
+    # float64 when any input is a float of 8 bytes or more (float64 in either
+    # byte order: '>f8' != np.float64; np.longdouble), else float32
+    return np.float64 if any(a.dtype.kind == "f" and a.dtype.itemsize >= 8
+                             for a in arrays) else np.float32
 
 
 def sdpa_check(query, key, value, attn_mask, is_causal, scale, enable_gqa,
@@ -180,7 +182,9 @@ def sdpa_head_mask(head_mask, q4, lead):
     if m.shape not in ((H,), lead):
         raise ValueError(f"head_mask must have shape (heads,) = ({H},) or the result's leading "
                          f"shape {lead} (the query's, key's and value's broadcast), got {m.shape}")
-    m = np.array(np.broadcast_to(m, lead).reshape(B, H), dtype=q4.dtype, order="C", copy=True)
+    with np.errstate(over="ignore"):  # a float64 value too large for float32: refused below
+        m = np.array(np.broadcast_to(m, lead).reshape(B, H), dtype=q4.dtype, order="C",
+                     copy=True)
     if not np.isfinite(m).all():
         raise ValueError("head_mask must hold finite numbers")
     return m

@@ -198,6 +198,8 @@ def _dropout_p(value):
                         f"{type(value).__name__} (torch: argument 'dropout_p' must be float)")
     try:
         return probability(value, "dropout_p")
+    except OverflowError:  # an int too large for a float: torch's OverflowError too
+        raise
     except ValueError as exc:
         bad = isinstance(value, numbers.Real) and not float(value) >= 0.0
         if not bad:

@@ -531,7 +531,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                     need_weights=bool(need_weights),
                     average_weights=bool(average_attn_weights),
                     masked_rows="nan" if need_weights or fast else "zero",
-                    dropout=float(self.dropout) if self.training else 0.0,
+                    dropout=_convert.float_or_inf(self.dropout) if self.training else 0.0,
                     window=window, layout=layout)
         if causal is True and (holds(self, "bias_k") or self.add_zero_attn):
             if window is not None or layout is not None:

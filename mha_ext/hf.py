@@ -24,7 +24,9 @@ numbers without an error.  The test is the one transformers'
 attention class of its own and does not call the interface), except that a
 model whose source cannot be read (a notebook's class) is let through, as
 is one indexing ``ALL_ATTENTION_FUNCTIONS[...]`` (transformers 4's
-spelling).
+spelling).  So is a model that picks an attention class from a table of
+names of its own (GIT, SAM: ``GIT_SELF_ATTENTION_CLASSES``), which has no
+entry for the name.
 
 What ``attention_forward`` does is what transformers' own "sdpa" function
 does, with mha_ext's twin in place of ``torch.nn.functional.
@@ -36,7 +38,13 @@ scaled_dot_product_attention``:
   bool (True = attend, SDPA's polarity) or float (added to the scores).  The
   masks are built by transformers' ``sdpa_mask`` (``register`` sets it for
   the name), so padding, causal and sliding-window patterns arrive inside the
-  mask and need nothing here.
+  mask and need nothing here.  Unlike "sdpa"'s, a causal mask is never left
+  out for the layer's is_causal flag to stand in for it: transformers keeps
+  "sdpa" away from the models where the flag is wrong (decoders not flagged
+  causal: NLLB-MoE, PEGASUS-X, BigBird-Pegasus; Gemma 4's shortened
+  queries), and those guards test the name "sdpa".  A bool mask of exactly
+  the lower-right causal pattern is computed as ``is_causal="lower_right"``
+  (the same bits; the blocked blocks skipped).
 - ``is_causal`` (top-left) only where "sdpa" uses it: more than one query,
   no mask, and the layer causal (the argument, else ``module.is_causal``).
 - ``scaling`` -> ``scale`` (T5 passes 1.0); ``dropout`` -> ``dropout_p``
@@ -50,7 +58,8 @@ scaled_dot_product_attention``:
 
 Refused with a clear error instead of computed wrongly: ``softcap``,
 attention sinks (``s_aux``), a ``head_mask`` (gone from transformers 5),
-a paged cache (continuous batching).  ``output_attentions=True`` gives
+sparse attention ``indices`` (DeepSeek-V3.2's indexer), a paged cache
+(continuous batching).  ``output_attentions=True`` gives
 ``None`` weights, as with "sdpa".
 
 This module is imported only on request; it needs torch and transformers.
@@ -58,6 +67,7 @@ This module is imported only on request; it needs torch and transformers.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -98,6 +108,12 @@ def _refuse_unsupported(kwargs: Dict[str, Any]) -> None:
             "attn_implementation='mha_ext' does not take a head_mask (removed "
             "in transformers 5); multiply the heads' outputs yourself or use "
             "'eager'")
+    if kwargs.get("indices") is not None:
+        raise ValueError(
+            "attn_implementation='mha_ext' does not take sparse attention indices "
+            "(indices=: a DeepSeek-V3.2-style indexer's top-k keys, which the model "
+            "folds into the mask only for 'eager' and 'sdpa'); use 'sdpa' for this "
+            "model")
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise NotImplementedError(
@@ -124,6 +140,29 @@ def _fold_position_bias(position_bias: torch.Tensor,
     if attention_mask.dtype == torch.bool:
         return torch.where(attention_mask, position_bias, lowest)
     return position_bias + attention_mask
+
+
+_LAST: Tuple[Any, ...] = (None, -1, False)  # (weakref to a mask, its version, the answer)
+
+
+def _lower_right_causal(mask: torch.Tensor, L: int, S: int) -> bool:
+    """Whether `mask` is a bool (1 or B, 1, L, S) mask (True = attend) of
+    exactly the lower-right causal pattern (query i sees keys j <= i + S - L)
+    in every batch row: what sdpa_mask builds for a causal layer without
+    padding.  The answer for the last mask asked is kept (every layer of a
+    forward gets the same one) while the tensor is unchanged."""
+    global _LAST
+    if (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
+            or tuple(mask.shape[2:]) != (L, S) or S < L or mask.is_meta
+            or torch.jit.is_tracing() or torch.compiler.is_compiling()):
+        return False
+    ref, version, answer = _LAST
+    if ref is not None and ref() is mask and version == mask._version:
+        return answer
+    pattern = torch.ones(L, S, dtype=torch.bool, device=mask.device).tril(S - L)
+    answer = bool(torch.equal(mask, pattern.expand(mask.shape)))
+    _LAST = (weakref.ref(mask), mask._version, answer)
+    return answer
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor,
@@ -164,6 +203,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor,
         attention_mask = _fold_position_bias(position_bias, attention_mask,
                                              is_causal, L, S)
         is_causal = False
+    elif attention_mask is not None and _lower_right_causal(attention_mask, L, S):
+        # the causal mask _mask_builder always builds, when it blocks nothing
+        # else: the twin's causal pass, which skips the blocked blocks (the
+        # same bits as the mask; half the work of a long prefill)
+        attention_mask, is_causal = None, "lower_right"
 
     out = _twin()(query, key, value, attn_mask=attention_mask,
                   dropout_p=dropout, is_causal=is_causal, scale=scaling,
@@ -199,10 +243,36 @@ def register(name: str = NAME) -> str:
             f"got {name!r}")
     _twin()
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, _mask_builder(sdpa_mask))
     _NAMES.add(name)
     _guard_models()
     return name
+
+
+def _mask_builder(sdpa_mask: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' sdpa_mask that never leaves a causal mask out.
+
+    For "sdpa" transformers skips the causal mask (None) where the call can
+    rely on SDPA's is_causal flag, and keeps "sdpa" away from the models
+    where that reliance fails: those whose decoder layers are not flagged
+    causal (``_supports_sdpa = False``: NLLB-MoE, PEGASUS-X, BigBird-Pegasus
+    decoders would see later tokens) and calls it cuts short itself (Gemma 4's
+    KV-shared layers test ``_attn_implementation == "sdpa"`` before keeping
+    fewer queries than keys without a mask).  Under another name those
+    guards do not fire, so here the mask is always built: the same
+    positions, nothing inferred from a flag.  A mask with nothing blocked
+    besides (no padding, non-causal) may still be left out, as for "sdpa"."""
+    if _BUILDERS.get(sdpa_mask) is None:
+        def mask(*args: Any, **kwargs: Any) -> Any:
+            kwargs["allow_is_causal_skip"] = False
+            return sdpa_mask(*args, **kwargs)
+
+        mask.__wrapped__ = sdpa_mask  # type: ignore[attr-defined]
+        _BUILDERS[sdpa_mask] = mask
+    return _BUILDERS[sdpa_mask]
+
+
+_BUILDERS: Dict[Any, Callable[..., Any]] = {}  # one builder a sdpa_mask (register: idempotent)
 
 
 _OWN: Dict[type, bool] = {}
@@ -214,7 +284,11 @@ def _own_attention(cls: type) -> bool:
     ALL_ATTENTION_FUNCTIONS (transformers' own test in
     _can_set_attn_implementation, which also calls the interface's users
     who index it rather than call get_interface "own", and a module whose
-    source cannot be read; here such a model is let through: False)."""
+    source cannot be read; here such a model is let through: False), or
+    picks an attention class by the implementation's name from a table of
+    its own (``GIT_SELF_ATTENTION_CLASSES = {"eager": ...}``, SAM's vision
+    layers), which has no entry for a registered name (a bare KeyError at
+    construction)."""
     if cls not in _OWN:
         import inspect
         import re
@@ -224,7 +298,8 @@ def _own_attention(cls: type) -> bool:
         except (KeyError, OSError, TypeError):
             code = ""
         _OWN[cls] = bool(re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.M)) \
-            and "ALL_ATTENTION_FUNCTIONS" not in code
+            and "ALL_ATTENTION_FUNCTIONS" not in code \
+            or bool(re.search(r"^\w*ATTENTION_CLASSES\s*=\s*\{", code, re.M))
     return _OWN[cls]
 
 

@@ -408,7 +408,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
         and never extend it."""
         seq_first = not _habits.batch_first(self)
         dims = "(length, batch, {})" if seq_first else "(batch, length, {})"
-        mem = as_array(memory, "memory")
+        mem = as_real(memory, "memory")
         given = mem.shape
         if seq_first and mem.ndim == 3:  # (M, B, kdim) -> (B, M, kdim), as a call's key
             mem = mem.swapaxes(0, 1)
@@ -427,7 +427,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
                              f" = {want}")
         val = None
         if value is not None:
-            val = as_array(value, "value")
+            val = as_real(value, "value")
             if val.shape != want:
                 raise ValueError(f"value must be {dims.format('vdim')} = {want}, the memory's "
                                  f"batch and length, got shape {val.shape}")

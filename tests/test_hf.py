@@ -506,5 +506,60 @@ def test_register_is_idempotent_and_sets_the_mask_builder():
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     assert hf.register() == hf.register() == "mha_ext"
     assert AttentionInterface()["mha_ext"] is hf.attention_forward
-    assert AttentionMaskInterface()["mha_ext"] is sdpa_mask
+    builder = AttentionMaskInterface()["mha_ext"]
+    assert builder.__wrapped__ is sdpa_mask
+    hf.register()
+    assert AttentionMaskInterface()["mha_ext"] is builder
+    # a causal mask is always built, where "sdpa"'s builder leaves it to is_causal
+    from transformers.masking_utils import causal_mask_function
+    kw = dict(batch_size=2, q_length=4, kv_length=4, mask_function=causal_mask_function,
+              allow_is_causal_skip=True)
+    assert sdpa_mask(**kw) is None
+    torch.testing.assert_close(builder(**kw),
+                               torch.ones(4, 4, dtype=torch.bool).tril().expand(2, 1, 4, 4))
 
+
+
+def test_a_causal_mask_without_padding_runs_the_causal_pass_with_the_masks_bits(monkeypatch):
+    """The mask builder always builds the causal mask; one blocking nothing
+    else reaches the twin as is_causal="lower_right" (the blocked blocks
+    skipped), a padded one as the mask.  Either way the logits are those of
+    "sdpa", and the causal pass gives the bits the mask gives."""
+    torch.manual_seed(0)
+    model, _ = _llama()
+    model = model.double().eval()
+    ids = torch.randint(3, VOCAB, (2, 9))
+    pad = torch.ones(2, 9, dtype=torch.long)
+    pad[0, :3] = 0  # left padding
+    twin = hf._twin()
+    seen = []
+
+    def spy(q, k, v, **kw):
+        seen.append((kw["is_causal"], kw["attn_mask"] is None, q.shape[2], k.shape[2]))
+        return twin(q, k, v, **kw)
+
+    with torch.no_grad():
+        sdpa = [model(input_ids=ids).logits, model(input_ids=ids, attention_mask=pad).logits]
+        gen_sdpa = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        model.set_attn_implementation(hf.NAME)
+        monkeypatch.setattr(hf, "_twin", lambda: spy)
+        plain = model(input_ids=ids).logits
+        assert seen == [("lower_right", True, 9, 9)] * 2
+        seen.clear()
+        padded = model(input_ids=ids, attention_mask=pad).logits
+        assert seen == [(False, False, 9, 9)] * 2
+        seen.clear()
+        gen = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        # prefill, then decoding steps of one query over the cache
+        assert [s[0] for s in seen[:2]] == ["lower_right"] * 2
+        assert all(s[2] == 1 for s in seen[2:]) and len(seen) == 6
+    torch.testing.assert_close(plain, sdpa[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(padded[1], sdpa[1][1], rtol=0, atol=1e-12)
+    torch.testing.assert_close(padded[0, 3:], sdpa[1][0, 3:], rtol=0, atol=1e-12)
+    assert torch.equal(gen, gen_sdpa)
+    # the causal pass and the mask it stands for: the same bits
+    q, k, v = (torch.randn(2, 4, n, 8) for n in (5, 12, 12))
+    mask = torch.ones(5, 12, dtype=torch.bool).tril(7).expand(2, 1, 5, 12)
+    assert hf._lower_right_causal(mask, 5, 12)
+    assert not hf._lower_right_causal(mask.logical_not(), 5, 12)
+    assert torch.equal(twin(q, k, v, attn_mask=mask), twin(q, k, v, is_causal="lower_right"))

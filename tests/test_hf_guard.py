@@ -137,3 +137,105 @@ def test_custom_models_using_the_interface_take_the_name(where, tmp_path, monkey
         outs[impl] = model(x)
     assert calls == [1]
     torch.testing.assert_close(outs[hf.NAME], outs["sdpa"], rtol=1e-12, atol=1e-12)
+
+
+def test_models_picking_their_attention_from_a_table_of_names_refuse_the_name():
+    """GIT's text layers take GIT_SELF_ATTENTION_CLASSES[name] ("eager"
+    only): a bare KeyError at construction before; now the guard's
+    ValueError, as for the models above."""
+    cfg = transformers.GitConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=37, image_size=32, patch_size=8),
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=37)
+    with pytest.raises(ValueError, match="GitForCausalLM computes attention with its own"):
+        transformers.GitForCausalLM._from_config(cfg, attn_implementation=hf.NAME)
+
+
+def _sized(model, std=0.2):
+    # weights large enough that a leak of later tokens moves the logits visibly
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, std)
+    return model.eval()
+
+
+SEQ2SEQ_NOT_FLAGGED_CAUSAL = {
+    # decoders whose self-attention layers say is_causal=False (transformers
+    # keeps "sdpa" away from them: _supports_sdpa = False)
+    "nllb_moe": lambda: transformers.NllbMoeForConditionalGeneration._from_config(
+        transformers.NllbMoeConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+            decoder_ffn_dim=37, num_experts=2, expert_capacity=8, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0),
+        attn_implementation=hf.NAME, torch_dtype=torch.float64),
+    "pegasus_x": lambda: transformers.PegasusXForConditionalGeneration._from_config(
+        transformers.PegasusXConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+            decoder_ffn_dim=37, block_size=4, num_global_tokens=2, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0),
+        attn_implementation=hf.NAME, torch_dtype=torch.float64),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SEQ2SEQ_NOT_FLAGGED_CAUSAL))
+def test_a_decoder_not_flagged_causal_still_sees_no_later_token(kind):
+    """The causal mask is always built for the name (never left to a flag
+    the layer does not carry): position 0's logits do not move when the
+    last decoder token changes, and match eager's."""
+    torch.manual_seed(0)
+    model = _sized(SEQ2SEQ_NOT_FLAGGED_CAUSAL[kind]())
+    ids = torch.randint(3, VOCAB, (2, 8))
+    dec = torch.randint(3, VOCAB, (2, 5))
+    dec2 = dec.clone()
+    dec2[:, -1] = (dec2[:, -1] + 1 - 3) % (VOCAB - 3) + 3
+    with torch.no_grad():
+        ours = model(input_ids=ids, decoder_input_ids=dec).logits
+        ours2 = model(input_ids=ids, decoder_input_ids=dec2).logits
+        model.set_attn_implementation("eager")
+        eager = model(input_ids=ids, decoder_input_ids=dec).logits
+    torch.testing.assert_close(ours2[:, :-1], ours[:, :-1], rtol=0, atol=1e-12)
+    torch.testing.assert_close(ours, eager, rtol=0, atol=1e-10)
+
+
+def test_fewer_queries_than_keys_without_sdpas_guard_see_the_right_keys():
+    """Gemma 4's KV-shared layers keep only the last logits_to_keep queries
+    unless the implementation is named "sdpa"; the mask, always built,
+    places them (before: top-left causality, 1.77 off)."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=8,
+        sliding_window=4, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2)
+    model = _sized(transformers.Gemma4ForCausalLM._from_config(
+        cfg, attn_implementation=hf.NAME, torch_dtype=torch.float64))
+    ids = torch.randint(3, VOCAB, (2, 10))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits
+        kept = model(input_ids=ids, logits_to_keep=3).logits
+        model.set_attn_implementation("sdpa")
+        sdpa = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(full, sdpa, rtol=0, atol=1e-10)
+    torch.testing.assert_close(kept, full[:, -3:], rtol=0, atol=1e-10)
+
+
+def test_sparse_attention_indices_are_refused_not_ignored():
+    """DeepSeek-V3.2 hands its indexer's top-k keys to a name other than
+    eager/sdpa as indices=; computing dense attention gave logits 0.125 off."""
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        n_group=1, topk_group=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, head_dim=8, index_topk=3,
+        index_head_dim=16, index_n_heads=2, first_k_dense_replace=2,
+        max_position_embeddings=64)
+    model = transformers.DeepseekV32ForCausalLM._from_config(
+        cfg, attn_implementation=hf.NAME).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="sparse attention indices"):
+        model(input_ids=torch.randint(3, VOCAB, (2, 10)))

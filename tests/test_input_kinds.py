@@ -1,0 +1,187 @@
+"""Inputs of unusual kinds (API.md §3, §4a, §7): NumPy arrays in another
+byte order or of a wider float, masked arrays, ints too large for a float,
+0-d arrays where arrays are expected.  Each case is one a caller can pass and
+that once gave other numbers or another error than the documents say.
+"""
+import numpy as np
+import pytest
+
+import mha_ext
+from mha_ext import MultiHeadAttention
+from _support import require_torch
+
+RNG = np.random.default_rng(56)
+Q4, K4, V4 = (RNG.standard_normal((2, 3, 5, 8)) for _ in range(3))  # float64
+
+
+# ---------------------------------------------------------------- dtypes
+
+@pytest.mark.parametrize("kind", [">f8", "<f8", "longdouble"])
+def test_sdpa_of_float64_in_any_byte_order_or_wider_is_float64(kind):
+    """float64 data in big-endian order ('>f8' != np.float64) or a wider
+    float computes in float64, as native float64 does: the same bits."""
+    dt = np.longdouble if kind == "longdouble" else np.dtype(kind)
+    native = mha_ext.scaled_dot_product_attention(Q4, K4, V4)
+    other = mha_ext.scaled_dot_product_attention(Q4.astype(dt), K4.astype(dt), V4.astype(dt))
+    assert other.dtype == np.float64
+    np.testing.assert_array_equal(other, native)
+    # one such input with float32 others is enough for float64, as for native float64
+    mixed = mha_ext.scaled_dot_product_attention(Q4.astype(dt), K4.astype(np.float32),
+                                                 V4.astype(np.float32))
+    assert mixed.dtype == np.float64
+
+
+def test_sdpa_of_big_endian_float64_matches_torch_in_float64():
+    torch = require_torch()
+    got = mha_ext.scaled_dot_product_attention(Q4.astype(">f8"), K4.astype(">f8"),
+                                               V4.astype(">f8"), is_causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(x) for x in (Q4, K4, V4)), is_causal=True).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_big_endian_float32_stays_float32():
+    x = Q4.astype(">f4")
+    out = mha_ext.scaled_dot_product_attention(x, x, x)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, mha_ext.scaled_dot_product_attention(
+        *(Q4.astype(np.float32),) * 3))
+
+
+# ---------------------------------------------------------------- masked arrays
+
+def _masked(a, where):
+    return np.ma.masked_array(a, mask=where)
+
+
+def test_a_masked_seed_mask_is_refused_not_read_by_its_hidden_values():
+    """mask= takes 0/1 values only; a masked array hid 0.5 and 7.0 from that
+    check and its raw data then blocked keys."""
+    m = MultiHeadAttention(16, 4, seed=0).eval()
+    q = RNG.standard_normal((1, 4, 16)).astype(np.float32)
+    x = np.zeros((4, 4))
+    x[0, 1], x[0, 2] = 0.5, 7.0
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        m(q, mask=x)
+    with pytest.raises(TypeError, match="mask is a NumPy masked array with masked entries"):
+        m(q, mask=_masked(x, x != 0))
+
+
+@pytest.mark.parametrize("arg", ["query", "attn_mask", "key_padding_mask", "head_mask"])
+def test_masked_arrays_with_masked_entries_are_refused_by_name(arg):
+    m = MultiHeadAttention(16, 4, seed=0).eval()
+    q = RNG.standard_normal((2, 4, 16)).astype(np.float32)
+    kw = {"query": q}
+    shapes = {"query": q, "attn_mask": np.zeros((4, 4)),
+              "key_padding_mask": np.zeros((2, 4), bool), "head_mask": np.ones(4)}
+    a = shapes[arg]
+    where = np.zeros(a.shape, bool)
+    where.flat[0] = True
+    kw[arg] = _masked(a, where)
+    with pytest.raises(TypeError, match=f"{arg} is a NumPy masked array"):
+        m(**kw)
+
+
+def test_masked_arrays_with_nothing_masked_are_their_data():
+    m = MultiHeadAttention(16, 4, seed=0).eval()
+    q = RNG.standard_normal((2, 4, 16)).astype(np.float32)
+    am = np.triu(np.full((4, 4), -np.inf), 1)
+    want = m(q, attn_mask=am)
+    got = m(np.ma.masked_invalid(q), attn_mask=np.ma.masked_array(am))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    out = mha_ext.scaled_dot_product_attention(np.ma.masked_array(Q4), K4, V4)
+    assert type(out) is np.ndarray
+    np.testing.assert_array_equal(out, mha_ext.scaled_dot_product_attention(Q4, K4, V4))
+
+
+def test_a_masked_parameter_is_refused_by_its_key():
+    m = MultiHeadAttention(16, 4, seed=0)
+    w = np.array(m.W_q.weight)
+    where = np.zeros(w.shape, bool)
+    where[0, 0] = True
+    sd = dict(m.state_dict())
+    sd["W_q.weight"] = _masked(w, where)
+    with pytest.raises(TypeError, match="masked array"):
+        m.load_state_dict(sd)
+
+
+def test_a_masked_sdpa_key_is_refused():
+    where = np.zeros(K4.shape, bool)
+    where[0, 0, 0, 0] = True
+    with pytest.raises(TypeError, match="key is a NumPy masked array"):
+        mha_ext.scaled_dot_product_attention(Q4, _masked(K4, where), V4)
+
+
+# ---------------------------------------------------------------- ints too large
+
+HUGE = 10 ** 400
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_an_int_too_large_for_a_float_as_scale_is_a_valueerror_and_torchs_overflowerror(sign):
+    m = MultiHeadAttention(16, 4, seed=0).eval()
+    x = np.ones((1, 2, 16), np.float32)
+    for call in (lambda: m(x, scale=sign * HUGE),
+                 lambda: mha_ext.scaled_dot_product_attention(Q4, K4, V4, scale=sign * HUGE)):
+        with pytest.raises(ValueError, match="scale must be a real number, got an int too "
+                                             "large for a float") as info:
+            call()
+        assert isinstance(info.value, OverflowError)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_an_int_too_large_for_a_float_as_dropout_p(sign):
+    with pytest.raises(ValueError, match="dropout_p must be a probability") as info:
+        mha_ext.scaled_dot_product_attention(Q4, K4, V4, dropout_p=sign * HUGE)
+    assert isinstance(info.value, OverflowError)
+
+
+def test_ints_too_large_on_tensors_raise_what_torch_raises_too():
+    torch = require_torch()
+    q = torch.from_numpy(Q4)
+    for kw in ({"scale": HUGE}, {"dropout_p": HUGE}, {"dropout_p": -HUGE}):
+        with pytest.raises(OverflowError):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, **kw)
+        with pytest.raises(ValueError) as info:
+            mha_ext.scaled_dot_product_attention(q, q, q, **kw)
+        assert isinstance(info.value, OverflowError), kw
+    # the drop-in in training: torch's module says ValueError (its dropout's check)
+    import mha_ext.torch as mt
+    x = torch.randn(2, 3, 4)
+    theirs = torch.nn.MultiheadAttention(4, 2, dropout=HUGE, batch_first=True)
+    ours = mt.MultiheadAttention(4, 2, dropout=HUGE, batch_first=True)
+    with pytest.raises(ValueError):
+        theirs(x, x, x)
+    with pytest.raises(ValueError, match="dropout"):
+        ours(x, x, x)
+    ours.eval()  # unread outside training, as torch's
+    ours(x, x, x)
+
+
+# ---------------------------------------------------------------- messages
+
+def test_cache_memory_names_memory_in_its_errors():
+    m = MultiHeadAttention(16, 4, seed=0)
+    with pytest.raises(TypeError, match="^memory must hold real numbers"):
+        m.cache_memory(np.zeros((1, 3, 16), complex))
+    with pytest.raises(TypeError, match="^value must hold real numbers"):
+        m.cache_memory(np.zeros((1, 3, 16)), np.zeros((1, 3, 16), complex))
+
+
+def test_0d_arrays_are_reported_with_their_own_shape():
+    m = MultiHeadAttention(16, 4, seed=0)
+    ctx = m.forward_train(np.ones((1, 2, 16)))
+    with pytest.raises(ValueError, match=r"got \(\)$"):
+        m.backward(ctx, np.float32(1))
+    with pytest.raises(ValueError, match=r"got shape \(\)$"):
+        m.forward_train(np.float32(1))
+
+
+def test_a_head_mask_too_large_for_float32_is_refused_without_a_warning():
+    x = Q4.astype(np.float32)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="head_mask must hold finite numbers"):
+            mha_ext.scaled_dot_product_attention(x, x, x, head_mask=np.array([1e300, 1, 1]))
