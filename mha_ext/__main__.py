@@ -221,6 +221,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.threads is not None:
         mha_ext.set_num_threads(args.threads)
+    too_big = "B %d, S %d, E %d, H %d needs more memory than this machine gives (%s): " \
+        "try smaller sizes"
+    # the input (B, S, E) and the trace's (B, H, S, S) steps, in bytes: past what
+    # an address can count, NumPy says only "array is too big"
+    if args.batch * args.seq * max(args.d_model, args.heads * args.seq) * 8 > sys.maxsize:
+        parser.error(too_big % (args.batch, args.seq, args.d_model, args.heads,
+                                "more bytes than an address can count"))
     try:
         m = mha_ext.MultiHeadAttention(args.d_model, args.heads,
                                        dtype=args.dtype, seed=args.seed)
@@ -233,9 +240,7 @@ def main(argv=None):
         parser.error(str(exc))
     except MemoryError as exc:
         # the trace keeps every step: (B, H, S, S) scores several times over
-        parser.error("B %d, S %d, E %d, H %d needs more memory than this machine "
-                     "gives (%s): try smaller sizes" % (args.batch, args.seq, args.d_model,
-                                                        args.heads, exc))
+        parser.error(too_big % (args.batch, args.seq, args.d_model, args.heads, exc))
 
     print("mha_ext demo: %r, %s, %s" % (m, args.dtype, "causal" if args.causal
                                          else "no mask"))

@@ -36,6 +36,21 @@ def is_tensor(x) -> bool:
     return True
 
 
+FX_PROXY = ("torch.fx.symbolic_trace reached mha_ext's attention with fx Proxies, which its "
+            "C code cannot read (a traced call has no data): keep the module a leaf (a Tracer "
+            "subclass whose is_leaf_module returns True for it) or the function wrapped "
+            "(torch.fx.wrap), or record the model with torch.jit.trace or torch.compile")
+
+
+def refuse_fx_proxies(*xs) -> None:
+    """RuntimeError when one of xs is a torch.fx Proxy (symbolic_trace
+    tracing through the call): its control flow and conversions would fail
+    with fx's own obscure errors."""
+    fx = sys.modules.get("torch.fx")
+    if fx is not None and any(isinstance(x, fx.Proxy) for x in xs):
+        raise RuntimeError(FX_PROXY)
+
+
 def is_causal_bias(x) -> bool:
     """Whether x is torch's CausalBias (torch.nn.attention.bias): a tensor
     that holds no mask values, only a causal pattern."""
@@ -194,6 +209,7 @@ def as_array(x, name) -> np.ndarray:
     if is_tensor(x):
         check_tensor(x, name)
     elif type(x) is not np.ndarray:
+        refuse_fx_proxies(x)
         x = _unmasked(x, name)
     try:
         x = to_numpy(x, name)
@@ -266,19 +282,20 @@ class ValueErrorAndOverflowError(ValueError, OverflowError):
 
 
 def too_large(value, name, what="a real number") -> ValueErrorAndOverflowError:
-    """The error for an int `value` that float() cannot take, naming `name`."""
-    bits = value.bit_length() if isinstance(value, int) else 0
-    return ValueErrorAndOverflowError(
-        f"{name} must be {what}, got an int too large for a float"
-        + (f" ({bits} bits)" if bits else ""))
+    """The error for a `value` that float() cannot take (an int of more than
+    1024 bits, a Fraction of such ints), naming `name`."""
+    kind = f"an int of {value.bit_length()} bits" if isinstance(value, int) \
+        else f"a {type(value).__name__}"
+    return ValueErrorAndOverflowError(f"{name} must be {what}, got {kind}, too large for a "
+                                      f"float")
 
 
-def float_or_inf(value) -> float:
-    """float(value), an int too large for a float taken as +-inf."""
+def as_float(value, name, what="a real number") -> float:
+    """float(value); a value too large for a float is too_large's error."""
     try:
         return float(value)
     except OverflowError:
-        return float("inf") if value > 0 else float("-inf")
+        raise too_large(value, name, what) from None
 
 
 def probability(value, name) -> float:

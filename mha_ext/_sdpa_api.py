@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._convert import is_causal_bias, is_tensor, probability
+from ._convert import is_causal_bias, is_tensor, probability, refuse_fx_proxies
 from ._calls import LOWER_RIGHT, sliding_window
 from ._sdpa import _seed, sdpa_arrays, sdpa_forward, sdpa_head_mask, sdpa_layout
 from ._types import Causal, Flag, Int, Real, Window
@@ -123,6 +123,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
     checks them and gives the result's shape (window, layout and head_mask
     leave it unchanged).
     """
+    refuse_fx_proxies(query, key, value, attn_mask)
     attn_mask, is_causal = _causal_bias(attn_mask, is_causal, query, key)
     if any(getattr(x, "is_meta", False) for x in (query, key, value, attn_mask)):
         import torch  # torch's own function: F's may be this twin, patched in

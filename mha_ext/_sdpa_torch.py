@@ -19,7 +19,7 @@ import torch
 from . import _sdpa
 from . import _calls
 from ._convert import probability, to_numpy
-from ._torch_fn import (HALF, _has_tangent, _NoDoubleBackward, refuse_traced_tensors,
+from ._torch_fn import (COMPILE_REASON, HALF, _has_tangent, _NoDoubleBackward, refuse_traced_tensors,
                         refuse_unrecordable, refused_draws_nothing, save_arrays, saved_arrays,
                         torch_stream)
 
@@ -209,7 +209,8 @@ def _dropout_p(value):
             f"{exc} (torch's fused CPU attention refuses it too, a RuntimeError)") from None
 
 
-@torch.compiler.disable  # called as it is under torch.compile (see the drop-in's forward)
+@torch.compiler.disable(reason=COMPILE_REASON)  # called as it is under torch.compile
+# (see the drop-in's forward)
 def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
                window=None, layout=None, head_mask=None, pair=None):
     """scaled_dot_product_attention on tensors (see mha_ext._sdpa); pair:

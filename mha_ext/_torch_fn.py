@@ -70,6 +70,12 @@ def refuse_script(name: str) -> NoReturn:
         f"script a model holding torch's own attention module")
 
 
+COMPILE_REASON = (
+    "mha_ext computes attention in C, outside the graph: torch.compile(fullgraph=True) "
+    "cannot take it; compile without fullgraph (a graph break at each call), or keep "
+    "torch's own attention in a fullgraph model")
+
+
 @contextlib.contextmanager
 def refused_draws_nothing(draws: bool) -> Iterator[None]:
     """Around a call that draws its dropout stream (torch_stream) before

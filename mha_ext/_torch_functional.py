@@ -275,7 +275,7 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
                                  f"{E}), got shape {tuple(b.shape)}")
     p = 0.0  # unread outside training, as torch's functional leaves it unchecked
     if training:
-        p = _convert.float_or_inf(dropout_p)
+        p = _convert.as_float(dropout_p, "dropout_p", "a probability in [0, 1]")
         words = f"dropout probability has to be between 0 and 1, but got {p} (dropout_p)"
         if p > 1.0:   # torch's dropout's ValueError; its SDPA's RuntimeError
             raise (ValueError if need_weights else ValueErrorAndRuntimeError)(words)

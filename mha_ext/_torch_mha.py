@@ -38,7 +38,8 @@ from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._nested import forward_nested
 from ._torch_errors import TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas, torchs
-from ._torch_fn import HALF, attention, attention_kept, holds, refuse_script, refuse_transformed
+from ._torch_fn import (COMPILE_REASON, HALF, attention, attention_kept, holds, refuse_script,
+                        refuse_transformed)
 from ._types import Int, Window
 
 if TYPE_CHECKING:
@@ -275,10 +276,23 @@ class MultiheadAttention(nn.MultiheadAttention):
                 _CORES.popitem(last=False)
             return _CORES.setdefault(config, core)
 
+    def __getstate__(self):
+        # without our own pre-hook: a pickle (torch.save) then names nothing of
+        # mha_ext but the class, so torch.load(weights_only=True) takes it with
+        # the globals torch's module needs (the class, NonDynamicallyQuantizableLinear)
+        state = super().__getstate__()
+        hooks = state["_forward_pre_hooks"]
+        if any(h is _use_our_forward for h in hooks.values()):
+            state["_forward_pre_hooks"] = OrderedDict(
+                (k, h) for k, h in hooks.items() if h is not _use_our_forward)
+        return state
+
     def __setstate__(self, state):
         # checkpoints of earlier versions carried their cores: dropped
         state.pop("_cores", None)
         super().__setstate__(state)
+        if not any(h is _use_our_forward for h in self._forward_pre_hooks.values()):
+            self.register_forward_pre_hook(_use_our_forward)
 
     def _has_bias(self):
         return holds(self, "in_proj_bias") or holds(self.out_proj, "bias")
@@ -413,6 +427,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         as well as ours (mha_ext._torch_errors: an AssertionError for a
         key of another rank, say, is also our ValueError), with both messages.
         """
+        _convert.refuse_fx_proxies(query, key, value)
         refuse_transformed({}, (query, key, value))
         if any(getattr(x, "is_meta", False) for x in (query, key, value)):
             if not all(p.is_meta for p in self.parameters()):  # torch: a RuntimeError
@@ -437,7 +452,7 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     if not TYPE_CHECKING:  # torch.compile calls it as it is (Dynamo compiled each function
         # it calls, per kind of tensor met: a DETR-like model's first call 31 s, not 4)
-        forward = torch.compiler.disable(forward)
+        forward = torch.compiler.disable(forward, reason=COMPILE_REASON)
 
     def _torch_refuses(self, *args):
         """torch.nn.MultiheadAttention's forward with this configuration on
@@ -531,7 +546,8 @@ class MultiheadAttention(nn.MultiheadAttention):
                     need_weights=bool(need_weights),
                     average_weights=bool(average_attn_weights),
                     masked_rows="nan" if need_weights or fast else "zero",
-                    dropout=_convert.float_or_inf(self.dropout) if self.training else 0.0,
+                    dropout=(_convert.as_float(self.dropout, "dropout", "a probability in [0, 1]")
+                             if self.training else 0.0),
                     window=window, layout=layout)
         if causal is True and (holds(self, "bias_k") or self.add_zero_attn):
             if window is not None or layout is not None:

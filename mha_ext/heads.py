@@ -328,7 +328,7 @@ class HeadReport:
     def plot(self, figsize: tuple[float, float] | None = None) -> Figure:
         """Bars per head for each column: a matplotlib Figure."""
         from .plot import _matplotlib
-        _, Figure = _matplotlib()
+        _, Figure = _matplotlib("HeadReport.plot")
         n = len(self.columns)
         ncols = min(n, 4)
         nrows = -(-n // ncols)

@@ -24,9 +24,12 @@ numbers without an error.  The test is the one transformers'
 attention class of its own and does not call the interface), except that a
 model whose source cannot be read (a notebook's class) is let through, as
 is one indexing ``ALL_ATTENTION_FUNCTIONS[...]`` (transformers 4's
-spelling).  So is a model that picks an attention class from a table of
-names of its own (GIT, SAM: ``GIT_SELF_ATTENTION_CLASSES``), which has no
-entry for the name.
+spelling).  A layer that picks its attention class from a table of names
+of its own (GIT's text layers, SAM's vision layers:
+``GIT_SELF_ATTENTION_CLASSES``) finds the name there as a refusal: the
+model is a ValueError at construction (a bare KeyError before), while one
+of the same module whose layers do not look there (GIT's vision model)
+takes the name.
 
 What ``attention_forward`` does is what transformers' own "sdpa" function
 does, with mha_ext's twin in place of ``torch.nn.functional.
@@ -67,8 +70,7 @@ This module is imported only on request; it needs torch and transformers.
 from __future__ import annotations
 
 import warnings
-import weakref
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -142,27 +144,20 @@ def _fold_position_bias(position_bias: torch.Tensor,
     return position_bias + attention_mask
 
 
-_LAST: Tuple[Any, ...] = (None, -1, False)  # (weakref to a mask, its version, the answer)
-
-
 def _lower_right_causal(mask: torch.Tensor, L: int, S: int) -> bool:
     """Whether `mask` is a bool (1 or B, 1, L, S) mask (True = attend) of
     exactly the lower-right causal pattern (query i sees keys j <= i + S - L)
     in every batch row: what sdpa_mask builds for a causal layer without
-    padding.  The answer for the last mask asked is kept (every layer of a
-    forward gets the same one) while the tensor is unchanged."""
-    global _LAST
+    padding.  Asked anew in every layer (a comparison of B·L·S bools against
+    the attention's B·H·L·S·D multiply-adds): a mask's contents can change
+    without its version counter moving (through .data or NumPy), and
+    inference tensors have none."""
     if (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
             or tuple(mask.shape[2:]) != (L, S) or S < L or mask.is_meta
             or torch.jit.is_tracing() or torch.compiler.is_compiling()):
         return False
-    ref, version, answer = _LAST
-    if ref is not None and ref() is mask and version == mask._version:
-        return answer
     pattern = torch.ones(L, S, dtype=torch.bool, device=mask.device).tril(S - L)
-    answer = bool(torch.equal(mask, pattern.expand(mask.shape)))
-    _LAST = (weakref.ref(mask), mask._version, answer)
-    return answer
+    return bool(torch.equal(mask, pattern.expand(mask.shape)))
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor,
@@ -197,20 +192,20 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor,
         is_causal = getattr(module, "is_causal", True)
     # "sdpa"'s rule: the flag only for a causal layer's prefill without a
     # mask; one query (a decoding step) sees every cached key.
-    is_causal = bool(L > 1 and attention_mask is None and is_causal)
+    causal: Union[bool, str] = bool(L > 1 and attention_mask is None and is_causal)
 
     if position_bias is not None:
         attention_mask = _fold_position_bias(position_bias, attention_mask,
-                                             is_causal, L, S)
-        is_causal = False
+                                             bool(causal), L, S)
+        causal = False
     elif attention_mask is not None and _lower_right_causal(attention_mask, L, S):
         # the causal mask _mask_builder always builds, when it blocks nothing
         # else: the twin's causal pass, which skips the blocked blocks (the
         # same bits as the mask; half the work of a long prefill)
-        attention_mask, is_causal = None, "lower_right"
+        attention_mask, causal = None, "lower_right"
 
     out = _twin()(query, key, value, attn_mask=attention_mask,
-                  dropout_p=dropout, is_causal=is_causal, scale=scaling,
+                  dropout_p=dropout, is_causal=causal, scale=scaling,
                   enable_gqa=enable_gqa)
     # (B, H, L, Dv) -> (B, L, H, Dv): the layout every model reshapes to
     # (B, L, H * Dv) before its output projection.
@@ -284,11 +279,7 @@ def _own_attention(cls: type) -> bool:
     ALL_ATTENTION_FUNCTIONS (transformers' own test in
     _can_set_attn_implementation, which also calls the interface's users
     who index it rather than call get_interface "own", and a module whose
-    source cannot be read; here such a model is let through: False), or
-    picks an attention class by the implementation's name from a table of
-    its own (``GIT_SELF_ATTENTION_CLASSES = {"eager": ...}``, SAM's vision
-    layers), which has no entry for a registered name (a bare KeyError at
-    construction)."""
+    source cannot be read; here such a model is let through: False)."""
     if cls not in _OWN:
         import inspect
         import re
@@ -298,9 +289,32 @@ def _own_attention(cls: type) -> bool:
         except (KeyError, OSError, TypeError):
             code = ""
         _OWN[cls] = bool(re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.M)) \
-            and "ALL_ATTENTION_FUNCTIONS" not in code \
-            or bool(re.search(r"^\w*ATTENTION_CLASSES\s*=\s*\{", code, re.M))
+            and "ALL_ATTENTION_FUNCTIONS" not in code
     return _OWN[cls]
+
+
+def _refuse_in_tables(cls: type, name: str) -> None:
+    """Give the attention tables of `cls`'s module (``GIT_SELF_ATTENTION_
+    CLASSES = {"eager": ...}``, SAM's vision layers': a class a name, looked
+    up by the layers that have their own attention code) an entry for
+    `name` that refuses it, by the table's name: a layer built from one then
+    raises the guard's ValueError instead of a bare KeyError, and a model
+    of that module whose layers never look there (GIT's vision model) still
+    takes the name."""
+    import sys
+    module = sys.modules.get(cls.__module__)
+    for table_name, table in list(vars(module).items()) if module is not None else ():
+        if (table_name.endswith("ATTENTION_CLASSES") and isinstance(table, dict)
+                and name not in table and table):
+            def refuse(*args: Any, _t: str = table_name, _has: tuple = tuple(table),
+                       **kwargs: Any) -> Any:
+                raise ValueError(
+                    f"this layer picks its attention class from {_t}, which has "
+                    f"{', '.join(repr(k) for k in _has)} only: its attention is its own "
+                    f"code, not transformers' AttentionInterface, so attn_implementation="
+                    f"{name!r} (mha_ext) cannot compute it; use attn_implementation="
+                    f"{_has[0]!r} for this model")
+            table[name] = refuse
 
 
 def _guard_models() -> None:
@@ -321,6 +335,8 @@ def _guard_models() -> None:
         return
 
     def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
+        if isinstance(requested_attention, str) and requested_attention in _NAMES:
+            _refuse_in_tables(type(self), requested_attention)
         if (isinstance(requested_attention, str) and requested_attention in _NAMES
                 and _own_attention(type(self))):
             raise ValueError(

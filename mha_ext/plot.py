@@ -30,17 +30,22 @@ if TYPE_CHECKING:  # matplotlib is optional: imported when plot_heads runs
 
 __all__ = ["plot_heads"]
 
-_INSTALL = ('plot_heads needs matplotlib, an optional extra of mha_ext: '
+_INSTALL = ('%s needs matplotlib, an optional extra of mha_ext: '
             'pip install "mha_ext[plot]" (or: pip install matplotlib)')
 
 
-def _matplotlib():
+class ValueErrorAndIndexError(ValueError, IndexError):
+    """A batch index out of range: a ValueError (docs/API.md §7) that is
+    also the IndexError of indexing the weights with it."""
+
+
+def _matplotlib(who="plot_heads"):
     try:
         import matplotlib
 
         from ._figure import HeadsFigure
     except ImportError as exc:
-        raise ImportError(_INSTALL) from exc
+        raise ImportError(_INSTALL % who) from exc
     return matplotlib, HeadsFigure
 
 
@@ -118,8 +123,8 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
             raise ValueError("there is nothing to plot: the weights have no batch elements "
                              "(shape %s)" % (w.shape,))
         if not -nb <= batch < nb:
-            raise IndexError("batch %d is out of range for %d batch elements"
-                             % (batch, nb))
+            raise ValueErrorAndIndexError("batch %d is out of range for %d batch elements"
+                                          % (batch, nb))
         w = w[batch]
         blk = None if blk is None else blk[batch]
         label_b = "batch %d" % (batch % nb)
@@ -141,10 +146,15 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
                          "key_tokens" if key_tokens is not None else "tokens", "keys")
 
     matplotlib, Figure = _matplotlib()
+    from matplotlib.ticker import MaxNLocator
 
     if ncols is None:
         ncols = min(H, 4)
-    ncols = max(1, min(int(ncols), H))
+    if isinstance(ncols, (bool, np.bool_)) or not isinstance(ncols, (int, np.integer)):
+        raise TypeError("ncols must be an int >= 1, got %r" % (ncols,))
+    if ncols < 1:
+        raise ValueError("ncols must be an int >= 1 (panels per row), got %d" % ncols)
+    ncols = min(int(ncols), H)
     nrows = math.ceil(H / ncols)
     if figsize is None:
         cell = 2.6 if max(Sq, Sk) <= 16 else 3.2
@@ -194,15 +204,19 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
             ax.set_xticks(xt)
             ax.set_xticklabels([xlab[k] for k in xt] if bottom else [],  # tokens are
                                rotation=90, fontsize=8, parse_math=False)  # text, not $math$
-        elif not bottom:
-            ax.set_xticklabels([])
+        else:  # positions: whole numbers (matplotlib's own give -0.25, 0.5 ...)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+            if not bottom:
+                ax.set_xticklabels([])
         if ylab is not None:
             yt = _ticks(Sq)
             ax.set_yticks(yt)
             ax.set_yticklabels([ylab[k] for k in yt] if left else [], fontsize=8,
                                parse_math=False)
-        elif not left:
-            ax.set_yticklabels([])
+        else:
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+            if not left:
+                ax.set_yticklabels([])
         if bottom:
             ax.set_xlabel("key")
         if left:

@@ -41,10 +41,10 @@ from numpy.typing import ArrayLike, DTypeLike
 from torch import nn
 
 from . import _habits
-from ._convert import as_real, check_tensor
+from ._convert import as_real, check_tensor, refuse_fx_proxies
 from ._params import LINEARS
 from ._torch_fn import attention_kept as _attention_kept
-from ._torch_fn import refuse_mask_grads, refuse_script
+from ._torch_fn import COMPILE_REASON, refuse_mask_grads, refuse_script
 from ._swap import swapped
 from ._torch_functional import multi_head_attention_forward
 from ._torch_mha import MultiheadAttention
@@ -242,6 +242,7 @@ class MultiHeadAttention(nn.Module):
         weights is None with need_weights=False."""
         if unknown:  # torch's names (average_attn_weights, ...) named with ours
             _habits.call_keywords(unknown, "forward")
+        refuse_fx_proxies(query, key, value)
         params = self._params()
         dtype = params[0].dtype
         core = self._core_for(dtype)
@@ -251,6 +252,16 @@ class MultiHeadAttention(nn.Module):
         for name, x in (("query", query), ("key", key), ("value", value)):
             if isinstance(x, torch.Tensor):
                 check_tensor(x, name)   # dense, with data
+                # torch's module refuses another dtype (its linear's RuntimeError);
+                # arrays are converted, as the NumPy class converts them; under
+                # CPU autocast the call computes in the parameters' dtype
+                if x.dtype != dtype and not x.is_complex() \
+                        and not torch.is_autocast_enabled("cpu"):
+                    from ._torch_errors import TypeErrorAndRuntimeError
+                    raise TypeErrorAndRuntimeError(
+                        f"{name} is {x.dtype} but the parameters are {dtype}: torch's module "
+                        f"computes in one dtype and raises a RuntimeError here; cast the "
+                        f"input (x.to({dtype})) or the module (module.to({dtype}))")
             else:
                 x = torch.as_tensor(as_real(x, name))
             if x.device.type != "cpu":
@@ -279,4 +290,4 @@ class MultiHeadAttention(nn.Module):
         return out, (weights if need_weights else None)
 
     if not TYPE_CHECKING:  # torch.compile calls it as it is (the drop-in's forward says why)
-        forward = torch.compiler.disable(forward)
+        forward = torch.compiler.disable(forward, reason=COMPILE_REASON)

@@ -133,7 +133,9 @@ def test_bad_values_are_short_errors_before_the_run(tmp_path):
                         (("--plot", ""), "needs a file name"),
                         (("--plot", str(tmp_path / "nowhere" / "x.png")), "does not exist"),
                         (("--d-model", "1000000000", "--heads", "1"), "more memory"),
-                        (("--batch", "100000", "--seq", "100000"), "more memory")]:
+                        (("--batch", "100000", "--seq", "100000"), "more memory"),
+                        # past what an address counts: NumPy's "array is too big" before
+                        (("--batch", "1000000000000000"), "more memory")]:
         r = run_demo(tmp_path, *SMALL[:1], *args)
         assert r.returncode == 2, (args, r.stderr)
         assert words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

@@ -148,8 +148,23 @@ def test_models_picking_their_attention_from_a_table_of_names_refuse_the_name():
                            intermediate_size=37, image_size=32, patch_size=8),
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
         intermediate_size=37)
-    with pytest.raises(ValueError, match="GitForCausalLM computes attention with its own"):
+    with pytest.raises(ValueError, match="picks its attention class from "
+                                         "GIT_SELF_ATTENTION_CLASSES, which has 'eager' only"):
         transformers.GitForCausalLM._from_config(cfg, attn_implementation=hf.NAME)
+    # a model of the same module whose layers never look there takes the name
+    # (the vision tower goes through the interface): eager's numbers
+    from transformers.models.git.modeling_git import GitVisionModel
+    torch.manual_seed(1)
+    vision = GitVisionModel._from_config(
+        transformers.GitVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, image_size=32, patch_size=8),
+        attn_implementation=hf.NAME, torch_dtype=torch.float64).eval()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        ours = vision(pixel_values=x).last_hidden_state
+        vision.set_attn_implementation("eager")
+        eager = vision(pixel_values=x).last_hidden_state
+    torch.testing.assert_close(ours, eager, rtol=0, atol=1e-8)  # (eager: a float32 softmax)
 
 
 def _sized(model, std=0.2):
@@ -239,3 +254,48 @@ def test_sparse_attention_indices_are_refused_not_ignored():
         cfg, attn_implementation=hf.NAME).eval()
     with torch.no_grad(), pytest.raises(ValueError, match="sparse attention indices"):
         model(input_ids=torch.randint(3, VOCAB, (2, 10)))
+
+
+def _tiny_llama():
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+
+def test_inference_mode_forward_and_generate():
+    """Inference tensors have no version counter: nothing may read one."""
+    model = _tiny_llama()
+    ids = torch.randint(1, VOCAB, (2, 6))
+    pad = torch.ones(2, 6, dtype=torch.long)
+    pad[0, :2] = 0
+    out = {}
+    for impl in ("sdpa", hf.NAME):
+        model.set_attn_implementation(impl)
+        with torch.inference_mode():
+            out[impl] = (model(ids).logits, model(ids, attention_mask=pad).logits,
+                         model.generate(ids, max_new_tokens=3, do_sample=False))
+    for a, b in zip(out["sdpa"], out[hf.NAME]):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+
+
+def test_a_mask_changed_in_place_by_any_route_is_read_anew():
+    """A user's 4-D bool mask, changed in place between calls through NumPy
+    or .data (its version counter unmoved): the second call sees the change."""
+    import numpy as np
+    model = _tiny_llama()
+    ids = torch.randint(1, VOCAB, (1, 6))
+    arr = np.tril(np.ones((6, 6), dtype=bool))[None, None]
+    mask = torch.from_numpy(arr)
+
+    def run(impl):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            return model(ids, attention_mask=mask).logits
+
+    run(hf.NAME)
+    arr[0, 0, 5, 0] = False
+    torch.testing.assert_close(run(hf.NAME), run("sdpa"), rtol=0, atol=1e-12)
+    mask.data[0, 0, 4, 1] = False
+    torch.testing.assert_close(run(hf.NAME), run("sdpa"), rtol=0, atol=1e-12)

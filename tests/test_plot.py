@@ -139,8 +139,14 @@ def test_bad_arguments(mpl):
     w = attention(B=2, H=2, E=8, S=3)
     with pytest.raises(ValueError, match="shape"):
         plot_heads(w[0, 0])                               # 2-D
-    with pytest.raises(IndexError, match="batch"):
+    with pytest.raises(IndexError, match="batch") as info:
         plot_heads(w, batch=2)
+    assert isinstance(info.value, ValueError)  # API.md §7's type, and indexing's
+    for ncols in (0, -3):  # (silently one panel a row before)
+        with pytest.raises(ValueError, match="ncols must be an int >= 1"):
+            plot_heads(w, ncols=ncols)
+    with pytest.raises(TypeError, match="ncols"):
+        plot_heads(w, ncols=1.5)
     with pytest.raises(ValueError, match="tokens"):
         plot_heads(w, tokens=["a", "b"])
     with pytest.raises(ValueError, match="key_tokens"):
@@ -156,6 +162,22 @@ def test_missing_matplotlib_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)   # import fails
     with pytest.raises(ImportError, match=r'pip install "mha_ext\[plot\]"'):
         plot_heads(np.full((1, 2, 2, 2), 0.5))
+    # a HeadReport's plot names itself, not plot_heads
+    m = mha_ext.MultiHeadAttention(8, 2, seed=0)
+    report = mha_ext.heads.analyze(m.trace(np.ones((1, 4, 8), np.float32)))
+    with pytest.raises(ImportError, match=r'^HeadReport.plot needs matplotlib'):
+        report.plot()
+
+
+def test_positions_without_tokens_are_whole_numbers(mpl):
+    """A few queries or keys without tokens: the axes count whole positions
+    (matplotlib's own ticks said "query -0.25")."""
+    for shape in ((1, 2, 5), (1, 5, 1), (2, 3, 3)):
+        fig = plot_heads(np.full(shape, 1.0 / shape[-1]))
+        ax = fig.axes[0]
+        for ticks, lim in ((ax.get_xticks(), ax.get_xlim()), (ax.get_yticks(), ax.get_ylim())):
+            shown = [t for t in ticks if min(lim) <= t <= max(lim)]
+            assert shown and all(float(t).is_integer() for t in shown), (shape, ticks)
 
 
 def test_import_does_not_import_matplotlib(tmp_path):
