@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._torch_fn import holds
+from ._torch_fn import holds, register_our_pre_hook
 from ._torch_mha import MultiheadAttention, _use_our_forward
 
 __all__ = ["attention_modules", "swap_in", "restore", "swapped", "sharing"]
@@ -95,7 +95,7 @@ def sharing(module):
         new.__class__ = type(type(module).__name__, (MultiheadAttention,), _body(type(module)))
     # the marker that keeps nn.TransformerEncoderLayer off torch's fused
     # kernel, in the shared hooks for the block only (restore() removes it)
-    new.__dict__["_mha_ext_marker"] = new.register_forward_pre_hook(_use_our_forward)
+    new.__dict__["_mha_ext_marker"] = register_our_pre_hook(new, _use_our_forward)
     return new
 
 

@@ -70,6 +70,22 @@ def refuse_script(name: str) -> NoReturn:
         f"script a model holding torch's own attention module")
 
 
+def register_our_pre_hook(module, hook):
+    """module.register_forward_pre_hook(hook) under an id none of its
+    pre-hook dicts holds: torch numbers hooks from a counter of this
+    process, and a module unpickled from another one holds ids of that
+    process's counter, which a fresh one can meet (the new entry would
+    replace the user's hook under the same key, or find its with_kwargs
+    flag).  The counter is moved past them first."""
+    from torch.utils.hooks import RemovableHandle
+    held = [k for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+                           "_forward_pre_hooks_always_called")
+            for k in getattr(module, name, {})]
+    if held and RemovableHandle.next_id <= max(held):
+        RemovableHandle.next_id = max(held) + 1
+    return module.register_forward_pre_hook(hook)
+
+
 COMPILE_REASON = (
     "mha_ext computes attention in C, outside the graph: torch.compile(fullgraph=True) "
     "cannot take it; compile without fullgraph (a graph break at each call), or keep "

@@ -38,8 +38,8 @@ from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._nested import forward_nested
 from ._torch_errors import TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas, torchs
-from ._torch_fn import (COMPILE_REASON, HALF, attention, attention_kept, holds, refuse_script,
-                        refuse_transformed)
+from ._torch_fn import (COMPILE_REASON, HALF, attention, attention_kept, holds,
+                        refuse_script, refuse_transformed, register_our_pre_hook)
 from ._types import Int, Window
 
 if TYPE_CHECKING:
@@ -292,7 +292,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         state.pop("_cores", None)
         super().__setstate__(state)
         if not any(h is _use_our_forward for h in self._forward_pre_hooks.values()):
-            self.register_forward_pre_hook(_use_our_forward)
+            register_our_pre_hook(self, _use_our_forward)
 
     def _has_bias(self):
         return holds(self, "in_proj_bias") or holds(self.out_proj, "bias")

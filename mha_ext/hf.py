@@ -45,7 +45,9 @@ scaled_dot_product_attention``:
   out for the layer's is_causal flag to stand in for it: transformers keeps
   "sdpa" away from the models where the flag is wrong (decoders not flagged
   causal: NLLB-MoE, PEGASUS-X, BigBird-Pegasus; Gemma 4's shortened
-  queries), and those guards test the name "sdpa".  A bool mask of exactly
+  queries), and those guards test the name "sdpa".  (PaliGemma without
+  token_type_ids: "sdpa"'s text attends to later tokens there, its layers
+  not flagged causal; "mha_ext" gives eager's numbers.)  A bool mask of exactly
   the lower-right causal pattern is computed as ``is_causal="lower_right"``
   (the same bits; the blocked blocks skipped).
 - ``is_causal`` (top-left) only where "sdpa" uses it: more than one query,
@@ -61,8 +63,8 @@ scaled_dot_product_attention``:
 
 Refused with a clear error instead of computed wrongly: ``softcap``,
 attention sinks (``s_aux``), a ``head_mask`` (gone from transformers 5),
-sparse attention ``indices`` (DeepSeek-V3.2's indexer), a paged cache
-(continuous batching).  ``output_attentions=True`` gives
+sparse attention ``indices`` or ``block_indices`` (DeepSeek-V3.2's and
+MiniMax-M3's indexers), a paged cache (continuous batching).  ``output_attentions=True`` gives
 ``None`` weights, as with "sdpa".
 
 This module is imported only on request; it needs torch and transformers.
@@ -110,12 +112,13 @@ def _refuse_unsupported(kwargs: Dict[str, Any]) -> None:
             "attn_implementation='mha_ext' does not take a head_mask (removed "
             "in transformers 5); multiply the heads' outputs yourself or use "
             "'eager'")
-    if kwargs.get("indices") is not None:
-        raise ValueError(
-            "attn_implementation='mha_ext' does not take sparse attention indices "
-            "(indices=: a DeepSeek-V3.2-style indexer's top-k keys, which the model "
-            "folds into the mask only for 'eager' and 'sdpa'); use 'sdpa' for this "
-            "model")
+    for name, what in (("indices", "a DeepSeek-V3.2-style indexer's top-k keys"),
+                       ("block_indices", "MiniMax-M3's indexer's key blocks")):
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"attn_implementation='mha_ext' does not take sparse attention indices "
+                f"({name}=: {what}, which the model folds into the mask only for 'eager' "
+                f"and 'sdpa'); use 'sdpa' for this model")
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise NotImplementedError(
@@ -301,12 +304,11 @@ def _refuse_in_tables(cls: type, name: str) -> None:
     raises the guard's ValueError instead of a bare KeyError, and a model
     of that module whose layers never look there (GIT's vision model) still
     takes the name."""
-    import sys
-    module = sys.modules.get(cls.__module__)
-    for table_name, table in list(vars(module).items()) if module is not None else ():
-        if (table_name.endswith("ATTENTION_CLASSES") and isinstance(table, dict)
-                and name not in table and table):
-            def refuse(*args: Any, _t: str = table_name, _has: tuple = tuple(table),
+    for table_name, table in _tables(cls):
+        if name not in table:
+            has = tuple(k for k, v in table.items() if not getattr(v, "_mha_ext_refusal", False))
+
+            def refuse(*args: Any, _t: str = table_name, _has: tuple = has,
                        **kwargs: Any) -> Any:
                 raise ValueError(
                     f"this layer picks its attention class from {_t}, which has "
@@ -314,7 +316,26 @@ def _refuse_in_tables(cls: type, name: str) -> None:
                     f"code, not transformers' AttentionInterface, so attn_implementation="
                     f"{name!r} (mha_ext) cannot compute it; use attn_implementation="
                     f"{_has[0]!r} for this model")
+            refuse._mha_ext_refusal = True  # type: ignore[attr-defined]
             table[name] = refuse
+
+
+def _tables(cls: type) -> list:
+    """(name, dict) of the attention tables of `cls`'s module: module-level
+    dicts named ``*ATTENTION_CLASSES`` (an implementation's name -> a layer
+    class with its own attention code)."""
+    import sys
+    module = sys.modules.get(cls.__module__)
+    return [(k, v) for k, v in (vars(module).items() if module is not None else ())
+            if k.endswith("ATTENTION_CLASSES") and isinstance(v, dict) and v]
+
+
+def _built_from_tables(model: Any) -> bool:
+    """Whether `model` holds layers built from its module's attention tables
+    (set_attn_implementation on a built model: such a layer keeps its own
+    attention code, which would be handed the name's masks)."""
+    classes = {v for _, t in _tables(type(model)) for v in t.values() if isinstance(v, type)}
+    return bool(classes) and any(type(m) in classes for m in model.modules())
 
 
 def _guard_models() -> None:
@@ -325,9 +346,12 @@ def _guard_models() -> None:
     masks with sdpa_mask and hand them to its eager attention, which
     expects an additive float mask: Bloom lost its causal mask (None),
     MPT's padding was inverted, CodeGen and XGLM computed other numbers, all
-    without an error and without calling mha_ext.  Runs at construction
-    (from_config, from_pretrained) and in set_attn_implementation, which
-    skips such a model with transformers' own warning before asking."""
+    without an error and without calling mha_ext.  So does a built model
+    holding layers made from its module's attention tables (_built_from_
+    tables: GIT's text layers, switched to the name, lost their causal
+    mask).  Runs at construction (from_config, from_pretrained) and in
+    set_attn_implementation, which skips such a model with transformers'
+    own warning before asking."""
     from transformers import PreTrainedModel
 
     original = PreTrainedModel.get_correct_attn_implementation
@@ -338,7 +362,7 @@ def _guard_models() -> None:
         if isinstance(requested_attention, str) and requested_attention in _NAMES:
             _refuse_in_tables(type(self), requested_attention)
         if (isinstance(requested_attention, str) and requested_attention in _NAMES
-                and _own_attention(type(self))):
+                and (_own_attention(type(self)) or _built_from_tables(self))):
             raise ValueError(
                 f"{type(self).__name__} computes attention with its own code, not through "
                 f"transformers' AttentionInterface, so attn_implementation="

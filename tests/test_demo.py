@@ -135,7 +135,10 @@ def test_bad_values_are_short_errors_before_the_run(tmp_path):
                         (("--d-model", "1000000000", "--heads", "1"), "more memory"),
                         (("--batch", "100000", "--seq", "100000"), "more memory"),
                         # past what an address counts: NumPy's "array is too big" before
-                        (("--batch", "1000000000000000"), "more memory")]:
+                        (("--batch", "1000000000000000"), "more memory"),
+                        # the configuration's own error first, however large the sizes
+                        (("--d-model", "8", "--heads", "16", "--seq", "1000000000"),
+                         "divisible")]:
         r = run_demo(tmp_path, *SMALL[:1], *args)
         assert r.returncode == 2, (args, r.stderr)
         assert words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

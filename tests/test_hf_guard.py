@@ -165,6 +165,21 @@ def test_models_picking_their_attention_from_a_table_of_names_refuse_the_name():
         vision.set_attn_implementation("eager")
         eager = vision(pixel_values=x).last_hidden_state
     torch.testing.assert_close(ours, eager, rtol=0, atol=1e-8)  # (eager: a float32 softmax)
+    # a GIT built under eager refuses a switch to the name: its text layers
+    # keep their own attention, which the name's bool masks left without
+    # causality (0.16 off, no error)
+    model = transformers.GitForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    ids = torch.randint(3, VOCAB, (1, 7))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        with pytest.raises(ValueError, match="GitForCausalLM computes attention with its own"):
+            model.set_attn_implementation(hf.NAME)
+        assert model.config._attn_implementation == "eager"
+        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+    # a second registered name's message lists the table's own entries only
+    second = hf.register("mha_ext_second")
+    with pytest.raises(ValueError, match="which has 'eager' only"):
+        transformers.GitForCausalLM._from_config(cfg, attn_implementation=second)
 
 
 def _sized(model, std=0.2):
@@ -299,3 +314,21 @@ def test_a_mask_changed_in_place_by_any_route_is_read_anew():
     torch.testing.assert_close(run(hf.NAME), run("sdpa"), rtol=0, atol=1e-12)
     mask.data[0, 0, 4, 1] = False
     torch.testing.assert_close(run(hf.NAME), run("sdpa"), rtol=0, atol=1e-12)
+
+
+def test_block_sparse_indices_are_refused_not_ignored():
+    """MiniMax-M3's sparse layers hand their key blocks to a name other than
+    eager/sdpa as block_indices=; dense attention gave logits 0.63 off."""
+    cfg = transformers.MiniMaxM3VLTextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rotary_dim=8,
+        dense_intermediate_size=64, shared_intermediate_size=64, num_local_experts=2,
+        num_experts_per_tok=1, mlp_layer_types=["dense", "dense"],
+        layer_types=["minimax_m3_sparse", "full_attention"], index_n_heads=2,
+        index_head_dim=16, index_block_size=4, index_topk_blocks=1, index_local_blocks=1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.MiniMaxM3VLForCausalLM._from_config(
+        cfg, attn_implementation=hf.NAME).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"block_indices=: MiniMax-M3"):
+        model(input_ids=torch.randint(3, VOCAB, (1, 32)), use_cache=False)

@@ -132,3 +132,52 @@ def test_an_int_too_large_for_a_float_as_dropout_raises_what_torch_raises(need_w
                                                          need_weights=need_weights)
     with pytest.raises(want, match="dropout_p must be a probability in"):
         mt.multi_head_attention_forward(*args, training=True, need_weights=need_weights)
+
+
+def _halve(module, args):  # a user's pre-hook that changes the inputs
+    return tuple(a * 0.5 for a in args)
+
+
+def _keep(module, args, kwargs):  # a user's pre-hook with kwargs, changing nothing
+    return None
+
+
+def test_a_loaded_drop_in_keeps_the_users_hooks_whatever_the_hook_counter(monkeypatch):
+    """A module unpickled in another process holds hook ids of that
+    process's counter; the pre-hook put back on load took a fresh id that
+    could equal the user's and replace it (0.36 off, no error)."""
+    from torch.utils.hooks import RemovableHandle
+    torch.manual_seed(0)
+    m = mt.MultiheadAttention(8, 2, batch_first=True).eval()
+    m.register_forward_pre_hook(_halve)
+    m.register_forward_pre_hook(_keep, with_kwargs=True)
+    x = torch.randn(1, 3, 8)
+    want = m(x, x, x)[0]
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    for start in range(0, max(m._forward_pre_hooks) + 2):  # a fresh process's counter
+        monkeypatch.setattr(RemovableHandle, "next_id", start)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert _halve in loaded._forward_pre_hooks.values()
+        assert len(loaded._forward_pre_hooks) == 3
+        assert torch.equal(loaded(x, x, x)[0], want), start
+
+
+def test_swapped_keeps_a_loaded_torch_modules_hooks_whatever_the_hook_counter(monkeypatch):
+    """swapped()'s marker took a fresh hook id that could equal a loaded
+    user hook's: the hook was replaced inside the block and deleted after."""
+    from torch.utils.hooks import RemovableHandle
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2, batch_first=True)).eval()
+    monkeypatch.setattr(RemovableHandle, "next_id", 3)
+    model[0].register_forward_pre_hook(_halve)  # id 3
+    x = torch.randn(1, 3, 8)
+    want = model[0](x, x, x)[0]
+    for start in range(5):  # the counter of the process that loaded the model
+        monkeypatch.setattr(RemovableHandle, "next_id", start)
+        with mt.swapped(model):
+            assert _halve in model[0]._forward_pre_hooks.values(), start
+            torch.testing.assert_close(model[0](x, x, x)[0], want, rtol=0, atol=1e-6)
+        assert list(model[0]._forward_pre_hooks.values()) == [_halve], start
+        assert torch.equal(model[0](x, x, x)[0], want)
