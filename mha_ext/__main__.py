@@ -223,16 +223,17 @@ def main(argv=None):
         mha_ext.set_num_threads(args.threads)
     too_big = "B %d, S %d, E %d, H %d needs more memory than this machine gives (%s): " \
         "try smaller sizes"
+    # the input (B, S, E) and the trace's (B, H, S, S) steps, in bytes: past what
+    # an address can count, NumPy says only "array is too big" (a configuration
+    # the module refuses is left to its own message, before any weight is made)
+    if args.heads >= 1 and args.d_model % args.heads == 0 and \
+            args.batch * args.seq * max(args.d_model, args.heads * args.seq) * 8 > sys.maxsize:
+        parser.error(too_big % (args.batch, args.seq, args.d_model, args.heads,
+                                "more bytes than an address can count"))
     try:
         m = mha_ext.MultiHeadAttention(args.d_model, args.heads,
                                        dtype=args.dtype, seed=args.seed)
         m.eval()
-        # the input (B, S, E) and the trace's (B, H, S, S) steps, in bytes (the
-        # configuration checked first): past what an address can count, NumPy
-        # says only "array is too big"
-        if args.batch * args.seq * max(args.d_model, args.heads * args.seq) * 8 > sys.maxsize:
-            parser.error(too_big % (args.batch, args.seq, args.d_model, args.heads,
-                                    "more bytes than an address can count"))
         rng = np.random.default_rng(args.seed)
         x = rng.standard_normal((args.batch, args.seq, args.d_model)).astype(
             args.dtype)

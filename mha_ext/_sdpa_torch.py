@@ -19,9 +19,9 @@ import torch
 from . import _sdpa
 from . import _calls
 from ._convert import probability, to_numpy
-from ._torch_fn import (COMPILE_REASON, HALF, _has_tangent, _NoDoubleBackward, refuse_traced_tensors,
-                        refuse_unrecordable, refused_draws_nothing, save_arrays, saved_arrays,
-                        torch_stream)
+from ._torch_fn import (COMPILE_REASON, HALF, _has_tangent, _NoDoubleBackward,
+                        refuse_traced_tensors, refuse_unrecordable, refused_draws_nothing,
+                        save_arrays, saved_arrays, torch_stream)
 
 __all__ = ["sdpa_torch", "SDPAFunction"]
 

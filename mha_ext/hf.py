@@ -24,7 +24,10 @@ numbers without an error.  The test is the one transformers'
 attention class of its own and does not call the interface), except that a
 model whose source cannot be read (a notebook's class) is let through, as
 is one indexing ``ALL_ATTENTION_FUNCTIONS[...]`` (transformers 4's
-spelling).  A layer that picks its attention class from a table of names
+spelling).  One of transformers' models that refuse "sdpa" (``_supports_
+sdpa = False``) is refused too unless it was checked under the name
+(``_CHECKED``: some compute other numbers under what "sdpa" would do).  A
+layer that picks its attention class from a table of names
 of its own (GIT's text layers, SAM's vision layers:
 ``GIT_SELF_ATTENTION_CLASSES``) finds the name there as a refusal: the
 model is a ValueError at construction (a bare KeyError before), while one
@@ -44,7 +47,7 @@ scaled_dot_product_attention``:
   mask and need nothing here.  Unlike "sdpa"'s, a causal mask is never left
   out for the layer's is_causal flag to stand in for it: transformers keeps
   "sdpa" away from the models where the flag is wrong (decoders not flagged
-  causal: NLLB-MoE, PEGASUS-X, BigBird-Pegasus; Gemma 4's shortened
+  causal: NLLB-MoE, PEGASUS-X; Gemma 4's shortened
   queries), and those guards test the name "sdpa".  (PaliGemma without
   token_type_ids: "sdpa"'s text attends to later tokens there, its layers
   not flagged causal; "mha_ext" gives eager's numbers.)  A bool mask of exactly
@@ -253,7 +256,7 @@ def _mask_builder(sdpa_mask: Callable[..., Any]) -> Callable[..., Any]:
     For "sdpa" transformers skips the causal mask (None) where the call can
     rely on SDPA's is_causal flag, and keeps "sdpa" away from the models
     where that reliance fails: those whose decoder layers are not flagged
-    causal (``_supports_sdpa = False``: NLLB-MoE, PEGASUS-X, BigBird-Pegasus
+    causal (``_supports_sdpa = False``: NLLB-MoE, PEGASUS-X
     decoders would see later tokens) and calls it cuts short itself (Gemma 4's
     KV-shared layers test ``_attn_implementation == "sdpa"`` before keeping
     fewer queries than keys without a mask).  Under another name those
@@ -287,13 +290,67 @@ def _own_attention(cls: type) -> bool:
         import inspect
         import re
         import sys
-        try:
-            code = inspect.getsource(sys.modules[cls.__module__])
-        except (KeyError, OSError, TypeError):
-            code = ""
-        _OWN[cls] = bool(re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.M)) \
-            and "ALL_ATTENTION_FUNCTIONS" not in code
+        own = False
+        for module_name in _model_modules(cls):  # a user's subclass: its bases' modules too
+            try:
+                code = inspect.getsource(sys.modules[module_name])
+            except (KeyError, OSError, TypeError):
+                code = ""
+            own = own or (bool(re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.M))
+                          and "ALL_ATTENTION_FUNCTIONS" not in code)
+        _OWN[cls] = own
     return _OWN[cls]
+
+
+# transformers' models that refuse "sdpa" (_supports_sdpa = False) and were
+# checked under the name against "eager" (float64, with padding, generate,
+# gradients) or refuse what they cannot take at their first call (s_aux,
+# sparse indices); the others of that kind are refused (_unchecked)
+_CHECKED = frozenset({
+    "deepseek_v4", "flint", "gemma2", "git", "gpt_oss", "granite_swa", "granitemoe_swa",
+    "hy_v4", "longt5", "markuplm", "nllb_moe", "pegasus_x", "speech_to_text",
+    "switch_transformers", "t5gemma", "time_series_transformer"})
+
+
+def _unchecked(cls: type) -> bool:
+    """Whether `cls` is (or derives from) one of transformers' models that
+    do not take "sdpa" and is not in _CHECKED.  attention_forward computes
+    what "sdpa" would, and transformers never ran "sdpa" on these: some
+    compute other numbers under it (Splinter's, ALIGN's and CLAP's text
+    layers, without is_causal, became causal; BigBird-Pegasus's encoder and
+    Informer's ProbSparse layers add the bool masks to their scores).  A
+    user's own model (no transformers base) is let through."""
+    if getattr(cls, "_supports_sdpa", False):
+        return False
+    kinds = [m.split(".")[2] for m in _model_modules(cls) if m.startswith("transformers.models.")]
+    return bool(kinds) and not any(k in _CHECKED for k in kinds)
+
+
+def _model_modules(cls: type) -> list:
+    """The modules defining `cls` and its model bases (a user's subclass of
+    GitForCausalLM in a script: the script's and modeling_git's), not
+    transformers' own PreTrainedModel's."""
+    from transformers import PreTrainedModel
+    names = []
+    for c in getattr(cls, "__mro__", (cls,)):
+        if isinstance(c, type) and issubclass(c, PreTrainedModel) and c is not PreTrainedModel \
+                and c.__module__ not in names and c.__module__ != PreTrainedModel.__module__:
+            names.append(c.__module__)
+    return names
+
+
+def _same_config_modules(model: Any) -> Any:
+    """model's modules, not those inside a sub-model of another config (SAM's
+    vision encoder under its vision_config: a request per sub-config may keep
+    it on "sdpa", and transformers asks about it apart)."""
+    from transformers import PreTrainedModel
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        yield m
+        stack.extend(c for c in m.children()
+                     if not (isinstance(c, PreTrainedModel)
+                             and getattr(c, "config", None) is not getattr(model, "config", None)))
 
 
 def _refuse_in_tables(cls: type, name: str) -> None:
@@ -325,17 +382,23 @@ def _tables(cls: type) -> list:
     dicts named ``*ATTENTION_CLASSES`` (an implementation's name -> a layer
     class with its own attention code)."""
     import sys
-    module = sys.modules.get(cls.__module__)
-    return [(k, v) for k, v in (vars(module).items() if module is not None else ())
+    modules = [sys.modules.get(n) for n in _model_modules(cls)]
+    return [(k, v) for module in modules if module is not None for k, v in vars(module).items()
             if k.endswith("ATTENTION_CLASSES") and isinstance(v, dict) and v]
 
 
-def _built_from_tables(model: Any) -> bool:
-    """Whether `model` holds layers built from its module's attention tables
-    (set_attn_implementation on a built model: such a layer keeps its own
-    attention code, which would be handed the name's masks)."""
+def _holds_own_attention(model: Any) -> bool:
+    """Whether a built `model` (set_attn_implementation) holds, under its
+    own config, layers with attention code of their own: built from its
+    module's attention tables (GIT's text layers, switched to the name,
+    lost their causal mask), or a sub-model of such a class that shares its
+    config (transformers does not ask about that one apart)."""
+    from transformers import PreTrainedModel
+    mods = list(_same_config_modules(model))
     classes = {v for _, t in _tables(type(model)) for v in t.values() if isinstance(v, type)}
-    return bool(classes) and any(type(m) in classes for m in model.modules())
+    return any(type(m) in classes for m in mods) or any(
+        _own_attention(type(m)) or _unchecked(type(m))
+        for m in mods[1:] if isinstance(m, PreTrainedModel))
 
 
 def _guard_models() -> None:
@@ -347,9 +410,7 @@ def _guard_models() -> None:
     expects an additive float mask: Bloom lost its causal mask (None),
     MPT's padding was inverted, CodeGen and XGLM computed other numbers, all
     without an error and without calling mha_ext.  So does a built model
-    holding layers made from its module's attention tables (_built_from_
-    tables: GIT's text layers, switched to the name, lost their causal
-    mask).  Runs at construction (from_config, from_pretrained) and in
+    holding such layers under its own config (_holds_own_attention).  Runs at construction (from_config, from_pretrained) and in
     set_attn_implementation, which skips such a model with transformers'
     own warning before asking."""
     from transformers import PreTrainedModel
@@ -361,15 +422,21 @@ def _guard_models() -> None:
     def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
         if isinstance(requested_attention, str) and requested_attention in _NAMES:
             _refuse_in_tables(type(self), requested_attention)
-        if (isinstance(requested_attention, str) and requested_attention in _NAMES
-                and (_own_attention(type(self)) or _built_from_tables(self))):
-            raise ValueError(
-                f"{type(self).__name__} computes attention with its own code, not through "
-                f"transformers' AttentionInterface, so attn_implementation="
-                f"{requested_attention!r} (mha_ext) cannot compute it, and the masks built "
-                f"for that name (SDPA's) would give its own attention wrong numbers: use "
-                f"attn_implementation='eager' (or 'sdpa' where the model has it) for this "
-                f"model")
+            if _own_attention(type(self)) or _holds_own_attention(self):
+                raise ValueError(
+                    f"{type(self).__name__} computes attention with its own code, not through "
+                    f"transformers' AttentionInterface, so attn_implementation="
+                    f"{requested_attention!r} (mha_ext) cannot compute it, and the masks built "
+                    f"for that name (SDPA's) would give its own attention wrong numbers: use "
+                    f"attn_implementation='eager' (or 'sdpa' where the model has it) for this "
+                    f"model")
+            if _unchecked(type(self)):
+                raise ValueError(
+                    f"{type(self).__name__} is one of transformers' models that do not take "
+                    f"attn_implementation='sdpa' (_supports_sdpa = False), and "
+                    f"{requested_attention!r} (mha_ext) computes what 'sdpa' would: for this "
+                    f"model that has not been checked (some such models compute other numbers "
+                    f"under it), so it is refused; use attn_implementation='eager'")
         return original(self, requested_attention, is_init_check)
 
     get_correct_attn_implementation._mha_ext_guard = True  # type: ignore[attr-defined]

@@ -332,3 +332,101 @@ def test_block_sparse_indices_are_refused_not_ignored():
         cfg, attn_implementation=hf.NAME).eval()
     with torch.no_grad(), pytest.raises(ValueError, match=r"block_indices=: MiniMax-M3"):
         model(input_ids=torch.randint(3, VOCAB, (1, 32)), use_cache=False)
+
+
+USER_SCRIPT = """
+import transformers
+
+
+class MyGit(transformers.GitForCausalLM):
+    _can_set_attn_implementation_cached_value = None  # (not the base's, cached by other tests)
+
+
+class MyBloom(transformers.BloomForCausalLM):
+    _can_set_attn_implementation_cached_value = None
+"""
+
+
+def _user_script(tmp_path, monkeypatch):
+    """A user's subclasses in a script of their own: no attention class in its
+    source, so transformers' _can_set_attn_implementation lets the switch
+    through and asks the guard."""
+    import importlib
+    (tmp_path / "user_models_56.py").write_text(USER_SCRIPT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module("user_models_56")
+
+
+def _git_config():
+    return transformers.GitConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=32, patch_size=16),
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("kind", ["MyGit", "MyBloom"])
+def test_a_users_subclass_of_a_refused_model_is_refused_too(kind, tmp_path, monkeypatch):
+    """The guard read the subclass's own module only (none here): a subclass
+    of GIT or Bloom switched to the name and lost its causal mask."""
+    script = _user_script(tmp_path, monkeypatch)
+    torch.manual_seed(0)
+    model = (script.MyGit(_git_config()) if kind == "MyGit" else script.MyBloom(
+        transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=2, vocab_size=VOCAB))).eval()
+    ids = torch.randint(3, VOCAB, (1, 8))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        with pytest.raises(ValueError, match="computes attention with its own code"):
+            model.set_attn_implementation(hf.NAME)
+        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+
+
+def test_a_request_per_sub_config_keeping_sams_vision_on_sdpa_is_taken():
+    """SAM's vision layers come from an attention table; a request that keeps
+    them on "sdpa" (its vision_config) and gives the mask decoder the name is
+    taken by set_attn_implementation as by from_config."""
+    import copy
+    cfg = transformers.SamConfig(
+        vision_config=dict(hidden_size=32, output_channels=256, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=64, patch_size=16, mlp_dim=64,
+                           global_attn_indexes=[1], window_size=2),
+        prompt_encoder_config=dict(image_size=64, patch_size=16),
+        mask_decoder_config=dict(num_hidden_layers=2))
+    want = {"": hf.NAME, "vision_config": "sdpa", "mask_decoder_config": hf.NAME}
+    torch.manual_seed(0)
+    model = transformers.SamModel(copy.deepcopy(cfg)).eval()
+    x = torch.randn(1, 3, 64, 64)
+    points = torch.tensor([[[[10.0, 20.0]]]])
+    with torch.no_grad():
+        ref = model(pixel_values=x, input_points=points).pred_masks
+        model.set_attn_implementation(want)
+        assert model.config.mask_decoder_config._attn_implementation == hf.NAME
+        assert model.config.vision_config._attn_implementation == "sdpa"
+        torch.testing.assert_close(model(pixel_values=x, input_points=points).pred_masks, ref,
+                                   rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="computes attention with its own code"):
+        transformers.SamModel(copy.deepcopy(cfg)).set_attn_implementation(hf.NAME)
+
+
+UNCHECKED = {
+    # transformers' models that refuse "sdpa": under what "sdpa" would do they
+    # computed other numbers (text layers without is_causal became causal)
+    "splinter": lambda: transformers.SplinterModel(transformers.SplinterConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=37, attn_implementation=hf.NAME)),
+    "align_text": lambda: transformers.AlignTextModel(transformers.AlignTextConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=37, attn_implementation=hf.NAME)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNCHECKED))
+def test_models_that_refuse_sdpa_and_were_not_checked_refuse_the_name(kind):
+    with pytest.raises(ValueError, match="do not take attn_implementation='sdpa'"):
+        UNCHECKED[kind]()
+    # and a switch of a built one
+    model = transformers.SplinterModel(transformers.SplinterConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=37))
+    with pytest.raises(ValueError, match="do not take attn_implementation='sdpa'"):
+        model.set_attn_implementation(hf.NAME)
