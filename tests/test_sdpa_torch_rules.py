@@ -450,3 +450,38 @@ def test_make_fx_is_refused_not_traced_as_a_constant(torch):
         for mode in ("real", "fake", "symbolic"):  # (symbolic sizes: an obscure
             with pytest.raises(RuntimeError, match="make_fx"):  # TypeError in our
                 make_fx(f, tracing_mode=mode)(*args)  # storage check, for own)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_row_blocked_by_the_lowest_finite_value_has_torchs_math_path_gradients(torch, dtype):
+    # transformers' float masks block with the dtype's lowest finite value
+    # (TimesFM's padded first patch: a query whose every key is blocked so).
+    # Such a row is a finite row: uniform weights, as every torch path
+    # gives.  Its gradients are those of that forward, as torch's math path
+    # gives them; torch 2.13's fused CPU kernel gives others there (its dV
+    # counts the row's weights as 1, not 1/S: not the gradient of its own
+    # forward), so the twin follows the math path (docs/API.md §4a)
+    F = torch.nn.functional
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    q0, k0, v0 = (torch.randn(1, 2, 3, 4, generator=g, dtype=dt) for _ in range(3))
+    mask = torch.zeros(1, 1, 3, 3, dtype=dt)
+    mask[..., 0, :] = torch.finfo(dt).min   # query 0: every key at the lowest value
+    mask[..., 1:, 0] = torch.finfo(dt).min  # the others: key 0 blocked
+    w = torch.randn(1, 2, 3, 4, generator=g, dtype=dt)
+
+    def run(f):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = f(q, k, v, attn_mask=mask)
+        return (out.detach(), *torch.autograd.grad((out * w).sum(), (q, k, v)))
+
+    ours = run(mha_ext.scaled_dot_product_attention)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        math = run(F.scaled_dot_product_attention)
+    tol = 2e-6 if dtype == "float32" else 1e-12
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, math):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=name)
+    # the forward: the row's weights are uniform (1/3 each), on every path
+    torch.testing.assert_close(ours[0][..., 0, :], v0.mean(dim=-2), rtol=tol, atol=tol)
+    torch.testing.assert_close(ours[0], F.scaled_dot_product_attention(q0, k0, v0, attn_mask=mask),
+                               rtol=tol, atol=tol)
