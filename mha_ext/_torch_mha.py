@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -101,6 +102,16 @@ def _check_mask_dtype(mask, name):
             and not mask.is_floating_point():
         raise TypeError(f"{name} must be bool (True = blocked) or float (added to the "
                         f"scores), got dtype {mask.dtype}")
+
+
+def _warn_mismatched_masks(key_padding_mask, attn_mask):
+    """torch's deprecation warning (its _canonical_mask) for a
+    key_padding_mask and an attn_mask of different dtypes: the numbers are
+    the same either way (both read as masks), the warning too."""
+    if (isinstance(key_padding_mask, torch.Tensor) and isinstance(attn_mask, torch.Tensor)
+            and key_padding_mask.dtype != attn_mask.dtype):
+        warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. "
+                      "Use same type for both instead.", stacklevel=4)
 
 
 def _check_hint_mask_rank(mask, query, key, num_heads):
@@ -478,14 +489,15 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     def _forward_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                       average_attn_weights, is_causal, window, layout):
+        _warn_mismatched_masks(key_padding_mask, attn_mask)
         if query.is_nested:
             return forward_nested(self, query, key, value, key_padding_mask, need_weights,
                                   attn_mask, average_attn_weights, is_causal, window, layout)
         # which of torch's paths would run decides only need_weights=False
         # calls (masked_rows, and is_causal's mask): with weights both give
         # NaN; its conditions are read on every call, as torch reads them
-        fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask)
-        fast = not need_weights and (fast or self._in_fused_layer(query))
+        torch_fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask)
+        fast = not need_weights and (torch_fast or self._in_fused_layer(query))
         causal = False
         if isinstance(is_causal, str):  # ours: lower-right causality, no hint
             causal = _causal(is_causal)
@@ -569,6 +581,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         if half is not None:
             out = out.to(half)
             weights = None if weights is None else weights.to(half)
+        if torch_fast and query.numel() == 0:
+            weights = None  # torch's fused path returns no weights for an empty query
         return out, (weights if need_weights else None)
 
     def _causal_over_extra_keys(self, dtype, opts, q, k, v, params):

@@ -485,3 +485,21 @@ def test_a_row_blocked_by_the_lowest_finite_value_has_torchs_math_path_gradients
     torch.testing.assert_close(ours[0][..., 0, :], v0.mean(dim=-2), rtol=tol, atol=tol)
     torch.testing.assert_close(ours[0], F.scaled_dot_product_attention(q0, k0, v0, attn_mask=mask),
                                rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_a_one_dimensional_mask_is_read_as_torchs_math_path_reads_it(torch, kind):
+    # (S,) broadcasts over every query row; torch's fused CPU kernel raises
+    # IndexError for it, its math path computes it (docs/API.md §4a)
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64) for n in (4, 6, 6))
+    m = torch.randn(6, generator=g, dtype=torch.float64)
+    m = m > -0.5 if kind == "bool" else m
+    m = m.clone()
+    if kind == "bool":
+        m[0] = False
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    got = mha_ext.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

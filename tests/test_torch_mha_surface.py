@@ -395,21 +395,6 @@ def test_empty_batch_or_keys_with_a_mask_without_weights(empty, mask):
         close(got, m.out_proj.bias.expand(B, L, E), torch.float64)
 
 
-@pytest.mark.parametrize("b,n", [(3, 0), (0, 5)])
-def test_empty_self_attention_weights_have_the_other_paths_shape(b, n):
-    t, m = pair(batch_first=True)
-    t.eval()
-    m.eval()
-    q = x(b, n, E)
-    with torch.no_grad():
-        _, fast = t(q, q, q, need_weights=True, average_attn_weights=False)
-        _, ours = m(q, q, q, need_weights=True, average_attn_weights=False)
-        _, mean = m(q, q, q, need_weights=True)
-    assert fast is None
-    assert ours.shape == (b, H, n, n)
-    assert mean.shape == (b, n, n)
-
-
 def test_swapped_encoder_layer_adds_a_finite_float_mask():
     # torch's fused encoder-layer kernel (eval, no grad) blocks every
     # non-zero entry of a float src_mask; its other path adds it, as ours
@@ -496,3 +481,59 @@ def test_half_modules_compute_in_float32_and_round_back(half, batch_first):
     with torch.no_grad():                              # torch's own half module: close
         theirs = t(x, x, x, key_padding_mask=kpm)[0]
     torch.testing.assert_close(out.detach(), theirs, rtol=8 * eps, atol=8 * eps)
+
+
+def _mismatch_warnings(fn):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(x.message) for x in w if "mismatched key_padding_mask" in str(x.message)]
+
+
+@pytest.mark.parametrize("kpm_dtype, mask_dtype", [
+    (torch.float32, torch.bool), (torch.bool, torch.float32),
+    (torch.bool, torch.bool), (torch.float32, torch.float32)], ids=str)
+@pytest.mark.parametrize("how", ["module", "functional"])
+def test_masks_of_mismatched_dtypes_warn_as_torch_warns(kpm_dtype, mask_dtype, how):
+    # torch's _canonical_mask: "Support for mismatched key_padding_mask and
+    # attn_mask is deprecated", from the module and from the functional
+    t, d = pair(torch.float32)
+    x = torch.randn(L, B, E)
+    g = torch.Generator().manual_seed(1)
+    am = torch.rand(L, L, generator=g) > 0.7
+    kpm = torch.rand(B, L, generator=g) > 0.7
+    am = am if mask_dtype == torch.bool else torch.zeros(L, L, dtype=mask_dtype).masked_fill(
+        am, float("-inf"))
+    kpm = kpm if kpm_dtype == torch.bool else torch.zeros(B, L, dtype=kpm_dtype).masked_fill(
+        kpm, -1.5)
+    F = torch.nn.functional
+    args = lambda: (x, x, x, E, H, t.in_proj_weight, t.in_proj_bias, None, None,  # noqa: E731
+                    False, 0.0, t.out_proj.weight, t.out_proj.bias)
+    runs = {"module": (lambda: t(x, x, x, attn_mask=am, key_padding_mask=kpm),
+                       lambda: d(x, x, x, attn_mask=am, key_padding_mask=kpm)),
+            "functional": (lambda: F.multi_head_attention_forward(
+                               *args(), key_padding_mask=kpm, attn_mask=am),
+                           lambda: mt.multi_head_attention_forward(
+                               *args(), key_padding_mask=kpm, attn_mask=am))}[how]
+    (want, want_w), (got, got_w) = (_mismatch_warnings(f) for f in runs)
+    assert bool(got_w) == bool(want_w) == (kpm_dtype != mask_dtype)
+    close(got[0], want[0], torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0)], ids=["no batch", "no query"])
+def test_an_empty_query_on_torchs_fused_path_gives_no_weights_as_torch(shape):
+    # torch's fused path (eval, no grad, batch_first self-attention) returns
+    # None for the weights of an empty query, whatever need_weights says;
+    # the same call with a cross-attention key (its unfused path) returns them
+    t, d = pair(torch.float32, batch_first=True)
+    t.eval(), d.eval()
+    x = torch.randn(*shape, E)
+    y = torch.randn(shape[0], 2, E)
+    with torch.no_grad():
+        for kw in ({}, {"average_attn_weights": False}):
+            want, got = t(x, x, x, **kw), d(x, x, x, **kw)
+            assert want[1] is None and got[1] is None
+            assert got[0].shape == want[0].shape
+            want, got = t(x, y, y, **kw), d(x, y, y, **kw)
+            assert want[1] is not None and got[1] is not None
+            assert got[1].shape == want[1].shape
