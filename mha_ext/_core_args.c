@@ -199,6 +199,18 @@ type:
     return -1;
 }
 
+/* A value too large for a float (an int of over 1024 bits): the error the
+ * Python layer gives for it (mha_ext._convert.too_large: a ValueError that
+ * is also torch's OverflowError, docs/API.md §7), naming `name`. */
+static void raise_too_large(PyObject *obj, const char *name, const char *what)
+{
+    PyObject *mod = PyImport_ImportModule("mha_ext._convert"), *exc = NULL;
+    if (mod) exc = PyObject_CallMethod(mod, "too_large", "Oss", obj, name, what);
+    if (exc) PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_XDECREF(exc);
+    Py_XDECREF(mod);
+}
+
 int parse_dropout(PyObject *obj, const char *name, double *out)
 {
     double p;
@@ -207,6 +219,11 @@ int parse_dropout(PyObject *obj, const char *name, double *out)
         goto type;
     p = PyFloat_AsDouble(obj);
     if (p == -1.0 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            raise_too_large(obj, name, "a probability in [0, 1]");
+            return -1;
+        }
         PyErr_Clear();
         goto type;
     }

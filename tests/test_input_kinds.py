@@ -137,6 +137,22 @@ def test_an_int_too_large_for_a_float_as_dropout_p(sign):
     assert isinstance(info.value, OverflowError)
 
 
+@pytest.mark.parametrize("sign", [1, -1])
+def test_an_int_too_large_for_a_float_as_the_modules_dropout(sign):
+    # the constructor, the setter and forward_train: the same error as
+    # scale's (docs/API.md §7), not "not int" (ints 0 and 1 are taken)
+    m = MultiHeadAttention(16, 4, seed=0)
+    x = np.ones((1, 2, 16), np.float32)
+    for call in (lambda: MultiHeadAttention(16, 4, dropout=sign * HUGE),
+                 lambda: setattr(m, "dropout", sign * HUGE),
+                 lambda: m.forward_train(x, dropout=sign * HUGE)):
+        with pytest.raises(ValueError, match="dropout must be a probability in \\[0, 1\\], got "
+                                             "an int of 1329 bits, too large") as info:
+            call()
+        assert isinstance(info.value, OverflowError)
+    assert m.dropout == 0.0
+
+
 def test_ints_too_large_on_tensors_raise_what_torch_raises_too():
     torch = require_torch()
     q = torch.from_numpy(Q4)
