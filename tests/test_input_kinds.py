@@ -201,3 +201,18 @@ def test_a_head_mask_too_large_for_float32_is_refused_without_a_warning():
         warnings.simplefilter("error")
         with pytest.raises(ValueError, match="head_mask must hold finite numbers"):
             mha_ext.scaled_dot_product_attention(x, x, x, head_mask=np.array([1e300, 1, 1]))
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_bool_scale_is_refused_by_the_module_and_the_twin(kind):
+    # torch's SDPA reads scale=True as 1.0; ours refuses a bool (docs/API.md
+    # §3.1: a flag passed where a number goes is a slip, write 1.0)
+    x = np.ones((1, 2, 16), np.float32)
+    if kind == "torch":
+        x = require_torch().from_numpy(x)
+    calls = [lambda: mha_ext.scaled_dot_product_attention(x, x, x, scale=True)]
+    if kind == "numpy":
+        calls.append(lambda: MultiHeadAttention(16, 4, seed=0)(x, scale=True))
+    for call in calls:
+        with pytest.raises(TypeError, match="scale must be None or a real number, not a bool"):
+            call()
