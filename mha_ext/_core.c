@@ -534,6 +534,12 @@ static int module_exec(PyObject *m)
     state->holding_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &holding_spec, NULL);
     if (!state->holding_type) return -1;
     if (PyModule_AddObjectRef(m, "_Holding", (PyObject *)state->holding_type) < 0) return -1;
+    {
+        PyObject *guarded = PyType_FromModuleAndSpec(m, &guarded_spec, NULL);
+        int rc = guarded ? PyModule_AddObjectRef(m, "_Guarded", guarded) : -1;
+        Py_XDECREF(guarded);
+        if (rc < 0) return -1;
+    }
     return 0;
 }
 

@@ -218,5 +218,6 @@ PyObject *mha_write_unlock(MHAObject *self, PyObject *const *args, Py_ssize_t na
 PyObject *mha_snapshot(MHAObject *self, PyObject *ignored);
 extern PyType_Spec edit_spec; /* _Editing(module): editing()'s context manager */
 extern PyType_Spec holding_spec; /* _Holding(d, busy): a KVCache's hold */
+extern PyType_Spec guarded_spec; /* _Guarded: swapped()'s base, its exit run in C */
 
 #endif /* MHA_EXT_CORE_H */

@@ -333,3 +333,72 @@ PyType_Spec holding_spec = {
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .slots = holding_slots,
 };
+
+/* _Guarded: a base class for a Python context manager whose exit must
+ * run (mha_ext.torch.swapped: the model's own modules put back).  Its
+ * __enter__ and __exit__ are C calls of the subclass's _enter() and
+ * _exit(): a with statement then runs no Python code of ours before
+ * _exit is called, and an exception raised as _exit starts or runs (one
+ * from a signal handler: Ctrl-C) gets _exit called once more, to finish
+ * its work (_exit must be idempotent), before that exception is raised. */
+static PyObject *guarded_enter(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyObject_CallMethod(self, "_enter", NULL);
+}
+
+static PyObject *guarded_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *r;
+    (void)args;
+    (void)nargs;
+    r = PyObject_CallMethod(self, "_exit", NULL);
+    if (!r) {
+#if PY_VERSION_HEX >= 0x030C0000
+        PyObject *exc = PyErr_GetRaisedException();
+        r = PyObject_CallMethod(self, "_exit", NULL);
+        Py_XDECREF(r);
+        PyErr_SetRaisedException(exc); /* the first exception, whatever the second call did */
+#else
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        r = PyObject_CallMethod(self, "_exit", NULL);
+        Py_XDECREF(r);
+        PyErr_Restore(type, value, tb);
+#endif
+        return NULL;
+    }
+    Py_DECREF(r);
+    Py_RETURN_FALSE; /* an exception in the block goes on */
+}
+
+static void guarded_dealloc(PyObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef guarded_methods[] = {
+    {"__enter__", (PyCFunction)guarded_enter, METH_NOARGS,
+     "__enter__($self, /)\n--\n\nself._enter()."},
+    {"__exit__", (PyCFunction)(void (*)(void))guarded_exit, METH_FASTCALL,
+     "__exit__($self, *exc_info)\n--\n\nself._exit(), once more if an exception stopped it; "
+     "False."},
+    {NULL}
+};
+
+static PyType_Slot guarded_slots[] = {
+    {Py_tp_dealloc, guarded_dealloc},
+    {Py_tp_methods, guarded_methods},
+    {Py_tp_doc, "A context manager's base whose __enter__ / __exit__ call _enter() / _exit() "
+                "from C (_exit again if an exception stopped it)."},
+    {0, NULL}
+};
+
+PyType_Spec guarded_spec = {
+    .name = "mha_ext._core._Guarded",
+    .basicsize = sizeof(PyObject),
+    .itemsize = 0,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .slots = guarded_slots,
+};

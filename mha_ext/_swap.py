@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ._core import _Guarded
 from ._torch_fn import holds, register_our_pre_hook
 from ._torch_mha import MultiheadAttention, _use_our_forward
 
@@ -103,7 +104,10 @@ def _give_back(old, ours):
     """restore()'s half of sharing(): the marker out of the shared hooks,
     the plain attributes the block may have changed (training, dropout,
     batch_first, a backward hook's kind) back on `old`."""
-    ours.__dict__.pop("_mha_ext_marker").remove()
+    marker = ours.__dict__.get("_mha_ext_marker")  # None: given back already
+    if marker is not None:
+        marker.remove()  # idempotent, and the handle kept until it has run
+        ours.__dict__.pop("_mha_ext_marker", None)
     # a parametrization registered or removed inside the block: torch's
     # class for `old` as parametrize leaves it (the shared `parametrizations`
     # holds the tensors; the class, its properties)
@@ -125,42 +129,79 @@ def _parent(model, name):
     return parent, last
 
 
-def swap_in(model):
+def swap_in(model, record=None):
     """Replace every stock nn.MultiheadAttention below `model` by one of ours
-    sharing its state (sharing()); returns what restore() needs.  Raises (and
-    changes nothing) if one of them cannot be swapped."""
+    sharing its state (sharing()); returns what restore() needs, also put
+    into the list `record` (when given) before the first module is
+    replaced.  Raises (and changes nothing) if one of them cannot be
+    swapped, or if an exception (a Ctrl-C) stops it part way."""
     found = attention_modules(model)
     if any(name == "" for name, _ in found):
         raise TypeError("swap the attention module itself by "
                         "mha_ext.torch.MultiheadAttention.from_torch(module); swapped() "
                         "replaces attention modules inside a model")
     made = {}  # one of ours per module, whatever its number of names
-    for _, old in found:
-        if id(old) not in made:
-            made[id(old)] = sharing(old)
-    new = [(name, old, made[id(old)]) for name, old in found]
-    for name, old, ours in new:
-        parent, last = _parent(model, name)
-        setattr(parent, last, ours)
+    try:
+        for _, old in found:
+            if id(old) not in made:
+                made[id(old)] = sharing(old)
+        new = [(name, old, made[id(old)]) for name, old in found]
+        if record is not None:
+            record[:] = new
+        for name, old, ours in new:
+            parent, last = _parent(model, name)
+            setattr(parent, last, ours)
+    except BaseException:
+        # an exception part way (a Ctrl-C between two steps): every step
+        # undone, the model as it was
+        _finish(restore, model, [(name, old, made.get(id(old))) for name, old in found])
+        raise
     return new
 
 
 def restore(model, record):
     """Put back the modules swap_in replaced, with what the block changed
-    in the ones that stood in for them."""
+    in the ones that stood in for them.  Idempotent: a second run (after an
+    interrupt stopped the first part way) finishes the work; an entry whose
+    module of ours is None (swap_in stopped before making it) puts back the
+    original and takes our marker out of the hooks it shares."""
     given = set()
     for name, old, ours in record:
         parent, last = _parent(model, name)
-        setattr(parent, last, old)
-        if id(ours) not in given:
+        if getattr(parent, last, None) is not old:
+            setattr(parent, last, old)
+        if ours is None:
+            _drop_markers(old)
+        elif id(ours) not in given:
             given.add(id(ours))
             _give_back(old, ours)
+
+
+def _drop_markers(module):
+    """Our marker hooks out of `module`'s pre-hook dicts (which a module of
+    ours shared with it): sharing() was stopped after registering one and
+    before keeping its handle."""
+    hooks = getattr(module, "_forward_pre_hooks", {})
+    for key in [k for k, fn in hooks.items() if fn is _use_our_forward]:
+        hooks.pop(key, None)
+        for attr in ("_forward_pre_hooks_with_kwargs", "_forward_pre_hooks_always_called"):
+            getattr(module, attr, {}).pop(key, None)
+
+
+def _finish(step, *args):
+    """step(*args), run again if an exception (a Ctrl-C landing inside it)
+    stops it part way: restore() is idempotent, so the model ends as it
+    was; the first exception is the caller's to raise."""
+    try:
+        step(*args)
+    except BaseException:
+        step(*args)
 
 
 _Model = TypeVar("_Model", bound=nn.Module)
 
 
-class swapped(contextlib.ContextDecorator, Generic[_Model]):
+class swapped(_Guarded, contextlib.ContextDecorator, Generic[_Model]):
     """``with mha_ext.torch.swapped(model): model(x)`` -- inside the block
     every torch.nn.MultiheadAttention of model is computed by mha_ext (the
     same parameters, shared); after it the original modules are back, also
@@ -182,31 +223,49 @@ class swapped(contextlib.ContextDecorator, Generic[_Model]):
         self._record: list | None = None
         self._used = False
 
-    def __enter__(self) -> _Model:
+    if TYPE_CHECKING:  # _Guarded's (C), calling _enter and _exit from C
+        def __enter__(self) -> _Model: ...
+        def __exit__(self, *exc: object) -> None: ...
+
+    def _enter(self) -> _Model:
         if self._record is not None:
             raise RuntimeError("this swapped() block is already entered: use a new "
                                "swapped(model) for a nested block")
         self._used = True
-        self._record = swap_in(self._model)
-        if not self._record and any(isinstance(m, MultiheadAttention)
-                                    for m in self._model.modules()):
+        try:
+            self._record = []  # filled before the first change
+            swap_in(self._model, self._record)
+            if not self._record:
+                self._nothing_swapped()
+        except BaseException:
+            # (a Ctrl-C, or a warning made an error): the model as it was
+            record, self._record = self._record, None
+            if record:
+                _finish(restore, self._model, record)
+            raise
+        return self._model
+
+    def _nothing_swapped(self) -> None:
+        if any(isinstance(m, MultiheadAttention) for m in self._model.modules()):
             # a block inside another swapped block, or a model of drop-ins
             warnings.warn(f"mha_ext.torch.swapped: this {type(self._model).__name__}'s "
                           f"attention modules are mha_ext's already (an outer swapped block, "
                           f"or mha_ext.torch.MultiheadAttention), so the block changes nothing",
-                          RuntimeWarning, stacklevel=2)
-        elif not self._record:  # nothing to compute: say so rather than compare torch with itself
+                          RuntimeWarning, stacklevel=3)
+        else:  # nothing to compute: say so rather than compare torch with itself
             warnings.warn(f"mha_ext.torch.swapped: this {type(self._model).__name__} holds no "
                           f"torch.nn.MultiheadAttention, so the block runs it unchanged (for "
                           f"models calling torch.nn.functional.scaled_dot_product_attention, "
                           f"use mha_ext.scaled_dot_product_attention)", RuntimeWarning,
-                          stacklevel=2)
-        return self._model
+                          stacklevel=3)
 
-    def __exit__(self, *exc: object) -> None:
-        record, self._record = self._record, None
+    def _exit(self) -> None:
+        # idempotent (restore is): _core._Guarded calls it again if an
+        # exception (a Ctrl-C) stopped it, before raising that exception
+        record = self._record
         if record is not None:
             restore(self._model, record)
+            self._record = None
 
     def __del__(self) -> None:
         if not getattr(self, "_used", True):

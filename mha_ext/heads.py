@@ -195,7 +195,8 @@ def _required_arguments(fn: Callable[..., object]) -> bool:
 def ablate(module: _Heads, loss: Callable[[], SupportsFloat]) -> tuple[float, np.ndarray]:
     """The loss with each head switched off: returns (base, per_head) where
     base = loss() as the module is and per_head[h] = loss() with head h's
-    context zeroed (W_o.weight[:, h·Dk:(h+1)·Dk] = 0 during that call).
+    context zeroed (W_o.weight[:, h·Dk:(h+1)·Dk] = 0 during that call; put
+    back after it, also when loss raised or a Ctrl-C landed on any step).
 
     module: an ``mha_ext.MultiHeadAttention``, ``mha_ext.torch``'s modules or
     ``torch.nn.MultiheadAttention`` (anything with ``n_heads`` and
@@ -215,12 +216,20 @@ def ablate(module: _Heads, loss: Callable[[], SupportsFloat]) -> tuple[float, np
         cols = slice(h * Dk, (h + 1) * Dk)
         with _editing(module):
             saved = _copy(w_o[:, cols])
-            w_o[:, cols] = 0
-        try:
+        try:  # zeroed inside: an interrupt anywhere after the copy restores it
+            with _editing(module):
+                w_o[:, cols] = 0
             per_head[h] = float(loss())
         finally:
-            with _editing(module):
-                w_o[:, cols] = saved
+            # W_o's columns back; done again if an exception (a Ctrl-C
+            # landing in this very step) stopped it, that exception then raised
+            try:
+                with _editing(module):
+                    w_o[:, cols] = saved
+            except BaseException:
+                with _editing(module):
+                    w_o[:, cols] = saved
+                raise
     return base, per_head
 
 

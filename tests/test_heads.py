@@ -279,3 +279,42 @@ def test_a_trace_of_averaged_weights_is_refused():
     t = m.trace(np.ones((3, 5, 16)), average_weights=True)     # weights (3, 5, 5)
     with pytest.raises(ValueError, match="averaged over heads"):
         analyze(t)
+
+
+class _Interrupt(BaseException):
+    """What a signal handler raises (as KeyboardInterrupt), at a chosen step."""
+
+
+def test_ablate_restores_w_o_whichever_step_an_interrupt_stops(monkeypatch):
+    # a Ctrl-C as the block that zeroed a head's columns ended (before the
+    # try that puts them back) left the head off for good: every later call
+    # silently wrong.  Each editing block's exit raises once, in turn
+    import mha_ext.heads as heads_mod
+    m = mha_ext.MultiHeadAttention(16, 4, seed=0).eval()
+    x = np.random.default_rng(0).standard_normal((1, 3, 16)).astype(np.float32)
+    w0 = np.array(m.W_o.weight)
+    real = heads_mod._editing
+    raised = 0
+    for k in range(1, 13):
+        exits = [0]
+
+        class Editing:
+            def __init__(self, module):
+                self.cm = real(module)
+
+            def __enter__(self):
+                return self.cm.__enter__()
+
+            def __exit__(self, *exc):
+                out = self.cm.__exit__(*exc)
+                exits[0] += 1
+                if exits[0] == k:
+                    raise _Interrupt(f"exit #{k}")
+                return out
+        monkeypatch.setattr(heads_mod, "_editing", Editing)
+        try:
+            ablate(m, lambda: float(m(x, need_weights=False)[0].sum()))
+        except _Interrupt:
+            raised += 1
+        np.testing.assert_array_equal(np.array(m.W_o.weight), w0, err_msg=f"exit #{k}")
+    assert raised >= 8

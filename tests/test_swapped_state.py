@@ -113,3 +113,94 @@ def test_a_parametrization_registered_or_removed_inside_the_block_stays():
         assert _err(enc(x), ref(x), "removed") <= 1e-10
     with mt.swapped(enc):  # a plain module again: swapped as any
         assert isinstance(enc.self_attn, MultiheadAttention)
+
+
+# ------------------------------------------------ an exception at any step
+
+def _encoder():
+    torch.manual_seed(0)
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0,
+                                                            batch_first=True),
+                                 num_layers=3, enable_nested_tensor=False).eval()
+
+
+def _state(model):
+    return [(type(m), dict(m._forward_pre_hooks)) for m in model.modules()
+            if isinstance(m, nn.MultiheadAttention)]
+
+
+class _Interrupt(BaseException):
+    """What a signal handler raises (as KeyboardInterrupt), at a chosen step."""
+
+
+def _raising_at(monkeypatch, module, name, k):
+    # module.name raises _Interrupt on its k-th call (after the call ran:
+    # the step done, the next not started), once
+    real = getattr(module, name)
+    calls = [0]
+
+    def step(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == k:
+            raise _Interrupt(f"{name} #{k}")
+        return out
+    monkeypatch.setattr(module, name, step)
+    return calls
+
+
+def test_an_interrupt_at_any_step_of_entering_or_leaving_leaves_the_model_as_it_was(
+        monkeypatch):
+    # a Ctrl-C between two steps of the swap or of its undo left ours in the
+    # model, or torch's modules holding our marker hook (which keeps
+    # nn.TransformerEncoderLayer off its fused kernel) for good
+    import mha_ext._swap as sw
+    x = torch.randn(1, 3, 16)
+    steps = 0
+    for name in ("sharing", "_parent", "_give_back", "restore"):
+        for k in range(1, 7):
+            model = _encoder()
+            want = _state(model)
+            with torch.no_grad():
+                ref = model(x)
+            with monkeypatch.context() as mp:
+                calls = _raising_at(mp, sw, name, k)
+                try:
+                    with mt.swapped(model):
+                        model(x)
+                except _Interrupt:
+                    steps += 1
+            if calls[0] < k:
+                continue  # fewer calls than k: nothing raised
+            assert _state(model) == want, (name, k)
+            with torch.no_grad():
+                torch.testing.assert_close(model(x), ref, rtol=0, atol=0)
+    assert steps >= 12
+
+
+def test_leaving_runs_again_when_an_exception_stops_it_then_raises_that(monkeypatch):
+    # __exit__ is C (_core._Guarded): it calls _exit, and again when an
+    # exception stops it part way; the first exception is raised
+    model = _encoder()
+    want = _state(model)
+    real = mt.swapped._exit
+    calls = []
+
+    def _exit(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise _Interrupt("as _exit starts")
+        return real(self)
+    monkeypatch.setattr(mt.swapped, "_exit", _exit)
+    block = mt.swapped(model)
+    try:
+        with block:
+            assert _state(model) != want
+    except _Interrupt:
+        pass
+    else:
+        raise AssertionError("the exception was lost")
+    assert len(calls) == 2 and _state(model) == want
+    with block:  # usable again: the record cleared
+        pass
+    assert _state(model) == want
