@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -38,6 +37,7 @@ from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._nested import forward_nested
+from ._torch_mask_rules import check_hint_mask_rank, check_mask_dtype, warn_mismatched_masks
 from ._torch_errors import TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas, torchs
 from ._torch_fn import (COMPILE_REASON, HALF, attention, attention_kept, holds,
                         refuse_script, refuse_transformed, register_our_pre_hook)
@@ -93,42 +93,6 @@ def _layer_would_fuse(layer, src):
     if any(t is None for t in tensors) or torch.overrides.has_torch_function(tensors):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-
-
-def _check_mask_dtype(mask, name):
-    """torch's dtype rule for a mask tensor it may then drop (the is_causal
-    hint): bool (True = blocked) or floating (added to the scores)."""
-    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool \
-            and not mask.is_floating_point():
-        raise TypeError(f"{name} must be bool (True = blocked) or float (added to the "
-                        f"scores), got dtype {mask.dtype}")
-
-
-def _warn_mismatched_masks(key_padding_mask, attn_mask):
-    """torch's deprecation warning (its _canonical_mask) for a
-    key_padding_mask and an attn_mask of different dtypes: the numbers are
-    the same either way (both read as masks), the warning too."""
-    if (isinstance(key_padding_mask, torch.Tensor) and isinstance(attn_mask, torch.Tensor)
-            and key_padding_mask.dtype != attn_mask.dtype):
-        warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. "
-                      "Use same type for both instead.", stacklevel=4)
-
-
-def _check_hint_mask_rank(mask, query, key, num_heads):
-    """torch's rank rule for attn_mask (its _mha_shape_check), which it
-    applies before dropping the mask for the is_causal hint: 2-D or 3-D,
-    and an unbatched query's 3-D mask (num_heads, L, S)."""
-    if not isinstance(mask, torch.Tensor):
-        return
-    if mask.dim() not in (2, 3):
-        raise ValueError(f"attn_mask must be 2-D (L, S) or 3-D, got {mask.dim()}-D shape "
-                         f"{tuple(mask.shape)} (it is checked before the is_causal hint "
-                         f"replaces it)")
-    if query.dim() == 2 and mask.dim() == 3:
-        want = (num_heads, query.shape[0], key.shape[0])
-        if tuple(mask.shape) != want:
-            raise ValueError(f"attn_mask of an unbatched call must be 2-D or {want} "
-                             f"(num_heads, L, S), got {tuple(mask.shape)}")
 
 
 class MultiheadAttention(nn.MultiheadAttention):
@@ -489,7 +453,7 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     def _forward_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                       average_attn_weights, is_causal, window, layout):
-        _warn_mismatched_masks(key_padding_mask, attn_mask)
+        warn_mismatched_masks(key_padding_mask, attn_mask)
         if query.is_nested:
             return forward_nested(self, query, key, value, key_padding_mask, need_weights,
                                   attn_mask, average_attn_weights, is_causal, window, layout)
@@ -504,7 +468,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         elif is_causal:
             if attn_mask is None:
                 # torch checks key_padding_mask's dtype first (_canonical_mask)
-                _check_mask_dtype(key_padding_mask, "key_padding_mask")
+                check_mask_dtype(key_padding_mask, "key_padding_mask")
                 raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may "
                                    "use the Transformer module method "
                                    "`generate_square_subsequent_mask` to create this mask.")
@@ -512,9 +476,9 @@ class MultiheadAttention(nn.MultiheadAttention):
                 # torch applies the pattern, not the mask, but checks the
                 # mask's rank (its _mha_shape_check) and the module its dtype
                 # (its _canonical_mask) first: so do we
-                _check_hint_mask_rank(attn_mask, query, key, self.num_heads)
+                check_hint_mask_rank(attn_mask, query, key, self.num_heads)
                 if self._checks_hint_mask:
-                    _check_mask_dtype(attn_mask, "attn_mask")
+                    check_mask_dtype(attn_mask, "attn_mask")
                 attn_mask, causal = None, True
         sources = self._sources()
         dtype = (sources[0] if self._qkv_same_embed_dim else sources[1]).dtype
