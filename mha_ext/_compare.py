@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._swap import attention_modules, swapped
+from ._swap import attention_modules, finish, swapped
 from ._torch_mha import MultiheadAttention
 from .module import MultiHeadAttention as _NumpyMHA
 
@@ -144,14 +144,31 @@ def _first(out):
 
 def _capture(model, names):
     """Forward hooks on the modules `names`, recording each one's output
-    (the first tensor it returns) in a dict; returns (dict, handles)."""
-    seen, handles = {}, []
+    (the first tensor it returns) in the dict returned; _uncapture takes
+    them off."""
+    seen = {}
     modules = dict(model.named_modules())
     for name in names:
         def hook(module, args, out, name=name):
             seen[name] = _first(out)
-        handles.append(modules[name].register_forward_hook(hook))
-    return seen, handles
+        hook._mha_ext_capture = True  # type: ignore[attr-defined]
+        modules[name].register_forward_hook(hook)
+    return seen
+
+
+def _uncapture(model, names):
+    """_capture's hooks off the modules `names`, found by their mark (no
+    handle to lose between a hook's registration and its keeping: a Ctrl-C
+    there left the hook on the model for good, and with it torch's
+    TransformerEncoderLayer off its fused kernel); idempotent."""
+    modules = dict(model.named_modules())
+    for name in names:
+        m = modules.get(name)
+        hooks = getattr(m, "_forward_hooks", {})
+        for key in [k for k, fn in hooks.items() if getattr(fn, "_mha_ext_capture", False)]:
+            hooks.pop(key, None)
+            for attr in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+                getattr(m, attr, {}).pop(key, None)
 
 
 def _row(name, a, b, truth):
@@ -259,7 +276,9 @@ def compare(model: nn.Module, *inputs: Any, from_torch_options: Mapping[str, Any
     try:
         return _compare(model, inputs, from_torch_options, kwargs, state)
     finally:
-        _restore(model, state)
+        # done again if an exception (a Ctrl-C) stops it: a BatchNorm's
+        # statistics moved by the runs stayed, and the model's later numbers
+        finish(_restore, model, state)
 
 
 def _compare(model, inputs, from_torch_options, kwargs, state):
@@ -281,22 +300,20 @@ def _compare(model, inputs, from_torch_options, kwargs, state):
         return _compare_module(model, ours, inputs, kwargs, state)
     truth_model = copy.deepcopy(model).double()
     with torch.no_grad():
-        seen_t, hs = _capture(model, names)
         try:
+            seen_t = _capture(model, names)
             out_t = model(*inputs, **kwargs)
         finally:
-            for h in hs:
-                h.remove()
+            finish(_uncapture, model, names)
         _restore(model, state)
         with swapped(model):
-            seen_m, hs = _capture(model, names)
-            try:
+            try:  # (the hooks land in the dicts ours share with the originals)
+                seen_m = _capture(model, names)
                 out_m = model(*inputs, **kwargs)
             finally:
-                for h in hs:
-                    h.remove()
+                finish(_uncapture, model, names)
         torch.set_rng_state(state[1])
-        seen_x, hs = _capture(truth_model, names)
+        seen_x = _capture(truth_model, names)  # a copy: dropped with its hooks
         out_x = truth_model(*_to64(inputs), **_to64(kwargs))
     rows = [_row(n, seen_t.get(n), seen_m.get(n), seen_x.get(n)) for n in names]
     rows.append(_row("(model output)", _first(out_t), _first(out_m), _first(out_x)))

@@ -21,7 +21,7 @@ from ._core import _Guarded
 from ._torch_fn import holds, register_our_pre_hook
 from ._torch_mha import MultiheadAttention, _use_our_forward
 
-__all__ = ["attention_modules", "swap_in", "restore", "swapped", "sharing"]
+__all__ = ["attention_modules", "swap_in", "restore", "swapped", "sharing", "finish"]
 
 
 def attention_modules(model):
@@ -154,7 +154,7 @@ def swap_in(model, record=None):
     except BaseException:
         # an exception part way (a Ctrl-C between two steps): every step
         # undone, the model as it was
-        _finish(restore, model, [(name, old, made.get(id(old))) for name, old in found])
+        finish(restore, model, [(name, old, made.get(id(old))) for name, old in found])
         raise
     return new
 
@@ -188,14 +188,15 @@ def _drop_markers(module):
             getattr(module, attr, {}).pop(key, None)
 
 
-def _finish(step, *args):
-    """step(*args), run again if an exception (a Ctrl-C landing inside it)
-    stops it part way: restore() is idempotent, so the model ends as it
-    was; the first exception is the caller's to raise."""
+def finish(step, *args):
+    """step(*args), run once more if an exception (a Ctrl-C landing inside
+    it) stops it part way, then that exception raised: for an idempotent
+    step that must end done (restore(), compare's own restore)."""
     try:
         step(*args)
     except BaseException:
         step(*args)
+        raise
 
 
 _Model = TypeVar("_Model", bound=nn.Module)
@@ -241,7 +242,7 @@ class swapped(_Guarded, contextlib.ContextDecorator, Generic[_Model]):
             # (a Ctrl-C, or a warning made an error): the model as it was
             record, self._record = self._record, None
             if record:
-                _finish(restore, self._model, record)
+                finish(restore, self._model, record)
             raise
         return self._model
 

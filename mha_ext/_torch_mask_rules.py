@@ -24,7 +24,10 @@ def warn_mismatched_masks(key_padding_mask, attn_mask):
     """torch's deprecation warning (its _canonical_mask) for a
     key_padding_mask and an attn_mask of different dtypes: the numbers are
     the same either way (both read as masks), the warning too."""
+    # torch checks key_padding_mask's dtype first (an integer one: its
+    # AssertionError, no warning), then compares attn_mask's, whatever it is
     if (isinstance(key_padding_mask, torch.Tensor) and isinstance(attn_mask, torch.Tensor)
+            and (key_padding_mask.dtype == torch.bool or key_padding_mask.is_floating_point())
             and key_padding_mask.dtype != attn_mask.dtype):
         warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. "
                       "Use same type for both instead.", stacklevel=4)

@@ -243,10 +243,14 @@ def register(name: str = NAME) -> str:
             f"{', '.join(repr(k) for k in taken if taken[k] is not attention_forward)}), "
             f"got {name!r}")
     _twin()
-    AttentionInterface.register(name, attention_forward)
+    # the mask builder and the guard before the name itself: transformers
+    # takes the name from its AttentionInterface entry on, so an exception
+    # part way (a Ctrl-C) leaves it unknown, never taken without its masks
+    # or its guard
     AttentionMaskInterface.register(name, _mask_builder(sdpa_mask))
     _NAMES.add(name)
     _guard_models()
+    AttentionInterface.register(name, attention_forward)
     return name
 
 

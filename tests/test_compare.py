@@ -215,3 +215,57 @@ def test_a_layer_a_run_never_called_is_said_so():
     assert "not called by mha_ext" in str(table) and " NO " not in str(table)
     with pytest.raises(TypeError, match="mha_ext's MultiheadAttention already"):
         mha_ext.compare(MultiheadAttention(E, H), x(B, S, E), x(B, S, E), x(B, S, E))
+
+
+class _Interrupt(BaseException):
+    """What a signal handler raises (as KeyboardInterrupt), at a chosen step."""
+
+
+def test_an_interrupt_at_any_step_leaves_the_model_as_it_was(monkeypatch):
+    # compare's promise, "the model is left as it was", under a Ctrl-C:
+    # one stopping its last restore left a BatchNorm's statistics moved by
+    # the runs (later eval outputs 0.03 off), one right after a capture
+    # hook's registration left the hook on the attention (torch's encoder
+    # layer then off its fused kernel)
+    import mha_ext._compare as C
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.bn = nn.BatchNorm1d(8)
+
+        def forward(self, x):
+            y = self.a(x, x, x)[0]
+            return self.bn(y.transpose(1, 2)).transpose(1, 2)
+    x = torch.randn(2, 5, 8)
+    stopped = 0
+    for step, before in (("_restore", True), ("_capture", False), ("_uncapture", False),
+                         ("_first", False)):
+        for k in range(1, 5):
+            torch.manual_seed(0)
+            m = Model()  # training mode: the runs move bn's statistics
+            want = {n: t.clone() for n, t in m.state_dict().items()}
+            rng = torch.get_rng_state()
+            real, calls = getattr(C, step), [0]
+
+            def patched(*args, real=real, calls=calls, k=k, before=before):
+                calls[0] += 1
+                if before and calls[0] == k:
+                    raise _Interrupt(step)
+                out = real(*args)
+                if not before and calls[0] == k:
+                    raise _Interrupt(step)
+                return out
+            with monkeypatch.context() as mp:
+                mp.setattr(C, step, patched)
+                try:
+                    mha_ext.compare(m, x)
+                except _Interrupt:
+                    stopped += 1
+            for n, t in m.state_dict().items():
+                assert torch.equal(t, want[n]), (step, k, n)
+            assert not m.a._forward_hooks, (step, k)
+            assert torch.equal(torch.get_rng_state(), rng), (step, k)
+    assert stopped >= 8

@@ -519,6 +519,34 @@ def test_register_is_idempotent_and_sets_the_mask_builder():
                                torch.ones(4, 4, dtype=torch.bool).tril().expand(2, 1, 4, 4))
 
 
+def test_register_stopped_part_way_leaves_the_name_unknown_not_unguarded(monkeypatch):
+    # transformers takes a name from its AttentionInterface entry on: an
+    # exception (a Ctrl-C) after that entry and before the mask builder or
+    # the guard left the name taken without SDPA's masks (Llama saw no mask:
+    # logits 0.15 off) or without refusing models with their own attention
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    class Interrupt(BaseException):
+        pass
+    name = "mha_ext_stopped"
+
+    def stop():
+        raise Interrupt
+    try:
+        for step in ("_mask_builder", "_guard_models"):
+            with monkeypatch.context() as mp:
+                mp.setattr(hf, step, lambda *a, **k: stop())
+                with pytest.raises(Interrupt):
+                    hf.register(name)
+            assert name not in AttentionInterface(), step
+        assert hf.register(name) == name and AttentionInterface()[name] is hf.attention_forward
+        assert name in AttentionMaskInterface()
+    finally:
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)
+        hf._NAMES.discard(name)
+
 
 def test_a_causal_mask_without_padding_runs_the_causal_pass_with_the_masks_bits(monkeypatch):
     """The mask builder always builds the causal mask; one blocking nothing

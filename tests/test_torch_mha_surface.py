@@ -492,7 +492,8 @@ def _mismatch_warnings(fn):
 
 @pytest.mark.parametrize("kpm_dtype, mask_dtype", [
     (torch.float32, torch.bool), (torch.bool, torch.float32),
-    (torch.bool, torch.bool), (torch.float32, torch.float32)], ids=str)
+    (torch.bool, torch.bool), (torch.float32, torch.float32), (torch.int64, torch.bool),
+    (torch.bool, torch.uint8)], ids=str)
 @pytest.mark.parametrize("how", ["module", "functional"])
 def test_masks_of_mismatched_dtypes_warn_as_torch_warns(kpm_dtype, mask_dtype, how):
     # torch's _canonical_mask: "Support for mismatched key_padding_mask and
@@ -503,9 +504,9 @@ def test_masks_of_mismatched_dtypes_warn_as_torch_warns(kpm_dtype, mask_dtype, h
     am = torch.rand(L, L, generator=g) > 0.7
     kpm = torch.rand(B, L, generator=g) > 0.7
     am = am if mask_dtype == torch.bool else torch.zeros(L, L, dtype=mask_dtype).masked_fill(
-        am, float("-inf"))
+        am, float("-inf") if mask_dtype.is_floating_point else 1)
     kpm = kpm if kpm_dtype == torch.bool else torch.zeros(B, L, dtype=kpm_dtype).masked_fill(
-        kpm, -1.5)
+        kpm, -1.5 if kpm_dtype.is_floating_point else 1)
     F = torch.nn.functional
     args = lambda: (x, x, x, E, H, t.in_proj_weight, t.in_proj_bias, None, None,  # noqa: E731
                     False, 0.0, t.out_proj.weight, t.out_proj.bias)
@@ -515,6 +516,18 @@ def test_masks_of_mismatched_dtypes_warn_as_torch_warns(kpm_dtype, mask_dtype, h
                                *args(), key_padding_mask=kpm, attn_mask=am),
                            lambda: mt.multi_head_attention_forward(
                                *args(), key_padding_mask=kpm, attn_mask=am))}[how]
+    if torch.int64 in (kpm_dtype, mask_dtype) or torch.uint8 in (kpm_dtype, mask_dtype):
+        # torch refuses an integer mask (AssertionError), warning first only
+        # when key_padding_mask is bool or float (it checks that one first)
+        warned = []
+        for f in runs:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                with pytest.raises(AssertionError):
+                    f()
+            warned.append(any("mismatched" in str(x.message) for x in w))
+        assert warned[0] == warned[1] == (kpm_dtype == torch.bool)
+        return
     (want, want_w), (got, got_w) = (_mismatch_warnings(f) for f in runs)
     assert bool(got_w) == bool(want_w) == (kpm_dtype != mask_dtype)
     close(got[0], want[0], torch.float32)
