@@ -550,3 +550,32 @@ def test_an_empty_query_on_torchs_fused_path_gives_no_weights_as_torch(shape):
             want, got = t(x, y, y, **kw), d(x, y, y, **kw)
             assert want[1] is not None and got[1] is not None
             assert got[1].shape == want[1].shape
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("mode", ["train", "eval", "eval no grad"])
+def test_the_output_is_laid_out_in_memory_as_torchs(batch_first, mode):
+    # torch's unfused path returns (L, B, E) memory (batch_first: its
+    # transpose), its fused path (eval, no grad, batch_first) a contiguous
+    # (B, L, E): code after the attention sees the same strides, so a
+    # .view works where it works with torch's, and a dropout drawing over
+    # empty_like(out) (torchvision's ViT, nn.TransformerEncoderLayer's
+    # dropout1) draws the same mask after torch.manual_seed (it drew
+    # another: outputs 0.43 off)
+    t, d = pair(torch.float32, batch_first=batch_first)
+    t.train(mode == "train"), d.train(mode == "train")
+    t.dropout = d.dropout = 0.0
+    x = torch.randn((B, L, E) if batch_first else (L, B, E))
+    drop = nn.Dropout(0.5)
+    with torch.set_grad_enabled(mode != "eval no grad"):
+        outs = []
+        for m in (t, d):
+            out = m(x, x, x)[0]
+            torch.manual_seed(7)
+            outs.append((out, drop(out)))
+    (want, want_drop), (got, got_drop) = outs
+    assert got.stride() == want.stride()
+    close(got, want, torch.float32)
+    close(got_drop, want_drop, torch.float32)  # the same entries dropped
+    if want.is_contiguous():
+        assert got.view(-1, E).shape == want.view(-1, E).shape
