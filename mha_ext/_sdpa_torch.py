@@ -217,45 +217,6 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     fused_causal_and_mask's answer when the caller has it (None: asked)."""
     if pair is None and torch.is_autocast_enabled("cpu"):
         query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
-    out = _sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                      seed, window, layout, head_mask, pair)
-    if pair is None and window is None and layout is None and head_mask is None:
-        out = torch_layout(out, query, key, value, attn_mask, dropout_p, is_causal, scale,
-                           enable_gqa)
-    return out
-
-
-def torch_layout(out, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """out (contiguous) in the memory layout torch's own SDPA gives its
-    result: its fused CPU kernel writes into a tensor laid out as the query
-    is (q_proj(x).view(B, L, H, D).transpose(1, 2): (B, L, H, Dv) in
-    memory, so that out.transpose(1, 2).view(B, L, H * Dv) works), its math
-    path into a contiguous one.  Which one torch takes it says itself
-    (torch._fused_sdp_choice, on the tensors as given); a call torch cannot
-    make (a NumPy mask, "lower_right") keeps out contiguous."""
-    if (out.dim() != 4 or query.dim() != 4 or query.is_contiguous() or query.stride(-1) != 1
-            or not all(isinstance(t, torch.Tensor) for t in (key, value))
-            or not (attn_mask is None or isinstance(attn_mask, torch.Tensor))
-            or not isinstance(is_causal, (bool, np.bool_))):
-        return out
-    try:
-        fused = torch._fused_sdp_choice(
-            query, key, value, attn_mask, float(dropout_p), bool(is_causal),
-            scale=None if scale is None else float(scale), enable_gqa=bool(enable_gqa)) \
-            != torch.nn.attention.SDPBackend.MATH.value
-    except Exception:  # torch would refuse the call (or has no kernel left): as it is
-        return out
-    if not fused:
-        return out
-    order = sorted(range(4), key=lambda d: -query.stride(d))  # outermost first
-    if order == [0, 1, 2, 3]:
-        return out
-    inverse = [order.index(d) for d in range(4)]
-    return out.permute(order).contiguous().permute(inverse)
-
-
-def _sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-                window, layout, head_mask, pair):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor like the others, not {type(t).__name__}")
