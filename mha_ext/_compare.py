@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ._swap import attention_modules, finish, swapped
+from ._torch_fn import drop_hooks
 from ._torch_mha import MultiheadAttention
 from .module import MultiHeadAttention as _NumpyMHA
 
@@ -163,12 +164,8 @@ def _uncapture(model, names):
     TransformerEncoderLayer off its fused kernel); idempotent."""
     modules = dict(model.named_modules())
     for name in names:
-        m = modules.get(name)
-        hooks = getattr(m, "_forward_hooks", {})
-        for key in [k for k, fn in hooks.items() if getattr(fn, "_mha_ext_capture", False)]:
-            hooks.pop(key, None)
-            for attr in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
-                getattr(m, attr, {}).pop(key, None)
+        drop_hooks(modules.get(name), "forward",
+                   lambda fn: getattr(fn, "_mha_ext_capture", False))
 
 
 def _row(name, a, b, truth):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ._core import _Guarded
-from ._torch_fn import holds, register_our_pre_hook
+from ._torch_fn import drop_hooks, holds, register_our_pre_hook
 from ._torch_mha import MultiheadAttention, _use_our_forward
 
 __all__ = ["attention_modules", "swap_in", "restore", "swapped", "sharing", "finish"]
@@ -181,11 +181,7 @@ def _drop_markers(module):
     """Our marker hooks out of `module`'s pre-hook dicts (which a module of
     ours shared with it): sharing() was stopped after registering one and
     before keeping its handle."""
-    hooks = getattr(module, "_forward_pre_hooks", {})
-    for key in [k for k, fn in hooks.items() if fn is _use_our_forward]:
-        hooks.pop(key, None)
-        for attr in ("_forward_pre_hooks_with_kwargs", "_forward_pre_hooks_always_called"):
-            getattr(module, attr, {}).pop(key, None)
+    drop_hooks(module, "forward_pre", lambda fn: fn is _use_our_forward)
 
 
 def finish(step, *args):

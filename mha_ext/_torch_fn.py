@@ -92,6 +92,19 @@ COMPILE_REASON = (
     "torch's own attention in a fullgraph model")
 
 
+def drop_hooks(module, kind, match) -> None:
+    """Take off `module` every `kind` ("forward" or "forward_pre") hook
+    whose function `match` accepts, from each of torch's dicts that hold
+    its id (as RemovableHandle.remove does); idempotent, and needs no
+    handle: one lost between a hook's registration and its keeping (a
+    Ctrl-C there) is found all the same."""
+    hooks = getattr(module, f"_{kind}_hooks", None) or {}
+    for key in [k for k, fn in hooks.items() if match(fn)]:
+        hooks.pop(key, None)
+        for attr in (f"_{kind}_hooks_with_kwargs", f"_{kind}_hooks_always_called"):
+            getattr(module, attr, {}).pop(key, None)
+
+
 @contextlib.contextmanager
 def refused_draws_nothing(draws: bool) -> Iterator[None]:
     """Around a call that draws its dropout stream (torch_stream) before
