@@ -527,3 +527,23 @@ def test_the_output_is_contiguous_whatever_the_querys_layout(torch, split):
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(got.transpose(1, 2).reshape(2, 5, 24),
                                want.transpose(1, 2).reshape(2, 5, 24), rtol=2e-6, atol=2e-6)
+
+
+def test_a_qk_past_float32_whose_scaled_score_fits_is_nan_as_on_torchs_fused_path(torch):
+    # API.md §3.1 "Overflow": q·k = 4e38 (past float32's 3.4e38), scaled by
+    # 1/sqrt(4) 2e38 (in range).  Ours is q·k then scaled: NaN, as torch's
+    # fused kernel; torch's math path scales q first and is finite
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.tensor([[[[2e19, 0, 0, 0]]]])
+    k = torch.tensor([[[[2e19, 0, 0, 0], [0, 0, 0, 0]]]])
+    v = torch.tensor([[[[1.0, 0, 0, 0], [0, 1.0, 0, 0]]]])
+    with sdpa_kernel([SDPBackend.MATH]):
+        math = F.scaled_dot_product_attention(q, k, v)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        fused = F.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(math, torch.tensor([[[[1.0, 0, 0, 0]]]]))
+    assert torch.isnan(fused).all()
+    assert torch.isnan(mha_ext.scaled_dot_product_attention(q, k, v)).all()
+    assert torch.isnan(torch.from_numpy(mha_ext.scaled_dot_product_attention(
+        q.numpy(), k.numpy(), v.numpy()))).all()
