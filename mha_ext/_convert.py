@@ -275,6 +275,12 @@ def flag(value, name) -> bool:
                         f"({type(exc).__name__}: {exc})") from None
 
 
+class ValueErrorAndIndexError(ValueError, IndexError):
+    """An index out of range (plot_heads' batch, a Trace's step number): a
+    ValueError (docs/API.md §7) that is also the IndexError of indexing a
+    sequence with it."""
+
+
 class ValueErrorAndOverflowError(ValueError, OverflowError):
     """An int too large for a float where a real number is expected: a
     ValueError (docs/API.md §7) that is also the OverflowError torch raises

@@ -248,9 +248,11 @@ def explore(source: Trace | ArrayLike, tokens: Iterable[object] | None = None, *
         raise TypeError("max_values must be an int or None, got %r" % (max_values,))
     if max_values is not None and n > max_values:
         raise ValueError("the explorer would embed %d values (more than max_values=%d: "
-                         "B x H x Sq x Sk x %d layers): explore fewer batch items "
+                         "B x H x Sq x Sk for each of %s): explore fewer batch items "
                          "(weights[:1]) or a shorter sequence, or pass max_values=None "
-                         "to embed them all" % (n, max_values, n // max(B * H * Sq * Sk, 1)))
+                         "to embed them all"
+                         % (n, max_values, ("%d layer%s" % (len(layers), "s" * (len(layers) > 1)))
+                            + (" and the blocked cells" if mask is not None else "")))
     tokens = _teach.shared_labels(tokens)
     q_tokens = _teach.labels(query_tokens if query_tokens is not None else tokens, Sq,
                              "query_tokens" if query_tokens is not None else "tokens",

@@ -12,6 +12,7 @@ expression it is drawn even where ``%matplotlib inline`` was never run.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal, cast
@@ -20,6 +21,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _teach
+from ._convert import ValueErrorAndIndexError, as_float
 from ._types import Int
 from .layout import BlockLayout
 
@@ -34,9 +36,17 @@ _INSTALL = ('%s needs matplotlib, an optional extra of mha_ext: '
             'pip install "mha_ext[plot]" (or: pip install matplotlib)')
 
 
-class ValueErrorAndIndexError(ValueError, IndexError):
-    """A batch index out of range: a ValueError (docs/API.md §7) that is
-    also the IndexError of indexing the weights with it."""
+def _limit(value, name):
+    """vmin or vmax: None or a finite real number (a NaN or infinite one
+    would draw every cell in one colour), as a float."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError("%s must be a real number or None, got %s" % (name, type(value).__name__))
+    v = as_float(value, name, "a finite real number")
+    if not math.isfinite(v):
+        raise ValueError("%s must be a finite real number or None, got %r" % (name, v))
+    return v
 
 
 def _matplotlib(who="plot_heads"):
@@ -93,7 +103,8 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
     ncols         panels per row (default: up to 4).
     figsize       (width, height) in inches (default: from the grid).
     title         the figure's title (default: "attention weights, batch b").
-    vmin, vmax    the shared colour scale (default: 0 to the largest weight).
+    vmin, vmax    the shared colour scale (default: 0 to the largest weight):
+                  finite real numbers, vmin <= vmax (else a ValueError).
     scale         "shared" (default): every panel uses the same colour scale,
                   shown by one colour bar; "row": each row is divided by its
                   largest weight, so rows with many keys (late queries of a
@@ -168,9 +179,15 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
             top = np.nanmax(np.where(np.isfinite(w), w, np.nan), axis=-1,
                             keepdims=True) if w.size else w
             w = np.where(top > 0, w / np.where(top > 0, top, 1), w)
+    vmin, vmax = _limit(vmin, "vmin"), _limit(vmax, "vmax")
+    if vmin is not None and vmax is not None and vmin > vmax:
+        raise ValueError("vmin must not exceed vmax (the colour scale runs from vmin to "
+                         "vmax), got vmin=%g, vmax=%g" % (vmin, vmax))
     finite = w[np.isfinite(w)]
     if vmin is None:
         vmin = min(0.0, float(finite.min())) if finite.size else 0.0
+        if vmax is not None and vmin > vmax:    # a given vmax below every weight
+            vmin = vmax - 1.0
     if vmax is None:
         vmax = float(finite.max()) if finite.size else 1.0
         if vmax <= vmin:

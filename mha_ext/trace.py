@@ -43,7 +43,7 @@ from ._core import MultiHeadAttention as _CoreModule
 from ._calls import head_mean, score_scale
 from .cache import KVCache
 from ._trace_masks import masks as _masks
-from ._convert import flag, to_numpy
+from ._convert import ValueErrorAndIndexError, flag, to_numpy
 from ._types import Causal, Flag, MaskedRows, Real, Window
 
 if TYPE_CHECKING:
@@ -148,7 +148,12 @@ class Trace:
                     return s
             raise KeyError("no step named %r; the steps are: %s"
                            % (key, ", ".join(self.names)))
-        return self.steps[key]
+        try:
+            return self.steps[key]
+        except IndexError:
+            raise ValueErrorAndIndexError("step %r is out of range for a trace of %d steps "
+                                          "(the steps are: %s)"
+                                          % (key, len(self.steps), ", ".join(self.names))) from None
 
     # -- display -----------------------------------------------------------
     def _header(self) -> tuple[str, str]:
@@ -306,7 +311,8 @@ def _read_only(x: np.ndarray) -> np.ndarray:
 
 def _linear(x, weight, bias):
     # x (..., in), weight (out, in), bias (out,) or None -> (..., out)
-    y = x @ weight.T
+    with np.errstate(invalid="ignore", over="ignore"):  # an inf input: NaN, as the call's
+        y = x @ weight.T
     if bias is not None:
         y = y + bias
     return y
@@ -448,8 +454,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     Hkv = int(module.n_kv_heads)  # grouped-query attention: fewer K/V heads
     G = H // Hkv
     Dk = E // H
-    sizes = {"B": B, "Sq": Sq, "Sk": Sk, "E": E, "H": H, "Dk": Dk,
-             "Ek": xk.shape[2], "Ev": xv.shape[2]}
+    sizes = {"B": B, "Sq": Sq, "Sk": Sk, "E": E, "H": H, "Dk": Dk,  # (a cross cache's
+             "Ek": int(module.kdim), "Ev": int(module.vdim)}          # call has no key)
     if G > 1:
         sizes.update({"Hkv": Hkv, "Ekv": Hkv * Dk})
     if cache is not None:
@@ -503,7 +509,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
 
     given = score_scale(kwargs.get("scale"))
     scale = dtype.type(1.0 / np.sqrt(Dk) if given is None else given)
-    raw = (qh @ kh.transpose(0, 1, 3, 2)) * scale
+    with np.errstate(invalid="ignore", over="ignore"):  # silent, as the call is
+        raw = (qh @ kh.transpose(0, 1, 3, 2)) * scale
     add("raw scores", "S = Q·Kᵀ / √Dk" if given is None else f"S = Q·Kᵀ · {given:g}",
         ("B", "H", "Sq", "Sk"), raw)
 
@@ -551,7 +558,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
         a = (a * hm).astype(dtype, copy=False)
         add("head mask", "A = A · head_mask[h] (0: head off)", ("B", "H", "Sq", "Sk"), a)
 
-    ctx = (a @ vh).astype(dtype, copy=False)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ctx = (a @ vh).astype(dtype, copy=False)
     add("context", "C = A·V (per head)", ("B", "H", "Sq", "Dk"), ctx)
     cat = ctx.transpose(0, 2, 1, 3).reshape(B, Sq, E)
     add("concat heads", "C → [B, Sq, H·Dk]", ("B", "Sq", "E"), cat)

@@ -346,10 +346,12 @@ def test_legend_and_hover_say_what_is_drawn(tmp_path):
     assert "softmax: each row from 0 to its largest" in x["soft_row"], x
     assert "raw scores: each row from its smallest value to its largest" in x["raw_row"], x
     assert "softmax: each head from 0 to its largest" in x["soft_all_heads"], x
+    # the scales span the cells drawn in colour: not the causal mask's hatched ones
     raw = tr["raw scores"].array[0]
-    lo, hi = raw[1].min(), raw[1].max()
+    seen = raw[:, ~np.triu(np.ones(raw.shape[1:], bool), 1)]
+    lo, hi = seen[1].min(), seen[1].max()
     assert "raw scores: head 1, %.4g \u2026 %.4g" % (lo, hi) in x["raw_head1"], x
-    assert "raw scores: all heads, %.4g \u2026 %.4g" % (raw.min(), raw.max()) in x["raw_shared"], x
+    assert "raw scores: all heads, %.4g \u2026 %.4g" % (seen.min(), seen.max()) in x["raw_shared"], x
     lines = dict(line.split(":", 1) for line in x["tip"].split("\n")[2:] if ":" in line)
     for name in ("raw scores", "softmax"):
         v = float("%.4g" % tr[name].array[0, 1, 3, 1])
@@ -405,3 +407,33 @@ def test_the_largest_zoom_over_many_tokens_stays_drawn(tmp_path):
     assert x["dpr"] == 2 and x["cs"] == 40, x
     assert x["w"] * x["h"] <= 268435456 and max(x["w"], x["h"]) <= 32767, x
     assert x["drawn"][3] == 255 and x["drawn"][:3] != [0, 0, 0], x  # an opaque colour
+
+
+BLOCKED_PROBE = r"""<script>
+window.__mhaExtra = function () {
+  var root = document.querySelector(".mha-explorer"), ex = root.mhaExplorer, out = {};
+  ex.state.layer = 0; ex.state.head = 0; ex.state.scale = "head"; ex.state.query = -1; ex.draw();
+  out.legend = root.querySelector(".mha-legend").textContent;
+  ex.state.query = 2; ex.draw();
+  out.info = root.querySelector(".mha-info").textContent;
+  return out;
+};
+</script>"""
+
+
+def test_the_colour_scale_leaves_out_blocked_cells_and_a_dead_row_says_none(tmp_path):
+    """Blocked cells are hatched, so their values do not stretch the scale
+    (as plot_heads' NaN there): weights 0.1 with blocked cells of 5 span
+    0 ... 0.1, not 0 ... 5; the info line of a query whose keys are all
+    blocked or NaN says none, not an empty list."""
+    browser = _chromium()
+    w = np.full((1, 1, 3, 3), 0.1)
+    np.fill_diagonal(w[0, 0], 5.0)
+    w[0, 0, 2] = np.nan
+    blocked = np.eye(3, dtype=bool)
+    text = explore(w, blocked=blocked, head=0).to_html(full_page=True)
+    out = _probe(browser, text.replace("</body>", BLOCKED_PROBE + "</body>"), tmp_path, "blk")
+    assert out["errors"] == [] and out["violations"] == [], out
+    x = out["extra"]
+    assert "weights: head 0, 0 \u2026 0.1" in x["legend"], x
+    assert x["info"].endswith("largest weights: none (every key blocked or NaN)"), x

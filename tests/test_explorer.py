@@ -141,8 +141,18 @@ def test_no_limit_and_generator_tokens():
     page = explore(np.full((1, 1, 120, 120), 1 / 120), max_values=None,
                    tokens=("w%d" % i for i in range(120))).to_html()
     assert "w119" in page
-    with pytest.raises(ValueError, match="would embed 14400 values"):
+    with pytest.raises(ValueError, match="would embed 14400 values .* each of 1 layer\\)"):
         explore(np.full((1, 1, 120, 120), 1 / 120), max_values=14_399)
+
+
+def test_the_limits_message_counts_what_it_embeds():
+    # a trace: 3 layers (raw, masked scores, softmax) and its blocked
+    # cells, 4 arrays of B*H*Sq*Sk (it said "x 4 layers": the page has 3)
+    tr = _trace()
+    n = int(np.prod(tr["softmax"].shape))
+    with pytest.raises(ValueError, match="would embed %d values .* each of 3 layers and the "
+                                         "blocked cells\\)" % (4 * n)):
+        explore(tr, max_values=10)
 
 
 def test_blocked_is_for_weights_only():

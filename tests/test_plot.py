@@ -3,6 +3,7 @@
 Legend: B batch, H heads, Sq/Sk query/key length.
 """
 
+import io
 import os
 import subprocess
 import sys
@@ -312,3 +313,26 @@ def test_the_figure_is_a_matplotlib_figure_with_a_png_for_notebooks(mpl):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     again = pickle.loads(pickle.dumps(fig))      # a figure pickles, as matplotlib's do
     assert len(heatmaps(again)) == len(heatmaps(fig)) == 6
+
+
+@pytest.mark.parametrize("kw, err, says", [
+    (dict(vmin=float("nan")), ValueError, "vmin must be a finite real number"),
+    (dict(vmax=float("inf")), ValueError, "vmax must be a finite real number"),
+    (dict(vmin=0.5, vmax=0.1), ValueError, "vmin must not exceed vmax"),
+    (dict(vmin="a"), TypeError, "vmin must be a real number or None, got str"),
+    (dict(vmax=True), TypeError, "vmax must be a real number or None, got bool"),
+    (dict(vmin=10 ** 400), OverflowError, "vmin must be a finite real number"),
+])
+def test_a_colour_scale_limit_that_cannot_draw_is_refused_by_name(mpl, kw, err, says):
+    # (before: NaN or inf drew every cell in one colour, vmin > vmax failed
+    # only when drawn, in matplotlib's words, a string with a bare TypeError)
+    w = np.random.default_rng(0).random((1, 2, 3, 3))
+    with pytest.raises(err, match=says):
+        mha_ext.plot_heads(w, **kw)
+
+
+def test_a_vmax_below_every_weight_still_draws(mpl):
+    w = np.random.default_rng(0).random((1, 2, 3, 3))
+    fig = mha_ext.plot_heads(w, vmax=-5.0)
+    assert fig.axes[0].images[0].get_clim() == (-6.0, -5.0)
+    fig.savefig(io.BytesIO())                       # draws (matplotlib checks vmin <= vmax)

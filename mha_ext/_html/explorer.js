@@ -121,7 +121,7 @@ function mhaExplorer(root, data) {
     if (state.scale === "row") { i0 = i; i1 = i + 1; }
     for (var hh = h0; hh < h1; hh++) for (var ii = i0; ii < i1; ii++) for (var j = 0; j < Sk; j++) {
       var x = v[idx(b, hh, ii, j)];
-      if (x !== null && isFinite(x)) { if (x < lo) lo = x; if (x > hi) hi = x; }
+      if (x !== null && isFinite(x) && !isBlocked(b, hh, ii, j)) { if (x < lo) lo = x; if (x > hi) hi = x; }
     }
     var none = lo === Infinity;                              // no finite value there
     if (none) { lo = 0; hi = 1; }
@@ -265,9 +265,9 @@ function mhaExplorer(root, data) {
     }
     keys.sort(function (a, c) { return (c[0] > a[0]) - (c[0] < a[0]) || a[1] - c[1]; });
     info.textContent = "query " + i + " " + JSON.stringify(String(data.qTokens[i])) + ", head " + h +
-      ", largest " + layers[state.layer].name + ": " + keys.slice(0, 5).map(function (k) {
+      ", largest " + layers[state.layer].name + ": " + (keys.length ? keys.slice(0, 5).map(function (k) {
         return JSON.stringify(String(data.kTokens[k[1]])) + " (key " + k[1] + ") " + fmt(k[0]);
-      }).join(", ");
+      }).join(", ") : "none (every key blocked or NaN)");
   }
 
   function draw() {

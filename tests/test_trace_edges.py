@@ -1,0 +1,49 @@
+"""A trace at its edges (docs/API.md §6, §7): the legend sizes of a call
+through a cross-attention cache (which passes no key), a step number out of
+range, and an infinite input, which the call takes without a word.
+
+Legend: B batch, Sq query length, M the cached memory's length, E = d_model,
+H = n_heads, Ek = kdim, Ev = vdim.
+"""
+import warnings
+
+import numpy as np
+import pytest
+
+import mha_ext
+
+E, H, EK, EV, B, SQ, M = 16, 4, 8, 12, 2, 3, 6
+RNG = np.random.default_rng(0)
+
+
+def test_a_cross_cache_trace_gives_the_modules_key_and_value_widths():
+    m = mha_ext.MultiHeadAttention(E, H, kdim=EK, vdim=EV, seed=0).eval()
+    mem = m.cache_memory(RNG.standard_normal((B, M, EK)), RNG.standard_normal((B, M, EV)))
+    t = m.trace(RNG.standard_normal((B, SQ, E)), cache=mem)
+    assert (t.sizes["Ek"], t.sizes["Ev"]) == (EK, EV)
+    assert "Ek=%d, Ev=%d" % (EK, EV) in str(t).splitlines()[1]
+    # the same widths as a trace given the memory as key and value
+    plain = m.trace(RNG.standard_normal((B, SQ, E)), RNG.standard_normal((B, M, EK)),
+                    RNG.standard_normal((B, M, EV)))
+    assert (plain.sizes["Ek"], plain.sizes["Ev"]) == (EK, EV)
+
+
+def test_a_step_number_out_of_range_is_a_value_error_naming_the_steps():
+    t = mha_ext.MultiHeadAttention(E, H, seed=0).trace(np.ones((1, SQ, E), np.float32))
+    with pytest.raises(ValueError, match="step 99 is out of range for a trace of") as info:
+        t[99]
+    assert isinstance(info.value, IndexError)       # as indexing the list of steps
+    assert "softmax" in str(info.value)
+    assert t[-1].name == "output projection"        # in range: as before
+    assert [s.name for s in t] == t.names           # iteration stops at the end
+
+
+def test_an_infinite_input_traces_without_numpys_warnings_as_the_call():
+    m = mha_ext.MultiHeadAttention(E, H, seed=0).eval()
+    x = RNG.standard_normal((B, 4, E)).astype(np.float32)
+    x[1, 1, 0] = np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, _ = m(x)
+        t = m.trace(x)
+    np.testing.assert_array_equal(np.isnan(t["output projection"].array), np.isnan(out))
