@@ -11,15 +11,37 @@ MHA_EXT_NO_AMX=1 leaves them out.
 A C compiler is required (gcc or clang; CC selects another): build_ext
 first compiles an empty C file and, if that fails, stops with a message
 saying so instead of the compiler's own error.
+
+pip builds in the tree (its build/ folder), as `setup.py build_ext` does:
+build_ext rebuilds when the compiler, its flags or the AMX choice differ
+from the last build's (setuptools alone looks only at the files' times, so
+MHA_EXT_NO_AMX=1, CC or MHA_EXT_CFLAGS would not reach a second `pip install
+.`), and build_py first removes from build/lib the package files the tree no
+longer has (a module deleted since would be installed again).
 """
 import glob
+import importlib.machinery
 import os
 import shlex
 import tempfile
 
-import numpy
+import setuptools
+
+try:
+    import numpy
+except ModuleNotFoundError:
+    numpy = None
+if numpy is None or int(numpy.__version__.split(".")[0]) < 2 or \
+        int(setuptools.__version__.split(".")[0]) < 77:
+    # (pip install . fetches both into its build environment: pyproject.toml)
+    raise SystemExit("error: building mha_ext in place needs NumPy 2 and setuptools 77 or "
+                     "newer in this Python (found NumPy %s, setuptools %s): pip install "
+                     "\"numpy>=2\" \"setuptools>=77\", then run it again"
+                     % (getattr(numpy, "__version__", "none"), setuptools.__version__))
+
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 NO_COMPILER = """\
 mha_ext is a C extension: building it needs a working C compiler (gcc or
@@ -71,7 +93,38 @@ class build_ext_checked(build_ext):
             except Exception:
                 for ext in self.extensions:
                     ext.define_macros.append(("MHA_NO_AMX", None))
+        # what the objects depend on besides the files: another compiler,
+        # flags or AMX choice than the last build's forces a rebuild
+        config = repr((self.compiler.compiler_so, self.compiler.linker_so,
+                       [(e.define_macros, e.extra_compile_args, e.extra_link_args,
+                         e.include_dirs) for e in self.extensions]))
+        stamp = os.path.join(self.build_temp, "mha_ext-build-config.txt")
+        try:
+            with open(stamp) as f:
+                self.force = self.force or f.read() != config
+        except OSError:
+            self.force = True
         super().build_extensions()
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(config)
+
+
+class build_py_pruned(build_py):
+    """build_py that first removes from build/lib's mha_ext the files the
+    tree's mha_ext no longer has (build_ext's extension stays: its own
+    check decides whether to rebuild it)."""
+
+    def run(self):
+        pkg = os.path.join(self.build_lib, "mha_ext")
+        built = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+        for root, _, files in os.walk(pkg):
+            for name in files:
+                rel = os.path.relpath(os.path.join(root, name), pkg)
+                if not os.path.exists(os.path.join("mha_ext", rel)) and \
+                        not (rel.startswith("_core") and rel.endswith(built)):
+                    os.remove(os.path.join(root, name))
+        super().run()
 
 extra_compile_args = ["-O3", "-std=c11", "-fno-strict-aliasing", "-Wall", "-Wextra",
                       "-Wno-unused-parameter", "-Wno-missing-field-initializers",
@@ -84,7 +137,7 @@ extra_link_args += extra
 sources = sorted(glob.glob("src/*.c")) + sorted(glob.glob("mha_ext/*.c"))
 
 setup(
-    cmdclass={"build_ext": build_ext_checked},
+    cmdclass={"build_ext": build_ext_checked, "build_py": build_py_pruned},
     ext_modules=[
         Extension(
             "mha_ext._core",

@@ -80,7 +80,8 @@ def _installed_package(source_dir: str) -> types.ModuleType:
                 "_core", [pkg_dir]) is not None:
             found = (spec, pkg_dir)
     build_hint = ("install it (`pip install .`, needs a C compiler) or build it "
-                  "in place (`python setup.py build_ext --inplace`)")
+                  "in place (`python setup.py build_ext --inplace`, with NumPy 2 and "
+                  "setuptools>=77 installed)")
     if found is None:
         raise ImportError(
             "mha_ext's C extension (mha_ext._core) is not built in %s and no "
@@ -130,6 +131,20 @@ except ModuleNotFoundError as _exc:
                       if not k.startswith("__") or k in ("__all__", "__file__",
                                                           "__path__")})
 else:
+    _core_dir = os.path.dirname(os.path.abspath(getattr(_core, "__file__", None) or __file__))
+    _here = os.path.dirname(os.path.abspath(__file__))
+    if os.path.normcase(_core_dir) != os.path.normcase(_here):
+        # another tree's build, found by its editable install's finder (which
+        # answers for mha_ext._core when this tree has none): its C code would
+        # run under this tree's Python files, unchecked
+        del sys.modules[__name__ + "._core"]
+        raise ImportError(
+            "mha_ext's C extension is not built in the source tree %s; the one found is "
+            "%s, another tree's (an editable install: `pip install -e`), whose code may "
+            "not be this tree's: build this tree in place (`python setup.py build_ext "
+            "--inplace`), install it (`pip install .`), or start Python outside it"
+            % (_here, _core.__file__), name="mha_ext._core")
+    del _core_dir, _here
     from ._core import cpu_info, get_num_threads, memory_info, release_memory, set_num_threads
     from ._sdpa_api import scaled_dot_product_attention
     from .module import Linear, MultiHeadAttention

@@ -23,11 +23,7 @@ import mha_ext
 from mha_ext.plot import plot_heads
 from mha_ext.trace import trace as _trace
 
-# the torch the parity tests are checked against, and PyTorch's index of
-# CPU-only wheels (on PyPI that pin is the CUDA build, ~3 GB with its
-# nvidia packages)
-TORCH_VERSION = "2.13.0"
-TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+from mha_ext._need_torch import TORCH_CPU_INDEX, TORCH_VERSION  # the torch to install
 MAX_THREADS = 256           # mha_ext.set_num_threads's limit
 
 
@@ -145,12 +141,17 @@ def _compare_with_torch(m, x, args, out, weights):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         import torch
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if exc.name not in (None, "torch"):   # installed but broken: a module of its missing
+            print("torch could not be imported (%s: %s): comparison with torch skipped "
+                  "(--no-torch skips it without trying)" % (type(exc).__name__, exc))
+            return
         print("torch is not installed: comparison with torch skipped.  To "
               "see it, install the version the tests use, CPU-only: pip "
               "install torch==%s --index-url %s" % (TORCH_VERSION, TORCH_CPU_INDEX))
         return
-    except Exception as exc:            # installed but broken (a missing library, ...)
+    except Exception as exc:            # installed but broken (a missing library, ...),
+        # or hidden: Python started in mha_ext's own folder (mha_ext/torch.py says so)
         print("torch could not be imported (%s: %s): comparison with torch skipped "
               "(--no-torch skips it without trying)" % (type(exc).__name__, exc))
         return
@@ -216,9 +217,23 @@ def _compare_with_torch(m, x, args, out, weights):
           % (ratio, os.environ.get("OMP_WAIT_POLICY", "libgomp's default")))
 
 
+def _writable_stdout():
+    # a stream whose encoding cannot write the shape flow's ᵀ √ → · (a
+    # latin-1 or ASCII locale, PYTHONIOENCODING=ascii): those characters as
+    # "?", not a UnicodeEncodeError half way through the demo
+    try:
+        "ᵀ√→·−∞²".encode(getattr(sys.stdout, "encoding", None) or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        try:
+            sys.stdout.reconfigure(errors="replace")
+        except (AttributeError, ValueError):        # not a TextIOWrapper: left as it is
+            pass
+
+
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
+    _writable_stdout()
     if args.threads is not None:
         mha_ext.set_num_threads(args.threads)
     too_big = "B %d, S %d, E %d, H %d needs more memory than this machine gives (%s): " \

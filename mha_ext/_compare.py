@@ -36,7 +36,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, SupportsIndex, overload
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ModuleNotFoundError as _exc:
+    from ._need_torch import needs_torch
+    needs_torch(_exc, "mha_ext.compare")
 from torch import nn
 
 from ._swap import attention_modules, finish, swapped

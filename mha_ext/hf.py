@@ -77,7 +77,11 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as _exc:
+    from ._need_torch import needs_torch
+    needs_torch(_exc, "mha_ext.hf (with transformers)")
 
 import mha_ext
 

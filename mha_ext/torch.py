@@ -35,9 +35,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NoReturn
 
+if __name__ == "torch":  # this file, found as torch itself: see the message
+    import os as _os
+    raise ImportError(
+        "torch is hidden by mha_ext's own torch.py: Python was started in mha_ext's package "
+        "folder (%s), which then comes first on sys.path; start it in another folder (the "
+        "repository root, say)" % _os.path.dirname(_os.path.abspath(__file__)), name="torch")
+
 import numpy as np
-import torch
 from numpy.typing import ArrayLike, DTypeLike
+
+try:
+    import torch
+except ModuleNotFoundError as _exc:
+    from ._need_torch import needs_torch
+    needs_torch(_exc, "mha_ext.torch")
 from torch import nn
 
 from . import _habits

@@ -11,10 +11,11 @@ from _support import PKG_ROOT, has, need
 
 
 
-def run_demo(cwd, *args, hide=(), broken=()):
+def run_demo(cwd, *args, hide=(), broken=(), env=None, encoding=None):
     """Run the demo in cwd (not the source tree) with the package the tests
     import; `hide` lists top-level modules made unimportable, `broken` ones
-    whose import fails otherwise (an OSError, as a missing shared library)."""
+    whose import fails otherwise (an OSError, as a missing shared library);
+    `env`: variables set for it; `encoding`: its output's (UTF-8)."""
     path = [PKG_ROOT]
     fake = Path(cwd) / "_hidden"
     for names, error in ((hide, "ModuleNotFoundError(\"No module named '%s'\")"),
@@ -24,12 +25,12 @@ def run_demo(cwd, *args, hide=(), broken=()):
             (fake / name / "__init__.py").write_text("raise %s\n" % (error % name))
     if hide or broken:
         path.insert(0, str(fake))
-    env = dict(os.environ)
+    env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join(path + [env.get("PYTHONPATH", "")])
     env["MPLBACKEND"] = "Agg"
     return subprocess.run([sys.executable, "-m", "mha_ext", *args], cwd=cwd,
                           env=env, capture_output=True, text=True,
-                          timeout=600)
+                          encoding=encoding, timeout=600)
 
 
 def test_seed_configuration(tmp_path):
@@ -186,3 +187,15 @@ def test_a_broken_torch_skips_the_comparison(tmp_path):
     r = run_demo(tmp_path, *SMALL[1:], broken=("torch",))
     assert r.returncode == 0, r.stderr
     assert "torch could not be imported (OSError" in r.stdout
+
+
+def test_a_terminal_that_cannot_write_the_shape_flows_characters(tmp_path):
+    # an ASCII or latin-1 stream (PYTHONIOENCODING, a non-UTF-8 locale): the
+    # table's ᵀ, √, → and · as "?", not a UnicodeEncodeError half way
+    for encoding, shown in (("ascii", "Q?K?"), ("latin-1", "Q·K?")):
+        r = run_demo(tmp_path, "--no-torch", env={"PYTHONIOENCODING": encoding},
+                     encoding=encoding)
+        assert r.returncode == 0, r.stderr
+        assert "UnicodeEncodeError" not in r.stderr
+        assert "parameters: 1,050,624" in r.stdout
+        assert "Q·Kᵀ" not in r.stdout and shown in r.stdout, r.stdout

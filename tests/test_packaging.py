@@ -1,6 +1,7 @@
 """Packaging (issue 13, point 5): one version, the sdist holds everything
 the tests and docs need, the licence, and a clear error without a C
 compiler."""
+import importlib.machinery
 import importlib.metadata
 import os
 import re
@@ -152,3 +153,121 @@ def test_explorer_assets_are_package_data_without_warnings(tmp_path):
         assert (out / "mha_ext" / "_html" / name).is_file(), name
     assert (out / "mha_ext" / "_core.pyi").is_file()
     assert (out / "mha_ext" / "py.typed").is_file()
+
+
+FAKE_CC = """#!/bin/sh
+# a compiler that only records its calls and makes each -o file
+echo "$@" >> "$(dirname "$0")/calls.log"
+out=""; prev=""
+for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
+[ -n "$out" ] && mkdir -p "$(dirname "$out")" && : > "$out"
+exit 0
+"""
+
+
+@needs_source
+def test_a_build_with_another_compiler_flags_or_amx_choice_builds_again(tmp_path):
+    """pip builds in the tree's build/ (as setup.py build_ext does):
+    setuptools alone rebuilds only for newer files, so a second `pip install
+    .` with MHA_EXT_NO_AMX=1, another CC or MHA_EXT_CFLAGS kept the first
+    build.  A compiler that records its calls shows what is compiled."""
+    _setuptools()
+    repo = _repo_copy(tmp_path)
+    cc = tmp_path / "cc"
+    cc.write_text(FAKE_CC)
+    cc.chmod(0o755)
+    log = tmp_path / "calls.log"
+
+    def build(**env):
+        log.write_text("")
+        e = {k: v for k, v in os.environ.items() if k not in ("MHA_EXT_CFLAGS", "MHA_EXT_NO_AMX")}
+        proc = subprocess.run([sys.executable, "setup.py", "build_ext"], cwd=str(repo),
+                              env=dict(e, CC=str(cc), LDSHARED="%s -shared" % cc, **env),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [line for line in log.read_text().splitlines() if "src/mha.c" in line]
+
+    assert len(build()) == 1                        # the first build compiles
+    assert build() == []                            # the same again: up to date
+    again = build(MHA_EXT_NO_AMX="1")               # the AMX kernels left out
+    assert len(again) == 1 and "-DMHA_NO_AMX" in again[0], again
+    assert build(MHA_EXT_NO_AMX="1") == []
+    flags = build(MHA_EXT_NO_AMX="1", MHA_EXT_CFLAGS="-DMHA_TIMING")
+    assert len(flags) == 1 and "-DMHA_TIMING" in flags[0], flags
+
+
+@needs_source
+def test_build_py_drops_what_the_tree_no_longer_has(tmp_path):
+    """A module deleted from the tree since the last build is not installed
+    again from build/lib (the built extension there stays)."""
+    _setuptools()
+    repo = _repo_copy(tmp_path)
+    out = tmp_path / "lib"
+    extra = repo / "mha_ext" / "_gone_since.py"
+
+    def build_py():
+        proc = subprocess.run([sys.executable, "setup.py", "build_py", "-d", str(out)],
+                              cwd=str(repo), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    extra.write_text("X = 1\n")
+    build_py()
+    assert (out / "mha_ext" / "_gone_since.py").is_file()
+    built = out / "mha_ext" / ("_core" + importlib.machinery.EXTENSION_SUFFIXES[0])
+    built.write_bytes(b"")                          # as build_ext leaves it
+    extra.unlink()
+    build_py()
+    assert not (out / "mha_ext" / "_gone_since.py").exists()
+    assert built.exists() and (out / "mha_ext" / "module.py").is_file()
+
+
+@needs_source
+def test_setup_py_without_numpy_2_or_setuptools_77_says_what_to_install(tmp_path):
+    # a fresh venv has neither (3.11's bundles setuptools 65: its error on
+    # the SPDX licence is 70 lines of schema; NumPy: a bare import error)
+    repo = _repo_copy(tmp_path)
+    fake = tmp_path / "fake"
+    (fake / "numpy").mkdir(parents=True)
+    (fake / "numpy" / "__init__.py").write_text("__version__ = '1.26.4'\n")
+    proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"],
+                          cwd=str(repo), capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(fake)))
+    assert proc.returncode != 0
+    assert "needs NumPy 2 and setuptools 77 or newer" in proc.stderr, proc.stderr[-3000:]
+    assert "found NumPy 1.26.4" in proc.stderr
+    assert 'pip install "numpy>=2" "setuptools>=77"' in proc.stderr
+
+
+FINDER = """
+import importlib.machinery, importlib.util, sys
+class Editable:  # as setuptools' editable finder: it answers for mha_ext._core too
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "mha_ext._core":
+            return importlib.util.spec_from_file_location(name, %r)
+        return None
+sys.meta_path.append(Editable)
+try:
+    import mha_ext
+except ImportError as exc:
+    print("ImportError:", exc)
+else:
+    print("imported", mha_ext.__file__, mha_ext._core.__file__)
+"""
+
+
+def test_another_trees_extension_found_by_an_editable_install_is_refused(tmp_path):
+    """A tree without a build, with another tree's editable install: its
+    finder gives that tree's mha_ext._core, which would run under this
+    tree's Python files unchecked (an edit or a pull apart)."""
+    built = Path(mha_ext._core.__file__)
+    tree = tmp_path / "other"
+    shutil.copytree(Path(mha_ext.__file__).parent, tree / "mha_ext",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    proc = subprocess.run([sys.executable, "-c", FINDER % str(built)], cwd=str(tree),
+                          capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ImportError: mha_ext's C extension is not built in the "
+                                  "source tree %s" % (tree / "mha_ext")), proc.stdout
+    assert "another tree's (an editable install" in proc.stdout

@@ -3,8 +3,10 @@ help and torch hint, help() on the class, the dtype of the result for other
 input dtypes, and dotted names in the docstrings that resolve."""
 import importlib
 import inspect
+import os
 import pydoc
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -134,3 +136,31 @@ def test_dotted_names_in_docstrings_resolve():
     assert broken - set(PENDING) == set(), sorted(broken - set(PENDING))
     assert set(PENDING) <= broken, ("fixed: remove from PENDING",
                                     sorted(set(PENDING) - broken))
+
+
+# ------------------------------------------------------------- without torch
+
+@pytest.mark.parametrize("code, who", [
+    ("import mha_ext.torch", "mha_ext.torch"),
+    ("import mha_ext.hf", "mha_ext.hf"),
+    ("import mha_ext; mha_ext.compare", "mha_ext.compare"),
+])
+def test_the_parts_that_need_torch_say_which_torch_to_install(code, who):
+    # torch not installed (None in sys.modules: its import fails as a missing
+    # module's): the CPU-only pin, not a bare "No module named 'torch'"
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None\n" + code],
+                       cwd=str(PKG_DIR.parent), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: %s" % who), r.stderr
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in last
+
+
+def test_python_started_in_the_package_folder_says_torch_is_hidden():
+    # there, mha_ext/torch.py is found as torch itself (a notebook opened in
+    # the folder): an ImportError that says why, not torch's partial import
+    r = subprocess.run([sys.executable, "-c", "import torch"], cwd=str(PKG_DIR),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert "torch is hidden by mha_ext's own torch.py" in r.stderr, r.stderr
+    assert str(PKG_DIR) in r.stderr
