@@ -95,9 +95,10 @@ class build_ext_checked(build_ext):
                     ext.define_macros.append(("MHA_NO_AMX", None))
         # what the objects depend on besides the files: another compiler,
         # flags or AMX choice than the last build's forces a rebuild
-        config = repr((self.compiler.compiler_so, self.compiler.linker_so,
-                       [(e.define_macros, e.extra_compile_args, e.extra_link_args,
-                         e.include_dirs) for e in self.extensions]))
+        # (NumPy by its version: pip's build environment is a new folder each time)
+        config = repr((self.compiler.compiler_so, self.compiler.linker_so, numpy.__version__,
+                       [(e.define_macros, e.extra_compile_args, e.extra_link_args)
+                        for e in self.extensions]))
         stamp = os.path.join(self.build_temp, "mha_ext-build-config.txt")
         try:
             with open(stamp) as f:
