@@ -96,9 +96,12 @@ class build_ext_checked(build_ext):
         # what the objects depend on besides the files: another compiler,
         # flags or AMX choice than the last build's forces a rebuild
         # (NumPy by its version: pip's build environment is a new folder each time)
+        # (and build_ext's own options: -D, -U, -I, -l, -L, --rpath, --debug)
         config = repr((self.compiler.compiler_so, self.compiler.linker_so, numpy.__version__,
                        [(e.define_macros, e.extra_compile_args, e.extra_link_args)
-                        for e in self.extensions]))
+                        for e in self.extensions],
+                       self.define, self.undef, self.include_dirs, self.libraries,
+                       self.library_dirs, self.rpath, self.debug))
         stamp = os.path.join(self.build_temp, "mha_ext-build-config.txt")
         try:
             with open(stamp) as f:

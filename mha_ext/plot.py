@@ -12,7 +12,6 @@ expression it is drawn even where ``%matplotlib inline`` was never run.
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal, cast
@@ -38,12 +37,21 @@ _INSTALL = ('%s needs matplotlib, an optional extra of mha_ext: '
 
 def _limit(value, name):
     """vmin or vmax: None or a finite real number (a NaN or infinite one
-    would draw every cell in one colour), as a float."""
+    would draw every cell in one colour), as a float: anything float()
+    takes but a bool or text, 0-d arrays and tensors too (w.max())."""
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    kind = str(getattr(value, "dtype", ""))
+    if isinstance(value, (bool, np.bool_, str, bytes)) or kind in ("bool", "torch.bool") or \
+            getattr(value, "ndim", 0) != 0:
         raise TypeError("%s must be a real number or None, got %s" % (name, type(value).__name__))
-    v = as_float(value, name, "a finite real number")
+    try:
+        v = as_float(value, name, "a finite real number")
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, OverflowError):      # too large for a float: as_float's error
+            raise
+        raise TypeError("%s must be a real number or None, got %s"
+                        % (name, type(value).__name__)) from None
     if not math.isfinite(v):
         raise ValueError("%s must be a finite real number or None, got %r" % (name, v))
     return v

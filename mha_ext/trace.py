@@ -523,7 +523,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     masked = raw
     formula = "S"
     if added is not None:
-        masked = masked + added
+        with np.errstate(invalid="ignore"):  # +inf score + -inf: NaN, silent as the call
+            masked = masked + added
         formula = "S + " + " + ".join(why_added)
     if blocked is not None:
         masked = np.where(blocked, dtype.type(-np.inf), masked)
@@ -555,7 +556,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
         add("dropout", "A = A·keep / (1 − p)" + (" · head_mask[h]" if hm is not None else "") +
             ", p = %g" % p, ("B", "H", "Sq", "Sk"), a)
     elif hm is not None:
-        a = (a * hm).astype(dtype, copy=False)
+        with np.errstate(invalid="ignore", over="ignore"):
+            a = (a * hm).astype(dtype, copy=False)
         add("head mask", "A = A · head_mask[h] (0: head off)", ("B", "H", "Sq", "Sk"), a)
 
     with np.errstate(invalid="ignore", over="ignore"):

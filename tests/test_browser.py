@@ -437,3 +437,8 @@ def test_the_colour_scale_leaves_out_blocked_cells_and_a_dead_row_says_none(tmp_
     x = out["extra"]
     assert "weights: head 0, 0 \u2026 0.1" in x["legend"], x
     assert x["info"].endswith("largest weights: none (every key blocked or NaN)"), x
+    # every cell blocked (finite values under the hatching): the legend says so
+    text = explore(w, blocked=np.ones((3, 3), bool), head=0).to_html(full_page=True)
+    out = _probe(browser, text.replace("</body>", BLOCKED_PROBE + "</body>"), tmp_path, "blk2")
+    assert "weights: head 0, no finite values outside the blocked cells" in \
+        out["extra"]["legend"], out

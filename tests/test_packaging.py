@@ -178,10 +178,10 @@ def test_a_build_with_another_compiler_flags_or_amx_choice_builds_again(tmp_path
     cc.chmod(0o755)
     log = tmp_path / "calls.log"
 
-    def build(**env):
+    def build(*options, **env):
         log.write_text("")
         e = {k: v for k, v in os.environ.items() if k not in ("MHA_EXT_CFLAGS", "MHA_EXT_NO_AMX")}
-        proc = subprocess.run([sys.executable, "setup.py", "build_ext"], cwd=str(repo),
+        proc = subprocess.run([sys.executable, "setup.py", "build_ext", *options], cwd=str(repo),
                               env=dict(e, CC=str(cc), LDSHARED="%s -shared" % cc, **env),
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -194,6 +194,10 @@ def test_a_build_with_another_compiler_flags_or_amx_choice_builds_again(tmp_path
     assert build(MHA_EXT_NO_AMX="1") == []
     flags = build(MHA_EXT_NO_AMX="1", MHA_EXT_CFLAGS="-DMHA_TIMING")
     assert len(flags) == 1 and "-DMHA_TIMING" in flags[0], flags
+    # build_ext's own options (-D, --debug, ...) as well
+    defined = build("-D", "MHA_SOMETHING", MHA_EXT_NO_AMX="1", MHA_EXT_CFLAGS="-DMHA_TIMING")
+    assert len(defined) == 1 and "-DMHA_SOMETHING" in defined[0], defined
+    assert build("-D", "MHA_SOMETHING", MHA_EXT_NO_AMX="1", MHA_EXT_CFLAGS="-DMHA_TIMING") == []
 
 
 @needs_source

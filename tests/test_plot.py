@@ -13,7 +13,7 @@ import pytest
 
 import mha_ext
 from mha_ext.plot import plot_heads
-from _support import PKG_ROOT, need
+from _support import PKG_ROOT, has, need
 
 
 
@@ -322,6 +322,9 @@ def test_the_figure_is_a_matplotlib_figure_with_a_png_for_notebooks(mpl):
     (dict(vmin="a"), TypeError, "vmin must be a real number or None, got str"),
     (dict(vmax=True), TypeError, "vmax must be a real number or None, got bool"),
     (dict(vmin=10 ** 400), OverflowError, "vmin must be a finite real number"),
+    (dict(vmax=np.array(True)), TypeError, "vmax must be a real number or None, got ndarray"),
+    (dict(vmax=np.array([0.5])), TypeError, "vmax must be a real number or None, got ndarray"),
+    (dict(vmax=1j), TypeError, "vmax must be a real number or None, got complex"),
 ])
 def test_a_colour_scale_limit_that_cannot_draw_is_refused_by_name(mpl, kw, err, says):
     # (before: NaN or inf drew every cell in one colour, vmin > vmax failed
@@ -329,6 +332,19 @@ def test_a_colour_scale_limit_that_cannot_draw_is_refused_by_name(mpl, kw, err, 
     w = np.random.default_rng(0).random((1, 2, 3, 3))
     with pytest.raises(err, match=says):
         mha_ext.plot_heads(w, **kw)
+
+
+def test_a_limit_float_takes_draws_0_d_arrays_and_tensors_too(mpl):
+    # vmax=w.max() of the weights plot_heads draws (a 0-d array, or tensor)
+    import decimal
+    w = np.random.default_rng(0).random((1, 2, 3, 3))
+    limits = [w.max(), np.array(0.5), np.float16(0.25), decimal.Decimal("0.75")]
+    if has("torch"):
+        import torch
+        limits.append(torch.from_numpy(w).max())
+    for v in limits:
+        fig = mha_ext.plot_heads(w, vmax=v)
+        assert fig.axes[0].images[0].get_clim()[1] == float(v)
 
 
 def test_a_vmax_below_every_weight_still_draws(mpl):

@@ -47,3 +47,17 @@ def test_an_infinite_input_traces_without_numpys_warnings_as_the_call():
         out, _ = m(x)
         t = m.trace(x)
     np.testing.assert_array_equal(np.isnan(t["output projection"].array), np.isnan(out))
+
+
+def test_an_infinite_score_under_a_float_masks_minus_inf_traces_silently():
+    # +inf (a projection overflowing) plus the mask's -inf: NaN, as in the call
+    m = mha_ext.MultiHeadAttention(E, H, seed=0).eval()
+    x = RNG.standard_normal((1, 4, E)).astype(np.float32)
+    x[0, 0, :] = 3e38
+    blk = np.where(np.triu(np.ones((4, 4)), 1) > 0, -np.inf, 0).astype(np.float32)
+    hm = np.array([0.0, 1.0, 1.0, 1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, _ = m(x, attn_mask=blk, head_mask=hm)
+        t = m.trace(x, attn_mask=blk, head_mask=hm)
+    np.testing.assert_array_equal(np.isnan(t["output projection"].array), np.isnan(out))

@@ -123,7 +123,7 @@ function mhaExplorer(root, data) {
       var x = v[idx(b, hh, ii, j)];
       if (x !== null && isFinite(x) && !isBlocked(b, hh, ii, j)) { if (x < lo) lo = x; if (x > hi) hi = x; }
     }
-    var none = lo === Infinity;                              // no finite value there
+    var none = lo === Infinity;                 // no finite value there but in blocked cells
     if (none) { lo = 0; hi = 1; }
     if (layers[state.layer].probability) lo = Math.min(lo, 0);
     if (hi <= lo) hi = lo + 1;
@@ -235,7 +235,7 @@ function mhaExplorer(root, data) {
     } else {
       var lim = limits(state.batch, state.scale === "all" ? 0 : state.head, 0);
       what = (state.scale === "all" ? "all heads, " : "head " + state.head + ", ") +
-        (lim[2] ? "no finite values" : fmt(lim[0]) + " \u2026 " + fmt(lim[1]));
+        (lim[2] ? "no finite values outside the blocked cells" : fmt(lim[0]) + " \u2026 " + fmt(lim[1]));
     }
     var span = el("span");
     span.appendChild(bar); bar.style.display = "inline-block"; bar.style.verticalAlign = "middle";
