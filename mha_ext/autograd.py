@@ -58,7 +58,7 @@ class ForwardContext:
     __slots__ = ("output", "weights", "dropout", "counter", "_params", "_query", "_key",
                  "_value", "_saved", "_masks", "_is_causal", "_zero_rows", "_batched",
                  "_need_weights", "_average_weights", "_seed", "_scale", "_window",
-                 "_head_mask", "_head_mask_shape", "_layout")
+                 "_head_mask", "_head_mask_shape", "_layout", "_config")
     # declarations only (no values: those would clash with __slots__)
     output: np.ndarray
     weights: np.ndarray | None
@@ -82,6 +82,7 @@ class ForwardContext:
     _head_mask: np.ndarray | None    # (B, H)
     _head_mask_shape: tuple[int, ...] | None  # as given: (H,) or (B, H)
     _layout: tuple[np.ndarray, int, int] | None
+    _config: dict[str, Any]          # the module's configuration (_config_of)
 
     def __init__(self, **kw: Any) -> None:
         for k, v in kw.items():
@@ -91,6 +92,16 @@ class ForwardContext:
         w = None if self.weights is None else self.weights.shape
         return (f"ForwardContext(output={self.output.shape}, weights={w}, "
                 f"dropout={self.dropout!r}, counter={self.counter})")
+
+
+_CONFIG = ("d_model", "n_heads", "n_kv_heads", "kdim", "vdim", "bias", "add_bias_kv",
+           "add_zero_attn")
+
+
+def _config_of(mha: MultiHeadAttention) -> dict[str, Any]:
+    """What a module's call computes besides its parameters' values: two
+    modules of one parameter count may differ here (4 heads or 2)."""
+    return {k: getattr(mha, k) for k in _CONFIG}
 
 
 def forward_train(mha: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = None,
@@ -164,6 +175,7 @@ def forward_train(mha: MultiHeadAttention, query: ArrayLike, key: ArrayLike | No
                           _average_weights=call.average_weights, _seed=mha.seed,
                           _scale=call.scale, _window=call.window,
                           _head_mask=call.head_mask, _layout=call.layout,
+                          _config=_config_of(mha),
                           _head_mask_shape=None if head_mask is None else
                           tuple(getattr(head_mask, "shape", np.shape(head_mask))))
 
@@ -229,12 +241,15 @@ def backward(mha: MultiHeadAttention, ctx: ForwardContext, grad_output: ArrayLik
     if not isinstance(ctx, ForwardContext):
         raise TypeError(f"ctx must be the ForwardContext of forward_train, not "
                         f"{type(ctx).__name__}")
-    if (ctx._seed != mha.seed or ctx._params.dtype != mha.dtype
+    other = [f"{k} {ctx._config[k]!r}, not {v!r}" for k, v in _config_of(mha).items()
+             if ctx._config[k] != v]
+    if (other or ctx._seed != mha.seed or ctx._params.dtype != mha.dtype
             or ctx._params.size != mha.num_parameters
             or ctx._query.shape[2] != mha.d_model or ctx._key.shape[2] != mha.kdim
             or ctx._value.shape[2] != mha.vdim):
         raise ValueError("ctx was made by forward_train of a different module (another "
-                         "configuration, dtype or seed)")
+                         "configuration, dtype or seed%s)"
+                         % (": " + ", ".join(other) if other else ""))
     dtype = mha.dtype
     go = contiguous(grad_output, "grad_output", dtype)
     if go.shape != ctx.output.shape:

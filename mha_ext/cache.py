@@ -144,7 +144,8 @@ class KVCache:
     def _state(self) -> tuple[np.ndarray, np.ndarray, int]:
         """K, V (copies) and the length, taken while no call extends it (a
         cross cache is copied as it is, also during calls)."""
-        with self._held("this cache is in use by a call: copy it after the call"):
+        with self._held("this cache is in use by a call (or another copy or reset() of it): "
+                        "copy it after the call"):
             return self._k.copy(), self._v.copy(), self._length
 
     def __copy__(self) -> "KVCache":
@@ -170,14 +171,16 @@ class KVCache:
         if self._cross:
             raise ValueError("a cross-attention cache (cache_memory) holds its memory for "
                              "good: make a new one with cache_memory(memory)")
-        with self._held("this cache is in use by a call: reset it after the call"):
+        with self._held("this cache is in use by a call (or a copy or another reset() of "
+                        "it): reset it after the call"):
             self._length = 0
             self._epoch += 1
         return self
 
     # ---- for the call (mha_ext._calls and module), not public
-    def _held(self, busy: str = "this cache is in use by another call: one call at a "
-                                "time extends a cache") -> AbstractContextManager[None]:
+    def _held(self, busy: str = "this cache is in use by another call, or a copy or reset() "
+                                "of it in another thread: one call at a time extends a "
+                                "cache") -> AbstractContextManager[None]:
         """`with cache._held(busy):` the cache for this block, or
         RuntimeError(busy) when another holds it; no hold for a cross cache
         (never extended)."""

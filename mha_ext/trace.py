@@ -342,8 +342,8 @@ def _cache_state(cache: KVCache, arrays: bool = True) -> tuple[int, int, np.ndar
         if not arrays:
             return cache.length, cache._epoch, np.empty(0), np.empty(0)
         return cache.length, cache._epoch, np.array(cache.keys), np.array(cache.values)
-    with cache._held("trace(): the cache is in use by another call: trace with a cache "
-                     "no other thread extends meanwhile"):
+    with cache._held("trace(): the cache is in use by another call (or a copy or reset() "
+                     "of it): trace with a cache no other thread uses meanwhile"):
         return read()
 
 
@@ -417,7 +417,11 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     if dropout_active:
         call_kw["need_weights"] = True
         call_kw["average_weights"] = False
-    output, weights = module(query, key, value, mask, **call_kw)
+    # the call and the steps below read one set of parameters: a thread
+    # editing them (mha.editing()) waits until both are read
+    with module.editing():
+        output, weights = module(query, key, value, mask, **call_kw)
+        params = module.state_dict()                    # copies
     if cache is not None:  # the cache as the call left it, read at once
         L1, epoch1, kh, vh = _cache_state(cache)
     dropped = None
@@ -464,8 +468,9 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
             sizes["Sn"] = int(xk.shape[1])
     kvH, kvE = ("Hkv", "Ekv") if G > 1 else ("H", "E")
 
-    wq, wk, wv, wo = module.W_q, module.W_k, module.W_v, module.W_o
-    bias = wq.bias is not None
+    wq, wk, wv, wo = ((params[n + ".weight"], params.get(n + ".bias"))
+                      for n in ("W_q", "W_k", "W_v", "W_o"))
+    bias = wq[1] is not None
     steps = []
 
     def add(name, formula, dims, array):
@@ -479,11 +484,11 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
         add("value", "x_v = x_k" if value_defaulted else "x_v", ("B", new, "Ev"), xv)
 
     b = (lambda n: " + b_" + n) if bias else (lambda n: "")
-    q = _linear(xq, wq.weight, wq.bias)
+    q = _linear(xq, *wq)
     add("Q projection", "Q = x_q·W_qᵀ" + b("q"), ("B", "Sq", "E"), q)
     if not cross:
-        k = _linear(xk, wk.weight, wk.bias)
-        v = _linear(xv, wv.weight, wv.bias)
+        k = _linear(xk, *wk)
+        v = _linear(xv, *wv)
         add("K projection", "K = x_k·W_kᵀ" + b("k"), ("B", new, kvE), k)
         add("V projection", "V = x_v·W_vᵀ" + b("v"), ("B", new, kvE), v)
 
@@ -565,7 +570,7 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     add("context", "C = A·V (per head)", ("B", "H", "Sq", "Dk"), ctx)
     cat = ctx.transpose(0, 2, 1, 3).reshape(B, Sq, E)
     add("concat heads", "C → [B, Sq, H·Dk]", ("B", "Sq", "E"), cat)
-    out_np = _linear(cat, wo.weight, wo.bias)
+    out_np = _linear(cat, *wo)
     add("output projection", "out = C·W_oᵀ" + b("o"), ("B", "Sq", "E"), out_np)
 
     final = []

@@ -384,6 +384,20 @@ def test_a_cache_in_use_refuses_a_copy():
     assert copy.copy(cache).length == 0
 
 
+def test_a_call_refused_while_another_thread_copies_the_cache_says_so():
+    # a copy holds the cache as a call does (no waiting either way): the
+    # refused call's message names copies and reset() too, not only calls
+    m = _module(64, 4, 2, "float32")
+    cache = m.new_cache(1, 4)
+    with cache._held("a copy"):  # as copy.copy in another thread holds it
+        with pytest.raises(RuntimeError, match=r"another call, or a copy or reset\(\) of it in "
+                                               r"another thread"):
+            m(_x(1, 1, 64, "float32"), cache=cache)
+    assert cache.length == 0
+    m(_x(1, 1, 64, "float32"), cache=cache)
+    assert cache.length == 1
+
+
 def test_the_binding_keeps_no_reference_to_the_cache_arrays():
     import sys
     m = _module(64, 4, 2, "float32")
