@@ -241,8 +241,9 @@ def backward(mha: MultiHeadAttention, ctx: ForwardContext, grad_output: ArrayLik
     if not isinstance(ctx, ForwardContext):
         raise TypeError(f"ctx must be the ForwardContext of forward_train, not "
                         f"{type(ctx).__name__}")
-    other = [f"{k} {ctx._config[k]!r}, not {v!r}" for k, v in _config_of(mha).items()
-             if ctx._config[k] != v]
+    made = getattr(ctx, "_config", None) or {}  # (a context pickled before it was kept)
+    other = [f"{k} {made[k]!r}, not {v!r}" for k, v in _config_of(mha).items()
+             if k in made and made[k] != v]
     if (other or ctx._seed != mha.seed or ctx._params.dtype != mha.dtype
             or ctx._params.size != mha.num_parameters
             or ctx._query.shape[2] != mha.d_model or ctx._key.shape[2] != mha.kdim
