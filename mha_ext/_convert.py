@@ -281,6 +281,10 @@ class ValueErrorAndIndexError(ValueError, IndexError):
     sequence with it."""
 
 
+class ValueErrorAndRuntimeError(ValueError, RuntimeError):
+    """A ValueError of mha_ext's that torch raises as a RuntimeError."""
+
+
 class ValueErrorAndOverflowError(ValueError, OverflowError):
     """An int too large for a float where a real number is expected: a
     ValueError (docs/API.md §7) that is also the OverflowError torch raises

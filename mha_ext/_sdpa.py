@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _core
 from ._calls import causal, score_scale
-from ._convert import as_real, flag
+from ._convert import ValueErrorAndRuntimeError, as_real, flag
 from ._convert import seed as seed_value
 from ._masks import block_layout
 
@@ -89,15 +89,14 @@ def sdpa_check(query, key, value, attn_mask, is_causal, scale, enable_gqa,
         if c is True and not causal_and_mask:
             # torch's rule where torch keeps it (see fused_causal_and_mask in
             # mha_ext._sdpa_torch), with its exception type and words
-            raise RuntimeError("Explicit attn_mask should not be set when is_causal=True "
-                               "(torch's rule, kept by its math path: '_scaled_dot_product_"
-                               "attention: Explicit attn_mask should not be set when "
-                               "is_causal=True'; only its fused CPU kernel applies both, "
-                               "for 4-D "
-                               "tensors with a unit last stride, no dropout and a mask that "
-                               "does not require grad, unless sdpa_kernel rules it out): put "
-                               "the causal mask into attn_mask, or use "
-                               "is_causal='lower_right' with it")
+            # (a ValueError too: docs/API.md §7's types for bad input)
+            raise ValueErrorAndRuntimeError(
+                "Explicit attn_mask should not be set when is_causal=True (torch's rule, kept "
+                "by its math path: '_scaled_dot_product_attention: Explicit attn_mask should "
+                "not be set when is_causal=True'; only its fused CPU kernel applies both, for "
+                "4-D tensors with a unit last stride, no dropout and a mask that does not "
+                "require grad, unless sdpa_kernel rules it out): put the causal mask into "
+                "attn_mask, or use is_causal='lower_right' with it")
         m = as_real(attn_mask, "attn_mask")
         if m.dtype != np.bool_ and m.dtype.kind != "f":
             raise TypeError(f"attn_mask must be bool (True = attend) or floating (added to "

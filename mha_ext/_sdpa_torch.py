@@ -56,8 +56,12 @@ class SDPAFunction(torch.autograd.Function):
         # changed in place before the backward (q4, k4, v4 may be views of
         # them), as torch's SDPA saves them (not a tensor made under
         # inference_mode that needs no grad: it may not be saved)
+        # (a float mask that needs no grad too: its values, read by the C
+        # backward, may be a view of it, as torch's fused SDPA saves it)
+        anchor = plan.get("mask_anchor")
         save_arrays(ctx, [t if t.requires_grad or not t.is_inference() else None
-                          for t in (query, key, value, *extra)],
+                          for t in (query, key, value, *extra)] +
+                    ([anchor] if anchor is not None and not anchor.is_inference() else []),
                     [q4, k4, v4, *(m for _, m in masks)])
         return out
 
@@ -253,14 +257,16 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     mask_input = (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
                   and torch.is_grad_enabled() and 0 not in query.shape[:-1]
                   and 0 not in key.shape[:-1] and 0 not in value.shape)
+    anchor = None
     if isinstance(attn_mask, torch.Tensor) and not mask_input:
+        anchor = attn_mask if attn_mask.is_floating_point() else None  # (a bool one: copied)
         attn_mask = to_numpy(attn_mask, "attn_mask")
     p = _dropout_p(dropout_p)
     with refused_draws_nothing(p > 0 and seed is None):
         plan = dict(attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa, causal_and_mask=both, p=p,
                     seed=_sdpa._seed(seed, p, torch_stream), window=_calls.sliding_window(window),
-                    layout=layout, head_mask=head_mask)
+                    layout=layout, head_mask=head_mask, mask_anchor=anchor)
         extra = []
         if mask_input:  # a learned bias (Swin, BEiT, T5): it gets its gradient
             plan["attn_mask"], plan["mask_input"] = None, True

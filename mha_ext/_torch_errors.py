@@ -22,15 +22,13 @@ from typing import Any
 
 import torch
 
+from ._convert import ValueErrorAndRuntimeError  # noqa: F401 (here too, as ever)
+
 __all__ = ["torchs", "metas"]
 
 
 class ValueErrorAndAssertionError(ValueError, AssertionError):
     """A ValueError of mha_ext's that torch raises as an AssertionError."""
-
-
-class ValueErrorAndRuntimeError(ValueError, RuntimeError):
-    """A ValueError of mha_ext's that torch raises as a RuntimeError."""
 
 
 class TypeErrorAndAssertionError(TypeError, AssertionError):

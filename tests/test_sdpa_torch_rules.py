@@ -547,3 +547,13 @@ def test_a_qk_past_float32_whose_scaled_score_fits_is_nan_as_on_torchs_fused_pat
     assert torch.isnan(mha_ext.scaled_dot_product_attention(q, k, v)).all()
     assert torch.isnan(torch.from_numpy(mha_ext.scaled_dot_product_attention(
         q.numpy(), k.numpy(), v.numpy()))).all()
+
+
+def test_arrays_with_a_mask_and_is_causal_raise_a_value_error_that_is_torchs_runtime_error():
+    # API.md §7: bad input is a ValueError (among others); torch's type kept too
+    import numpy as np
+    q = np.zeros((1, 2, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="Explicit attn_mask should not be set") as info:
+        mha_ext.scaled_dot_product_attention(q, q, q, attn_mask=np.ones((4, 4), bool),
+                                             is_causal=True)
+    assert isinstance(info.value, RuntimeError)

@@ -155,3 +155,45 @@ def test_a_hook_that_changes_the_dtype_is_undone():
         out = m(x, x, x)[0]
     got = torch.autograd.grad(out.sum(), x)[0]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("lead", [(1, 2), (2,)])    # 4-D (torch: fused) and 3-D (math)
+def test_a_float_mask_changed_in_place_before_the_twins_backward_is_an_error(lead):
+    # its C backward reads the mask again: a key blocked in place after the
+    # forward gave other gradients without a word (0.78 off); torch's fused
+    # kernel saves the mask and raises (its 3-D math path keeps none)
+    g = torch.Generator().manual_seed(7)
+    q0 = torch.randn(*lead, 5, 8, generator=g)
+    q = q0.clone().requires_grad_()
+    mask = torch.zeros(5, 5)
+    out = mha_ext.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    mask[:, 0] = float("-inf")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.square().sum().backward()
+    # a bool mask is copied (as torch converts it): the forward's mask, no error
+    want = torch.autograd.grad(mha_ext.scaled_dot_product_attention(
+        q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool)).square().sum(), q)[0]
+    keep = torch.ones(5, 5, dtype=torch.bool)
+    out = mha_ext.scaled_dot_product_attention(q, q, q, attn_mask=keep)
+    keep[:, 0] = False
+    torch.testing.assert_close(torch.autograd.grad(out.square().sum(), q)[0], want,
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_the_torch_classes_differentiate_the_mask_the_forward_used(need_weights):
+    # API.md §8: they copy the masks at the call (torch's weights path keeps
+    # none; its need_weights=False path raises): the backward's numbers are
+    # those of the forward's mask
+    torch.manual_seed(0)
+    m = mt.MultiheadAttention(16, 4, batch_first=True)
+    x0 = torch.randn(2, 5, 16)
+
+    def grad(change):
+        x = x0.clone().requires_grad_()
+        mask = torch.zeros(5, 5)
+        out = m(x, x, x, attn_mask=mask, need_weights=need_weights)[0]
+        if change:
+            mask[:, 0] = -1e9
+        return torch.autograd.grad(out.square().sum(), x)[0]
+    torch.testing.assert_close(grad(True), grad(False), rtol=0, atol=0)
