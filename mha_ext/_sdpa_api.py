@@ -125,7 +125,13 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
     """
     refuse_fx_proxies(query, key, value, attn_mask)
     attn_mask, is_causal = _causal_bias(attn_mask, is_causal, query, key)
-    if any(getattr(x, "is_meta", False) for x in (query, key, value, attn_mask)):
+    named = dict(query=query, key=key, value=value, attn_mask=attn_mask)
+    meta = [n for n, x in named.items() if getattr(x, "is_meta", False)]
+    if meta:
+        real = [n for n, x in named.items() if is_tensor(x) and n not in meta]
+        if real:  # (torch's function would read the meta ones as undefined data)
+            raise ValueError(f"{', '.join(meta)} on the meta device (no data) with "
+                             f"{', '.join(real)} holding data: put them on one device")
         import torch  # torch's own function: F's may be this twin, patched in
         return torch._C._nn.scaled_dot_product_attention(
             query, key, value, attn_mask, float(dropout_p), is_causal is True,

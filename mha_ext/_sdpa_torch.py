@@ -276,6 +276,12 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
             extra.append(head_mask)
         if not _records((query, key, value, *extra)):
             return _forward(plan, query, key, value, extra)[0]
+        mask = plan["attn_mask"]
+        if isinstance(mask, np.ndarray) and mask.dtype.kind == "f" and \
+                (anchor is None or anchor.is_inference()):
+            # a float mask autograd cannot watch (a NumPy array, an inference
+            # tensor): the backward reads a copy, the forward's values
+            plan["attn_mask"] = np.array(mask, copy=True)
         return SDPAFunction.apply(plan, query, key, value, *extra)
 
 

@@ -417,11 +417,11 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     if dropout_active:
         call_kw["need_weights"] = True
         call_kw["average_weights"] = False
-    # the call and the steps below read one set of parameters: a thread
-    # editing them (mha.editing()) waits until both are read
-    with module.editing():
-        output, weights = module(query, key, value, mask, **call_kw)
-        params = module.state_dict()                    # copies
+    # (the steps below read the parameters after the call: not under the
+    # module's editing lock, which would stop a call the traced one waits
+    # for in another thread; docs/API.md §6: no other thread edits meanwhile)
+    output, weights = module(query, key, value, mask, **call_kw)
+    params = module.state_dict()                        # copies
     if cache is not None:  # the cache as the call left it, read at once
         L1, epoch1, kh, vh = _cache_state(cache)
     dropped = None

@@ -197,3 +197,42 @@ def test_the_torch_classes_differentiate_the_mask_the_forward_used(need_weights)
             mask[:, 0] = -1e9
         return torch.autograd.grad(out.square().sum(), x)[0]
     torch.testing.assert_close(grad(True), grad(False), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "inference"])
+def test_a_float_mask_autograd_cannot_watch_is_copied_for_the_twins_backward(kind):
+    # a NumPy float mask with tensors, or one made under inference_mode (no
+    # version counter to check): changed in place before the backward, it
+    # gave other gradients (5.2 off); now the backward reads the forward's
+    g = torch.Generator().manual_seed(8)
+    q0 = torch.randn(1, 2, 5, 8, generator=g)
+
+    def grad(mask, change):
+        q = q0.clone().requires_grad_()
+        out = mha_ext.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        change(mask)
+        return torch.autograd.grad(out.square().sum(), q)[0]
+    want = grad(torch.zeros(5, 5), lambda m: None)
+    if kind == "numpy":
+        mask = np.zeros((5, 5), np.float32)
+        got = grad(mask, lambda m: m.__setitem__((slice(None), 0), -np.inf))
+    else:
+        with torch.inference_mode():
+            mask = torch.zeros(5, 5)
+
+        def change(m):
+            with torch.inference_mode():
+                m[:, 0] = float("-inf")
+        got = grad(mask, change)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_meta_mask_with_tensors_holding_data_is_refused():
+    # torch's function read it as undefined memory (values like -1.7e10)
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="attn_mask on the meta device .* with query, key, "
+                                         "value holding data"):
+        mha_ext.scaled_dot_product_attention(
+            q, q, q, attn_mask=torch.full((5, 5), float("-inf"), device="meta"))
+    qm = torch.empty(1, 2, 5, 8, device="meta")       # all on meta: torch's shapes
+    assert mha_ext.scaled_dot_product_attention(qm, qm, qm).shape == (1, 2, 5, 8)

@@ -5,7 +5,6 @@ range, and an infinite input, which the call takes without a word.
 Legend: B batch, Sq query length, M the cached memory's length, E = d_model,
 H = n_heads, Ek = kdim, Ev = vdim.
 """
-import threading
 import warnings
 
 import numpy as np
@@ -63,31 +62,3 @@ def test_an_infinite_score_under_a_float_masks_minus_inf_traces_silently():
         t = m.trace(x, attn_mask=blk, head_mask=hm)
     np.testing.assert_array_equal(np.isnan(t["output projection"].array), np.isnan(out))
 
-
-class _EditedMeanwhile(mha_ext.MultiHeadAttention):
-    """A module whose call is followed, before returning, by another thread's
-    edit of W_q (mha.editing(), atomic for calls: docs/API.md §5)."""
-
-    def __call__(self, *args, **kwargs):
-        out = super().__call__(*args, **kwargs)
-        self.editor = threading.Thread(target=self._flip)
-        self.editor.start()
-        self.editor.join(0.5)       # done unless something holds the parameters
-        return out
-
-    def _flip(self):
-        with self.editing():
-            self.W_q.weight[...] *= -1
-
-
-def test_an_edit_in_another_thread_cannot_fall_between_the_call_and_its_steps():
-    # the steps are computed from the parameters the call read (an edit
-    # between the two mixed old and new ones: sign-flipped weights)
-    m = _EditedMeanwhile(E, H, seed=3).eval()
-    x = RNG.standard_normal((B, 6, E)).astype(np.float32)
-    t = m.trace(x)
-    m.editor.join(10)
-    assert not m.editor.is_alive()
-    np.testing.assert_allclose(t.info["numpy_output"], t.output, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(t["output projection"].array, t.output, rtol=1e-4, atol=1e-5)
-    assert not np.array_equal(m(x)[0], t.output)     # the edit did land, after the trace
