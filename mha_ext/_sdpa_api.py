@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._convert import is_causal_bias, is_tensor, probability, refuse_fx_proxies
+from ._convert import (ValueErrorAndRuntimeError, is_causal_bias, is_tensor, probability,
+                       refuse_fx_proxies)
 from ._calls import LOWER_RIGHT, sliding_window
 from ._sdpa import _seed, sdpa_arrays, sdpa_forward, sdpa_head_mask, sdpa_layout
 from ._types import Causal, Flag, Int, Real, Window
@@ -130,8 +131,9 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
     if meta:
         real = [n for n, x in named.items() if is_tensor(x) and n not in meta]
         if real:  # (torch's function would read the meta ones as undefined data)
-            raise ValueError(f"{', '.join(meta)} on the meta device (no data) with "
-                             f"{', '.join(real)} holding data: put them on one device")
+            raise ValueErrorAndRuntimeError(    # (torch's type for devices that differ)
+                f"{', '.join(meta)} on the meta device (no data) with {', '.join(real)} "
+                f"holding data: put them on one device")
         import torch  # torch's own function: F's may be this twin, patched in
         return torch._C._nn.scaled_dot_product_attention(
             query, key, value, attn_mask, float(dropout_p), is_causal is True,

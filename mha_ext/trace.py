@@ -311,7 +311,7 @@ def _read_only(x: np.ndarray) -> np.ndarray:
 
 def _linear(x, weight, bias):
     # x (..., in), weight (out, in), bias (out,) or None -> (..., out)
-    with np.errstate(invalid="ignore", over="ignore"):  # an inf input: NaN, as the call's
+    with np.errstate(invalid="ignore", over="ignore"):  # inf in: NaN, silent as the call
         y = x @ weight.T
     if bias is not None:
         y = y + bias
@@ -417,11 +417,8 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     if dropout_active:
         call_kw["need_weights"] = True
         call_kw["average_weights"] = False
-    # (the steps below read the parameters after the call: not under the
-    # module's editing lock, which would stop a call the traced one waits
-    # for in another thread; docs/API.md §6: no other thread edits meanwhile)
     output, weights = module(query, key, value, mask, **call_kw)
-    params = module.state_dict()                        # copies
+    params = module.state_dict()  # copies, read after the call, not under its lock: API.md §6
     if cache is not None:  # the cache as the call left it, read at once
         L1, epoch1, kh, vh = _cache_state(cache)
     dropped = None
