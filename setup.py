@@ -31,10 +31,10 @@ try:
     import numpy
 except ModuleNotFoundError:
     numpy = None
-if numpy is None or int(numpy.__version__.split(".")[0]) < 2 or \
-        int(setuptools.__version__.split(".")[0]) < 77:
-    # (pip install . fetches both into its build environment: pyproject.toml)
-    raise SystemExit("error: building mha_ext in place needs NumPy 2 and setuptools 77 or "
+if numpy is None or int(setuptools.__version__.split(".")[0]) < 77:
+    # (pip install . fetches both into its build environment: pyproject.toml,
+    # NumPy 2 there; setup.py run directly takes this Python's NumPy)
+    raise SystemExit("error: building mha_ext in place needs NumPy and setuptools 77 or "
                      "newer in this Python (found NumPy %s, setuptools %s): pip install "
                      "\"numpy>=2\" \"setuptools>=77\", then run it again"
                      % (getattr(numpy, "__version__", "none"), setuptools.__version__))

@@ -226,19 +226,20 @@ def test_build_py_drops_what_the_tree_no_longer_has(tmp_path):
 
 
 @needs_source
-def test_setup_py_without_numpy_2_or_setuptools_77_says_what_to_install(tmp_path):
+def test_setup_py_without_numpy_or_setuptools_77_says_what_to_install(tmp_path):
     # a fresh venv has neither (3.11's bundles setuptools 65: its error on
     # the SPDX licence is 70 lines of schema; NumPy: a bare import error)
     repo = _repo_copy(tmp_path)
     fake = tmp_path / "fake"
     (fake / "numpy").mkdir(parents=True)
-    (fake / "numpy" / "__init__.py").write_text("__version__ = '1.26.4'\n")
+    (fake / "numpy" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
     proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"],
                           cwd=str(repo), capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=str(fake)))
     assert proc.returncode != 0
-    assert "needs NumPy 2 and setuptools 77 or newer" in proc.stderr, proc.stderr[-3000:]
-    assert "found NumPy 1.26.4" in proc.stderr
+    assert "needs NumPy and setuptools 77 or newer" in proc.stderr, proc.stderr[-3000:]
+    assert "found NumPy none" in proc.stderr
     assert 'pip install "numpy>=2" "setuptools>=77"' in proc.stderr
 
 
