@@ -24,7 +24,6 @@ same version; see _installed_package().
 __version__ = "0.1.0"
 
 import importlib.machinery
-import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -58,6 +57,12 @@ def _first_differing(tree: str, installed: str) -> "str | None":
     return None
 
 
+# what to do when this tree's extension is not built (setup.py checks the same)
+_BUILD_HINT = ("install it (`pip install .`, needs a C compiler) or build it in place "
+               "(`python setup.py build_ext --inplace`, with NumPy and setuptools>=77 "
+               "installed)")
+
+
 def _installed_package(source_dir: str) -> types.ModuleType:
     """The installed mha_ext that a source checkout without a built
     extension stands in front of, or an ImportError that says what to do.
@@ -79,30 +84,28 @@ def _installed_package(source_dir: str) -> types.ModuleType:
         if importlib.machinery.PathFinder.find_spec(
                 "_core", [pkg_dir]) is not None:
             found = (spec, pkg_dir)
-    build_hint = ("install it (`pip install .`, needs a C compiler) or build it "
-                  "in place (`python setup.py build_ext --inplace`, with NumPy 2 and "
-                  "setuptools>=77 installed)")
     if found is None:
         raise ImportError(
             "mha_ext's C extension (mha_ext._core) is not built in %s and no "
-            "installed mha_ext was found on sys.path: %s" % (source_dir, build_hint),
+            "installed mha_ext was found on sys.path: %s" % (source_dir, _BUILD_HINT),
             name="mha_ext._core")
     spec, pkg_dir = found
     site = os.path.dirname(pkg_dir)
+    import importlib.metadata  # here only: ~30 ms an import of mha_ext need not pay
     dists = list(importlib.metadata.distributions(name="mha_ext", path=[site]))
     installed = dists[0].version if dists else None
     if installed != __version__:
         raise ImportError(
             "mha_ext's C extension is not built in the source tree %s, and the "
             "mha_ext installed in %s is version %s, not this tree's %s: %s"
-            % (source_dir, site, installed or "(unknown)", __version__, build_hint),
+            % (source_dir, site, installed or "(unknown)", __version__, _BUILD_HINT),
             name="mha_ext._core")
     stale = _first_differing(here, pkg_dir)
     if stale is not None:
         raise ImportError(
             "mha_ext's C extension is not built in the source tree %s, and the "
             "mha_ext installed in %s was installed from other sources (its %s is not "
-            "this tree's): %s" % (source_dir, site, stale, build_hint),
+            "this tree's): %s" % (source_dir, site, stale, _BUILD_HINT),
             name="mha_ext._core")
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -141,9 +144,8 @@ else:
         raise ImportError(
             "mha_ext's C extension is not built in the source tree %s; the one found is "
             "%s, another tree's (an editable install: `pip install -e`), whose code may "
-            "not be this tree's: build this tree in place (`python setup.py build_ext "
-            "--inplace`), install it (`pip install .`), or start Python outside it"
-            % (_here, _core.__file__), name="mha_ext._core")
+            "not be this tree's: %s, or start Python outside it"
+            % (_here, _core.__file__, _BUILD_HINT), name="mha_ext._core")
     del _core_dir, _here
     from ._core import cpu_info, get_num_threads, memory_info, release_memory, set_num_threads
     from ._sdpa_api import scaled_dot_product_attention

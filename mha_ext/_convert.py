@@ -193,7 +193,14 @@ def _unmasked(x, name):
     so its mask would be dropped without a word (np.asarray and
     torch.as_tensor drop it so)."""
     ma = sys.modules.get("numpy.ma")  # not imported: x cannot be a masked array
-    if ma is None or not isinstance(x, ma.MaskedArray):
+    if ma is None:
+        return x
+    if isinstance(x, (list, tuple)) and _holds_masked(x, ma):
+        raise TypeError(f"{name} holds a NumPy masked array with masked entries: mha_ext "
+                        f"reads the arrays' data, not their masks, and would use the masked "
+                        f"values; fill them first (.filled(value)), or block those positions "
+                        f"with a mask argument")
+    if not isinstance(x, ma.MaskedArray):
         return x
     if ma.is_masked(x):
         raise TypeError(f"{name} is a NumPy masked array with masked entries: mha_ext reads "
@@ -201,6 +208,24 @@ def _unmasked(x, name):
                         f"fill them first ({name}.filled(value)), or block those positions "
                         f"with a mask argument")
     return x.data
+
+
+def _holds_masked(x, ma, depth=0) -> bool:
+    """Whether a list or tuple holds, at any depth, a masked array with
+    masked entries (np.asarray would drop its mask).  A list of numbers
+    (a row) is not looked through past its first number."""
+    if depth > 32:
+        return False
+    for item in x:
+        if isinstance(item, ma.MaskedArray):
+            if ma.is_masked(item):
+                return True
+        elif isinstance(item, (list, tuple)):
+            if _holds_masked(item, ma, depth + 1):
+                return True
+        elif not isinstance(item, np.ndarray):
+            return False
+    return False
 
 
 def as_array(x, name) -> np.ndarray:
@@ -214,7 +239,9 @@ def as_array(x, name) -> np.ndarray:
     try:
         x = to_numpy(x, name)
         if isinstance(x, np.ndarray):
-            return x
+            # a subclass (np.matrix, a memmap) as the plain array of its data:
+            # indexing a matrix keeps it 2-D, which its conversion then fails on
+            return x if type(x) is np.ndarray else x.view(np.ndarray)
         return np.asarray(x)
     except MemoryError as exc:
         raise MemoryError(f"{name}: {exc}") from exc
@@ -309,17 +336,22 @@ def as_float(value, name, what="a real number") -> float:
 
 
 def probability(value, name) -> float:
-    """A real number in [0, 1] (Python's or NumPy's, not a bool) as a float;
+    """A real number in [0, 1] (Python's or NumPy's, a 0-d real array, not a
+    bool) as a float;
     ValueError naming `name` otherwise, NaN included (an int too large for a
     float: also the OverflowError torch raises)."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
+        value = value.item()  # a 0-d real array: its value, as the module's dropout reads it
+    real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    ok = real
     if ok:
         try:
             ok = 0.0 <= float(value) <= 1.0
         except OverflowError:
             raise too_large(value, name, "a probability in [0, 1]") from None
     if not ok:
-        what = "a bool" if isinstance(value, (bool, np.bool_)) else repr(value)
+        what = ("a bool" if isinstance(value, (bool, np.bool_)) else repr(value) if real
+                else f"{type(value).__name__} {value!r}"[:200] + ", not a real number")
         raise ValueError(f"{name} must be a probability in [0, 1], got {what}")
     return float(value)
 

@@ -327,6 +327,9 @@ static PyMethodDef mha_methods[] = {
     {"_snapshot", (PyCFunction)mha_snapshot, METH_NOARGS,
      "_snapshot($self)\n--\n\nA copy of all parameters (a new 1-D array), taken under the read "
      "lock: no load_state_dict or editing() block is half in it."},
+    {"_edits", (PyCFunction)mha_edits, METH_NOARGS,
+     "_edits($self)\n--\n\nHow many write holds (editing() blocks, load_state_dict) have "
+     "begun on the parameters, nested ones not counted."},
     {"_layout", (PyCFunction)mha_layout, METH_NOARGS,
      "_layout($self)\n--\n\n(offset, size) of W_q.weight, W_q.bias, ... W_o.bias in _block()."},
     {"_load", (PyCFunction)mha_load, METH_O,

@@ -60,6 +60,9 @@ typedef struct param_lock {
                                    holds are no longer counted */
     uint64_t abandoned;         /* a writer dropped by fork, whose late
                                    release is then a no-op */
+    uint64_t edits;             /* write holds begun (nested ones not
+                                   counted): trace() compares it across its
+                                   call and its copy of the parameters */
     struct param_lock *prev, *next; /* the registry of live locks */
     int ready;
 } param_lock;
@@ -216,6 +219,7 @@ void out_cache_info(size_t *cached, int *blocks, size_t *limit);
 PyObject *mha_write_lock(MHAObject *self, PyObject *ignored);
 PyObject *mha_write_unlock(MHAObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mha_snapshot(MHAObject *self, PyObject *ignored);
+PyObject *mha_edits(MHAObject *self, PyObject *ignored);
 extern PyType_Spec edit_spec; /* _Editing(module): editing()'s context manager */
 extern PyType_Spec holding_spec; /* _Holding(d, busy): a KVCache's hold */
 extern PyType_Spec guarded_spec; /* _Guarded: swapped()'s base, its exit run in C */

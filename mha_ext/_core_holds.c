@@ -60,6 +60,19 @@ PyObject *mha_snapshot(MHAObject *self, PyObject *Py_UNUSED(ignored))
     return (PyObject *)out;
 }
 
+/* _edits(): how many write holds (editing() blocks, load_state_dict) have
+ * begun on the parameters, nested ones not counted.  trace() reads it
+ * before its call and after its copy of the parameters: the same count,
+ * and the copy holds the parameters the call read. */
+PyObject *mha_edits(MHAObject *self, PyObject *Py_UNUSED(ignored))
+{
+    uint64_t n;
+    pthread_mutex_lock(&self->lock.mu);
+    n = self->lock.edits;
+    pthread_mutex_unlock(&self->lock.mu);
+    return PyLong_FromUnsignedLongLong(n);
+}
+
 /* _Editing(module): editing()'s context manager (module.py).  __enter__
  * takes the module's write lock and __exit__ releases that hold, each in
  * one C call: no Python code (an exception from a signal handler, Ctrl-C)

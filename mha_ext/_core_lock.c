@@ -258,6 +258,7 @@ int lock_write(param_lock *lk, uint64_t *token)
         if (rc == 0) {
             lk->writer = me;
             lk->depth = 1;
+            lk->edits++;
         } else {
             pthread_cond_broadcast(&lk->cv); /* readers queued behind us */
         }

@@ -43,6 +43,7 @@ from ._core import MultiHeadAttention as _CoreModule
 from ._calls import head_mean, score_scale
 from .cache import KVCache
 from ._trace_masks import masks as _masks
+from ._trace_reads import cache_state as _cache_state, call_and_parameters
 from ._convert import ValueErrorAndIndexError, flag, to_numpy
 from ._types import Causal, Flag, MaskedRows, Real, Window
 
@@ -334,19 +335,6 @@ def _softmax(s, zero_rows):
     return a.astype(s.dtype, copy=False)
 
 
-def _cache_state(cache: KVCache, arrays: bool = True) -> tuple[int, int, np.ndarray, np.ndarray]:
-    """(length, epoch, K, V) of a cache, read while no call extends it (K,
-    V copies, or empty arrays without `arrays`; a cross cache, which no
-    call changes, read as it is)."""
-    def read() -> tuple[int, int, np.ndarray, np.ndarray]:
-        if not arrays:
-            return cache.length, cache._epoch, np.empty(0), np.empty(0)
-        return cache.length, cache._epoch, np.array(cache.keys), np.array(cache.values)
-    with cache._held("trace(): the cache is in use by another call (or a copy or reset() "
-                     "of it): trace with a cache no other thread uses meanwhile"):
-        return read()
-
-
 def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = None,
           value: ArrayLike | None = None, mask: ArrayLike | None = None, *,
           attn_mask: ArrayLike | None = None, key_padding_mask: ArrayLike | None = None,
@@ -417,8 +405,7 @@ def trace(module: MultiHeadAttention, query: ArrayLike, key: ArrayLike | None = 
     if dropout_active:
         call_kw["need_weights"] = True
         call_kw["average_weights"] = False
-    output, weights = module(query, key, value, mask, **call_kw)
-    params = module.state_dict()  # copies, read after the call, not under its lock: API.md §6
+    (output, weights), params = call_and_parameters(module, (query, key, value, mask), call_kw)
     if cache is not None:  # the cache as the call left it, read at once
         L1, epoch1, kh, vh = _cache_state(cache)
     dropped = None

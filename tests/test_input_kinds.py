@@ -95,6 +95,44 @@ def test_masked_arrays_with_nothing_masked_are_their_data():
     np.testing.assert_array_equal(out, mha_ext.scaled_dot_product_attention(Q4, K4, V4))
 
 
+def test_a_list_holding_masked_arrays_with_masked_entries_is_refused():
+    """np.asarray of a list drops its masked arrays' masks: the masked (huge)
+    value was used without a word."""
+    m = MultiHeadAttention(16, 4, seed=0).eval()
+    q = RNG.standard_normal((2, 4, 16)).astype(np.float32)
+    row = np.ma.masked_array(q[0].copy())
+    row.data[0, 0] = 1e6
+    row[0, 0] = np.ma.masked
+    for given in ([row, q[1]], (q[0], row), [[row[0], q[0, 1]], list(q[1])]):
+        with pytest.raises(TypeError, match="query holds a NumPy masked array"):
+            m(given)
+    with pytest.raises(TypeError, match="key holds a NumPy masked array"):
+        mha_ext.scaled_dot_product_attention(Q4, [K4[0], _masked(K4[1], K4[1] > 1)], V4)
+    # nothing masked: the data, as the arrays themselves give
+    unmasked = [np.ma.masked_array(q[0]), q[1]]
+    for a, b in zip(m(unmasked), m(q)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int64])
+@pytest.mark.parametrize("module_dtype", ["float32", "float64"])
+def test_np_matrix_inputs_are_their_data_in_any_dtype(dtype, module_dtype):
+    """A np.matrix (2-D: one unbatched sequence) in another dtype than the
+    module's failed inside NumPy's matrix class ("could not broadcast ...")."""
+    import warnings
+    m = MultiHeadAttention(16, 4, seed=0, dtype=module_dtype).eval()
+    x = (RNG.standard_normal((5, 16)) * 4).astype(dtype)
+    kv = (RNG.standard_normal((7, 16)) * 4).astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PendingDeprecationWarning)  # np.matrix's own
+        xm, kvm = np.asmatrix(x), np.asmatrix(kv)
+    for got, want in ((m(xm), m(x)), (m(x, kvm, kvm), m(x, kv, kv))):
+        assert type(got[0]) is np.ndarray and got[0].shape == (5, 16)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(m.trace(xm).output, m(x)[0])
+
+
 def test_a_masked_parameter_is_refused_by_its_key():
     m = MultiHeadAttention(16, 4, seed=0)
     w = np.array(m.W_q.weight)
@@ -135,6 +173,21 @@ def test_an_int_too_large_for_a_float_as_dropout_p(sign):
     with pytest.raises(ValueError, match="dropout_p must be a probability") as info:
         mha_ext.scaled_dot_product_attention(Q4, K4, V4, dropout_p=sign * HUGE)
     assert isinstance(info.value, OverflowError)
+
+
+def test_a_0d_array_as_dropout_p_is_its_value_as_the_modules_dropout_reads_it():
+    """The module's dropout takes a 0-d array; the NumPy SDPA's dropout_p
+    said "must be a probability in [0, 1], got array(0.)" of 0."""
+    want = mha_ext.scaled_dot_product_attention(Q4, K4, V4, dropout_p=0.25, seed=3)
+    got = mha_ext.scaled_dot_product_attention(Q4, K4, V4, dropout_p=np.array(0.25), seed=3)
+    np.testing.assert_array_equal(got, want)
+    assert MultiHeadAttention(16, 4, dropout=np.array(0.25)).dropout == 0.25
+    for bad, says in ((np.array(1.5), "got 1.5"), (np.array([0.1]), "not a real number"),
+                      ("0.1", "got str '0.1', not a real number"),
+                      (np.array(True), "not a real number")):
+        with pytest.raises(ValueError, match="dropout_p must be a probability in") as info:
+            mha_ext.scaled_dot_product_attention(Q4, K4, V4, dropout_p=bad)
+        assert says in str(info.value)
 
 
 @pytest.mark.parametrize("sign", [1, -1])

@@ -226,6 +226,25 @@ def test_build_py_drops_what_the_tree_no_longer_has(tmp_path):
 
 
 @needs_source
+def test_the_wheels_package_holds_stubs_and_assets_not_the_binding_sources(tmp_path):
+    """build_py (what the wheel gets besides the extension): the stubs, the
+    explorer's assets and every module; the binding's C sources stay in the
+    sdist, to build from."""
+    _setuptools()
+    out = tmp_path / "lib"
+    proc = subprocess.run([sys.executable, "setup.py", "build_py", "-d", str(out)],
+                          cwd=str(_repo_copy(tmp_path)), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pkg = out / "mha_ext"
+    shipped = {p.relative_to(pkg).as_posix() for p in pkg.rglob("*") if p.is_file()}
+    assert {"_core.pyi", "py.typed", "_html/explorer.js", "_html/explorer.css",
+            "__init__.py", "trace.py"} <= shipped, sorted(shipped)
+    sources = sorted(n for n in shipped if n.endswith((".c", ".h")))
+    assert not sources, sources
+
+
+@needs_source
 def test_setup_py_without_numpy_or_setuptools_77_says_what_to_install(tmp_path):
     # a fresh venv has neither (3.11's bundles setuptools 65: its error on
     # the SPDX licence is 70 lines of schema; NumPy: a bare import error)

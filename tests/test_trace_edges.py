@@ -5,6 +5,7 @@ range, and an infinite input, which the call takes without a word.
 Legend: B batch, Sq query length, M the cached memory's length, E = d_model,
 H = n_heads, Ek = kdim, Ev = vdim.
 """
+import threading
 import warnings
 
 import numpy as np
@@ -62,3 +63,44 @@ def test_an_infinite_score_under_a_float_masks_minus_inf_traces_silently():
         t = m.trace(x, attn_mask=blk, head_mask=hm)
     np.testing.assert_array_equal(np.isnan(t["output projection"].array), np.isnan(out))
 
+
+
+class _EditedDuringTrace(mha_ext.MultiHeadAttention):
+    """A module whose call is followed, before trace() reads the parameters,
+    by another thread's edit: `how` "editing" (an editing() block), "load"
+    (load_state_dict) or "none"."""
+    how = "editing"
+
+    def __call__(self, *args, **kwargs):
+        result = super().__call__(*args, **kwargs)
+
+        def edit():
+            if self.how == "none":
+                return
+            if self.how == "editing":
+                with self.editing():
+                    self.W_q.weight[...] += 1
+            else:
+                state = self.state_dict()
+                state["W_q.weight"] = state["W_q.weight"] + 1
+                self.load_state_dict(state)
+        worker = threading.Thread(target=edit)
+        worker.start()
+        worker.join(30)
+        assert not worker.is_alive(), "the edit hung"
+        return result
+
+
+@pytest.mark.parametrize("how", ["editing", "load"])
+def test_another_threads_edit_between_the_call_and_its_steps_is_refused(how):
+    m = _EditedDuringTrace(E, H, seed=0).eval()
+    m.how = how
+    x = RNG.standard_normal((B, SQ, E)).astype(np.float32)
+    # the steps would compute with W_q + 1 and show another output than the call's
+    with pytest.raises(RuntimeError, match="another thread changed the module's parameters"):
+        m.trace(x)
+    # no edit meanwhile (the same module, its W_q edited before): traced
+    m.how = "none"
+    t = m.trace(x)
+    np.testing.assert_allclose(t["output projection"].array, t.output, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(t.output, m(x)[0])
