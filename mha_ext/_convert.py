@@ -139,10 +139,17 @@ def _plain_tensor(x):
     return type(x) is torch.Tensor
 
 
+class NoTensorDataError(RuntimeError):
+    """A tensor subclass with no data to read (to_numpy): a RuntimeError
+    naming the argument wherever an array is taken, masks too (as_array
+    passes it on, not as its TypeError of what cannot convert)."""
+
+
 def _holds_no_data(x):
     """Whether the tensor subclass x has no data of its own to read: a fake
     tensor (torch.export, torch.compile), or a wrapper subclass whose data
-    sits in the tensors it wraps (its own storage is empty)."""
+    sits in the tensors it wraps (its own storage is empty, or has no data
+    pointer at all)."""
     sys_torch = sys.modules["torch"]
     fake = getattr(getattr(getattr(sys_torch, "_subclasses", None), "fake_tensor", None),
                    "is_fake", None)
@@ -153,7 +160,10 @@ def _holds_no_data(x):
     if wrapper is not None and wrapper(x):  # its data in the tensors it wraps
         return True
     try:
-        return x.numel() > 0 and x.untyped_storage().nbytes() == 0
+        if x.numel() > 0 and x.untyped_storage().nbytes() == 0:
+            return True
+        x.untyped_storage().data_ptr()  # a wrapper made with _make_wrapper_subclass
+        return False                    # (torch's LoggingTensor) raises here: no data
     except Exception:  # no storage to ask about
         return True
 
@@ -172,7 +182,7 @@ def to_numpy(x, name="tensor"):
         pass
     if not _plain_tensor(x):  # after .detach(): a Parameter is a plain tensor then
         if _holds_no_data(x):
-            raise RuntimeError(
+            raise NoTensorDataError(
                 f"{name} is a {type(x).__name__}, a tensor subclass that holds no data of its "
                 f"own for mha_ext's C code to read: torch.export and torch.compile's fake "
                 f"tensors have no data at all. Under torch.export, export torch's own module "
@@ -245,6 +255,8 @@ def as_array(x, name) -> np.ndarray:
         return np.asarray(x)
     except MemoryError as exc:
         raise MemoryError(f"{name}: {exc}") from exc
+    except NoTensorDataError:
+        raise
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name} must be array-like: {exc}") from None
     except Exception as exc:  # e.g. an __array__ that raises: still bad input

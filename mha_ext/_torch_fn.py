@@ -344,11 +344,14 @@ def refuse_unrecordable(masks, tensors) -> None:
     if _PROXY is not None and torch._C._get_dispatch_mode(_PROXY) is not None:
         raise RuntimeError(MAKE_FX)  # (make_fx's real, fake and symbolic tracing alike)
     ft = torch._C._functorch
-    for i, t in enumerate((*masks.values(), *tensors)):  # the masks named first
+    # the masks named first, then the parameters: under a transform of the
+    # parameters alone (functional_call) the inputs' conversions (x.to(dtype))
+    # are the transform's tensors too, and the parameters are what it took
+    named = [*masks.items(), *((f"the module's parameter #{i}", t)
+                               for i, t in enumerate(tensors[3:])),
+             *zip(("query", "key", "value"), tensors[:3])]
+    for name, t in named:
         if isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t):
-            i -= len(masks)
-            name = list(masks)[i + len(masks)] if i < 0 else \
-                ("query", "key", "value")[i] if i < 3 else f"parameter #{i - 3}"
             raise RuntimeError(batched(name) if ft.is_batchedtensor(t)
                                else f"{name} {FUNC_TRANSFORMS}")
     for name, t in masks.items():

@@ -435,6 +435,25 @@ def test_a_tensor_subclass_is_read_as_a_tensor(torch):
     with pytest.raises(RuntimeError, match="query is a TwoTensor, a tensor subclass that "
                                            "holds no data of its own"):
         mha_ext.scaled_dot_product_attention(t, t, t)
+    # as a mask too (it was the TypeError of what cannot convert), and torch's
+    # LoggingTensor, a wrapper without __tensor_flatten__ whose storage has no
+    # data pointer (it got torch's ".numpy() is not supported" message)
+    from torch.testing._internal.logging_tensor import LoggingTensor
+    import mha_ext.torch as mt
+    drop_in = mt.MultiheadAttention(8, 2, batch_first=True)
+    x, z = q[0].float(), torch.zeros(5, 5)
+    for wrap in (TwoTensor, LoggingTensor):
+        for arg, call in (
+                ("attn_mask", lambda: drop_in(x, x, x, attn_mask=wrap(z, z) if wrap is TwoTensor
+                                              else wrap(z))),
+                ("query", lambda: drop_in(LoggingTensor(x), x, x) if wrap is LoggingTensor
+                 else drop_in(TwoTensor(x, x), x, x)),
+                ("attn_mask", lambda: mha_ext.scaled_dot_product_attention(
+                    q, q, q, attn_mask=wrap(z.double()) if wrap is LoggingTensor
+                    else wrap(z.double(), z.double())))):
+            with pytest.raises(RuntimeError, match=f"{arg} is a {wrap.__name__}, a tensor "
+                                                   f"subclass that holds no data of its own"):
+                call()
 
 
 def test_make_fx_is_refused_not_traced_as_a_constant(torch):

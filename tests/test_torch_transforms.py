@@ -149,3 +149,21 @@ def test_the_refusal_names_the_argument_transformed():
         for transform in (torch.func.jacfwd, torch.func.jacrev):
             with pytest.raises(RuntimeError, match=f"^{name} is a tensor of a torch.func"):
                 transform(f)(k)
+
+
+@pytest.mark.parametrize("cls", ["drop-in", "MultiHeadAttention"])
+def test_a_transform_of_the_parameters_alone_names_them_not_the_query(cls):
+    # functional_call under grad: the query the caller passed is a plain
+    # tensor; its conversion inside the call is the transform's, and the
+    # refusal named "query"
+    torch.manual_seed(0)
+    m = (mt.MultiheadAttention(E, H, batch_first=True, dtype=F64) if cls == "drop-in"
+         else mt.MultiHeadAttention(E, H, dtype=F64, seed=0))
+    x = torch.randn(B, L, E, dtype=F64)
+    p = {k: v.detach() for k, v in m.named_parameters()}
+    with pytest.raises(RuntimeError, match="^the module's parameter #0 is a tensor of a "
+                                           "torch.func transform"):
+        torch.func.grad(lambda p: torch.func.functional_call(m, p, (x, x, x))[0].sum())(p)
+    # a transform of the query alone still names the query
+    with pytest.raises(RuntimeError, match="^query is a tensor of a torch.func transform"):
+        torch.func.grad(lambda q: m(q, x, x)[0].sum())(x)
