@@ -48,16 +48,23 @@ def _plot_file(text):
     # checked before the run, not after it
     if not text:
         raise argparse.ArgumentTypeError("needs a file name, such as heads.png")
+    if text.endswith(("/", os.sep)) or os.path.isdir(text):
+        raise argparse.ArgumentTypeError("%r is a folder: give a file name, such as %s"
+                                         % (text, os.path.join(text, "heads.png")))
     folder = os.path.dirname(text) or "."
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError("folder %r does not exist" % folder)
+    if not os.path.splitext(os.path.basename(text))[1][1:]:
+        # matplotlib would add one of its own choosing (a file of another name)
+        raise argparse.ArgumentTypeError("%r has no extension: name the format, such as "
+                                         "%s.png or %s.svg" % (text, text, text))
     try:  # the format too, when matplotlib is there (without it: said after the run)
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         return text
     ext = os.path.splitext(text)[1][1:].lower()
     kinds = FigureCanvasBase.get_supported_filetypes()
-    if ext and ext not in kinds:
+    if ext not in kinds:
         raise argparse.ArgumentTypeError("matplotlib cannot write .%s files; use one of: %s"
                                          % (ext, ", ".join(sorted(kinds))))
     return text
@@ -104,8 +111,9 @@ def _parser():
     p.add_argument("--no-torch", action="store_true",
                    help="skip the comparison with torch")
     p.add_argument("--plot", metavar="FILE", type=_plot_file, default=None,
-                   help="save the attention heatmaps of batch 0 to FILE "
-                        "(needs matplotlib; default: no plot)")
+                   help="save the attention heatmaps of batch 0 to FILE, its "
+                        "extension the format, such as heads.png (needs matplotlib; "
+                        "default: no plot)")
     return p
 
 

@@ -471,8 +471,10 @@ static PyObject *memory_info(PyObject *m, PyObject *Py_UNUSED(ignored))
     int blocks;
     (void)m;
     out_cache_info(&cached, &blocks, &limit);
-    return Py_BuildValue("{s:n,s:i,s:n}", "cached_bytes", (Py_ssize_t)cached, "cached_blocks",
-                         blocks, "limit_bytes", (Py_ssize_t)limit);
+    /* size_t as unsigned long long ("K"): a limit past 2**63 bytes
+     * (MHA_EXT_CACHE_MB near 2**44) was a negative Py_ssize_t */
+    return Py_BuildValue("{s:K,s:i,s:K}", "cached_bytes", (unsigned long long)cached,
+                         "cached_blocks", blocks, "limit_bytes", (unsigned long long)limit);
 }
 
 static PyMethodDef module_methods[] = {

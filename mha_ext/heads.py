@@ -192,6 +192,16 @@ def _required_arguments(fn: Callable[..., object]) -> bool:
                for p in sig.parameters.values())
 
 
+def _loss_value(loss: Callable[[], SupportsFloat]) -> float:
+    """loss() as a float, or a TypeError saying loss() must return a number"""
+    value = loss()
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # (a tensor of many elements: RuntimeError)
+        raise TypeError("loss() must return a real number (a float, a 0-d array or a "
+                        "one-element tensor), got %s" % (repr(value)[:80],)) from None
+
+
 def ablate(module: _Heads, loss: Callable[[], SupportsFloat]) -> tuple[float, np.ndarray]:
     """The loss with each head switched off: returns (base, per_head) where
     base = loss() as the module is and per_head[h] = loss() with head h's
@@ -210,7 +220,7 @@ def ablate(module: _Heads, loss: Callable[[], SupportsFloat]) -> tuple[float, np
     H, w_o = _heads_and_out(module)
     E = int(w_o.shape[1])
     Dk = E // H
-    base = float(loss())
+    base = _loss_value(loss)
     per_head = np.empty(H)
     for h in range(H):
         cols = slice(h * Dk, (h + 1) * Dk)
@@ -219,7 +229,7 @@ def ablate(module: _Heads, loss: Callable[[], SupportsFloat]) -> tuple[float, np
         try:  # zeroed inside: an interrupt anywhere after the copy restores it
             with _editing(module):
                 w_o[:, cols] = 0
-            per_head[h] = float(loss())
+            per_head[h] = _loss_value(loss)
         finally:
             # W_o's columns back; done again if an exception (a Ctrl-C
             # landing in this very step) stopped it, that exception then raised

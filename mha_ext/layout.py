@@ -210,9 +210,7 @@ def strided(Sq: Int, Sk: Int, block_size: BlockSize, stride: Int, width: Int = 0
     kb % stride == stride - 1 (the "summary" columns every later query
     reads); causal keeps only kb <= qb."""
     qb, kb, i, j = _grid(Sq, Sk, block_size)
-    s = _count(stride, "stride")
-    if s == 0:
-        raise ValueError("stride must be an int > 0")
+    s = _count(stride, "stride", 1)
     w = _count(width, "width")
     keep = ((j >= i - w) & (j <= i + w)) | (j % s == s - 1)
     if _causal(causal):

@@ -601,6 +601,13 @@ def test_errors():
         ours.forward_train(x, np.zeros((2, 3, 5)))
     with pytest.raises(KeyError):
         ours.forward_train(x, params={"W_q.weight": np.zeros((8, 8))})
+    # a parameter of the right size in another shape (kdim != d_model: W_k
+    # transposed) is refused, not read in the wrong order
+    cross = mha_ext.MultiHeadAttention(4, 2, kdim=6, dtype="float64", seed=0)
+    p = {k: np.array(v) for k, v in cross.state_dict().items()}
+    p["W_k.weight"] = p["W_k.weight"].T
+    with pytest.raises(ValueError, match=r"W_k.weight'\] must have shape \(4, 6\), got \(6, 4\)"):
+        cross.forward_train(np.ones((1, 3, 4)), np.ones((1, 5, 6)), np.ones((1, 5, 4)), params=p)
 
 
 def test_concurrent_training_calls(restore_threads):

@@ -472,7 +472,8 @@ def test_pattern_helpers():
     (lambda: BlockLayout(np.ones((2, 2), bool), (4, -1)), ValueError, "k_block"),
     (lambda: BlockLayout(np.ones((2, 2), bool), 2.5), TypeError, "q_block"),
     (lambda: BlockLayout(np.ones((2, 2), bool), (1, 2, 3)), TypeError, "block_size"),
-    (lambda: L.strided(8, 8, 2, stride=0), ValueError, "stride"),
+    (lambda: L.strided(8, 8, 2, stride=0), ValueError, "stride must be an int >= 1, got 0"),
+    (lambda: L.strided(8, 8, 2, stride=-1), ValueError, "stride must be an int >= 1, got -1"),
     # causal= cuts block indices: True or False only ("lower_right" read as
     # True would silently be the top-left cut)
     (lambda: L.local_blocks(8, 8, 2, causal="lower_right"), TypeError,

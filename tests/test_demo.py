@@ -133,6 +133,10 @@ def test_bad_values_are_short_errors_before_the_run(tmp_path):
     for args, words in [(("--threads", "257"), "at most 256"),
                         (("--plot", ""), "needs a file name"),
                         (("--plot", str(tmp_path / "nowhere" / "x.png")), "does not exist"),
+                        # matplotlib would write heads.png, or a hidden .png in the folder
+                        (("--plot", "heads"), "has no extension: name the format"),
+                        (("--plot", str(tmp_path) + os.sep), "is a folder: give a file name"),
+                        (("--plot", str(tmp_path)), "is a folder: give a file name"),
                         (("--d-model", "1000000000", "--heads", "1"), "more memory"),
                         (("--batch", "100000", "--seq", "100000"), "more memory"),
                         # past what an address counts: NumPy's "array is too big" before

@@ -216,6 +216,14 @@ def test_errors():
         analyze(np.full((3, 3, 3), 1 / 3), module=m, loss=lambda: 0.0)
     with pytest.raises(TypeError, match="loss must be a callable"):
         ablate(m, 3.0)
+    # a loss returning no number: said so (was float()'s own words), W_o as it was
+    w_o = m.W_o.weight.copy()
+    x = np.ones((1, 3, 8), np.float32)
+    for bad in (lambda: None, lambda: "high", lambda: m(x)[0]):
+        with pytest.raises(TypeError, match="loss\\(\\) must return a real number"):
+            ablate(m, bad)
+    assert np.array_equal(m.W_o.weight, w_o)
+    assert ablate(m, lambda: np.array(2.5))[0] == 2.5
     # a loss written to take the output is refused before any head is switched
     # off (API.md §6: loss takes no arguments, it runs the model itself)
     before = m.W_o.weight.copy()

@@ -317,3 +317,22 @@ def test_a_reclaimed_header_page_neither_leaks_nor_misleads_realloc():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=240, env=env)
     assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr)
+
+
+@needs_cache
+@pytest.mark.parametrize("env_mb", ["8796093022208", "17592186044415"])
+def test_a_limit_past_2_63_bytes_is_reported_as_it_is_and_keeps_p(env_mb):
+    # 2**43 MiB and just under 2**44: the limit (2**63 bytes and more) came
+    # back as a negative int, which also made forward_train stop keeping P
+    # (keep_level compares against it)
+    code = """
+        from types import SimpleNamespace
+        from mha_ext import _calls
+        m = mha_ext.MultiHeadAttention(16, 8, seed=0)
+        x = np.ones((2, 16, 16), np.float32)   # P: 2x the projections, a few KiB
+        print(mha_ext.memory_info()["limit_bytes"],
+              _calls.keep_level(m, SimpleNamespace(query=x, key=x), True))
+    """
+    limit, level = map(int, run(code, env_mb).split())
+    assert limit == int(env_mb) * MIB
+    assert level == 2                           # P kept, as under any limit that holds it

@@ -417,6 +417,15 @@ def test_empty_shapes(torch, dtype, shapes, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shapes", [((2, 3, 5, 0), (2, 3, 7, 0), (2, 3, 7, 4)),
+                                    ((5, 0), (7, 0), (7, 3))])
+def test_a_zero_width_with_an_infinite_scale_still_scores_zero(torch, dtype, shapes):
+    # E = 0: every score is an empty sum, 0 whatever the scale (torch: the
+    # mean of the values), not inf·0 = NaN
+    _compare(torch, dtype, *shapes, scale=float("inf"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shapes", [((2, 0, 5, 8), (2, 0, 7, 8), (2, 0, 7, 4)),
                                     ((2, 0, 5, 8), (2, 2, 7, 8), (2, 0, 7, 4)),
                                     ((2, 4, 5, 0), (2, 2, 7, 0), (2, 1, 7, 3))])

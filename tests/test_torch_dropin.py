@@ -535,3 +535,22 @@ def test_rows_that_see_no_key_match_the_stock_model(kind, bf, nf, train, grad):
         a, b = stock(*args, **kw), ours(*args, **kw)
     assert _err(a.detach(), b.detach(), f"{kind} fully padded") <= TOL[dtype]
 
+
+
+@pytest.mark.parametrize("nhead", [1, 3])
+def test_an_encoder_layer_with_an_odd_head_count_keeps_a_dead_rows_finite_output(nhead):
+    # torch's layer takes its fused path only with an even head count: with
+    # an odd one its row that sees no key is finite, not the fused NaN
+    torch.manual_seed(0)
+    E = 6
+    ref = nn.TransformerEncoderLayer(E, nhead, dim_feedforward=8, dropout=0.0,
+                                     batch_first=True).eval()
+    ours = copy.deepcopy(ref)
+    ours.self_attn = MultiheadAttention.from_torch(ref.self_attn)
+    x = torch.randn(2, 4, E)
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[1] = True                                  # row 1 sees no key
+    with torch.no_grad():
+        want, got = ref(x, src_mask=mask), ours(x, src_mask=mask)
+    assert not want.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

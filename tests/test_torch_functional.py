@@ -493,3 +493,32 @@ def test_torch_compile_after_the_patch_runs_the_twin_outside_the_graph(backend):
     r = subprocess.run([sys.executable, "-c", COMPILE, backend], capture_output=True,
                        text=True, timeout=600, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_dropout_p_of_one_in_training_drops_every_weight_as_torch(need_weights):
+    torch.manual_seed(0)
+    L, B, E, H = 3, 2, 4, 2
+    q = torch.randn(L, B, E, dtype=torch.float64)
+    W, b = torch.randn(3 * E, E, dtype=torch.float64), torch.randn(3 * E, dtype=torch.float64)
+    Wo, bo = torch.randn(E, E, dtype=torch.float64), torch.randn(E, dtype=torch.float64)
+    args = (q, q, q, E, H, W, b, None, None, False, 1.0, Wo, bo)
+    want = F.multi_head_attention_forward(*args, training=True, need_weights=need_weights)
+    got = mt.multi_head_attention_forward(*args, training=True, need_weights=need_weights)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-12)  # out_proj's bias alone
+    if need_weights:
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+def test_a_bias_k_of_e_values_in_another_shape_is_refused_as_torch_refuses_it():
+    torch.manual_seed(0)
+    L, B, E, H = 3, 2, 4, 2
+    q = torch.randn(L, B, E)
+    W, b, Wo, bo = torch.randn(3 * E, E), torch.randn(3 * E), torch.randn(E, E), torch.randn(E)
+    for bk, bv in ((torch.randn(E, 1, 1), torch.randn(1, 1, E)),
+                   (torch.randn(1, 1, E), torch.randn(1, E, 1))):
+        args = (q, q, q, E, H, W, b, bk, bv, False, 0.0, Wo, bo)
+        with pytest.raises(RuntimeError):
+            F.multi_head_attention_forward(*args, training=False)
+        with pytest.raises(RuntimeError, match="must hold embed_dim = 4 values"):
+            mt.multi_head_attention_forward(*args, training=False)

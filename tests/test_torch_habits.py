@@ -465,3 +465,21 @@ def test_compare_on_a_seed_style_module():
     table = mha_ext.compare(t, q, q, q, mask, from_torch_options={"mask_polarity": "keep"})
     assert len(table) == 1 and table[0].layer == "QLinear"
     assert table[0].nan_agree and table[0].mha_ext_error < 1e-5
+
+
+@pytest.mark.parametrize("kind", [bool, np.int64])
+def test_a_keep_polarity_module_reads_bool_and_int_keep_masks_alike(kind):
+    # mask_polarity="keep": 1/True attends; torch's attn_mask is the other
+    # polarity (True blocks), so torch gets ~keep
+    torch.manual_seed(0)
+    E, H, B, S = 8, 2, 2, 5
+    t = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    m = MultiHeadAttention.from_torch(t)
+    m.mask_polarity = "keep"
+    x = rng_x(B, S, E)
+    keep = np.tril(np.ones((S, S), bool))
+    keep[2, 0] = False                           # not only causal: a hole below the diagonal
+    got = m(x, x, x, keep.astype(kind))[0]
+    with torch.no_grad():
+        want = t(*(torch.from_numpy(x),) * 3, attn_mask=torch.from_numpy(~keep))[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
