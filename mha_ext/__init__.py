@@ -91,8 +91,11 @@ def _installed_package(source_dir: str) -> types.ModuleType:
             name="mha_ext._core")
     spec, pkg_dir = found
     site = os.path.dirname(pkg_dir)
-    import importlib.metadata  # here only: ~30 ms an import of mha_ext need not pay
-    dists = list(importlib.metadata.distributions(name="mha_ext", path=[site]))
+    # imported here only (~30 ms an import of mha_ext need not pay), under
+    # another name: `import importlib.metadata` would make importlib a local
+    # of this whole function, unbound where it is used above
+    from importlib import metadata as _metadata
+    dists = list(_metadata.distributions(name="mha_ext", path=[site]))
     installed = dists[0].version if dists else None
     if installed != __version__:
         raise ImportError(

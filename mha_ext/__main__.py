@@ -48,6 +48,7 @@ def _plot_file(text):
     # checked before the run, not after it
     if not text:
         raise argparse.ArgumentTypeError("needs a file name, such as heads.png")
+    text = os.path.expanduser(text)  # "~/x.png" quoted, which no shell expanded
     if text.endswith(("/", os.sep)) or os.path.isdir(text):
         raise argparse.ArgumentTypeError("%r is a folder: give a file name, such as %s"
                                          % (text, os.path.join(text, "heads.png")))
@@ -56,8 +57,9 @@ def _plot_file(text):
         raise argparse.ArgumentTypeError("folder %r does not exist" % folder)
     if not os.path.splitext(os.path.basename(text))[1][1:]:
         # matplotlib would add one of its own choosing (a file of another name)
+        stem = text.rstrip(".")
         raise argparse.ArgumentTypeError("%r has no extension: name the format, such as "
-                                         "%s.png or %s.svg" % (text, text, text))
+                                         "%s.png or %s.svg" % (text, stem, stem))
     try:  # the format too, when matplotlib is there (without it: said after the run)
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:

@@ -181,15 +181,17 @@ def to_numpy(x, name="tensor"):
     except (RuntimeError, TypeError):  # another device, bfloat16, conj or neg bit
         pass
     if not _plain_tensor(x):  # after .detach(): a Parameter is a plain tensor then
-        if _holds_no_data(x):
-            raise NoTensorDataError(
-                f"{name} is a {type(x).__name__}, a tensor subclass that holds no data of its "
+        kind = type(x).__name__
+        if not _holds_no_data(x):
+            import torch  # a user's subclass over its own data: read as a plain tensor
+            x = x.as_subclass(torch.Tensor)
+        if not _plain_tensor(x):  # no data, or a wrapper as_subclass cannot unwrap (an
+            raise NoTensorDataError(  # empty LoggingTensor)
+                f"{name} is a {kind}, a tensor subclass that holds no data of its "
                 f"own for mha_ext's C code to read: torch.export and torch.compile's fake "
                 f"tensors have no data at all. Under torch.export, export torch's own module "
                 f"or keep the mha_ext call out of the exported graph; otherwise pass a plain "
                 f"tensor")
-        import torch  # a user's subclass over its own data: read as a plain tensor
-        x = x.as_subclass(torch.Tensor)
     if x.device.type != "cpu":
         x = x.cpu()
     if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16
@@ -233,7 +235,7 @@ def _holds_masked(x, ma, depth=0) -> bool:
         elif isinstance(item, (list, tuple)):
             if _holds_masked(item, ma, depth + 1):
                 return True
-        elif not isinstance(item, np.ndarray):
+        elif not (isinstance(item, np.ndarray) or is_tensor(item)):
             return False
     return False
 
@@ -353,7 +355,9 @@ def probability(value, name) -> float:
     ValueError naming `name` otherwise, NaN included (an int too large for a
     float: also the OverflowError torch raises)."""
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
-        value = value.item()  # a 0-d real array: its value, as the module's dropout reads it
+        # a 0-d real array: its value, as the module's dropout reads it (a
+        # masked one with its value masked: refused, as wherever arrays are read)
+        value = np.asarray(_unmasked(value, name)).item()
     real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     ok = real
     if ok:

@@ -347,8 +347,7 @@ def refuse_unrecordable(masks, tensors) -> None:
     # the masks named first, then the parameters: under a transform of the
     # parameters alone (functional_call) the inputs' conversions (x.to(dtype))
     # are the transform's tensors too, and the parameters are what it took
-    named = [*masks.items(), *((f"the module's parameter #{i}", t)
-                               for i, t in enumerate(tensors[3:])),
+    named = [*masks.items(), *(("a weight or bias of the attention", t) for t in tensors[3:]),
              *zip(("query", "key", "value"), tensors[:3])]
     for name, t in named:
         if isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t):

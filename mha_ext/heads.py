@@ -195,9 +195,17 @@ def _required_arguments(fn: Callable[..., object]) -> bool:
 def _loss_value(loss: Callable[[], SupportsFloat]) -> float:
     """loss() as a float, or a TypeError saying loss() must return a number"""
     value = loss()
+    if callable(getattr(value, "detach", None)):
+        value = value.detach()  # a loss tensor that requires grad: its value
     try:
+        # float() reads '1.5', and drops a complex number's imaginary part
+        is_complex = getattr(value, "is_complex", None)  # a tensor's
+        if isinstance(value, (str, bytes, complex, np.complexfloating)) or (
+                isinstance(value, np.ndarray) and value.dtype.kind == "c") or (
+                callable(is_complex) and is_complex()):
+            raise TypeError
         return float(value)
-    except (TypeError, ValueError, RuntimeError):  # (a tensor of many elements: RuntimeError)
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # (a tensor of many: Runtime...)
         raise TypeError("loss() must return a real number (a float, a 0-d array or a "
                         "one-element tensor), got %s" % (repr(value)[:80],)) from None
 

@@ -56,7 +56,7 @@ from . import _habits
 from ._convert import as_real, check_tensor, refuse_fx_proxies
 from ._params import LINEARS
 from ._torch_fn import attention_kept as _attention_kept
-from ._torch_fn import COMPILE_REASON, refuse_mask_grads, refuse_script
+from ._torch_fn import COMPILE_REASON, refuse_mask_grads, refuse_script, refuse_transformed
 from ._swap import swapped
 from ._torch_functional import multi_head_attention_forward
 from ._torch_mha import MultiheadAttention
@@ -255,6 +255,11 @@ class MultiHeadAttention(nn.Module):
         if unknown:  # torch's names (average_attn_weights, ...) named with ours
             _habits.call_keywords(unknown, "forward")
         refuse_fx_proxies(query, key, value)
+        # a torch.func transform's tensors refused as given, by name: converted
+        # below, every input would be the transform's (naming query for key)
+        refuse_transformed({"mask": mask, "attn_mask": attn_mask,
+                            "key_padding_mask": key_padding_mask, "head_mask": head_mask},
+                           (query, key, value))
         params = self._params()
         dtype = params[0].dtype
         core = self._core_for(dtype)

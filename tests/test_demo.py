@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from _support import PKG_ROOT, has, need
 
@@ -203,3 +204,13 @@ def test_a_terminal_that_cannot_write_the_shape_flows_characters(tmp_path):
         assert "UnicodeEncodeError" not in r.stderr
         assert "parameters: 1,050,624" in r.stdout
         assert "Q·Kᵀ" not in r.stdout and shown in r.stdout, r.stdout
+
+
+def test_a_plot_file_under_a_quoted_tilde_is_the_home_folders(tmp_path, monkeypatch):
+    # "~/x.png" quoted reached the check as it is: "folder '~' does not exist"
+    from mha_ext.__main__ import _plot_file
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _plot_file("~/heads.png") == str(tmp_path / "heads.png")
+    with pytest.raises(Exception, match="such as heads.png or heads.svg"):
+        _plot_file("heads.")                    # not "heads..png"
+

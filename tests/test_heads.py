@@ -219,7 +219,8 @@ def test_errors():
     # a loss returning no number: said so (was float()'s own words), W_o as it was
     w_o = m.W_o.weight.copy()
     x = np.ones((1, 3, 8), np.float32)
-    for bad in (lambda: None, lambda: "high", lambda: m(x)[0]):
+    for bad in (lambda: None, lambda: "high", lambda: m(x)[0], lambda: "1.5",
+                lambda: np.complex128(1 + 2j)):
         with pytest.raises(TypeError, match="loss\\(\\) must return a real number"):
             ablate(m, bad)
     assert np.array_equal(m.W_o.weight, w_o)

@@ -96,6 +96,7 @@ def test_masked_arrays_with_nothing_masked_are_their_data():
 
 
 def test_a_list_holding_masked_arrays_with_masked_entries_is_refused():
+    require_torch()
     """np.asarray of a list drops its masked arrays' masks: the masked (huge)
     value was used without a word."""
     m = MultiHeadAttention(16, 4, seed=0).eval()
@@ -103,7 +104,9 @@ def test_a_list_holding_masked_arrays_with_masked_entries_is_refused():
     row = np.ma.masked_array(q[0].copy())
     row.data[0, 0] = 1e6
     row[0, 0] = np.ma.masked
-    for given in ([row, q[1]], (q[0], row), [[row[0], q[0, 1]], list(q[1])]):
+    import torch
+    for given in ([row, q[1]], (q[0], row), [[row[0], q[0, 1]], list(q[1])],
+                  [torch.from_numpy(q[0]), row]):
         with pytest.raises(TypeError, match="query holds a NumPy masked array"):
             m(given)
     with pytest.raises(TypeError, match="key holds a NumPy masked array"):
@@ -182,6 +185,13 @@ def test_a_0d_array_as_dropout_p_is_its_value_as_the_modules_dropout_reads_it():
     got = mha_ext.scaled_dot_product_attention(Q4, K4, V4, dropout_p=np.array(0.25), seed=3)
     np.testing.assert_array_equal(got, want)
     assert MultiHeadAttention(16, 4, dropout=np.array(0.25)).dropout == 0.25
+    # a masked one whose value is masked: refused, not read as its hidden value
+    hidden = np.ma.masked_array(0.9, mask=True)
+    with pytest.raises(TypeError, match="dropout_p is a NumPy masked array"):
+        mha_ext.scaled_dot_product_attention(Q4, K4, V4, dropout_p=hidden, seed=3)
+    with pytest.raises(TypeError, match="dropout is a NumPy masked array"):
+        MultiHeadAttention(8, 2, seed=0).forward_train(np.ones((1, 4, 8), np.float32),
+                                                       dropout=hidden)
     for bad, says in ((np.array(1.5), "got 1.5"), (np.array([0.1]), "not a real number"),
                       ("0.1", "got str '0.1', not a real number"),
                       (np.array(True), "not a real number")):

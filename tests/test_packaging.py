@@ -260,6 +260,17 @@ def test_setup_py_without_numpy_or_setuptools_77_says_what_to_install(tmp_path):
     assert "needs NumPy and setuptools 77 or newer" in proc.stderr, proc.stderr[-3000:]
     assert "found NumPy none" in proc.stderr
     assert 'pip install "numpy>=2" "setuptools>=77"' in proc.stderr
+    # NumPy 1: the extension needs NumPy 2's headers (a build under 1.26
+    # "succeeded" with a module whose import failed on an undefined symbol)
+    (fake / "numpy" / "__init__.py").write_text("__version__ = '1.26.4'\n"
+                                                "def get_include():\n    return '.'\n")
+    proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"],
+                          cwd=str(repo), capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(fake)))
+    assert proc.returncode != 0
+    assert "needs NumPy 2 or newer" in proc.stderr and "found NumPy 1.26.4" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert not list((repo / "mha_ext").glob("_core*.so"))
 
 
 FINDER = """
@@ -278,6 +289,35 @@ except ImportError as exc:
 else:
     print("imported", mha_ext.__file__, mha_ext._core.__file__)
 """
+
+
+LONE_TREE = """
+import os, sys
+# this tree alone: no folder that holds another mha_ext (site-packages, the
+# team's tree), so no installed package to hand over to
+sys.path[:] = [os.getcwd()] + [p for p in sys.path
+                               if p and not os.path.exists(os.path.join(p, "mha_ext"))]
+try:
+    import mha_ext
+except ImportError as exc:
+    print("ImportError:", exc)
+"""
+
+
+def test_a_tree_without_a_build_and_nothing_installed_says_how_to_build(tmp_path):
+    # the handover's search ran into an UnboundLocalError ("importlib") once
+    # its metadata import moved into the function: a newcomer's first import
+    tree = tmp_path / "lone"
+    shutil.copytree(Path(mha_ext.__file__).parent, tree / "mha_ext",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    proc = subprocess.run([sys.executable, "-c", LONE_TREE], cwd=str(tree),
+                          capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ImportError: mha_ext's C extension (mha_ext._core) is not "
+                                  "built in %s and no installed mha_ext was found"
+                                  % (tree / "mha_ext")), proc.stdout
+    assert "pip install ." in proc.stdout and "build_ext --inplace" in proc.stdout
 
 
 def test_another_trees_extension_found_by_an_editable_install_is_refused(tmp_path):

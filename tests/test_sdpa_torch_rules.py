@@ -454,6 +454,13 @@ def test_a_tensor_subclass_is_read_as_a_tensor(torch):
             with pytest.raises(RuntimeError, match=f"{arg} is a {wrap.__name__}, a tensor "
                                                    f"subclass that holds no data of its own"):
                 call()
+    # an empty LoggingTensor (its storage's data pointer is 0, not an error)
+    for call in (lambda: mha_ext.scaled_dot_product_attention(
+                     LoggingTensor(torch.zeros(1, 2, 0, 8)), q.float(), q.float()),
+                 lambda: drop_in(x, x, x, attn_mask=LoggingTensor(torch.zeros(0, 0)))):
+        with pytest.raises(RuntimeError, match="is a LoggingTensor, a tensor subclass that "
+                                               "holds no data"):
+            call()
 
 
 def test_make_fx_is_refused_not_traced_as_a_constant(torch):
