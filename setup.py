@@ -69,15 +69,6 @@ class build_ext_checked(build_ext):
     """build_ext that says so when there is no usable C compiler."""
 
     def build_extensions(self):
-        # the extension itself needs NumPy 2's headers (PyArray_ImportNumPyAPI):
-        # under NumPy 1 the compiler warns of an implicit declaration and the
-        # build "succeeds" with a module that cannot be imported (sdist and
-        # build_py run under any NumPy: CI builds the sdist under NumPy 1.25)
-        if int(numpy.__version__.split(".")[0]) < 2:
-            raise SystemExit("error: building mha_ext's extension needs NumPy 2 or newer "
-                             "(its headers; the built module then runs on NumPy 1.25 and "
-                             "newer), found NumPy %s: pip install \"numpy>=2\", then run "
-                             "it again" % numpy.__version__)
         cc = (getattr(self.compiler, "compiler_so", None) or ["cc"])[0]
         with tempfile.TemporaryDirectory() as tmp:
             probe = os.path.join(tmp, "mha_ext_probe.c")
@@ -89,6 +80,16 @@ class build_ext_checked(build_ext):
                 message = NO_COMPILER.format(cc=cc, error=str(exc).strip() or
                                              type(exc).__name__)
                 raise SystemExit("error: " + message) from None
+        # the extension itself needs NumPy 2's headers (PyArray_ImportNumPyAPI):
+        # under NumPy 1 the compiler warns of an implicit declaration and the
+        # build "succeeds" with a module that cannot be imported (sdist and
+        # build_py run under any NumPy: CI builds the sdist under NumPy 1.25).
+        # Checked after the compiler: without one, that is the first thing to say
+        if int(numpy.__version__.split(".")[0]) < 2:
+            raise SystemExit("error: building mha_ext's extension needs NumPy 2 or newer "
+                             "(its headers; the built module then runs on NumPy 1.25 and "
+                             "newer), found NumPy %s: pip install \"numpy>=2\", then run "
+                             "it again" % numpy.__version__)
         # AMX (src/amx_impl.h): a compiler and assembler that know the tile
         # instructions, else the build leaves them out (MHA_EXT_NO_AMX=1 too)
         with tempfile.TemporaryDirectory() as tmp:

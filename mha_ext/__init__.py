@@ -59,7 +59,7 @@ def _first_differing(tree: str, installed: str) -> "str | None":
 
 # what to do when this tree's extension is not built (setup.py checks the same)
 _BUILD_HINT = ("install it (`pip install .`, needs a C compiler) or build it in place "
-               "(`python setup.py build_ext --inplace`, with NumPy and setuptools>=77 "
+               "(`python setup.py build_ext --inplace`, with NumPy 2 and setuptools>=77 "
                "installed)")
 
 
