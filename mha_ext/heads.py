@@ -194,7 +194,7 @@ def _required_arguments(fn: Callable[..., object]) -> bool:
 
 def _loss_value(loss: Callable[[], SupportsFloat]) -> float:
     """loss() as a float, or a TypeError saying loss() must return a number"""
-    value = loss()
+    value: Any = loss()
     if callable(getattr(value, "detach", None)):
         value = value.detach()  # a loss tensor that requires grad: its value
     try:
