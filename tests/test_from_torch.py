@@ -466,3 +466,47 @@ def test_load_state_dict_bad_value_is_atomic(torch, bad, exc):
     with pytest.raises(exc, match=r"out_proj\.bias"):
         m.load_state_dict(sd)
     assert unchanged(m, before)
+
+
+def test_from_torch_of_one_bias_of_k_and_v_says_which(torch):
+    from mha_ext.torch import MultiheadAttention as DropIn
+    ref = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True)
+    ref.bias_v = None
+    with pytest.raises(ValueError, match="has one of bias_k and bias_v but not the other"):
+        DropIn.from_torch(ref)
+
+
+def _seed_style(torch, E, *, d_k=None, n_heads=None, o_bias=True):
+    class Seed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            if d_k is not None:
+                self.d_k = d_k
+            if n_heads is not None:
+                self.n_heads = n_heads
+            self.W_q, self.W_k, self.W_v = (torch.nn.Linear(E, E, dtype=torch.float64)
+                                            for _ in range(3))
+            self.W_o = torch.nn.Linear(E, E, bias=o_bias, dtype=torch.float64)
+    return Seed()
+
+
+def test_a_seed_style_modules_head_count_from_its_head_width(torch):
+    torch.manual_seed(0)
+    assert MultiHeadAttention.from_torch(_seed_style(torch, 8, d_k=2)).n_heads == 4
+
+
+def test_a_seed_style_module_without_one_bias_copies_zeros_there(torch):
+    # W_o without a bias: the copy's W_o.bias is 0, and its output torch's
+    torch.manual_seed(0)
+    seed = _seed_style(torch, 8, n_heads=2, o_bias=False)
+    m = MultiHeadAttention.from_torch(seed)
+    np.testing.assert_array_equal(m.state_dict()["W_o.bias"], np.zeros(8))
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    ref = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([seed.W_q.weight, seed.W_k.weight, seed.W_v.weight]))
+        ref.in_proj_bias.copy_(torch.cat([seed.W_q.bias, seed.W_k.bias, seed.W_v.bias]))
+        ref.out_proj.weight.copy_(seed.W_o.weight)
+        ref.out_proj.bias.zero_()
+        want = ref(x, x, x, need_weights=False)[0].numpy()
+    np.testing.assert_allclose(m(x.numpy())[0], want, rtol=0, atol=1e-12)

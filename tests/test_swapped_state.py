@@ -204,3 +204,25 @@ def test_leaving_runs_again_when_an_exception_stops_it_then_raises_that(monkeypa
     with block:  # usable again: the record cleared
         pass
     assert _state(model) == want
+
+
+def test_a_full_backward_hook_on_the_attention_still_fires_inside_swapped():
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(8, 2)
+    calls = []
+    attn.register_full_backward_hook(lambda m, gi, go: calls.append("hook"))
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x):
+            return self.attn(x, x, x)[0]
+    w = Wrap()
+    x = torch.randn(3, 2, 8, requires_grad=True)
+    w(x).sum().backward()
+    assert calls == ["hook"]
+    with mt.swapped(w):
+        w(x).sum().backward()
+    assert calls == ["hook", "hook"]
