@@ -242,3 +242,13 @@ def test_no_key_heads_under_enable_gqa_is_a_valueerror_not_a_crash(heads):
                          text=True, timeout=120)
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
     assert run.stdout.startswith("ValueError enable_gqa=True"), run.stdout
+
+
+def test_a_grouped_query_module_survives_pickle_and_deepcopy():
+    import copy
+    import pickle
+    m = MultiHeadAttention(16, 4, n_kv_heads=2, seed=0).eval()
+    x = np.random.default_rng(0).standard_normal((1, 3, 16)).astype(np.float32)
+    for c in (pickle.loads(pickle.dumps(m)), copy.deepcopy(m)):
+        assert c.n_kv_heads == 2
+        assert np.array_equal(c(x)[0], m(x)[0])

@@ -632,3 +632,14 @@ def test_python_threads_share_one_module():
             else:
                 assert w is None
                 np.testing.assert_allclose(out, out_s, rtol=2e-5, atol=2e-5)
+
+
+def test_assigning_a_parameter_of_another_shape_is_refused_not_broadcast():
+    m = MultiHeadAttention(4, 2, seed=0)
+    before = m.state_dict()
+    with pytest.raises(ValueError, match=r"weight must have shape \(4, 4\), got \(4,\)"):
+        m.W_q.weight = np.arange(4.0)
+    with pytest.raises(ValueError, match=r"bias must have shape \(4,\), got \(\)"):
+        m.W_o.bias = 7.0
+    for k, v in m.state_dict().items():
+        assert np.array_equal(v, before[k]), k

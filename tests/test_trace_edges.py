@@ -104,3 +104,33 @@ def test_another_threads_edit_between_the_call_and_its_steps_is_refused(how):
     t = m.trace(x)
     np.testing.assert_allclose(t["output projection"].array, t.output, rtol=1e-5, atol=1e-6)
     assert np.array_equal(t.output, m(x)[0])
+
+
+def test_a_cross_cache_trace_shows_no_causal_mask_and_its_softmax_is_the_calls():
+    # a cross-attention cache's call has no causality: the trace showed the
+    # lower-right mask of a self-attention cache (another softmax)
+    m = mha_ext.MultiHeadAttention(8, 2, seed=0).eval()
+    rng = np.random.default_rng(0)
+    cache = m.cache_memory(rng.standard_normal((1, 5, 8)).astype(np.float32))
+    t = m.trace(rng.standard_normal((1, 3, 8)).astype(np.float32), cache=cache)
+    assert t.info["query_position"] == 0 and not t.info["blocked_by"]
+    np.testing.assert_allclose(t["softmax"].array, t.weights, rtol=1e-6, atol=1e-7)
+
+
+def test_query_position_is_where_the_queries_sit_among_the_keys():
+    m = mha_ext.MultiHeadAttention(8, 2, seed=0).eval()
+    x = np.random.default_rng(0).standard_normal((1, 6, 8)).astype(np.float32)
+    cache = m.new_cache(1, 8)
+    m(x[:, :4], cache=cache)                            # 4 keys cached
+    assert m.trace(x[:, 4:5], cache=cache).info["query_position"] == 4
+    kv = np.concatenate([x, x], 1)
+    assert m.trace(x, kv, is_causal="lower_right").info["query_position"] == 6
+    assert m.trace(x).info["query_position"] == 0
+
+
+def test_the_output_projection_step_is_the_calls_output_bit_for_bit():
+    m = mha_ext.MultiHeadAttention(64, 4, seed=0).eval()
+    x = np.random.default_rng(0).standard_normal((2, 33, 64)).astype(np.float32)
+    t = m.trace(x)
+    assert np.array_equal(t["output projection"].array, m(x)[0])
+    assert np.array_equal(t["output projection"].array, t.output)
