@@ -159,11 +159,8 @@ def _holds_no_data(x):
                       "is_traceable_wrapper_subclass", None)
     if wrapper is not None and wrapper(x):  # its data in the tensors it wraps
         return True
-    try:
-        if x.numel() > 0 and x.untyped_storage().nbytes() == 0:
-            return True
-        x.untyped_storage().data_ptr()  # a wrapper made with _make_wrapper_subclass
-        return False                    # (torch's LoggingTensor) raises here: no data
+    try:  # (a wrapper as_subclass cannot unwrap, torch's LoggingTensor: to_numpy's check)
+        return x.numel() > 0 and x.untyped_storage().nbytes() == 0
     except Exception:  # no storage to ask about
         return True
 

@@ -197,17 +197,18 @@ def _loss_value(loss: Callable[[], SupportsFloat]) -> float:
     value: Any = loss()
     if callable(getattr(value, "detach", None)):
         value = value.detach()  # a loss tensor that requires grad: its value
-    try:
-        # float() reads '1.5', and drops a complex number's imaginary part
-        is_complex = getattr(value, "is_complex", None)  # a tensor's
-        if isinstance(value, (str, bytes, complex, np.complexfloating)) or (
-                isinstance(value, np.ndarray) and value.dtype.kind == "c") or (
-                callable(is_complex) and is_complex()):
-            raise TypeError
-        return float(value)
-    except (TypeError, ValueError, RuntimeError, OverflowError):  # (a tensor of many: Runtime...)
-        raise TypeError("loss() must return a real number (a float, a 0-d array or a "
-                        "one-element tensor), got %s" % (repr(value)[:80],)) from None
+    is_complex = getattr(value, "is_complex", None)  # a tensor's
+    # float() reads '1.5', and drops a complex number's imaginary part
+    refused = isinstance(value, (str, bytes, complex, np.complexfloating)) or (
+        isinstance(value, np.ndarray) and value.dtype.kind == "c") or (
+        callable(is_complex) and is_complex())
+    if not refused:
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError, OverflowError):  # (a tensor of many: Runtime...)
+            pass
+    raise TypeError("loss() must return a real number (a float, a 0-d array or a "
+                    "one-element tensor), got %s" % (repr(value)[:80],))
 
 
 def ablate(module: _Heads, loss: Callable[[], SupportsFloat]) -> tuple[float, np.ndarray]:

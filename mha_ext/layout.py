@@ -179,6 +179,14 @@ def _count(x: object, name: str, low: int = 0) -> int:
     return int(x)
 
 
+def _reach(x: object, name: str, low: int = 0) -> int:
+    """A count that block indices are compared against (a band's width, a
+    stride): _count's checks, then at most 2**62, above every block index,
+    so that NumPy's int64 arithmetic takes it (10**30 means what 2**62
+    means: every block within reach)."""
+    return min(_count(x, name, low), 2**62)
+
+
 def _causal(causal: object) -> bool:
     """the pattern helpers' causal= checked: True or False only.  It cuts
     block indices (kb <= qb); a string such as is_causal's "lower_right"
@@ -198,7 +206,7 @@ def local_blocks(Sq: Int, Sk: Int, block_size: BlockSize, width: Int = 1,
     kb = qb); with square blocks and causal=True, combine it with is_causal
     for the elementwise diagonal."""
     qb, kb, i, j = _grid(Sq, Sk, block_size)
-    w = _count(width, "width")
+    w = _reach(width, "width")
     keep = (j >= i - w) & (j <= (i if _causal(causal) else i + w))
     return BlockLayout(keep, (qb, kb))
 
@@ -210,8 +218,8 @@ def strided(Sq: Int, Sk: Int, block_size: BlockSize, stride: Int, width: Int = 0
     kb % stride == stride - 1 (the "summary" columns every later query
     reads); causal keeps only kb <= qb."""
     qb, kb, i, j = _grid(Sq, Sk, block_size)
-    s = _count(stride, "stride", 1)
-    w = _count(width, "width")
+    s = _reach(stride, "stride", 1)
+    w = _reach(width, "width")
     keep = ((j >= i - w) & (j <= i + w)) | (j % s == s - 1)
     if _causal(causal):
         keep &= j <= i
@@ -225,8 +233,8 @@ def global_local(Sq: Int, Sk: Int, block_size: BlockSize, global_blocks: Int = 1
     `global_blocks` query blocks see every key (causal: only keys of blocks
     kb <= qb)."""
     qb, kb, i, j = _grid(Sq, Sk, block_size)
-    g = _count(global_blocks, "global_blocks")
-    w = _count(width, "width")
+    g = _reach(global_blocks, "global_blocks")
+    w = _reach(width, "width")
     keep = ((j >= i - w) & (j <= i + w)) | (j < g) | (i < g)
     if _causal(causal):
         keep &= j <= i
