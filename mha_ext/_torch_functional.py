@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import _convert
@@ -275,7 +276,21 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
                                  f"{E}), got shape {tuple(b.shape)}")
     p = 0.0  # unread outside training, as torch's functional leaves it unchecked
     if training:
-        p = _convert.as_float(dropout_p, "dropout_p", "a probability in [0, 1]")
+        value = dropout_p
+        if isinstance(dropout_p, np.ndarray) or (isinstance(dropout_p, torch.Tensor)
+                                                 and dropout_p.dim() != 0):
+            # torch's SDPA (need_weights=False) and, above 0, its dropout take
+            # a float: an array or a tensor with dimensions is its TypeError
+            # there; its weights path compares one element with 0 first
+            n = dropout_p.numel() if isinstance(dropout_p, torch.Tensor) else dropout_p.size
+            value = dropout_p.item() if need_weights and n == 1 else None
+            if value is None or not value <= 0.0:
+                raise TypeError(f"dropout_p must be a float (or a 0-d tensor) in training, "
+                                f"not a {type(dropout_p).__module__}."
+                                f"{type(dropout_p).__name__} of shape "
+                                f"{tuple(dropout_p.shape)} (torch: argument 'dropout_p' must "
+                                f"be float)")
+        p = _convert.as_float(value, "dropout_p", "a probability in [0, 1]")
         words = f"dropout probability has to be between 0 and 1, but got {p} (dropout_p)"
         if p > 1.0:   # torch's dropout's ValueError; its SDPA's RuntimeError
             raise (ValueError if need_weights else ValueErrorAndRuntimeError)(words)

@@ -8,6 +8,8 @@ Legend: L query length, S key length, B batch, E = embed_dim, H = num_heads.
 """
 import itertools
 
+import numpy as np
+
 import pytest
 
 from _support import require_torch
@@ -522,3 +524,29 @@ def test_a_bias_k_of_e_values_in_another_shape_is_refused_as_torch_refuses_it():
             F.multi_head_attention_forward(*args, training=False)
         with pytest.raises(RuntimeError, match="must hold embed_dim = 4 values"):
             mt.multi_head_attention_forward(*args, training=False)
+
+
+@pytest.mark.parametrize("dropout_p", [np.array(0.0), np.array(0.5), np.array([0.0]),
+                                       torch.tensor([0.0]), torch.tensor([0.5]),
+                                       torch.tensor(0.5), np.float64(0.5), 0])
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("training", [True, False])
+def test_an_array_as_dropout_p_is_refused_where_torch_refuses_it(dropout_p, need_weights,
+                                                                  training):
+    """torch hands dropout_p to its SDPA (need_weights=False) or, above 0,
+    to its dropout, both of which take a float: a NumPy array or a tensor
+    with dimensions is its TypeError there, and computed where torch reads
+    no float (outside training, or no dropout drawn with the weights)."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 2, 4, dtype=torch.float64)
+    W, b = torch.randn(12, 4, dtype=torch.float64), torch.randn(12, dtype=torch.float64)
+    Wo, bo = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    args = (q, q, q, 4, 2, W, b, None, None, False, dropout_p, Wo, bo)
+    kw = dict(training=training, need_weights=need_weights)
+    try:
+        F.multi_head_attention_forward(*args, **kw)
+    except TypeError:
+        with pytest.raises(TypeError, match="dropout_p must be a float.*torch: argument"):
+            mt.multi_head_attention_forward(*args, **kw)
+    else:
+        mt.multi_head_attention_forward(*args, **kw)
