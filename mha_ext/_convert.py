@@ -84,6 +84,17 @@ def check_tensor(x, name):
     tensors on the meta device, which have no data (ValueError), and vmap's
     batched tensors (RuntimeError; torch is imported already when x is its
     tensor)."""
+    torch = sys.modules["torch"]
+    if (type(x) in (torch.Tensor, torch.nn.Parameter) and not x.is_nested
+            and x.layout is torch.strided and not x.is_meta):
+        # a plain dense tensor (the usual case): the rules below, without the
+        # lookups a subclass needs (a CausalBias is a subclass)
+        for f in _batched_checks():
+            if f(x):
+                break
+        else:
+            check_storage(x, name)
+            return
     if getattr(x, "is_nested", False):  # strided or jagged: no one array to read
         raise TypeError(f"{name} is a nested tensor, which mha_ext's kernels cannot read: "
                         f"pad it first (x.to_padded_tensor(0.0)) and mask the padding "
@@ -240,6 +251,8 @@ def _holds_masked(x, ma, depth=0) -> bool:
 def as_array(x, name) -> np.ndarray:
     """x as an ndarray (no copy for an ndarray or a CPU tensor), with a
     message naming `name` when it cannot be one."""
+    if type(x) is np.ndarray:  # the usual case: nothing to convert or check
+        return x
     if is_tensor(x):
         check_tensor(x, name)
     elif type(x) is not np.ndarray:
@@ -351,6 +364,8 @@ def probability(value, name) -> float:
     bool) as a float;
     ValueError naming `name` otherwise, NaN included (an int too large for a
     float: also the OverflowError torch raises)."""
+    if type(value) is float and 0.0 <= value <= 1.0:  # the usual case, checked first
+        return value
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
         # a 0-d real array: its value, as the module's dropout reads it (a
         # masked one with its value masked: refused, as wherever arrays are read)

@@ -197,7 +197,9 @@ def _dropout_p(value):
                             f"got a tensor of shape {tuple(value.shape)}, {value.dtype}, "
                             f"requires_grad={value.requires_grad}")
         value = value.item()
-    elif not isinstance(value, numbers.Real):  # a NumPy array, a string, None: torch's type
+    elif type(value) is not float and not isinstance(value, numbers.Real):
+        # a NumPy array, a string, None: torch's type (a float, the usual
+        # case, skips the ABC's check)
         raise TypeError(f"dropout_p must be a float or a 0-d real tensor without grad, not "
                         f"{type(value).__name__} (torch: argument 'dropout_p' must be float)")
     try:

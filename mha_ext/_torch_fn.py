@@ -14,10 +14,11 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from typing import Any, Iterator, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
+from torch.autograd import forward_ad as _forward_ad
 from torch.nn.utils import parametrize
 
 from . import _calls, _params, autograd as _ag
@@ -105,19 +106,32 @@ def drop_hooks(module, kind, match) -> None:
             getattr(module, attr, {}).pop(key, None)
 
 
-@contextlib.contextmanager
-def refused_draws_nothing(draws: bool) -> Iterator[None]:
+class _PutsBackTheGenerator:
+    """refused_draws_nothing's context when the call draws: torch's
+    generator state before it, put back if the call raises."""
+
+    def __init__(self) -> None:
+        self.drawn = torch.get_rng_state()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is not None:
+            torch.set_rng_state(self.drawn)
+        return False
+
+
+_DRAWS_NOTHING = contextlib.nullcontext()
+
+
+def refused_draws_nothing(draws: bool) -> contextlib.AbstractContextManager[None]:
     """Around a call that draws its dropout stream (torch_stream) before
     the C side checks its arguments: when draws, a call refused inside puts
     torch's generator back, as torch's module and SDPA check before they
-    draw."""
-    drawn = torch.get_rng_state() if draws else None
-    try:
-        yield
-    except BaseException:
-        if drawn is not None:
-            torch.set_rng_state(drawn)
-        raise
+    draw.  (A class, not a generator: a call without dropout, the usual
+    one, then costs no generator frame.)"""
+    return _PutsBackTheGenerator() if draws else _DRAWS_NOTHING
 
 
 def refuse_mask_grads(**masks) -> None:
@@ -343,16 +357,18 @@ def refuse_unrecordable(masks, tensors) -> None:
         raise RuntimeError(ONNX_EXPORT)
     if _PROXY is not None and torch._C._get_dispatch_mode(_PROXY) is not None:
         raise RuntimeError(MAKE_FX)  # (make_fx's real, fake and symbolic tracing alike)
-    ft = torch._C._functorch
-    # the masks named first, then the parameters: under a transform of the
-    # parameters alone (functional_call) the inputs' conversions (x.to(dtype))
-    # are the transform's tensors too, and the parameters are what it took
-    named = [*masks.items(), *(("a weight or bias of the attention", t) for t in tensors[3:]),
-             *zip(("query", "key", "value"), tensors[:3])]
-    for name, t in named:
-        if isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t):
-            raise RuntimeError(batched(name) if ft.is_batchedtensor(t)
-                               else f"{name} {FUNC_TRANSFORMS}")
+    if _transformed(masks, tensors):
+        ft = torch._C._functorch
+        # the masks named first, then the parameters: under a transform of the
+        # parameters alone (functional_call) the inputs' conversions (x.to(dtype))
+        # are the transform's tensors too, and the parameters are what it took
+        named = [*masks.items(),
+                 *(("a weight or bias of the attention", t) for t in tensors[3:]),
+                 *zip(("query", "key", "value"), tensors[:3])]
+        for name, t in named:
+            if isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t):
+                raise RuntimeError(batched(name) if ft.is_batchedtensor(t)
+                                   else f"{name} {FUNC_TRANSFORMS}")
     for name, t in masks.items():
         if isinstance(t, torch.Tensor) and _has_tangent((t,)):
             raise NotImplementedError(
@@ -365,10 +381,14 @@ def refuse_transformed(masks, tensors) -> None:
     one is a tensor of a torch.func transform: what the call derives from
     them is the transform's too, and the call's own work (a module made,
     drawing its initialisation) would meet the transform first."""
-    ft = torch._C._functorch
-    if any(isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t)
-           for t in (*masks.values(), *tensors)):
+    if _transformed(masks, tensors):
         refuse_unrecordable(masks, tensors)
+
+
+def _transformed(masks, tensors) -> bool:
+    """Whether a mask or tensor is a tensor of a torch.func transform."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(isinstance(t, torch.Tensor) and wrapped(t) for t in (*masks.values(), *tensors))
 
 
 def records(core, opts, tensors) -> bool:
@@ -489,10 +509,9 @@ def _has_tangent(tensors):
     """Whether a tensor carries a forward-mode tangent (a dual tensor, which
     no_grad does not stop): the Function path then says it has no jvp,
     where the plain path would drop the tangent without a word."""
-    from torch.autograd import forward_ad
-    if getattr(forward_ad, "_current_level", 0) < 0:  # no dual level open
+    if getattr(_forward_ad, "_current_level", 0) < 0:  # no dual level open
         return False
-    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    return any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def _forward_plain(core, q, k, v, parts, opts):
