@@ -165,6 +165,7 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
                          "key_tokens" if key_tokens is not None else "tokens", "keys")
 
     matplotlib, Figure = _matplotlib()
+    from matplotlib.colors import Normalize
     from matplotlib.ticker import MaxNLocator
 
     if ncols is None:
@@ -209,6 +210,9 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
 
     fig = Figure(figsize=figsize, layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
+    # one scale object for every panel and the colour bar: where the bar
+    # widens equal limits (vmin == vmax) every panel follows
+    norm = Normalize(vmin=vmin, vmax=vmax)
     image = None
     shown = []
     for h in range(nrows * ncols):
@@ -216,8 +220,8 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
         if h >= H:
             ax.set_visible(False)
             continue
-        image = ax.imshow(np.ma.masked_invalid(w[h]), cmap=cm, vmin=vmin,
-                          vmax=vmax, aspect="auto", interpolation="nearest")
+        image = ax.imshow(np.ma.masked_invalid(w[h]), cmap=cm, norm=norm, aspect="auto",
+                          interpolation="nearest")
         if blk is not None and blk[h].any():
             _hatch(ax, blk[h])
         shown.append(ax)
