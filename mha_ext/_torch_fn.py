@@ -23,7 +23,7 @@ from torch.nn.utils import parametrize
 
 from . import _calls, _params, autograd as _ag
 from ._convert import batched, to_numpy
-from ._params import BLOCK_KEYS, seed_keys
+from ._params import seed_keys
 
 __all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "HALF", "attention", "attention_kept", "holds",
            "records", "refuse_mask_grads", "refuse_script", "refuse_transformed",
@@ -245,13 +245,19 @@ class AttentionFunction(torch.autograd.Function):
     mask (opts["head_mask"] its detached copy), which gets dL/d head_mask;
     with opts["mask_inputs"] (names of MASKS) the last tensors are those
     masks (taken detached), which get dL/d mask (their part of the masked
-    scores' gradient).  weights is an empty tensor with need_weights=False."""
+    scores' gradient).  With opts["packed"] params are packed instead:
+    in_proj_weight (3E, E) and in_proj_bias (3E,) whole, then W_o's weight
+    and bias (_packed_groups), each in_proj tensor split here as NumPy views
+    and its gradient the three parts' concatenated.  weights is an empty
+    tensor with need_weights=False."""
 
     @staticmethod
     def forward(ctx, core, opts, query, key, value, *params):
         ctx.hm_input = bool(opts.get("head_mask_input", False))
+        ctx.packed = bool(opts.get("packed", False))
         names = opts.get("mask_inputs", ())
-        opts = {k: v for k, v in opts.items() if k not in ("head_mask_input", "mask_inputs")}
+        opts = {k: v for k, v in opts.items()
+                if k not in ("head_mask_input", "mask_inputs", "packed")}
         masks = ()
         if names:
             params, masks = params[:-len(names)], params[-len(names):]
@@ -267,8 +273,9 @@ class AttentionFunction(torch.autograd.Function):
             # place by the C call (views of the tensors): no block joined
             # per call, which cost more than the attention at small sizes
             # (B1 S1 E768: 3.8 ms a call against torch's 0.16)
-            used = params[:len(seed_keys(core))]
-            parts = _params.parts(core, [to_numpy(p, "parameters") for p in used])
+            groups = _groups(core, ctx.packed)
+            arrays = [to_numpy(p, "parameters") for p in params[:len(groups)]]
+            parts = _params.parts(core, _unpacked(core, groups, arrays))
             q, k, v = (to_numpy(x, n) for x, n in ((query, "query"), (key, "key"),
                                                     (value, "value")))
             if not any(ctx.needs_input_grad):  # no backward will come: keep nothing for it
@@ -438,11 +445,14 @@ def attention(core, opts, query, key, value, *params):
 _KEPT: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 
 
-def attention_kept(module, core, opts, query, key, value, sources, get_params):
+def attention_kept(module, core, opts, query, key, value, sources, get_params,
+                   get_packed=None):
     """attention(core, opts, query, key, value, *get_params()) for a torch
     module whose parameter tensors are `sources` (None where absent), with
     get_params() (the parameters made from those very tensors) called only
-    when the views are not kept already.  The plain path reuses
+    when the views are not kept already; a call autograd records takes
+    get_packed()'s tensors instead where it gives them (not None: the
+    Function's opts["packed"]).  The plain path reuses
     the Parts (NumPy views) of the module's last plain call while every
     source still is the same memory read the same way: the same address,
     dtype, shape, strides, type and negation/conjugation flags (a hit reads
@@ -455,6 +465,9 @@ def attention_kept(module, core, opts, query, key, value, sources, get_params):
     about a sixth of the drop-in's call)."""
     present = tuple(t for t in sources if t is not None)
     if records(core, opts, (query, key, value, *present)):
+        packed = get_packed() if get_packed is not None else None
+        if packed is not None:
+            return _apply(core, dict(opts, packed=True), query, key, value, *packed)
         return _apply(core, opts, query, key, value, *get_params())
     memory = None  # kept only for registered parameters (not a parametrization's
     if all(t is None or isinstance(t, torch.nn.Parameter) for t in sources):  # new tensors)
@@ -530,6 +543,31 @@ def _forward_plain(core, q, k, v, parts, opts):
 # what the attention weights do not depend on: the values' path and W_o
 _WEIGHTS_ONLY = ("value", "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias", "bias_v")
 
+# AttentionFunction's packed parameters: the block tensors each one stacks
+_PACKED = (("W_q.weight", "W_k.weight", "W_v.weight"), ("W_q.bias", "W_k.bias", "W_v.bias"),
+           ("W_o.weight",), ("W_o.bias",), ("bias_k",), ("bias_v",))
+
+
+def _groups(core, packed):
+    """The block tensors (seed keys) each parameter of AttentionFunction
+    stands for, in its order: one each, or with `packed` in_proj's
+    three; those the core's block has."""
+    keys = seed_keys(core)
+    if not packed:
+        return [(k,) for k in keys]
+    return [g for g in _PACKED if g[0] in keys]
+
+
+def _unpacked(core, groups, arrays):
+    """The block's arrays (seed_keys order) from the parameters' arrays:
+    a packed in_proj tensor split along its first axis (views)."""
+    block = {}
+    for group, a in zip(groups, arrays):
+        n = a.shape[0] // len(group) if a.ndim else 0
+        block.update(zip(group, [a] if len(group) == 1 else
+                         [a[i * n:(i + 1) * n] for i in range(len(group))]))
+    return [block[k] for k in seed_keys(core)]
+
 
 def _gradients(ctx, saved, saved_tensors, grad_out, grad_weights):
     # [d query, d key, d value, d params...] as tensors, None where not needed
@@ -550,14 +588,17 @@ def _gradients(ctx, saved, saved_tensors, grad_out, grad_weights):
     off = _WEIGHTS_ONLY if grad_out is None else ()
     inputs = [torch.from_numpy(grads[k]) if need[2 + i] and k not in off else None
               for i, k in enumerate(("query", "key", "value"))]
-    keys = [k for k in BLOCK_KEYS if k in grads]  # block order: bias_k, bias_v last
-    params = [torch.from_numpy(np.ascontiguousarray(grads[k]))
-              if need[5 + i] and k not in off else None for i, k in enumerate(keys)]
+    groups = _groups(core, ctx.packed)  # block order: bias_k, bias_v last
+    params = [None if not need[5 + i] or all(k in off for k in group) else
+              torch.from_numpy(np.ascontiguousarray(grads[group[0]])) if len(group) == 1 else
+              torch.from_numpy(np.concatenate([np.zeros_like(grads[k]) if k in off else grads[k]
+                                               for k in group]))
+              for i, group in enumerate(groups)]
     # parameters outside the core's block (the head mask and the masks,
     # saved last, are not)
-    unused = saved_tensors[3 + len(keys):len(saved_tensors) - ctx.hm_input - n_masks]
+    unused = saved_tensors[3 + len(groups):len(saved_tensors) - ctx.hm_input - n_masks]
     # (one that needs a gradient requires grad, so forward saved it)
-    params += [torch.zeros_like(p) if need[5 + len(keys) + i] else None
+    params += [torch.zeros_like(p) if need[5 + len(groups) + i] else None
                for i, p in enumerate(unused)]
     if ctx.hm_input:
         params.append(torch.from_numpy(grads["head_mask"]) if need[-1 - n_masks] else None)

@@ -305,6 +305,25 @@ class MultiheadAttention(nn.MultiheadAttention):
         bs = (in_b[:E], in_b[E:2 * E], in_b[2 * E:], out_b)
         return [t for pair in zip(ws, bs) for t in pair] + kv
 
+    def _packed(self, sources):
+        """The parameters as the autograd Function takes them packed
+        (AttentionFunction's opts["packed"]): in_proj_weight and
+        in_proj_bias whole (split there as NumPy views), out_proj's weight
+        and bias, then bias_k, bias_v; the biases left out when the module
+        has none.  Autograd's slices of in_proj_weight (_params) cost a
+        zero (3E, E) tensor each in the backward, and their sum: about a
+        sixth of a training step at B 8, S 128, E 512.  None where the
+        module does not hold them so (separate weights, one bias of the two
+        missing, another shape): _params' views then."""
+        in_w, _, _, _, in_b, out_w, out_b, bias_k, bias_v = sources
+        E = self.embed_dim
+        if not self._qkv_same_embed_dim or in_w is None or tuple(in_w.shape) != (3 * E, E) \
+                or (in_b is None) != (out_b is None) \
+                or (in_b is not None and tuple(in_b.shape) != (3 * E,)):
+            return None
+        kv = [] if bias_k is None else [bias_k.reshape(-1), bias_v.reshape(-1)]
+        return ([in_w, out_w] if in_b is None else [in_w, in_b, out_w, out_b]) + kv
+
     def _torch_fast_path(self, query, key, value, attn_mask, key_padding_mask):
         """Whether torch.nn.MultiheadAttention would take its fused path for
         this call; that path gives NaN for a query that sees no key even
@@ -535,7 +554,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         else:
             try:
                 out, weights = attention_kept(self, core, opts, q, k, v, sources,
-                                               lambda: self._params(sources))
+                                               lambda: self._params(sources),
+                                               lambda: self._packed(sources))
             except ValueError as exc:
                 if not batched or self.batch_first:
                     raise
