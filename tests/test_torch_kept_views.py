@@ -4,7 +4,8 @@ its inputs while every parameter is still the same memory.  These tests
 check that the views are reused, and that every way of changing the
 parameters reaches the next call all the same: writes in place, a new
 tensor under .data, a new Parameter, .double(), a parametrization,
-torch.func.functional_call, and a deepcopy.
+torch.func.functional_call, and a deepcopy.  A call autograd records reads
+in_proj_weight and in_proj_bias whole (no autograd slices of them).
 
 Each expectation is torch.nn.MultiheadAttention's output with the same
 parameters (float32: 1e-5; float64: 1e-10).
@@ -236,3 +237,33 @@ def test_scores_overflowing_to_minus_inf_give_torchs_nan():
         got = ours(x, x, x, need_weights=False)[0]
     assert torch.isnan(want).all()
     assert torch.isnan(got).all()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("bias_kv", [False, True])
+def test_a_recorded_call_reads_in_proj_whole_and_its_gradients_are_torchs(bias, bias_kv):
+    """Under autograd the packed in_proj_weight and in_proj_bias reach the
+    Function whole (no slice of them in the graph: each slice's backward
+    allocated a zeroed (3E, E) tensor), and their gradients are torch's."""
+    torch.manual_seed(1)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, bias=bias, add_bias_kv=bias_kv,
+                                      dtype=torch.float64)
+    ours = mt.MultiheadAttention(E, H, batch_first=True, bias=bias, add_bias_kv=bias_kv,
+                                 dtype=torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    out, _ = ours(x, x, x, need_weights=False)
+    seen, todo = {}, [out.grad_fn]
+    while todo:  # every node of the graph
+        f = todo.pop()
+        if f is not None and id(f) not in seen:
+            seen[id(f)] = f
+            todo += [g for g, _ in f.next_functions]
+    nodes = {type(f).__name__ for f in seen.values()}
+    assert "AttentionFunctionBackward" in nodes
+    assert not any("Slice" in n for n in nodes), nodes
+    want, _ = ref(x, x, x, need_weights=False)
+    want.square().sum().backward()
+    out.square().sum().backward()
+    for (name, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-10, msg=name)
