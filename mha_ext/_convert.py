@@ -170,9 +170,16 @@ def _holds_no_data(x):
                       "is_traceable_wrapper_subclass", None)
     if wrapper is not None and wrapper(x):  # its data in the tensors it wraps
         return True
-    try:  # (a wrapper as_subclass cannot unwrap, torch's LoggingTensor: to_numpy's check)
-        return x.numel() > 0 and x.untyped_storage().nbytes() == 0
-    except Exception:  # no storage to ask about
+    try:
+        if x.numel() > 0 and x.untyped_storage().nbytes() == 0:
+            return True
+        # a wrapper made with _make_wrapper_subclass has a storage of the
+        # right size but no data (torch's LoggingTensor, MaskedTensor): its
+        # data pointer raises, where as_subclass could hand back a plain
+        # tensor over that storage (a wrapper whose alias runs undispatched)
+        x.untyped_storage().data_ptr()
+        return False
+    except Exception:  # no storage to ask about, or no data in it
         return True
 
 

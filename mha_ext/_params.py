@@ -25,7 +25,8 @@ from ._convert import as_real, flag
 
 __all__ = ["kv_width", "LINEARS", "SEED_KEYS", "BIAS_KV", "BLOCK_KEYS", "TORCH_PACKED", "TORCH_SEPARATE",
            "TORCH_KEYS", "TORCH_PARTS", "TORCH_UNSUPPORTED", "IncompatibleKeys", "seed_keys", "shape",
-           "tensor", "state_dict", "load_block", "params_block", "grads", "Parts", "parts"]
+           "tensor", "state_dict", "load_block", "params_block", "grads", "Parts", "parts", "groups",
+           "unpacked"]
 
 # the four projections, in the order of the C block
 LINEARS = ("W_q", "W_k", "W_v", "W_o")
@@ -224,3 +225,27 @@ def grads(mha, block):
     """A gradient block as a dict under the seed keys (views of `block`)."""
     layout = mha._layout()
     return {k: tensor(mha, i, block) for i, k in enumerate(BLOCK_KEYS) if layout[i][1] != 0}
+
+
+def groups(mha, packed):
+    """The block tensors (seed keys) each parameter of the torch autograd
+    Function (mha_ext._torch_fn.AttentionFunction) stands for, in its
+    order: one each, or with `packed` torch's packed tensors (TORCH_PACKED,
+    then bias_k, bias_v), in_proj's stacking three; those mha's block has."""
+    keys = seed_keys(mha)
+    if not packed:
+        return [(k,) for k in keys]
+    stacks = (tuple(BLOCK_KEYS[i] for i in TORCH_PARTS[k]) for k in TORCH_PACKED + BIAS_KV)
+    return [g for g in stacks if g[0] in keys]
+
+
+def unpacked(mha, groups, arrays):
+    """The block's arrays (seed_keys order) from arrays of the tensors
+    `groups` names: one that stacks several split along its first axis
+    (views)."""
+    block = {}
+    for group, a in zip(groups, arrays):
+        n = a.shape[0] // len(group) if a.ndim else 0
+        block.update(zip(group, [a] if len(group) == 1 else
+                         [a[i * n:(i + 1) * n] for i in range(len(group))]))
+    return [block[k] for k in seed_keys(mha)]

@@ -116,10 +116,9 @@ class _PutsBackTheGenerator:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind, exc, tb) -> bool:
+    def __exit__(self, kind, exc, tb) -> None:  # (the exception goes on)
         if kind is not None:
             torch.set_rng_state(self.drawn)
-        return False
 
 
 _DRAWS_NOTHING = contextlib.nullcontext()
@@ -247,7 +246,7 @@ class AttentionFunction(torch.autograd.Function):
     masks (taken detached), which get dL/d mask (their part of the masked
     scores' gradient).  With opts["packed"] params are packed instead:
     in_proj_weight (3E, E) and in_proj_bias (3E,) whole, then W_o's weight
-    and bias (_packed_groups), each in_proj tensor split here as NumPy views
+    and bias (mha_ext._params.groups), each in_proj tensor split here as NumPy views
     and its gradient the three parts' concatenated.  weights is an empty
     tensor with need_weights=False."""
 
@@ -273,9 +272,9 @@ class AttentionFunction(torch.autograd.Function):
             # place by the C call (views of the tensors): no block joined
             # per call, which cost more than the attention at small sizes
             # (B1 S1 E768: 3.8 ms a call against torch's 0.16)
-            groups = _groups(core, ctx.packed)
+            groups = _params.groups(core, ctx.packed)
             arrays = [to_numpy(p, "parameters") for p in params[:len(groups)]]
-            parts = _params.parts(core, _unpacked(core, groups, arrays))
+            parts = _params.parts(core, _params.unpacked(core, groups, arrays))
             q, k, v = (to_numpy(x, n) for x, n in ((query, "query"), (key, "key"),
                                                     (value, "value")))
             if not any(ctx.needs_input_grad):  # no backward will come: keep nothing for it
@@ -543,32 +542,6 @@ def _forward_plain(core, q, k, v, parts, opts):
 # what the attention weights do not depend on: the values' path and W_o
 _WEIGHTS_ONLY = ("value", "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias", "bias_v")
 
-# AttentionFunction's packed parameters: the block tensors each one stacks
-_PACKED = (("W_q.weight", "W_k.weight", "W_v.weight"), ("W_q.bias", "W_k.bias", "W_v.bias"),
-           ("W_o.weight",), ("W_o.bias",), ("bias_k",), ("bias_v",))
-
-
-def _groups(core, packed):
-    """The block tensors (seed keys) each parameter of AttentionFunction
-    stands for, in its order: one each, or with `packed` in_proj's
-    three; those the core's block has."""
-    keys = seed_keys(core)
-    if not packed:
-        return [(k,) for k in keys]
-    return [g for g in _PACKED if g[0] in keys]
-
-
-def _unpacked(core, groups, arrays):
-    """The block's arrays (seed_keys order) from the parameters' arrays:
-    a packed in_proj tensor split along its first axis (views)."""
-    block = {}
-    for group, a in zip(groups, arrays):
-        n = a.shape[0] // len(group) if a.ndim else 0
-        block.update(zip(group, [a] if len(group) == 1 else
-                         [a[i * n:(i + 1) * n] for i in range(len(group))]))
-    return [block[k] for k in seed_keys(core)]
-
-
 def _gradients(ctx, saved, saved_tensors, grad_out, grad_weights):
     # [d query, d key, d value, d params...] as tensors, None where not needed
     # (saved: the forward's context, filled again)
@@ -588,7 +561,7 @@ def _gradients(ctx, saved, saved_tensors, grad_out, grad_weights):
     off = _WEIGHTS_ONLY if grad_out is None else ()
     inputs = [torch.from_numpy(grads[k]) if need[2 + i] and k not in off else None
               for i, k in enumerate(("query", "key", "value"))]
-    groups = _groups(core, ctx.packed)  # block order: bias_k, bias_v last
+    groups = _params.groups(core, ctx.packed)  # block order: bias_k, bias_v last
     params = [None if not need[5 + i] or all(k in off for k in group) else
               torch.from_numpy(np.ascontiguousarray(grads[group[0]])) if len(group) == 1 else
               torch.from_numpy(np.concatenate([np.zeros_like(grads[k]) if k in off else grads[k]

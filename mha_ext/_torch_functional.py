@@ -21,6 +21,7 @@ Legend: L query length, S key length, B batch, E = embed_dim, H = num_heads.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import numpy as np
@@ -284,7 +285,7 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
             # there; its weights path compares one element with 0 first
             n = dropout_p.numel() if isinstance(dropout_p, torch.Tensor) else dropout_p.size
             value = dropout_p.item() if need_weights and n == 1 else None
-            if value is None or not value <= 0.0:
+            if not isinstance(value, numbers.Real) or value > 0.0:  # (torch's test: > 0)
                 raise TypeError(f"dropout_p must be a float (or a 0-d tensor) in training, "
                                 f"not a {type(dropout_p).__module__}."
                                 f"{type(dropout_p).__name__} of shape "

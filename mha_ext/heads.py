@@ -197,16 +197,16 @@ def _loss_value(loss: Callable[[], SupportsFloat]) -> float:
     value: Any = loss()
     if callable(getattr(value, "detach", None)):
         value = value.detach()  # a loss tensor that requires grad: its value
-    is_complex = getattr(value, "is_complex", None)  # a tensor's
-    # float() reads '1.5', and drops a complex number's imaginary part
-    refused = isinstance(value, (str, bytes, complex, np.complexfloating)) or (
-        isinstance(value, np.ndarray) and value.dtype.kind == "c") or (
-        callable(is_complex) and is_complex())
-    if not refused:
-        try:
+    try:  # (what asks about the value raises too: a tensor of many, RuntimeError)
+        is_complex = getattr(value, "is_complex", None)  # a tensor's
+        # float() reads '1.5', and drops a complex number's imaginary part
+        refused = isinstance(value, (str, bytes, complex, np.complexfloating)) or (
+            isinstance(value, np.ndarray) and value.dtype.kind == "c") or (
+            callable(is_complex) and is_complex())
+        if not refused:
             return float(value)
-        except (TypeError, ValueError, RuntimeError, OverflowError):  # (a tensor of many: Runtime...)
-            pass
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        pass
     raise TypeError("loss() must return a real number (a float, a 0-d array or a "
                     "one-element tensor), got %s" % (repr(value)[:80],))
 

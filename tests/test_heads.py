@@ -327,3 +327,20 @@ def test_ablate_restores_w_o_whichever_step_an_interrupt_stops(monkeypatch):
             raised += 1
         np.testing.assert_array_equal(np.array(m.W_o.weight), w0, err_msg=f"exit #{k}")
     assert raised >= 8
+
+
+@pytest.mark.parametrize("raises", [RuntimeError, TypeError])
+def test_a_loss_value_that_cannot_say_what_it_is_is_refused_as_not_a_number(raises):
+    """What asks about the loss's value (a tensor's is_complex) raising is
+    the refusal's TypeError too, W_o put back."""
+    class Odd:
+        def is_complex(self):
+            raise raises("is_complex failed")
+
+        def __float__(self):
+            return 1.0
+    m = mha_ext.MultiHeadAttention(8, 2, seed=0)
+    before = m.state_dict()["W_o.weight"].copy()
+    with pytest.raises(TypeError, match="loss\\(\\) must return a real number"):
+        ablate(m, lambda: Odd())
+    np.testing.assert_array_equal(m.state_dict()["W_o.weight"], before)

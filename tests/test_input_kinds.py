@@ -279,3 +279,63 @@ def test_a_bool_scale_is_refused_by_the_module_and_the_twin(kind):
     for call in calls:
         with pytest.raises(TypeError, match="scale must be None or a real number, not a bool"):
             call()
+
+
+class _AliasUndispatched:
+    """A wrapper subclass (made with _make_wrapper_subclass, no
+    __tensor_flatten__) whose alias runs with dispatch off, on the wrapper
+    itself: as_subclass then gives a plain tensor over the wrapper's
+    storage, which has the right size and no data."""
+
+    @staticmethod
+    def make(elem):
+        torch = require_torch()
+        from torch.utils._mode_utils import no_dispatch
+        from torch.utils._pytree import tree_map
+
+        class W(torch.Tensor):
+            @staticmethod
+            def __new__(cls, elem):
+                r = torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype,
+                                                        strides=elem.stride())
+                r.elem = elem
+                return r
+
+            __torch_function__ = torch._C._disabled_torch_function_impl
+
+            @classmethod
+            def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten.alias.default:
+                    with no_dispatch():
+                        return func(*args)
+
+                def un(x):
+                    return x.elem if isinstance(x, W) else x
+                out = func(*tree_map(un, args), **tree_map(un, kwargs or {}))
+                return tree_map(lambda x: W(x) if isinstance(x, torch.Tensor) else x, out)
+        return W(elem)
+
+
+@pytest.mark.parametrize("kind", ["alias undispatched", "MaskedTensor"])
+def test_a_wrapper_subclass_without_data_is_refused_by_name_never_read(kind):
+    """Its storage has the right size but its data pointer raises: no array
+    is made over it (that read uninitialised memory), wherever a tensor is
+    taken, as the mask of a NumPy call too."""
+    torch = require_torch()
+    import warnings
+    from mha_ext._convert import NoTensorDataError, to_numpy
+
+    def wrapped(t):
+        if kind == "MaskedTensor":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return torch.masked.masked_tensor(t, torch.ones_like(t, dtype=torch.bool))
+        return _AliasUndispatched.make(t)
+    q = torch.arange(24.).reshape(1, 2, 3, 4) / 10
+    with pytest.raises(NoTensorDataError, match="m is a .*holds no data of its own"):
+        to_numpy(wrapped(torch.zeros(3, 3)), "m")
+    with pytest.raises(NoTensorDataError, match="attn_mask is a .*holds no data of its own"):
+        mha_ext.scaled_dot_product_attention(q.numpy(), q.numpy(), q.numpy(),
+                                             attn_mask=wrapped(torch.zeros(3, 3)))
+    with pytest.raises(NoTensorDataError, match="query is a .*holds no data of its own"):
+        mha_ext.scaled_dot_product_attention(wrapped(q.clone()), q, q)

@@ -528,7 +528,10 @@ def test_a_bias_k_of_e_values_in_another_shape_is_refused_as_torch_refuses_it():
 
 @pytest.mark.parametrize("dropout_p", [np.array(0.0), np.array(0.5), np.array([0.0]),
                                        torch.tensor([0.0]), torch.tensor([0.5]),
-                                       torch.tensor(0.5), np.float64(0.5), 0])
+                                       torch.tensor(0.5), np.float64(0.5), 0,
+                                       np.array(np.nan), np.array([np.nan]),
+                                       torch.tensor([float("nan")]), np.array([-0.5]),
+                                       np.array(["0"])])
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("training", [True, False])
 def test_an_array_as_dropout_p_is_refused_where_torch_refuses_it(dropout_p, need_weights,
