@@ -246,9 +246,9 @@ class AttentionFunction(torch.autograd.Function):
     masks (taken detached), which get dL/d mask (their part of the masked
     scores' gradient).  With opts["packed"] params are packed instead:
     in_proj_weight (3E, E) and in_proj_bias (3E,) whole, then W_o's weight
-    and bias (mha_ext._params.groups), each in_proj tensor split here as NumPy views
-    and its gradient the three parts' concatenated.  weights is an empty
-    tensor with need_weights=False."""
+    and bias (mha_ext._params.groups), each in_proj tensor split here as
+    NumPy views and its gradient the three parts' concatenated.  weights is
+    an empty tensor with need_weights=False."""
 
     @staticmethod
     def forward(ctx, core, opts, query, key, value, *params):
