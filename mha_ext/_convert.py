@@ -262,7 +262,7 @@ def as_array(x, name) -> np.ndarray:
         return x
     if is_tensor(x):
         check_tensor(x, name)
-    elif type(x) is not np.ndarray:
+    else:
         refuse_fx_proxies(x)
         x = _unmasked(x, name)
     try:

@@ -58,6 +58,11 @@ _KEEP = 64
 _LOCK = threading.Lock()  # calls from several threads share the dict
 
 
+def _kv_tail(bias_k, bias_v):
+    """_params' and _packed's last: bias_k, bias_v as (Ekv,) vectors."""
+    return [] if bias_k is None else [bias_k.reshape(-1), bias_v.reshape(-1)]
+
+
 def _use_our_forward(module, args):
     """The forward pre-hook every instance carries (a no-op): with it,
     nn.TransformerEncoderLayer's fast-path check refuses the layer and calls
@@ -295,7 +300,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         else:
             ws = (q_w, k_w, v_w)
         ws = ws + (out_w,)
-        kv = [] if bias_k is None else [bias_k.reshape(-1), bias_v.reshape(-1)]
+        kv = _kv_tail(bias_k, bias_v)
         if in_b is None and out_b is None:
             return list(ws) + kv
         if in_b is None:
@@ -306,22 +311,20 @@ class MultiheadAttention(nn.MultiheadAttention):
         return [t for pair in zip(ws, bs) for t in pair] + kv
 
     def _packed(self, sources):
-        """The parameters as the autograd Function takes them packed
-        (AttentionFunction's opts["packed"]): in_proj_weight and
-        in_proj_bias whole (split there as NumPy views), out_proj's weight
-        and bias, then bias_k, bias_v; the biases left out when the module
-        has none.  Autograd's slices of in_proj_weight (_params) cost a
-        zero (3E, E) tensor each in the backward, and their sum: about a
-        sixth of a training step at B 8, S 128, E 512.  None where the
-        module does not hold them so (separate weights, one bias of the two
-        missing, another shape): _params' views then."""
+        """The parameters as AttentionFunction's opts["packed"] takes them:
+        in_proj_weight and in_proj_bias whole (split there as NumPy views),
+        out_proj's weight and bias (the biases only if the module has them),
+        then bias_k, bias_v.  _params' slices of in_proj_weight cost a zero
+        (3E, E) tensor each in the backward, and their sum (a sixth of a
+        training step at B 8, S 128, E 512).  None where the module does not
+        hold them so (separate weights, one bias missing, another shape)."""
         in_w, _, _, _, in_b, out_w, out_b, bias_k, bias_v = sources
         E = self.embed_dim
         if not self._qkv_same_embed_dim or in_w is None or tuple(in_w.shape) != (3 * E, E) \
                 or (in_b is None) != (out_b is None) \
                 or (in_b is not None and tuple(in_b.shape) != (3 * E,)):
             return None
-        kv = [] if bias_k is None else [bias_k.reshape(-1), bias_v.reshape(-1)]
+        kv = _kv_tail(bias_k, bias_v)
         return ([in_w, out_w] if in_b is None else [in_w, in_b, out_w, out_b]) + kv
 
     def _torch_fast_path(self, query, key, value, attn_mask, key_padding_mask):
