@@ -108,9 +108,21 @@ def sdpa_check(query, key, value, attn_mask, is_causal, scale, enable_gqa,
         except ValueError:
             full = None
         if full != lead + (L, S):
-            raise ValueError(f"attn_mask of shape {m.shape} does not broadcast to "
-                             f"{lead + (L, S)} (..., heads, L, S)")
+            msg = f"attn_mask of shape {m.shape} does not broadcast to {lead + (L, S)} " \
+                "(..., heads, L, S)"
+            if full is None:  # (torch's own error on tensors: _sdpa_api's probe)
+                raise ValueError(msg)
+            # it would widen the scores: torch's kernels refuse it adding the
+            # mask in place, also where a meta probe computes (more axes)
+            raise ValueErrorAndRuntimeError(
+                f"{msg} (torch: output with shape {_listed(lead + (L, S))} doesn't match "
+                f"the broadcast shape {_listed(full)})")
     return q, k, v, m, c, score_scale(scale), (lead, lead_kv), dtype
+
+
+def _listed(shape):
+    """A shape as torch writes it in its messages: [2, 3, 5, 7]."""
+    return "[" + ", ".join(map(str, shape)) + "]"
 
 
 def _to(x, shape):

@@ -134,3 +134,31 @@ def test_shape_refusals_say_which_rule(args, kw, words):
     arrays = [np.zeros(s) for s in args]
     with pytest.raises(ValueError, match=words):
         f(*arrays, **kw)
+
+
+@pytest.mark.parametrize("q_shape,k_shape,mask_shape", [
+    ((2, 3, 5, 8), (2, 3, 7, 8), (1, 2, 3, 5, 7)),      # more axes than the scores
+    ((2, 3, 5, 8), (2, 3, 7, 8), (1, 1, 1, 1, 7)),
+    ((3, 5, 8), (3, 7, 8), (1, 3, 5, 7)),
+    ((5, 8), (7, 8), (1, 5, 7)),
+    ((1, 3, 5, 8), (1, 3, 7, 8), (2, 1, 5, 7)),         # a wider batch than the scores'
+    ((1, 4, 5, 8), (1, 2, 7, 8), (2, 1, 5, 7)),         # ... with grouped heads
+])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_mask_that_would_widen_the_scores_is_torchs_runtimeerror(q_shape, k_shape,
+                                                                     mask_shape, kind):
+    """torch broadcasts the mask into the scores in place: a mask that
+    would widen them is its RuntimeError ("output with shape ... doesn't
+    match the broadcast shape ..."), on every kernel, also where its meta
+    functions compute; ours is that type too, quoting torch."""
+    q, k = torch.randn(q_shape), torch.randn(k_shape)
+    m = torch.rand(mask_shape) > 0.3 if kind == "bool" else torch.randn(mask_shape)
+    gqa = q_shape[-3] != k_shape[-3] if len(q_shape) > 2 else False
+    with pytest.raises(RuntimeError) as theirs:
+        F.scaled_dot_product_attention(q, k, k, attn_mask=m, enable_gqa=gqa)
+    with pytest.raises(RuntimeError) as ours:
+        f(q, k, k, attn_mask=m, enable_gqa=gqa)
+    assert isinstance(ours.value, ValueError)
+    assert str(theirs.value) in str(ours.value)
+    with pytest.raises(ValueError, match="does not broadcast to"):     # arrays: a ValueError
+        f(q.numpy(), k.numpy(), k.numpy(), attn_mask=m.numpy(), enable_gqa=gqa)
