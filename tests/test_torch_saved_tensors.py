@@ -237,3 +237,43 @@ def test_a_meta_mask_with_tensors_holding_data_is_refused():
     assert isinstance(info.value, ValueError)         # ours (§7) and torch's device type
     qm = torch.empty(1, 2, 5, 8, device="meta")       # all on meta: torch's shapes
     assert mha_ext.scaled_dot_product_attention(qm, qm, qm).shape == (1, 2, 5, 8)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("which", ["attn_mask", "key_padding_mask"])
+def test_a_learned_mask_changed_in_place_before_the_backward_is_torchs_too(need_weights,
+                                                                            which):
+    # a float mask that requires grad (a learned bias) was saved as an anchor
+    # of create_graph's guard, so changing it in place after the forward was
+    # autograd's in-place error, where torch's module (adding a copy of it)
+    # runs the backward: the gradients of the input and of the mask's leaf
+    # must be torch's, from the forward's mask
+    got = {}
+    for cls in (torch.nn.MultiheadAttention, mt.MultiheadAttention):
+        torch.manual_seed(1)
+        m = cls(16, 4, batch_first=True, dtype=torch.float64)
+        x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+        base = torch.randn((5, 5) if which == "attn_mask" else (2, 5), dtype=torch.float64,
+                           requires_grad=True)
+        mask = base * 1.0
+        out = m(x, x, x, need_weights=need_weights, **{which: mask})[0]
+        with torch.no_grad():
+            mask.add_(1.0)
+        got[cls] = torch.autograd.grad(out.square().sum(), [x, base])
+    for ours, theirs in zip(got[mt.MultiheadAttention], got[torch.nn.MultiheadAttention]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+
+
+def test_a_learned_mask_changed_in_place_keeps_the_double_backward_refused():
+    # the mask, the only tensor requiring grad, still anchors the guard: a
+    # second differentiation of its gradient is the double-backward error
+    m = mt.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    x = torch.randn(1, 3, 8, dtype=torch.float64)
+    base = torch.zeros(3, 3, dtype=torch.float64, requires_grad=True)
+    mask = base * 1.0
+    out = m(x, x, x, attn_mask=mask)[0]
+    with torch.no_grad():
+        mask.add_(1.0)
+    (g,) = torch.autograd.grad(out.square().sum(), base, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(g.sum(), base)
