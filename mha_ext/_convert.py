@@ -284,8 +284,22 @@ def as_array(x, name) -> np.ndarray:
 
 
 def check_real(arr, name):
-    """TypeError naming `name` unless arr holds bool, int or float."""
+    """TypeError naming `name` unless arr holds bool, int or float (an int
+    past int64 and uint64, which NumPy keeps as an object, named as such:
+    too large for a float, also the OverflowError torch raises)."""
     if arr.dtype.kind not in "biuf":
+        big = None if arr.dtype.kind != "O" else next(
+            (v for v in arr.flat if isinstance(v, int) and not -2**63 <= v < 2**64), None)
+        if big is not None:
+            try:
+                float(big)
+            except OverflowError:
+                raise ValueErrorAndOverflowError(
+                    f"{name} must hold real numbers, got an int of {big.bit_length()} bits, "
+                    f"too large for a float") from None
+            raise TypeError(f"{name} must hold real numbers NumPy can store: an int of "
+                            f"{big.bit_length()} bits is past int64 and uint64 (NumPy kept "
+                            f"it as an object); pass it as a float")
         raise TypeError(f"{name} must hold real numbers (bool, int or float), "
                         f"got dtype {arr.dtype}")
 

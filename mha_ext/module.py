@@ -242,7 +242,7 @@ class MultiHeadAttention(_core.MultiHeadAttention):
     def state_dict(self) -> dict[str, np.ndarray]:
         """A dict of NumPy copies under the seed module's keys: 'W_q.weight',
         'W_q.bias', ... 'W_o.bias' (no bias keys when bias=False), and
-        'bias_k', 'bias_v' (E,) with add_bias_kv."""
+        'bias_k', 'bias_v' (Ekv,) with add_bias_kv."""
         return _params.state_dict(self)
 
     def load_state_dict(self, state_dict: Mapping[str, ArrayLike],

@@ -3,6 +3,8 @@ byte order or of a wider float, masked arrays, ints too large for a float,
 0-d arrays where arrays are expected.  Each case is one a caller can pass and
 that once gave other numbers or another error than the documents say.
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -169,6 +171,31 @@ def test_an_int_too_large_for_a_float_as_scale_is_a_valueerror_and_torchs_overfl
                                              "1329 bits, too large for a float") as info:
             call()
         assert isinstance(info.value, OverflowError)
+
+
+def test_an_array_of_ints_too_large_is_named_not_called_dtype_object():
+    """NumPy keeps an int past int64 and uint64 as an object: an input or a
+    state_dict value holding one said "got dtype object" of the user's
+    ints.  Too large for a float: the ValueError that is also torch's
+    OverflowError (torch.tensor raises an overflow there); within a float's
+    range: a TypeError saying to pass a float."""
+    m = MultiHeadAttention(8, 2, seed=0).eval()
+    state = m.state_dict()
+    state["W_q.bias"] = [HUGE] * 8
+    for call, name in ((lambda: m([[[HUGE] * 8] * 2]), "query"),
+                       (lambda: m.load_state_dict(state), "state_dict['W_q.bias']"),
+                       (lambda: mha_ext.scaled_dot_product_attention([[-HUGE] * 4] * 2, K4[0, 0],
+                                                                     V4[0, 0]), "query")):
+        with pytest.raises(ValueError, match=re.escape(name) + " must hold real numbers, got "
+                                             "an int of 1329 bits, too large for a float") as info:
+            call()
+        assert isinstance(info.value, OverflowError)
+    with pytest.raises(TypeError, match="an int of 71 bits is past int64 and uint64"):
+        m([[[2 ** 70] * 8] * 2])
+    with pytest.raises(ValueError, match="Overflow"):        # torch: a ValueError too
+        require_torch().tensor([HUGE])
+    with pytest.raises(TypeError, match="got dtype object"):     # other objects: as before
+        m(np.array([[["a"] * 8] * 2], dtype=object))
 
 
 @pytest.mark.parametrize("sign", [1, -1])
