@@ -37,7 +37,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _teach
-from ._types import Int
+from ._types import Flag, Int
 
 if TYPE_CHECKING:
     from .layout import BlockLayout
@@ -157,7 +157,7 @@ class Explorer:
     def _repr_html_(self) -> str:
         return self._fragment()
 
-    def to_html(self, full_page: bool = False) -> str:
+    def to_html(self, full_page: Flag = False) -> str:
         """The explorer as HTML: a fragment for a notebook, or (full_page) a
         standalone page whose Content-Security-Policy forbids every request."""
         if not full_page:
@@ -182,7 +182,7 @@ def explore(source: Trace | ArrayLike, tokens: Iterable[object] | None = None, *
             blocked: ArrayLike | BlockLayout | None = None,
             title: object = None, layer: str | None = None,
             head: Literal["all"] | Int = "all",
-            max_values: int | None = MAX_VALUES) -> Explorer:
+            max_values: Int | None = MAX_VALUES) -> Explorer:
     """An :class:`Explorer` of a trace or of attention weights.
 
     source        a :class:`~mha_ext.Trace` (layers: raw scores, masked scores,

@@ -45,6 +45,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _teach
+from ._types import Real
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -299,7 +300,7 @@ class HeadReport:
             return None
         return int(np.nanargmax(v))
 
-    def roles(self, threshold: float = 0.5) -> list[str]:
+    def roles(self, threshold: Real = 0.5) -> list[str]:
         """A short description per head: the positions (previous, same,
         first, mirror) that get more than threshold of its weight."""
         out = []

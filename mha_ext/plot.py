@@ -14,14 +14,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Literal, SupportsFloat, cast
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _teach
 from ._convert import ValueErrorAndIndexError, as_float
-from ._types import Int
+from ._types import Int, Real
 from .layout import BlockLayout
 
 if TYPE_CHECKING:  # matplotlib is optional: imported when plot_heads runs
@@ -90,8 +90,9 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
                tokens: Iterable[object] | None = None, *,
                query_tokens: Iterable[object] | None = None,
                key_tokens: Iterable[object] | None = None, cmap: str = "viridis",
-               ncols: Int | None = None, figsize: tuple[float, float] | None = None,
-               title: str | None = None, vmin: float | None = None, vmax: float | None = None,
+               ncols: Int | None = None, figsize: tuple[Real, Real] | None = None,
+               title: str | None = None, vmin: SupportsFloat | None = None,
+               vmax: SupportsFloat | None = None,
                scale: Literal["shared", "row"] = "shared",
                blocked: ArrayLike | BlockLayout | None = None) -> Figure:
     """Draw one heatmap per head and return the matplotlib ``Figure`` (in a
@@ -188,19 +189,19 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
             top = np.nanmax(np.where(np.isfinite(w), w, np.nan), axis=-1,
                             keepdims=True) if w.size else w
             w = np.where(top > 0, w / np.where(top > 0, top, 1), w)
-    vmin, vmax = _limit(vmin, "vmin"), _limit(vmax, "vmax")
-    if vmin is not None and vmax is not None and vmin > vmax:
+    lo, hi = _limit(vmin, "vmin"), _limit(vmax, "vmax")
+    if lo is not None and hi is not None and lo > hi:
         raise ValueError("vmin must not exceed vmax (the colour scale runs from vmin to "
-                         "vmax), got vmin=%g, vmax=%g" % (vmin, vmax))
+                         "vmax), got vmin=%g, vmax=%g" % (lo, hi))
     finite = w[np.isfinite(w)]
-    if vmin is None:
-        vmin = min(0.0, float(finite.min())) if finite.size else 0.0
-        if vmax is not None and vmin > vmax:    # a given vmax below every weight
-            vmin = vmax - 1.0
-    if vmax is None:
-        vmax = float(finite.max()) if finite.size else 1.0
-        if vmax <= vmin:
-            vmax = vmin + 1.0
+    if lo is None:
+        lo = min(0.0, float(finite.min())) if finite.size else 0.0
+        if hi is not None and lo > hi:    # a given vmax below every weight
+            lo = hi - 1.0
+    if hi is None:
+        hi = float(finite.max()) if finite.size else 1.0
+        if hi <= lo:
+            hi = lo + 1.0
 
     try:
         cm = matplotlib.colormaps[cmap]
@@ -212,7 +213,7 @@ def plot_heads(weights: Trace | ArrayLike, batch: Int = 0,
     axes = fig.subplots(nrows, ncols, squeeze=False)
     # one scale object for every panel and the colour bar: where the bar
     # widens equal limits (vmin == vmax) every panel follows
-    norm = Normalize(vmin=vmin, vmax=vmax)
+    norm = Normalize(vmin=lo, vmax=hi)
     image = None
     shown = []
     for h in range(nrows * ncols):

@@ -102,8 +102,8 @@ class Trace:
     - ``trace.info``: dtype, training, dropout, which masks blocked or were
       added (in words), ``"blocked"`` (a read-only bool array of the masked
       scores' shape, True where a mask blocked the cell: a bool mask's True
-      or a float mask's -inf, causal, window, layout; ``None`` when nothing
-      is blocked), ``"query_position"`` (the key position of query 0: Sk -
+      or a float mask's -inf, causal, window, layout; ``None`` when the
+      call had no blocking mask, all False when its masks block nothing), ``"query_position"`` (the key position of query 0: Sk -
       Sq for a cached or lower-right call, else 0) and ``"numpy_output"``,
       the NumPy steps' own output (it agrees with ``trace.output`` to float
       rounding).
@@ -220,7 +220,7 @@ class Trace:
     def _repr_html_(self) -> str:
         return self.to_html()
 
-    def to_html(self, values: bool = True, full_page: bool = False) -> str:
+    def to_html(self, values: Flag = True, full_page: Flag = False) -> str:
         """The trace as an HTML table with its own CSS (left-aligned, one
         shape notation: the dims column is symbolic, the shape column
         numeric), each step's formula, and with ``values`` a collapsed
@@ -253,7 +253,7 @@ class Trace:
                 'style-src \'unsafe-inline\'">'
                 "<title>%s</title></head><body>\n%s\n</body></html>" % (e(title), body))
 
-    def save_html(self, path: str | os.PathLike[str], values: bool = True) -> str:
+    def save_html(self, path: str | os.PathLike[str], values: Flag = True) -> str:
         """Write the trace as a standalone HTML page; returns path."""
         return _teach.write_page(path, self.to_html(values=values, full_page=True))
 

@@ -25,3 +25,7 @@ def misspelt_keywords() -> None:
 
 def misspelt_attribute() -> None:
     mha_ext.comapre  # error[mypy,pyright]: compare (the module __getattr__ is hidden)
+
+
+def text_as_a_colour_limit() -> None:
+    mha_ext.plot_heads(x, vmin="0.5")  # error[mypy,pyright]: a real number (a TypeError at run time)

@@ -21,3 +21,9 @@ if t.weights is not None:
     figures.append(plot_heads(t.weights, tokens=list("abcde"), scale="row", blocked=causal))
 band = mha_ext.layout.local_blocks(5, 5, 2)
 figures.append(plot_heads(t, batch=np.int64(0), blocked=band, title="band", vmax=1.0))
+# NumPy scalars wherever Python's are (docs/API.md §9), a 0-d array as a limit (§6)
+figures.append(plot_heads(t, vmin=np.float32(0.0), vmax=np.float64(0.5),
+                          figsize=(np.float32(4), np.float32(3))))
+if t.weights is not None:
+    figures.append(plot_heads(t.weights, vmax=np.asarray(t.weights).max(keepdims=False)))
+roles: list[str] = mha_ext.heads.analyze(t).roles(np.float32(0.5))
