@@ -24,7 +24,7 @@ import torch
 
 from ._convert import ValueErrorAndRuntimeError  # noqa: F401 (here too, as ever)
 
-__all__ = ["torchs", "metas"]
+__all__ = ["torchs", "metas", "refuse_mixed_dtypes"]
 
 
 class ValueErrorAndAssertionError(ValueError, AssertionError):
@@ -85,3 +85,24 @@ def torchs(ours: BaseException, probe: Callable[[], object]) -> BaseException:
     except Exception:                  # another refusal, or the probe's own trouble
         return ours
     return ours
+
+
+PARAMETERS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+              "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v")
+
+
+def refuse_mixed_dtypes(sources: tuple[Any, ...], dtype: torch.dtype) -> None:
+    """torch's module computes in its weights' dtype: another weight's, out_proj's
+    bias's, or a bias_k / bias_v that would widen the keys is its RuntimeError
+    (not converted here: other numbers than torch, which has none).  Taken
+    as torch takes them: in_proj_bias (added in the weights' dtype) and a
+    narrower bias_k / bias_v (its keys keep their dtype).  sources: the
+    module's tensors in PARAMETERS' order (None where absent)."""
+    for name, p in zip(PARAMETERS, sources):
+        if p is None or p.dtype == dtype or name == "in_proj_bias" or \
+                (name in ("bias_k", "bias_v") and torch.promote_types(dtype, p.dtype) == dtype):
+            continue
+        raise TypeErrorAndRuntimeError(
+            f"{name} is {p.dtype} but the module's weights are {dtype}: torch's module "
+            f"computes in one dtype and raises a RuntimeError here; cast the parameter or the "
+            f"module (module.to({dtype}))")

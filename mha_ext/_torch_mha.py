@@ -38,7 +38,8 @@ from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._nested import forward_nested
 from ._torch_mask_rules import check_hint_mask_rank, check_mask_dtype, warn_mismatched_masks
-from ._torch_errors import TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas, torchs
+from ._torch_errors import (TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas,
+                            refuse_mixed_dtypes, torchs)
 from ._torch_fn import (COMPILE_REASON, HALF, attention, attention_kept, holds,
                         refuse_script, refuse_transformed, register_our_pre_hook)
 from ._types import Int, Window
@@ -67,7 +68,6 @@ def _use_our_forward(module, args):
     """The forward pre-hook every instance carries (a no-op): with it,
     nn.TransformerEncoderLayer's fast-path check refuses the layer and calls
     our forward instead of torch's fused kernel."""
-    return None
 
 
 _SA_BLOCK = nn.TransformerEncoderLayer._sa_block.__code__
@@ -278,9 +278,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         return holds(self, "in_proj_bias") or holds(self.out_proj, "bias")
 
     def _sources(self):
-        """The parameter tensors _params() is made from (None where absent):
-        in_proj_weight or q/k/v_proj_weight, in_proj_bias, out_proj's
-        weight and bias, bias_k, bias_v."""
+        """_params()'s tensors in _torch_errors.PARAMETERS' order (None where absent)."""
         out = self.out_proj
         return (self.in_proj_weight, self.q_proj_weight, self.k_proj_weight,
                 self.v_proj_weight, self.in_proj_bias, out.weight, out.bias, self.bias_k,
@@ -504,6 +502,8 @@ class MultiheadAttention(nn.MultiheadAttention):
                 attn_mask, causal = None, True
         sources = self._sources()
         dtype = (sources[0] if self._qkv_same_embed_dim else sources[1]).dtype
+        if not torch.is_autocast_enabled("cpu"):  # (under it torch casts them all)
+            refuse_mixed_dtypes(sources, dtype)
         half = dtype if dtype in HALF else None
         if half is not None:
             # torch computes a float16 / bfloat16 module in that dtype; we

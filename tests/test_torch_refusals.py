@@ -181,3 +181,37 @@ def test_script_and_export_say_what_to_do_instead(kind):
                                               "own for mha_ext's C code.*torch.export"):
         warnings.simplefilter("ignore")
         torch.export.export(layer, (x,), strict=False)
+
+
+@pytest.mark.parametrize("name", ["in_proj_weight", "in_proj_bias", "out_proj.weight",
+                                  "out_proj.bias", "bias_k", "bias_v"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int32])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_a_parameter_of_another_dtype_is_refused_where_torch_refuses_it(name, dtype,
+                                                                        need_weights):
+    """One parameter of another dtype than the module's weights: converted
+    without a word before (an int32 out_proj.weight computed), where torch
+    raises its RuntimeError.  Now torch's outcome: refused where torch
+    refuses (a TypeError that is also a RuntimeError), and torch's numbers
+    where torch computes (in_proj_bias; a narrower bias_k / bias_v)."""
+    x = torch.randn(2, 5, 16)
+    mods = []
+    for cls in (nn.MultiheadAttention, MultiheadAttention):
+        torch.manual_seed(0)
+        m = cls(16, 4, batch_first=True, add_bias_kv=True)
+        owner, attr = (m.out_proj, name[9:]) if name.startswith("out_proj.") else (m, name)
+        setattr(owner, attr, nn.Parameter(getattr(owner, attr).detach().to(dtype),
+                                          requires_grad=dtype.is_floating_point))
+        mods.append(m)
+    try:
+        want = mods[0](x, x, x, need_weights=need_weights)
+    except RuntimeError:
+        with pytest.raises(TypeError, match="torch's module computes in one dtype") as info:
+            mods[1](x, x, x, need_weights=need_weights)
+        assert isinstance(info.value, RuntimeError)
+        if name != "in_proj_weight":        # (that one sets the module's dtype: the others differ)
+            assert f"{name} is {dtype} but the module's weights are torch.float32" in \
+                str(info.value)
+        return
+    got = mods[1](x, x, x, need_weights=need_weights)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
