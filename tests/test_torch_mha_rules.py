@@ -1,0 +1,241 @@
+"""mha_ext.torch.MultiheadAttention: the rules mutation testing of
+mha_ext/_torch_mha.py found no test holding (a mutant of each passed the
+suite before), each against torch.nn.MultiheadAttention where torch has the
+rule, or against docs/API.md: a vdim alone differing from embed_dim,
+from_torch's copy of dropout and its refusal of another module, the shared
+C modules kept for the 64 configurations used last, the calls torch's
+module keeps off its fused path (value another tensor, a float
+key_padding_mask, bias=False, unbatched, add_zero_attn: a dead row's
+output and the memory layout), an empty query's weights there, the
+is_causal hint on the meta device, the mismatched-masks warning, and one
+of in_proj_bias / out_proj.bias set to None.
+
+Legend: B batch, L query length, S key length, E = embed_dim, H = num_heads.
+"""
+import warnings
+
+import pytest
+
+from _support import require_torch
+
+torch = require_torch()
+from torch import nn  # noqa: E402
+
+import mha_ext.torch as mt  # noqa: E402
+from mha_ext.torch import MultiheadAttention  # noqa: E402
+
+E, H, B, L, S = 8, 2, 3, 4, 5
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+
+
+def pair(dtype=torch.float64, seed=0, heads=H, **kw):
+    """(stock, ours) with the same random parameters and non-zero biases."""
+    torch.manual_seed(seed)
+    t = nn.MultiheadAttention(E, heads, dtype=dtype, **kw)
+    with torch.no_grad():
+        for n, p in t.named_parameters():
+            if "bias" in n:
+                p.uniform_(-0.5, 0.5)
+    return t, MultiheadAttention.from_torch(t)
+
+
+def x(*shape, dtype=torch.float64, seed=1):
+    return torch.randn(*shape, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+
+
+def close(a, b, dtype):
+    if a is None or b is None:
+        assert a is None and b is None
+        return
+    a, b = a.detach(), b.detach()
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(torch.isnan(a), torch.isnan(b)), "NaN in different places"
+    ok = ~torch.isnan(a)
+    if ok.any():
+        assert float((a[ok] - b[ok]).abs().max()) <= TOL[dtype]
+
+
+def call_both(t, m, *args, dtype=torch.float64, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = t(*args, **kw)
+        b = m(*args, **kw)
+    close(a[0], b[0], dtype)
+    close(a[1], b[1], dtype)
+    return a, b
+
+
+# ---------------------------------------------------------------- construction
+
+@pytest.mark.parametrize("kw", [dict(vdim=5), dict(kdim=3)], ids=["vdim", "kdim"])
+def test_one_of_kdim_and_vdim_differing_gives_separate_projections_as_torch(kw):
+    torch.manual_seed(0)
+    t = nn.MultiheadAttention(E, H, **kw)
+    torch.manual_seed(0)
+    m = MultiheadAttention(E, H, **kw)
+    assert m._qkv_same_embed_dim == t._qkv_same_embed_dim is False
+    assert list(m.state_dict()) == list(t.state_dict())
+    for (n, a), b in zip(t.state_dict().items(), m.state_dict().values()):
+        assert a.shape == b.shape and torch.equal(a, b), n
+
+
+@DTYPES
+@pytest.mark.parametrize("kw", [dict(vdim=5), dict(kdim=3)], ids=["vdim", "kdim"])
+def test_one_of_kdim_and_vdim_differing_computes_as_torch(dtype, kw):
+    t, m = pair(dtype, **kw)
+    q = x(L, B, E, dtype=dtype)
+    k, v = x(S, B, t.kdim, dtype=dtype, seed=2), x(S, B, t.vdim, dtype=dtype, seed=3)
+    call_both(t, m, q, k, v, dtype=dtype)
+    call_both(t, m, q, k, v, dtype=dtype, need_weights=False)
+
+
+# ---------------------------------------------------------------- from_torch
+
+@pytest.mark.parametrize("training", [True, False])
+def test_from_torch_copies_dropout(training):
+    t = nn.MultiheadAttention(E, H, dropout=0.25).train(training)
+    m = MultiheadAttention.from_torch(t)
+    assert m.dropout == t.dropout == 0.25
+    assert m.training == t.training
+
+
+def test_from_torch_copy_in_training_drops_as_torchs_would():
+    # torch's module with dropout 1 in training zeroes every weight: the
+    # output is out_proj.bias (torch's weights path: dropout on the weights)
+    t, _ = pair(dropout=1.0)
+    t.train()
+    q = x(L, B, E)
+    want = t(q, q, q)[0].detach()
+    got = MultiheadAttention.from_torch(t)(q, q, q)[0].detach()
+    assert float((got - want).abs().max()) <= TOL[torch.float64]
+
+
+@pytest.mark.parametrize("other", [nn.Linear(E, E), nn.TransformerEncoderLayer(E, H)],
+                         ids=["Linear", "TransformerEncoderLayer"])
+def test_from_torch_refuses_another_module_with_a_type_error(other):
+    with pytest.raises(TypeError, match="from_torch expects a torch.nn.MultiheadAttention"):
+        MultiheadAttention.from_torch(other)
+
+
+# ---------------------------------------------------------------- shared cores
+
+def test_the_shared_cores_keep_exactly_the_configurations_used_last():
+    # docs/API.md: the C module doing a call's work is kept "for the 64
+    # configurations used last": one used between the others survives more
+    # than 64 other configurations, and no more than 64 are kept
+    from mha_ext import _torch_mha
+    q = torch.randn(1, 3, 8)
+    first = MultiheadAttention(8, 2, batch_first=True)
+    first(q, q, q)
+    core = first._core(torch.float32)
+    n = 0
+    for heads in (1, 2, 4, 8):
+        for kdim in range(1, 21):  # 80 other configurations
+            m = MultiheadAttention(8, heads, batch_first=True, kdim=kdim)
+            m(q, torch.randn(1, 3, kdim), q)
+            first(q, q, q)
+            n += 1
+    assert n > _torch_mha._KEEP
+    assert first._core(torch.float32) is core
+    assert len(_torch_mha._CORES) == _torch_mha._KEEP == 64
+
+
+# ---------------------------------------------------------------- torch's paths
+
+def _dead_row_case(case):
+    """(module kwargs, call args, call kwargs): batch 1 (or the unbatched
+    call's every query) sees no key, need_weights=False, eval, no grad."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, S, E, dtype=torch.float64, generator=g)  # self-attention: L = S
+    v = torch.randn(B, S, E, dtype=torch.float64, generator=g)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1] = True
+    fpad = torch.zeros(B, S, dtype=torch.float64)
+    fpad[1] = float("-inf")
+    return {
+        "value_differs": ({}, (q, q, v), dict(key_padding_mask=pad)),
+        "float_key_padding_mask": ({}, (q, q, q), dict(key_padding_mask=fpad)),
+        "bias_false": (dict(bias=False), (q, q, q), dict(key_padding_mask=pad)),
+        "unbatched": ({}, (q[0],) * 3, dict(key_padding_mask=pad[1])),  # one tensor
+        "add_zero_attn": (dict(add_zero_attn=True), (q, q, q), dict(key_padding_mask=pad)),
+        "odd_heads": (dict(heads=1), (q, q, q), dict(key_padding_mask=pad)),
+    }[case]
+
+
+@pytest.mark.parametrize("case", ["value_differs", "float_key_padding_mask", "bias_false",
+                                  "unbatched", "add_zero_attn", "odd_heads"])
+def test_calls_off_torchs_fused_path_give_its_unfused_results_and_layout(case):
+    # torch's module takes its fused path (NaN for a row that sees no key,
+    # a contiguous (B, L, E)) only for batched self-attention with query,
+    # key and value one tensor, no float mask, biases, no add_zero_attn,
+    # an even num_heads;
+    # elsewhere its SDPA path: out_proj.bias for the row, (L, B, E) memory
+    kw, args, call = _dead_row_case(case)
+    t, m = pair(batch_first=True, **kw)
+    t.eval(), m.eval()
+    with torch.no_grad():
+        a, b = call_both(t, m, *args, need_weights=False, **call)
+    assert a[0].stride() == b[0].stride()
+    assert torch.isnan(b[0]).any() == torch.isnan(a[0]).any()
+
+
+@pytest.mark.parametrize("kw,batch_first", [({}, False), (dict(add_zero_attn=True), True),
+                                            (dict(bias=False), True)],
+                         ids=["seq_first", "zero_attn", "no_bias"])
+def test_an_empty_query_off_torchs_fused_path_returns_torchs_empty_weights(kw, batch_first):
+    # torch's fused path returns no weights for an empty query; its unfused
+    # path returns them, (B, 0, S): so does the drop-in, path by path
+    t, m = pair(batch_first=batch_first, **kw)
+    t.eval(), m.eval()
+    q = x(B, 0, E) if batch_first else x(0, B, E)
+    with torch.no_grad():
+        a, b = call_both(t, m, q, q, q)
+    assert a[1] is not None and b[1] is not None and a[1].shape == b[1].shape
+
+
+# ---------------------------------------------------------------- the hint, warnings
+
+def test_the_is_causal_hint_without_attn_mask_on_the_meta_device_is_torchs_error():
+    q = torch.empty(L, B, E, device="meta")
+    t = nn.MultiheadAttention(E, H, device="meta")
+    m = MultiheadAttention(E, H, device="meta")
+    with pytest.raises(RuntimeError, match="Need attn_mask"):
+        t(q, q, q, is_causal=True)
+    with pytest.raises(RuntimeError, match="Need attn_mask"):
+        m(q, q, q, is_causal=True)
+    causal = torch.ones(L, L, dtype=torch.bool, device="meta").triu(1)
+    assert m(q, q, q, attn_mask=causal, is_causal=True)[0].shape == \
+        t(q, q, q, attn_mask=causal, is_causal=True)[0].shape
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_masks_of_different_dtypes_give_torchs_deprecation_warning(batch_first):
+    t, m = pair(batch_first=batch_first)
+    q = x(B, L, E) if batch_first else x(L, B, E)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    am = torch.zeros(L, L, dtype=torch.float64)
+    for mod in (t, m):
+        with pytest.warns(UserWarning, match="mismatched key_padding_mask and attn_mask"):
+            mod(q, q, q, key_padding_mask=kpm, attn_mask=am)
+
+
+# ---------------------------------------------------------------- one bias removed
+
+@DTYPES
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("which", ["in_proj_bias", "out_proj.bias"])
+def test_one_of_the_two_biases_set_to_none_computes_as_torch(which, batch_first, dtype):
+    # torch's functional takes in_proj_bias and out_proj.bias separately,
+    # either may be None: the output, weights and input gradient are torch's
+    t, m = pair(dtype, batch_first=batch_first)
+    for mod in (t, m):
+        if which == "in_proj_bias":
+            mod.in_proj_bias = None
+        else:
+            mod.out_proj.bias = None
+    q = x(B, L, E, dtype=dtype).requires_grad_()
+    a, b = call_both(t, m, q, q, q, dtype=dtype)
+    ga, = torch.autograd.grad(a[0].sum(), q)
+    gb, = torch.autograd.grad(b[0].sum(), q)
+    close(ga, gb, dtype)
