@@ -12,8 +12,6 @@ of in_proj_bias / out_proj.bias set to None.
 
 Legend: B batch, L query length, S key length, E = embed_dim, H = num_heads.
 """
-import warnings
-
 import pytest
 
 from _support import require_torch
@@ -21,49 +19,14 @@ from _support import require_torch
 torch = require_torch()
 from torch import nn  # noqa: E402
 
-import mha_ext.torch as mt  # noqa: E402
 from mha_ext.torch import MultiheadAttention  # noqa: E402
 
-E, H, B, L, S = 8, 2, 3, 4, 5
-TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-
-
-def pair(dtype=torch.float64, seed=0, heads=H, **kw):
-    """(stock, ours) with the same random parameters and non-zero biases."""
-    torch.manual_seed(seed)
-    t = nn.MultiheadAttention(E, heads, dtype=dtype, **kw)
-    with torch.no_grad():
-        for n, p in t.named_parameters():
-            if "bias" in n:
-                p.uniform_(-0.5, 0.5)
-    return t, MultiheadAttention.from_torch(t)
+from test_torch_mha_surface import (B, DTYPES, E, H, L, S, TOL, call_both,  # noqa: E402
+                                    close, pair)
 
 
 def x(*shape, dtype=torch.float64, seed=1):
     return torch.randn(*shape, dtype=dtype, generator=torch.Generator().manual_seed(seed))
-
-
-def close(a, b, dtype):
-    if a is None or b is None:
-        assert a is None and b is None
-        return
-    a, b = a.detach(), b.detach()
-    assert a.shape == b.shape and a.dtype == b.dtype
-    assert torch.equal(torch.isnan(a), torch.isnan(b)), "NaN in different places"
-    ok = ~torch.isnan(a)
-    if ok.any():
-        assert float((a[ok] - b[ok]).abs().max()) <= TOL[dtype]
-
-
-def call_both(t, m, *args, dtype=torch.float64, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        a = t(*args, **kw)
-        b = m(*args, **kw)
-    close(a[0], b[0], dtype)
-    close(a[1], b[1], dtype)
-    return a, b
 
 
 # ---------------------------------------------------------------- construction

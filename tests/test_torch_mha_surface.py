@@ -25,10 +25,10 @@ TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 
 
-def pair(dtype=torch.float64, seed=0, **kw):
+def pair(dtype=torch.float64, seed=0, heads=H, **kw):
     """(stock, ours) with the same random parameters and non-zero biases."""
     torch.manual_seed(seed)
-    t = nn.MultiheadAttention(E, H, dtype=dtype, **kw)
+    t = nn.MultiheadAttention(E, heads, dtype=dtype, **kw)
     with torch.no_grad():
         for n, p in t.named_parameters():
             if "bias" in n:
