@@ -97,9 +97,10 @@ def refuse_mixed_dtypes(sources: tuple[Any, ...], dtype: torch.dtype) -> None:
     (not converted here: other numbers than torch, which has none).  Taken
     as torch takes them: in_proj_bias (added in the weights' dtype) and a
     narrower bias_k / bias_v (its keys keep their dtype).  sources: the
-    module's tensors in PARAMETERS' order (None where absent)."""
+    module's tensors in PARAMETERS' order (None where absent; what is no
+    tensor, a quantized out_proj's weight method, is refused after)."""
     for name, p in zip(PARAMETERS, sources):
-        if p is None or p.dtype == dtype or name == "in_proj_bias" or \
+        if not isinstance(p, torch.Tensor) or p.dtype == dtype or name == "in_proj_bias" or \
                 (name in ("bias_k", "bias_v") and torch.promote_types(dtype, p.dtype) == dtype):
             continue
         raise TypeErrorAndRuntimeError(
