@@ -103,8 +103,9 @@ class Trace:
       added (in words), ``"blocked"`` (a read-only bool array of the masked
       scores' shape, True where a mask blocked the cell: a bool mask's True
       or a float mask's -inf, causal, window, layout; ``None`` when the
-      call had no blocking mask, all False when its masks block nothing), ``"query_position"`` (the key position of query 0: Sk -
-      Sq for a cached or lower-right call, else 0) and ``"numpy_output"``,
+      call had no blocking mask, all False when its masks block nothing),
+      ``"query_position"`` (the key position of query 0: Sk - Sq for a
+      cached or lower-right call, else 0) and ``"numpy_output"``,
       the NumPy steps' own output (it agrees with ``trace.output`` to float
       rounding).
     - The steps' arrays are read-only: steps share memory ("masked scores"
