@@ -91,16 +91,27 @@ PARAMETERS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight
               "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v")
 
 
-def refuse_mixed_dtypes(sources: tuple[Any, ...], dtype: torch.dtype) -> None:
+def refuse_mixed_dtypes(sources: tuple[Any, ...], dtype: torch.dtype,
+                        query: torch.dtype) -> None:
     """torch's module computes in its weights' dtype: another weight's, out_proj's
     bias's, or a bias_k / bias_v that would widen the keys is its RuntimeError
     (not converted here: other numbers than torch, which has none).  Taken
-    as torch takes them: in_proj_bias (added in the weights' dtype) and a
-    narrower bias_k / bias_v (its keys keep their dtype).  sources: the
-    module's tensors in PARAMETERS' order (None where absent; what is no
-    tensor, a quantized out_proj's weight method, is refused after)."""
-    for name, p in zip(PARAMETERS, sources):
-        if not isinstance(p, torch.Tensor) or p.dtype == dtype or name == "in_proj_bias" or \
+    as torch takes them: in_proj_bias (added in the weights' dtype on its
+    batch-first path) and a narrower bias_k / bias_v (its keys keep their
+    dtype).  Not under CPU autocast, where the torch classes compute in the
+    parameters' dtype (docs/API.md §8).  sources: the module's tensors in
+    PARAMETERS' order (None where absent; what is no tensor, a quantized
+    out_proj's weight method, is refused after); dtype: the in-projection
+    weight's; query: the query's (the odd weight out is named: dtype is the
+    query's when another weight has it)."""
+    if torch.is_autocast_enabled("cpu"):
+        return
+    tensors = [(n, p) for n, p in zip(PARAMETERS, sources) if isinstance(p, torch.Tensor)]
+    if query != dtype and any(n in ("out_proj.weight", "q_proj_weight", "k_proj_weight",
+                                    "v_proj_weight") and p.dtype == query for n, p in tensors):
+        dtype = query
+    for name, p in tensors:
+        if p.dtype == dtype or name == "in_proj_bias" or \
                 (name in ("bias_k", "bias_v") and torch.promote_types(dtype, p.dtype) == dtype):
             continue
         raise TypeErrorAndRuntimeError(

@@ -164,8 +164,11 @@ def _apply(core, opts, query, key, value, *params):
     passed as its last tensors."""
     names = mask_inputs(opts)
     if names:
+        # copies (as torch's modules add one): saved as anchors of create_graph's
+        # guard, they leave the caller's masks free to change in place before
+        # the backward (saved themselves, that was autograd's in-place error)
         return AttentionFunction.apply(core, dict(opts, mask_inputs=names), query, key, value,
-                                       *params, *(opts[n] for n in names))
+                                       *params, *(opts[n].clone() for n in names))
     return AttentionFunction.apply(core, opts, query, key, value, *params)
 
 
@@ -290,13 +293,9 @@ class AttentionFunction(torch.autograd.Function):
         # only what requires grad (a tensor made under inference_mode may not
         # be saved, and the gradients come from `saved`): the anchors of
         # create_graph's guard (the head mask too: alone, it is the only
-        # one), and the unused parameters' shapes.  The masks (all require
-        # grad) are anchors kept on ctx, not saved: saved, a mask changed in
-        # place before the backward would be autograd's error, where torch's
-        # modules (which add a copy of it) run the backward
+        # one; the masks: _apply's copies), and the unused parameters' shapes
         save_arrays(ctx, [t if t.requires_grad else None
-                          for t in (query, key, value, *params, *head_mask)], arrays)
-        ctx.mask_anchors = masks
+                          for t in (query, key, value, *params, *head_mask, *masks)], arrays)
         out = torch.from_numpy(saved.output)
         if saved.weights is None:
             weights = torch.empty(0, dtype=out.dtype)
@@ -316,7 +315,7 @@ class AttentionFunction(torch.autograd.Function):
             # create_graph=True: make a later differentiation of these fail
             # loudly, also one through the incoming gradients (a loss on the
             # layers after this one, torch.autograd.functional.jvp)
-            anchors = [t for t in saved_tensors if t is not None] + list(ctx.mask_anchors) + \
+            anchors = [t for t in saved_tensors if t is not None] + \
                 [g for g in (grad_out, grad_weights) if g is not None and g.requires_grad]
             have = [i for i, g in enumerate(grads) if g is not None]
             if anchors and have:
@@ -571,8 +570,9 @@ def _gradients(ctx, saved, saved_tensors, grad_out, grad_weights):
               torch.from_numpy(np.concatenate([np.zeros_like(grads[k]) if k in off else grads[k]
                                                for k in group]))
               for i, group in enumerate(groups)]
-    # parameters outside the core's block (the head mask, saved last, is not)
-    unused = saved_tensors[3 + len(groups):len(saved_tensors) - ctx.hm_input]
+    # parameters outside the core's block (the head mask and the masks,
+    # saved last, are not)
+    unused = saved_tensors[3 + len(groups):len(saved_tensors) - ctx.hm_input - n_masks]
     # (one that needs a gradient requires grad, so forward saved it)
     params += [torch.zeros_like(p) if need[5 + len(groups) + i] else None
                for i, p in enumerate(unused)]

@@ -502,8 +502,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                 attn_mask, causal = None, True
         sources = self._sources()
         dtype = (sources[0] if self._qkv_same_embed_dim else sources[1]).dtype
-        if not torch.is_autocast_enabled("cpu"):  # (under it torch casts them all)
-            refuse_mixed_dtypes(sources, dtype)
+        refuse_mixed_dtypes(sources, dtype, getattr(query, "dtype", dtype))
         half = dtype if dtype in HALF else None
         if half is not None:
             # torch computes a float16 / bfloat16 module in that dtype; we

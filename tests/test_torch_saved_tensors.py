@@ -277,3 +277,24 @@ def test_a_learned_mask_changed_in_place_keeps_the_double_backward_refused():
     (g,) = torch.autograd.grad(out.square().sum(), base, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward is not supported"):
         torch.autograd.grad(g.sum(), base)
+
+
+def test_a_learned_mask_is_not_held_after_the_backward():
+    # the copy the call saves is freed with the graph's buffers: the caller's
+    # non-leaf mask dies after the backward though the output is kept, as
+    # with torch's module (a reference kept on the autograd node held it)
+    import gc
+    import weakref
+    for cls in (torch.nn.MultiheadAttention, mt.MultiheadAttention):
+        torch.manual_seed(0)
+        m = cls(16, 2, batch_first=True)
+        bias = torch.nn.Parameter(torch.zeros(6, 7))
+        q, k = torch.randn(2, 6, 16), torch.randn(2, 7, 16)
+        mask = bias * 2.0
+        ref = weakref.ref(mask)
+        out, w = m(q, k, k, attn_mask=mask)
+        del mask
+        (out.sum() + w.sum()).backward()
+        gc.collect()
+        assert ref() is None, cls
+        assert out.shape == (2, 6, 16) and bias.grad is not None
