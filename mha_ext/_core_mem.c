@@ -25,13 +25,15 @@
  * the handler they were made with.
  *
  * The limit: MHA_EXT_CACHE_MB (a non-negative integer, read once; 0 turns
- * the cache off; any other value is ignored), else 1 GiB or an eighth of
+ * the cache off; past 2**44 - 1 MiB, no limit; any other value is ignored:
+ * env_limit), else 1 GiB or an eighth of
  * the physical memory, the smaller.  Eviction: the oldest block first.
  * mha_ext.release_memory() unmaps every cached block.  In a sanitizer build
  * the cache is off, so that ASan checks the outputs' bounds as malloc's. */
 #include "_core.h"
 #include "hugemap.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -68,6 +70,24 @@ static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static void out_lock(void) { pthread_mutex_lock(&g_mu); }
 static void out_unlock(void) { pthread_mutex_unlock(&g_mu); }
 
+/* MHA_EXT_CACHE_MB into *limit when it holds a non-negative integer (and
+ * blanks around it; past the bytes a size_t counts, the largest limit, as
+ * MHA_EXT_NUM_THREADS past its range counts as its cap); anything else
+ * leaves *limit as it was */
+static void env_limit(const char *s, size_t *limit)
+{
+    char *end;
+    unsigned long long mb;
+    while (*s == ' ' || *s == '\t' || *s == '\n') s++;
+    if (*s == '-') return; /* strtoull would take "-5" as 2**64 - 5 */
+    errno = 0;
+    mb = strtoull(s, &end, 10);
+    if (end == s) return; /* no digits */
+    while (*end == ' ' || *end == '\t' || *end == '\n') end++;
+    if (*end != '\0') return;
+    *limit = errno == ERANGE || mb > ((size_t)-1 >> 20) ? (size_t)-1 : (size_t)mb << 20;
+}
+
 static void out_init(void)
 {
     const char *env = getenv("MHA_EXT_CACHE_MB");
@@ -75,11 +95,7 @@ static void out_init(void)
     size_t limit = (size_t)1 << 30;
     if (pages > 0 && psz > 0 && (size_t)pages / 8 < limit / (size_t)psz)
         limit = (size_t)pages / 8 * (size_t)psz;
-    if (env && *env) {
-        char *end;
-        unsigned long long mb = strtoull(env, &end, 10);
-        if (*end == '\0' && env[0] != '-' && mb <= ((size_t)-1 >> 20)) limit = (size_t)mb << 20;
-    }
+    if (env) env_limit(env, &limit);
     g_limit = OUT_SANITIZED ? 0 : limit;
     /* a child of fork() inherits the mutex as the forking thread saw it */
     pthread_atfork(out_lock, out_unlock, out_unlock);

@@ -225,7 +225,23 @@ def test_the_limit_follows_mha_ext_cache_mb(env_mb, limit):
 
 
 @needs_cache
-@pytest.mark.parametrize("env_mb", ["junk", "-5", "1.5", ""])
+@pytest.mark.parametrize("env_mb", ["64 ", " 64\n", "+64", "\t064"])
+def test_mha_ext_cache_mb_is_read_with_blanks_around_it(env_mb):
+    """as MHA_EXT_NUM_THREADS is: a blank a shell script leaves is no reason
+    to fall back on the default silently"""
+    assert int(run(LIMIT_PROBE, env_mb).split()[0]) == 64 * MIB
+
+
+@needs_cache
+@pytest.mark.parametrize("env_mb", [str(2**44), str(2**64), "9" * 40])
+def test_an_mha_ext_cache_mb_past_what_memory_can_count_means_no_limit(env_mb):
+    """a limit too large to count in bytes is no limit, not the default's
+    1 GiB (as MHA_EXT_NUM_THREADS past its range counts as its cap)"""
+    assert int(run(LIMIT_PROBE, env_mb).split()[0]) == 2**64 - 1
+
+
+@needs_cache
+@pytest.mark.parametrize("env_mb", ["junk", "-5", " -5", "-0", "1.5", "", " ", "+-5", "64 MB"])
 def test_an_invalid_mha_ext_cache_mb_is_ignored(env_mb):
     default = int(run(LIMIT_PROBE, None).split()[0])
     assert default > 0
