@@ -87,6 +87,26 @@ def _built(config: dict[str, Any]) -> _Core:
     return _Core.__new__(_Core, **config, _empty=True).eval()
 
 
+def _refuse_mixed_dtypes(module: nn.Module, params: list[Any]) -> None:
+    """torch's nn.Linear computes in one dtype: a parameter of another dtype
+    than the module's others (the most common one; W_q.weight's on a tie) is
+    torch's RuntimeError here too, not converted (other numbers than torch,
+    which has none).  params: module._params()"""
+    if all(getattr(p, "dtype", None) == params[0].dtype for p in params):
+        return
+    named = [(f"{n}.{a}", getattr(getattr(module, n), a, None))
+             for n in LINEARS for a in ("weight", "bias")]
+    named = [(n, p) for n, p in named if isinstance(p, torch.Tensor)]
+    dtypes = [p.dtype for _, p in named]
+    dtype = max(dtypes, key=lambda d: (dtypes.count(d), d == dtypes[0]))
+    name, p = next((n, p) for n, p in named if p.dtype != dtype)
+    from ._torch_errors import TypeErrorAndRuntimeError
+    raise TypeErrorAndRuntimeError(
+        f"{name} is {p.dtype} but the module's other parameters are {dtype}: torch's "
+        f"nn.Linear computes in one dtype and raises a RuntimeError here; cast the parameter "
+        f"or the module (module.to({dtype}))")
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention computed by mha_ext's C core, forward and
     backward, as a torch module.
@@ -113,7 +133,10 @@ class MultiHeadAttention(nn.Module):
     head_mask None or (H,) / (B, H) factors (a tensor that requires grad
     gets dL/d head_mask), layout None or a
     mha_ext.layout.BlockLayout), on (B, S, E) or (S, E) CPU tensors;
-    weights is None with need_weights=False.  Gradients flow to query, key,
+    weights is None with need_weights=False.  The parameters share one
+    dtype, the module's: one of another dtype is refused (a TypeError that
+    is also torch's RuntimeError, as the seed module's nn.Linear raises),
+    except under CPU autocast.  Gradients flow to query, key,
     value, every parameter and a float attn_mask or key_padding_mask that
     requires grad (``mask``, 0/1 blocking, has none: a ValueError then).
     """
@@ -261,6 +284,8 @@ class MultiHeadAttention(nn.Module):
                             "key_padding_mask": key_padding_mask, "head_mask": head_mask},
                            (query, key, value))
         params = self._params()
+        if not torch.is_autocast_enabled("cpu"):  # autocast: the call computes in dtype
+            _refuse_mixed_dtypes(self, params)
         dtype = params[0].dtype
         core = self._core_for(dtype)
         key = query if key is None else key
