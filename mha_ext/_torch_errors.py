@@ -91,28 +91,43 @@ PARAMETERS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight
               "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v")
 
 
+def _adds_bias(x: Any, batch_first: bool) -> bool:
+    """whether torch's linear adds in_proj_bias to x's projection with add_,
+    which takes another dtype, rather than with addmm, which refuses it: x
+    as torch's module hands it on (seq-first; (L, 1, E) when unbatched) is
+    not contiguous"""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+        return True  # refused after, as ever
+    x = x.unsqueeze(1) if x.dim() == 2 else x.transpose(1, 0) if batch_first else x
+    return not x.is_contiguous()
+
+
 def refuse_mixed_dtypes(sources: tuple[Any, ...], dtype: torch.dtype,
-                        query: torch.dtype) -> None:
+                        inputs: tuple[Any, Any, Any], batch_first: bool) -> None:
     """torch's module computes in its weights' dtype: another weight's, out_proj's
     bias's, or a bias_k / bias_v that would widen the keys is its RuntimeError
     (not converted here: other numbers than torch, which has none).  Taken
-    as torch takes them: in_proj_bias (added in the weights' dtype on its
-    batch-first path) and a narrower bias_k / bias_v (its keys keep their
-    dtype).  Not under CPU autocast, where the torch classes compute in the
-    parameters' dtype (docs/API.md §8).  sources: the module's tensors in
-    PARAMETERS' order (None where absent; what is no tensor, a quantized
-    out_proj's weight method, is refused after); dtype: the in-projection
-    weight's; query: the query's (the odd weight out is named: dtype is the
-    query's when another weight has it)."""
+    as torch takes them: a narrower bias_k / bias_v (its keys keep their
+    dtype) and in_proj_bias where torch adds it in the weights' dtype (every
+    input as torch projects it not contiguous: batch-first inputs of B and L
+    over 1, transposed by torch; _adds_bias).  Not under CPU autocast,
+    where the torch classes compute in the parameters' dtype (docs/API.md
+    §8).  sources: the module's tensors in PARAMETERS' order (None where
+    absent; what is no tensor, a quantized out_proj's weight method, is
+    refused after); dtype: the in-projection weight's; inputs: query, key,
+    value (the odd weight out is named: dtype is the query's when another
+    weight has it)."""
     if torch.is_autocast_enabled("cpu"):
         return
     tensors = [(n, p) for n, p in zip(PARAMETERS, sources) if isinstance(p, torch.Tensor)]
+    query = getattr(inputs[0], "dtype", dtype)
     if query != dtype and any(n in ("out_proj.weight", "q_proj_weight", "k_proj_weight",
                                     "v_proj_weight") and p.dtype == query for n, p in tensors):
         dtype = query
     for name, p in tensors:
-        if p.dtype == dtype or name == "in_proj_bias" or \
-                (name in ("bias_k", "bias_v") and torch.promote_types(dtype, p.dtype) == dtype):
+        if p.dtype == dtype or \
+                (name == "in_proj_bias" and all(_adds_bias(x, batch_first) for x in inputs)) \
+                or (name in ("bias_k", "bias_v") and torch.promote_types(dtype, p.dtype) == dtype):
             continue
         raise TypeErrorAndRuntimeError(
             f"{name} is {p.dtype} but the module's weights are {dtype}: torch's module "

@@ -502,7 +502,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                 attn_mask, causal = None, True
         sources = self._sources()
         dtype = (sources[0] if self._qkv_same_embed_dim else sources[1]).dtype
-        refuse_mixed_dtypes(sources, dtype, getattr(query, "dtype", dtype))
+        refuse_mixed_dtypes(sources, dtype, (query, key, value), self.batch_first)
         half = dtype if dtype in HALF else None
         if half is not None:
             # torch computes a float16 / bfloat16 module in that dtype; we

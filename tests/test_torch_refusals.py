@@ -241,3 +241,67 @@ def test_the_seed_style_class_refuses_a_parameter_of_another_dtype_as_nn_linear_
     with torch.autocast("cpu"):  # autocast: computed in W_q.weight's dtype, as documented
         if dtype == torch.float64 or name != "W_q.weight":
             assert mods[1](x, x, x)[0].dtype == mods[1].W_q.weight.dtype
+
+
+def _inputs(kind, layout, batch_first, B, L):
+    def make(S):
+        if layout == "unbatched":
+            return torch.randn(S, 16)
+        if layout == "transposed":  # the other layout's memory, as a transposed view
+            x = torch.randn(S, B, 16) if batch_first else torch.randn(B, S, 16)
+            return x.transpose(0, 1)
+        return torch.randn(B, S, 16) if batch_first else torch.randn(S, B, 16)
+    x, y = make(L), make(7)
+    return {"self": (x, x, x), "key is value": (x, y, y), "cross": (x, y, make(7))}[kind]
+
+
+@pytest.mark.parametrize("kind", ["self", "key is value", "cross"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "unbatched"])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("B, L", [(2, 5), (1, 5), (2, 1)])
+def test_an_in_proj_bias_of_another_dtype_is_taken_where_torch_takes_it(kind, layout,
+                                                                       batch_first, B, L):
+    """torch adds in_proj_bias with addmm (which refuses another dtype) where
+    the input it projects is contiguous, else with add_ (which takes it):
+    batch-first inputs it transposes, of B and L over 1, or a transposed
+    view.  Before, ours took it everywhere; now torch's outcome, case by case"""
+    torch.manual_seed(0)
+    q, k, v = _inputs(kind, layout, batch_first, B, L)
+    mods = []
+    for cls in (nn.MultiheadAttention, MultiheadAttention):
+        torch.manual_seed(1)
+        m = cls(16, 4, batch_first=batch_first)
+        m.in_proj_bias = nn.Parameter(m.in_proj_bias.detach().double())
+        mods.append(m)
+    try:
+        want = mods[0](q, k, v)
+    except RuntimeError:
+        with pytest.raises(TypeError, match="in_proj_bias is torch.float64 but the module's "
+                                            "weights are torch.float32") as info:
+            mods[1](q, k, v)
+        assert isinstance(info.value, RuntimeError)
+        return
+    got = mods[1](q, k, v)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "unbatched"])
+def test_the_functional_takes_an_in_proj_bias_of_another_dtype_where_torch_does(layout):
+    """multi_head_attention_forward (sequence-first): refused for a
+    contiguous input, as torch's addmm refuses it; taken for a transposed
+    view, as torch's add_ takes it"""
+    torch.manual_seed(0)
+    q, k, v = _inputs("cross", layout, False, 2, 5)
+    w, b = torch.randn(48, 16) * 0.25, torch.randn(48, dtype=torch.float64)
+    ow, ob = torch.randn(16, 16) * 0.25, torch.randn(16)
+    args = (q, k, v, 16, 4, w, b, None, None, False, 0.0, ow, ob)
+    try:
+        want = torch.nn.functional.multi_head_attention_forward(*args)
+    except RuntimeError:
+        with pytest.raises(RuntimeError, match="in_proj_bias is torch.float64"):
+            mt.multi_head_attention_forward(*args)
+        return
+    got = mt.multi_head_attention_forward(*args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
