@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 __all__ = ["batched", "is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "as_array",
-           "check_real", "as_real", "contiguous", "flag", "probability", "seed", "counter"]
+           "check_real", "refuse_huge_ints", "as_real", "contiguous", "flag", "probability", "seed", "counter"]
 
 
 _TENSOR_TYPES: set[type] = set()  # the types is_tensor has found to be tensors
@@ -283,23 +283,30 @@ def as_array(x, name) -> np.ndarray:
                         f"{type(exc).__name__}: {exc}") from exc
 
 
+def refuse_huge_ints(arr, name):
+    """An int past int64 and uint64 in arr, which NumPy keeps as an object,
+    named as such (not as "dtype object"): too large for a float, also the
+    OverflowError torch raises; else a TypeError saying to pass a float."""
+    big = None if arr.dtype.kind != "O" else next(
+        (v for v in arr.flat if isinstance(v, int) and not -2**63 <= v < 2**64), None)
+    if big is None:
+        return
+    try:
+        float(big)
+    except OverflowError:
+        raise ValueErrorAndOverflowError(
+            f"{name} must hold real numbers, got an int of {big.bit_length()} bits, "
+            f"too large for a float") from None
+    raise TypeError(f"{name} must hold real numbers NumPy can store: an int of "
+                    f"{big.bit_length()} bits is past int64 and uint64 (NumPy kept "
+                    f"it as an object); pass it as a float")
+
+
 def check_real(arr, name):
     """TypeError naming `name` unless arr holds bool, int or float (an int
-    past int64 and uint64, which NumPy keeps as an object, named as such:
-    too large for a float, also the OverflowError torch raises)."""
+    past int64 and uint64: refuse_huge_ints)."""
     if arr.dtype.kind not in "biuf":
-        big = None if arr.dtype.kind != "O" else next(
-            (v for v in arr.flat if isinstance(v, int) and not -2**63 <= v < 2**64), None)
-        if big is not None:
-            try:
-                float(big)
-            except OverflowError:
-                raise ValueErrorAndOverflowError(
-                    f"{name} must hold real numbers, got an int of {big.bit_length()} bits, "
-                    f"too large for a float") from None
-            raise TypeError(f"{name} must hold real numbers NumPy can store: an int of "
-                            f"{big.bit_length()} bits is past int64 and uint64 (NumPy kept "
-                            f"it as an object); pass it as a float")
+        refuse_huge_ints(arr, name)
         raise TypeError(f"{name} must hold real numbers (bool, int or float), "
                         f"got dtype {arr.dtype}")
 

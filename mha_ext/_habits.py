@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._convert import as_array, flag
+from ._convert import as_array, flag, refuse_huge_ints
 
 __all__ = ["TORCH_NAMES", "constructor_keywords", "call_keywords", "batch_first",
            "set_batch_first", "mask_polarity", "set_mask_polarity", "causal", "set_causal",
@@ -118,6 +118,7 @@ def _keep_to_block(mask):
     if m.dtype.kind == "b":
         return ~m
     if m.dtype.kind not in "iuf":
+        refuse_huge_ints(m, "mask")
         raise TypeError(f"mask must be bool, int or float with 0/1 values (with "
                         f"mask_polarity='keep', 1 = attend), got dtype {m.dtype}")
     if not np.all((m == 0) | (m == 1)):

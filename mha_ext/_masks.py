@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._convert import as_array
+from ._convert import as_array, refuse_huge_ints
 
 __all__ = ["BLOCKING", "ADDITIVE", "masks", "block_layout"]
 
@@ -45,6 +45,7 @@ def _seed_mask(mask, batched, dims):
     # mask broadcasts to (B, H, Sq, Sk) (unbatched: (H, Sq, Sk)), 0/1 values
     m = as_array(mask, "mask")
     if m.dtype.kind not in "biuf":
+        refuse_huge_ints(m, "mask")
         raise TypeError(f"mask must be bool, int or float with 0/1 values (1 = blocked), "
                         f"got dtype {m.dtype}")
     if m.ndim > (4 if batched else 3):
@@ -76,6 +77,7 @@ def _kind(m, name):
         return BLOCKING
     if m.dtype.kind == "f":
         return ADDITIVE
+    refuse_huge_ints(m, name)
     raise TypeError(f"{name} must be bool (True = blocked) or float (added to the "
                     f"scores), got dtype {m.dtype}")
 

@@ -198,6 +198,21 @@ def test_an_array_of_ints_too_large_is_named_not_called_dtype_object():
         m(np.array([[["a"] * 8] * 2], dtype=object))
 
 
+@pytest.mark.parametrize("name", ["mask", "attn_mask", "key_padding_mask", "keep mask"])
+def test_a_mask_of_ints_too_large_is_named_not_called_dtype_object(name):
+    """The NumPy module's masks as its inputs above: "got dtype object" of
+    the user's ints before"""
+    m = MultiHeadAttention(8, 2, seed=0)
+    m.mask_polarity = "keep" if name == "keep mask" else "block"
+    x = np.ones((1, 2, 8), np.float32)
+    kw = "mask" if name == "keep mask" else name
+    for big, err, words in ((HUGE, OverflowError, "an int of 1329 bits, too large for a float"),
+                            (2 ** 70, TypeError, "an int of 71 bits is past int64 and uint64")):
+        mask = [[0, big]] if name == "key_padding_mask" else [[0, big], [0, 0]]
+        with pytest.raises(err, match=re.escape(f"{kw} must hold real numbers") + ".*" + words):
+            m(x, x, x, **{kw: mask})
+
+
 @pytest.mark.parametrize("sign", [1, -1])
 def test_an_int_too_large_for_a_float_as_dropout_p(sign):
     with pytest.raises(ValueError, match="dropout_p must be a probability") as info:
