@@ -94,9 +94,12 @@ def _refuse_mixed_dtypes(module: nn.Module, params: list[Any]) -> None:
     which has none).  params: module._params()"""
     if all(getattr(p, "dtype", None) == params[0].dtype for p in params):
         return
-    named = [(f"{n}.{a}", getattr(getattr(module, n), a, None))
-             for n in LINEARS for a in ("weight", "bias")]
-    named = [(n, p) for n, p in named if isinstance(p, torch.Tensor)]
+    named: list[tuple[str, torch.Tensor]] = []
+    for n in LINEARS:
+        for a in ("weight", "bias"):
+            p = getattr(getattr(module, n), a, None)
+            if isinstance(p, torch.Tensor):
+                named.append((f"{n}.{a}", p))
     dtypes = [p.dtype for _, p in named]
     dtype = max(dtypes, key=lambda d: (dtypes.count(d), d == dtypes[0]))
     name, p = next((n, p) for n, p in named if p.dtype != dtype)
