@@ -422,7 +422,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         as well as ours (mha_ext._torch_errors: an AssertionError for a
         key of another rank, say, is also our ValueError), with both messages.
         """
-        _convert.refuse_fx_proxies(query, key, value)
+        _convert.refuse_fx_proxies(query, key, value, key_padding_mask, attn_mask)
         refuse_transformed({}, (query, key, value))
         if any(getattr(x, "is_meta", False) for x in (query, key, value)):
             if not all(p.is_meta for p in self.parameters()):  # torch: a RuntimeError

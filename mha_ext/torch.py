@@ -280,7 +280,7 @@ class MultiHeadAttention(nn.Module):
         weights is None with need_weights=False."""
         if unknown:  # torch's names (average_attn_weights, ...) named with ours
             _habits.call_keywords(unknown, "forward")
-        refuse_fx_proxies(query, key, value)
+        refuse_fx_proxies(query, key, value, mask, attn_mask, key_padding_mask, head_mask)
         # a torch.func transform's tensors refused as given, by name: converted
         # below, every input would be the transform's (naming query for key)
         refuse_transformed({"mask": mask, "attn_mask": attn_mask,
