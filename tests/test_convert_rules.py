@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import mha_ext
-import mha_ext.torch as mt
 from mha_ext import MultiHeadAttention, layout
 from _support import require_torch
 
 torch = require_torch()
+import mha_ext.torch as mt  # noqa: E402
 F = torch.nn.functional
 f = mha_ext.scaled_dot_product_attention
 FX = "torch.fx.symbolic_trace reached mha_ext"
