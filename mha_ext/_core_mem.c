@@ -33,6 +33,7 @@
 #include "_core.h"
 #include "hugemap.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,12 +79,12 @@ static void env_limit(const char *s, size_t *limit)
 {
     char *end;
     unsigned long long mb;
-    while (*s == ' ' || *s == '\t' || *s == '\n') s++;
+    while (isspace((unsigned char)*s)) s++; /* what strtoull skips */
     if (*s == '-') return; /* strtoull would take "-5" as 2**64 - 5 */
     errno = 0;
     mb = strtoull(s, &end, 10);
     if (end == s) return; /* no digits */
-    while (*end == ' ' || *end == '\t' || *end == '\n') end++;
+    while (isspace((unsigned char)*end)) end++;
     if (*end != '\0') return;
     *limit = errno == ERANGE || mb > ((size_t)-1 >> 20) ? (size_t)-1 : (size_t)mb << 20;
 }

@@ -87,27 +87,32 @@ def _built(config: dict[str, Any]) -> _Core:
     return _Core.__new__(_Core, **config, _empty=True).eval()
 
 
-def _refuse_mixed_dtypes(module: nn.Module, params: list[Any]) -> None:
+def _refuse_mixed_dtypes(module: nn.Module, params: list[Any], inputs: tuple[Any, ...]) -> None:
     """torch's nn.Linear computes in one dtype: a parameter of another dtype
     than the module's others (the most common one; W_q.weight's on a tie) is
     torch's RuntimeError here too, not converted (other numbers than torch,
-    which has none).  params: module._params()"""
+    which has none).  Taken as nn.Linear takes it: a W_q / W_k / W_v bias
+    whose input is a 3-D tensor that is not contiguous (added with add_,
+    which takes another dtype, not with addmm).  params: module._params();
+    inputs: query, key, value (key and value defaulted)"""
     if all(getattr(p, "dtype", None) == params[0].dtype for p in params):
         return
     named: list[tuple[str, torch.Tensor]] = []
-    for n in LINEARS:
+    for n, x in zip(LINEARS, (*inputs, None)):
+        taken = isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_contiguous()
         for a in ("weight", "bias"):
             p = getattr(getattr(module, n), a, None)
-            if isinstance(p, torch.Tensor):
+            if isinstance(p, torch.Tensor) and not (a == "bias" and taken):
                 named.append((f"{n}.{a}", p))
     dtypes = [p.dtype for _, p in named]
     dtype = max(dtypes, key=lambda d: (dtypes.count(d), d == dtypes[0]))
-    name, p = next((n, p) for n, p in named if p.dtype != dtype)
-    from ._torch_errors import TypeErrorAndRuntimeError
-    raise TypeErrorAndRuntimeError(
-        f"{name} is {p.dtype} but the module's other parameters are {dtype}: torch's "
-        f"nn.Linear computes in one dtype and raises a RuntimeError here; cast the parameter "
-        f"or the module (module.to({dtype}))")
+    for name, p in named:
+        if p.dtype != dtype:
+            from ._torch_errors import TypeErrorAndRuntimeError
+            raise TypeErrorAndRuntimeError(
+                f"{name} is {p.dtype} but the module's other parameters are {dtype}: torch's "
+                f"nn.Linear computes in one dtype and raises a RuntimeError here; cast the "
+                f"parameter or the module (module.to({dtype}))")
 
 
 class MultiHeadAttention(nn.Module):
@@ -138,8 +143,9 @@ class MultiHeadAttention(nn.Module):
     mha_ext.layout.BlockLayout), on (B, S, E) or (S, E) CPU tensors;
     weights is None with need_weights=False.  The parameters share one
     dtype, the module's: one of another dtype is refused (a TypeError that
-    is also torch's RuntimeError, as the seed module's nn.Linear raises),
-    except under CPU autocast.  Gradients flow to query, key,
+    is also torch's RuntimeError, as the seed module's nn.Linear raises;
+    a W_q / W_k / W_v bias is taken where nn.Linear takes it, on a 3-D
+    input that is not contiguous), except under CPU autocast.  Gradients flow to query, key,
     value, every parameter and a float attn_mask or key_padding_mask that
     requires grad (``mask``, 0/1 blocking, has none: a ValueError then).
     """
@@ -288,7 +294,8 @@ class MultiHeadAttention(nn.Module):
                            (query, key, value))
         params = self._params()
         if not torch.is_autocast_enabled("cpu"):  # autocast: the call computes in dtype
-            _refuse_mixed_dtypes(self, params)
+            k = query if key is None else key
+            _refuse_mixed_dtypes(self, params, (query, k, k if value is None else value))
         dtype = params[0].dtype
         core = self._core_for(dtype)
         key = query if key is None else key

@@ -225,7 +225,7 @@ def test_the_limit_follows_mha_ext_cache_mb(env_mb, limit):
 
 
 @needs_cache
-@pytest.mark.parametrize("env_mb", ["64 ", " 64\n", "+64", "\t064"])
+@pytest.mark.parametrize("env_mb", ["64 ", " 64\n", "+64", "\t064", "\f64\r", "\v64"])
 def test_mha_ext_cache_mb_is_read_with_blanks_around_it(env_mb):
     """as MHA_EXT_NUM_THREADS is: a blank a shell script leaves is no reason
     to fall back on the default silently"""
@@ -241,7 +241,8 @@ def test_an_mha_ext_cache_mb_past_what_memory_can_count_means_no_limit(env_mb):
 
 
 @needs_cache
-@pytest.mark.parametrize("env_mb", ["junk", "-5", " -5", "-0", "1.5", "", " ", "+-5", "64 MB"])
+@pytest.mark.parametrize("env_mb", ["junk", "-5", " -5", "-0", "1.5", "", " ", "+-5", "64 MB",
+                                    "\r-5", "\v-5", "\f-5", " \r-5"])
 def test_an_invalid_mha_ext_cache_mb_is_ignored(env_mb):
     default = int(run(LIMIT_PROBE, None).split()[0])
     assert default > 0

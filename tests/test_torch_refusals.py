@@ -220,24 +220,35 @@ def test_a_parameter_of_another_dtype_is_refused_where_torch_refuses_it(name, dt
 @pytest.mark.parametrize("name", ["W_q.weight", "W_k.bias", "W_v.weight", "W_o.weight",
                                   "W_o.bias"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int32])
-def test_the_seed_style_class_refuses_a_parameter_of_another_dtype_as_nn_linear_does(name,
-                                                                                     dtype):
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_the_seed_style_class_refuses_a_parameter_of_another_dtype_as_nn_linear_does(
+        name, dtype, layout):
     """mha_ext.torch.MultiHeadAttention with one Linear's parameter in another
     dtype: converted without a word before (an int32 W_o.weight computed;
     a float64 W_q.weight was blamed on the query), where the seed module's
-    nn.Linear raises its RuntimeError.  Now refused, naming the parameter."""
+    nn.Linear raises its RuntimeError.  Now refused, naming the parameter;
+    taken where nn.Linear takes it (a W_k bias on a transposed view: add_,
+    not addmm), with torch's numbers."""
     from torch_seed import SeedMultiHeadAttention
-    x = torch.randn(2, 5, 16)
+    x = torch.randn(2, 5, 16) if layout == "contiguous" else torch.randn(5, 2, 16).transpose(0, 1)
     mods = [SeedMultiHeadAttention(16, 4), mt.MultiHeadAttention(16, 4)]
+    mods[0].load_state_dict(mods[1].state_dict())
     for m in mods:
         lin, attr = getattr(m, name[:3]), name[4:]
         setattr(lin, attr, nn.Parameter(getattr(lin, attr).detach().to(dtype),
                                         requires_grad=dtype.is_floating_point))
-    _torch_refusal(lambda: mods[0](x, x, x))
-    with pytest.raises(TypeError, match=f"{name} is {dtype} but the module's other parameters "
-                                        "are torch.float32") as info:
-        mods[1](x, x, x)
-    assert isinstance(info.value, RuntimeError)
+    try:
+        want = mods[0].eval()(x, x, x)
+    except RuntimeError:
+        with pytest.raises(TypeError, match=f"{name} is {dtype} but the module's other "
+                                            "parameters are torch.float32") as info:
+            mods[1](x, x, x)
+        assert isinstance(info.value, RuntimeError)
+    else:
+        assert name == "W_k.bias" and layout == "transposed"   # the one nn.Linear takes
+        got = mods[1](x, x, x)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with torch.autocast("cpu"):  # autocast: computed in W_q.weight's dtype, as documented
         if dtype == torch.float64 or name != "W_q.weight":
             assert mods[1](x, x, x)[0].dtype == mods[1].W_q.weight.dtype
