@@ -24,7 +24,7 @@ import torch
 
 from ._convert import ValueErrorAndRuntimeError  # noqa: F401 (here too, as ever)
 
-__all__ = ["torchs", "metas", "refuse_mixed_dtypes"]
+__all__ = ["torchs", "metas", "refuse_mixed_dtypes", "linear_adds_bias"]
 
 
 class ValueErrorAndAssertionError(ValueError, AssertionError):
@@ -91,15 +91,20 @@ PARAMETERS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight
               "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v")
 
 
+def linear_adds_bias(x: Any) -> bool:
+    """Whether torch's linear (nn.Linear, F.linear) adds its bias to x's
+    product with add_, which takes a bias of another dtype, rather than
+    with addmm, which refuses it: x a 3-D tensor that is not contiguous."""
+    return isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_contiguous()
+
+
 def _adds_bias(x: Any, batch_first: bool) -> bool:
-    """whether torch's linear adds in_proj_bias to x's projection with add_,
-    which takes another dtype, rather than with addmm, which refuses it: x
-    as torch's module hands it on (seq-first; (L, 1, E) when unbatched) is
-    not contiguous"""
+    """linear_adds_bias of x as torch's module hands it on to its in-projection
+    (seq-first; (L, 1, E) when unbatched)"""
     if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
         return True  # refused after, as ever
-    x = x.unsqueeze(1) if x.dim() == 2 else x.transpose(1, 0) if batch_first else x
-    return not x.is_contiguous()
+    return linear_adds_bias(x.unsqueeze(1) if x.dim() == 2 else
+                            x.transpose(1, 0) if batch_first else x)
 
 
 def refuse_mixed_dtypes(sources: tuple[Any, ...], dtype: torch.dtype,

@@ -97,18 +97,17 @@ def _refuse_mixed_dtypes(module: nn.Module, params: list[Any], inputs: tuple[Any
     inputs: query, key, value (key and value defaulted)"""
     if all(getattr(p, "dtype", None) == params[0].dtype for p in params):
         return
+    from ._torch_errors import TypeErrorAndRuntimeError, linear_adds_bias
     named: list[tuple[str, torch.Tensor]] = []
     for n, x in zip(LINEARS, (*inputs, None)):
-        taken = isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_contiguous()
         for a in ("weight", "bias"):
             p = getattr(getattr(module, n), a, None)
-            if isinstance(p, torch.Tensor) and not (a == "bias" and taken):
+            if isinstance(p, torch.Tensor) and not (a == "bias" and linear_adds_bias(x)):
                 named.append((f"{n}.{a}", p))
     dtypes = [p.dtype for _, p in named]
     dtype = max(dtypes, key=lambda d: (dtypes.count(d), d == dtypes[0]))
     for name, p in named:
         if p.dtype != dtype:
-            from ._torch_errors import TypeErrorAndRuntimeError
             raise TypeErrorAndRuntimeError(
                 f"{name} is {p.dtype} but the module's other parameters are {dtype}: torch's "
                 f"nn.Linear computes in one dtype and raises a RuntimeError here; cast the "
