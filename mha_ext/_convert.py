@@ -1,7 +1,8 @@
-"""Argument conversion, the one home for it: torch tensors to NumPy, array-likes
-to ndarrays with a message naming the argument, the real-number check, the
-contiguous copy in a dtype, and the checks of scalar arguments (flags,
-probabilities, stream counters) that Python code takes.
+"""Argument conversion, the one home for it: torch tensors to NumPy and back
+(empty results in torch's layout), array-likes to ndarrays with a message
+naming the argument, the real-number check, the contiguous copy in a dtype,
+and the checks of scalar arguments (flags, probabilities, stream counters)
+that Python code takes.
 
 Imports nothing of mha_ext and never imports torch: a torch tensor is
 recognised by its type's module.
@@ -13,9 +14,9 @@ import sys
 
 import numpy as np
 
-__all__ = ["batched", "is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "as_array",
-           "check_real", "refuse_huge_ints", "as_real", "contiguous", "flag", "probability",
-           "seed", "counter"]
+__all__ = ["batched", "is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "to_tensor",
+           "dense", "as_array", "check_real", "refuse_huge_ints", "as_real", "contiguous",
+           "flag", "probability", "seed", "counter"]
 
 
 _TENSOR_TYPES: set[type] = set()  # the types is_tensor has found to be tensors
@@ -213,6 +214,21 @@ def to_numpy(x, name="tensor"):
     if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16
         x = x.float()
     return x.resolve_conj().resolve_neg().numpy()
+
+
+def to_tensor(a):
+    """torch.from_numpy(a), an empty array given the strides torch gives an
+    empty tensor of its shape (its sizes taken as at least 1): NumPy 2 gives
+    an empty array zero strides, which torch.from_numpy keeps."""
+    t = sys.modules["torch"].from_numpy(a)
+    return t if t.numel() else dense(t)
+
+
+def dense(t):
+    """t.contiguous(), an empty tensor laid out as torch lays out a fresh one
+    (contiguous() keeps any strides of an empty tensor: all are contiguous)."""
+    return t.contiguous() if t.numel() else t.clone(
+        memory_format=sys.modules["torch"].contiguous_format)
 
 
 def _unmasked(x, name):

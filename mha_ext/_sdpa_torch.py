@@ -18,7 +18,7 @@ import torch
 
 from . import _sdpa
 from . import _calls
-from ._convert import probability, to_numpy
+from ._convert import probability, to_numpy, to_tensor
 from ._torch_fn import (COMPILE_REASON, HALF, _has_tangent, _NoDoubleBackward,
                         refuse_traced_tensors, refuse_unrecordable, refused_draws_nothing,
                         save_arrays, saved_arrays, torch_stream)
@@ -136,7 +136,7 @@ def _forward(plan, query, key, value, extra):
         to_numpy(hm, "head_mask") if isinstance(hm, torch.Tensor) else hm, q4, lead)
     out, _ = _sdpa.sdpa_forward(q4, k4, v4, masks, c, s, plan["p"], plan["seed"],
                                 window=plan["window"], layout=lay, head_mask=hm)
-    return (torch.from_numpy(out.reshape(lead + out.shape[2:])),
+    return (to_tensor(out.reshape(lead + out.shape[2:])),
             (q4, k4, v4, masks, c, s, lead, lead_kv, lay, hm))
 
 

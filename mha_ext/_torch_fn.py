@@ -22,7 +22,7 @@ from torch.autograd import forward_ad as _forward_ad
 from torch.nn.utils import parametrize
 
 from . import _calls, _params, autograd as _ag
-from ._convert import batched, to_numpy
+from ._convert import batched, to_numpy, to_tensor
 from ._params import seed_keys
 
 __all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "HALF", "attention", "attention_kept", "holds",
@@ -296,12 +296,12 @@ class AttentionFunction(torch.autograd.Function):
         # one; the masks: _apply's copies), and the unused parameters' shapes
         save_arrays(ctx, [t if t.requires_grad else None
                           for t in (query, key, value, *params, *head_mask, *masks)], arrays)
-        out = torch.from_numpy(saved.output)
+        out = to_tensor(saved.output)
         if saved.weights is None:
             weights = torch.empty(0, dtype=out.dtype)
             ctx.mark_non_differentiable(weights)
         else:
-            weights = torch.from_numpy(saved.weights)
+            weights = to_tensor(saved.weights)
         return out, weights
 
     @staticmethod
@@ -516,8 +516,8 @@ def _plain(core, opts, query, key, value, parts):
     k = q if key is query else to_numpy(key, "key")
     v = k if value is key else (q if value is query else to_numpy(value, "value"))
     out, weights = _forward_plain(core, q, k, v, parts, opts)
-    out = torch.from_numpy(out)
-    return out, torch.empty(0, dtype=out.dtype) if weights is None else torch.from_numpy(weights)
+    out = to_tensor(out)
+    return out, torch.empty(0, dtype=out.dtype) if weights is None else to_tensor(weights)
 
 
 def _has_tangent(tensors):

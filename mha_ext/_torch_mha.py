@@ -566,13 +566,13 @@ class MultiheadAttention(nn.MultiheadAttention):
             out = out.to(half)
             weights = None if weights is None else weights.to(half)
         if batched and not self.batch_first:  # torch's (L, B, E), contiguous
-            out = out.transpose(0, 1).contiguous()
+            out = _convert.dense(out.transpose(0, 1))
         elif batched and not torch_fast:
             # torch's unfused path gives batch_first its (L, B, E) result
             # transposed: the same memory order here, so that what follows
             # (a dropout drawing over empty_like(out), a .view) does as with
             # torch's; its fused path gives a contiguous (B, L, E), as ours
-            out = out.transpose(0, 1).contiguous().transpose(0, 1)
+            out = _convert.dense(out.transpose(0, 1)).transpose(0, 1)
         if torch_fast and query.numel() == 0:
             weights = None  # torch's fused path returns no weights for an empty query
         return out, (weights if need_weights else None)
