@@ -272,7 +272,10 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         extra = []
         if mask_input:  # a learned bias (Swin, BEiT, T5): it gets its gradient
             plan["attn_mask"], plan["mask_input"] = None, True
-            extra.append(attn_mask)
+            # through a copy, the backward's (as the torch classes take it):
+            # the caller's mask may change in place before the backward, as
+            # on torch's math path, which takes such a mask and keeps none
+            extra.append(attn_mask.clone())
         if hm_input:
             plan["head_mask"] = None
             extra.append(head_mask)

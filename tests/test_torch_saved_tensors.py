@@ -298,3 +298,49 @@ def test_a_learned_mask_is_not_held_after_the_backward():
         gc.collect()
         assert ref() is None, cls
         assert out.shape == (2, 6, 16) and bias.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lead", [(1, 2), (2,)])    # 4-D and 3-D: torch's math path for both
+def test_a_learned_mask_changed_in_place_before_the_twins_backward_is_torchs_too(dtype, lead):
+    # torch's SDPA takes a mask that requires grad on its math path, which
+    # keeps no mask: changed in place after the forward, the backward runs on
+    # the forward's.  The twin saved the caller's mask and raised autograd's
+    # in-place error; it now saves a copy, as the torch classes do
+    got = {}
+    for f in (torch.nn.functional.scaled_dot_product_attention,
+              mha_ext.scaled_dot_product_attention):
+        g = torch.Generator().manual_seed(7)
+        q = torch.randn(*lead, 5, 8, generator=g, dtype=dtype, requires_grad=True)
+        base = torch.randn(5, 5, generator=g, dtype=dtype, requires_grad=True)
+        mask = base * 1.0
+        out = f(q, q, q, attn_mask=mask)
+        with torch.no_grad():
+            mask[:, 0] = float("-inf")
+        got[f] = torch.autograd.grad(out.square().sum(), [q, base])
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    for ours, theirs in zip(*got.values()):
+        torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
+
+
+def test_a_learned_mask_of_the_twin_keeps_the_double_backward_refused_and_is_not_held():
+    import gc
+    import weakref
+    q = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    base = torch.zeros(3, 3, dtype=torch.float64, requires_grad=True)
+    mask = base * 1.0
+    out = mha_ext.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    with torch.no_grad():
+        mask.add_(1.0)
+    (g,) = torch.autograd.grad(out.square().sum(), base, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(g.sum(), base)
+    # the copy is freed with the graph's buffers: the caller's mask dies
+    # after the backward though the output is kept
+    mask = base * 2.0
+    ref = weakref.ref(mask)
+    out = mha_ext.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    del mask
+    out.sum().backward()
+    gc.collect()
+    assert ref() is None and base.grad is not None and out.shape == q.shape
