@@ -45,6 +45,7 @@ except ModuleNotFoundError as _exc:
 from torch import nn
 
 from ._swap import attention_modules, finish, swapped
+from ._torch_errors import TORCH_MHA
 from ._torch_fn import drop_hooks
 from ._torch_mha import MultiheadAttention
 from .module import MultiHeadAttention as _NumpyMHA
@@ -286,7 +287,7 @@ def compare(model: nn.Module, *inputs: Any, from_torch_options: Mapping[str, Any
 def _compare(model, inputs, from_torch_options, kwargs, state):
     # compare's runs, each from `state` (a parametrized weight read by
     # from_torch, say, advances it in training mode)
-    if isinstance(model, nn.MultiheadAttention):
+    if isinstance(model, TORCH_MHA):
         ours = MultiheadAttention.from_torch(model)
         _restore(model, state)
         return _compare_module(model, ours, inputs, kwargs, state)

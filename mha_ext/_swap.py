@@ -19,6 +19,7 @@ from torch.nn.utils import parametrize
 
 from ._core import _Guarded
 from ._torch_fn import drop_hooks, holds, register_our_pre_hook
+from ._torch_errors import TORCH_MHA
 from ._torch_mha import MultiheadAttention, _use_our_forward
 
 __all__ = ["attention_modules", "swap_in", "restore", "swapped", "sharing", "finish"]
@@ -33,8 +34,8 @@ def attention_modules(model):
     would not run."""
     found = []
     for name, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, nn.MultiheadAttention) and not isinstance(m, MultiheadAttention):
-            if type(m) is not nn.MultiheadAttention and not _parametrized(m):
+        if isinstance(m, TORCH_MHA) and not isinstance(m, MultiheadAttention):
+            if type(m) is not TORCH_MHA and not _parametrized(m):
                 raise TypeError(
                     f"{name or 'the model'} is a {type(m).__qualname__}, a subclass of "
                     f"torch.nn.MultiheadAttention: mha_ext computes torch's class only, and "
@@ -47,7 +48,7 @@ def attention_modules(model):
 def _parametrized(m):
     """Whether m is torch's own class under torch.nn.utils.parametrize (the
     class parametrize made for it: properties, no forward of its own)."""
-    return parametrize.is_parametrized(m) and type(m).__bases__ == (nn.MultiheadAttention,)
+    return parametrize.is_parametrized(m) and type(m).__bases__ == (TORCH_MHA,)
 
 
 def _body(cls):
@@ -112,10 +113,10 @@ def _give_back(old, ours):
     # class for `old` as parametrize leaves it (the shared `parametrizations`
     # holds the tensors; the class, its properties)
     if type(ours) is MultiheadAttention:
-        if type(old) is not nn.MultiheadAttention:
-            old.__class__ = nn.MultiheadAttention
-    elif type(old) is nn.MultiheadAttention or _properties(type(old)) != _properties(type(ours)):
-        old.__class__ = type(type(ours).__name__, (nn.MultiheadAttention,), _body(type(ours)))
+        if type(old) is not TORCH_MHA:
+            old.__class__ = TORCH_MHA
+    elif type(old) is TORCH_MHA or _properties(type(old)) != _properties(type(ours)):
+        old.__class__ = type(type(ours).__name__, (TORCH_MHA,), _body(type(ours)))
     for key in old.__dict__:
         if _plain(key) and key in ours.__dict__:
             old.__dict__[key] = ours.__dict__[key]

@@ -24,7 +24,13 @@ import torch
 
 from ._convert import ValueErrorAndRuntimeError  # noqa: F401 (here too, as ever)
 
-__all__ = ["torchs", "metas", "refuse_mixed_dtypes", "linear_adds_bias"]
+__all__ = ["TORCH_MHA", "torchs", "metas", "refuse_mixed_dtypes", "linear_adds_bias"]
+
+# torch's own module class, as torch defined it: the probes run it, and the
+# swaps and checks look for it, also after a caller's global
+# `nn.MultiheadAttention = mha_ext.torch.MultiheadAttention` (which made the
+# probes run the drop-in itself: plain ValueErrors, a RecursionError on meta)
+TORCH_MHA = torch.nn.MultiheadAttention
 
 
 class ValueErrorAndAssertionError(ValueError, AssertionError):

@@ -38,8 +38,8 @@ from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._nested import forward_nested
 from ._torch_mask_rules import check_hint_mask_rank, check_mask_dtype, warn_mismatched_masks
-from ._torch_errors import (TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas,
-                            refuse_mixed_dtypes, torchs)
+from ._torch_errors import (TORCH_MHA, TypeErrorAndRuntimeError, ValueErrorAndRuntimeError,
+                            metas, refuse_mixed_dtypes, torchs)
 from ._torch_fn import (COMPILE_REASON, HALF, attention, attention_kept, holds,
                         refuse_script, refuse_transformed, register_our_pre_hook)
 from ._types import Int, Window
@@ -148,7 +148,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         if embed_dim % num_heads:
             raise torchs(ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
                                     f"({num_heads})"),
-                         lambda: nn.MultiheadAttention(embed_dim, num_heads, device="meta"))
+                         lambda: TORCH_MHA(embed_dim, num_heads, device="meta"))
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         nn.Module.__init__(self)  # not torch's constructor: the parameters are made below
         self.embed_dim = embed_dim
@@ -206,7 +206,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         """A copy of a torch.nn.MultiheadAttention: the same configuration,
         dtype, device, training mode and parameter values (its own memory),
         add_bias_kv's bias_k / bias_v and add_zero_attn included."""
-        if not isinstance(module, nn.MultiheadAttention):
+        if not isinstance(module, TORCH_MHA):
             raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, not "
                             f"{type(module).__name__}")
         if (module.bias_k is None) != (module.bias_v is None):
@@ -432,7 +432,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                     "on the meta device too)")
             # no data to compute: torch's forward gives the results' shapes on
             # the meta device (and its refusals), as torch's module does
-            return nn.MultiheadAttention.forward(
+            return TORCH_MHA.forward(
                 self, query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal is True)
         try:
@@ -462,9 +462,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         if not self.training and not (torch.is_grad_enabled()
                                       and any(t.requires_grad for t in tensors)):
             with torch.no_grad():
-                nn.MultiheadAttention.forward(self, *args)
+                TORCH_MHA.forward(self, *args)
             return
-        ref = nn.MultiheadAttention(
+        ref = TORCH_MHA(
             self.embed_dim, self.num_heads, dropout=self.dropout, bias=self._has_bias(),
             add_bias_kv=holds(self, "bias_k"), add_zero_attn=self.add_zero_attn,
             kdim=self.kdim, vdim=self.vdim, batch_first=self.batch_first, device="meta",

@@ -202,3 +202,57 @@ def test_one_of_the_two_biases_set_to_none_computes_as_torch(which, batch_first,
     ga, = torch.autograd.grad(a[0].sum(), q)
     gb, = torch.autograd.grad(b[0].sum(), q)
     close(ga, gb, dtype)
+
+
+# ---------------------------------------------------------------- a global swap
+
+@pytest.fixture
+def swapped_globally(monkeypatch):
+    """torch.nn.MultiheadAttention replaced by the drop-in everywhere torch
+    names it (the usual way to try a drop-in class on code one did not
+    write): yields torch's own class."""
+    import torch.nn.modules.activation as activation
+    import torch.nn.modules.transformer as transformer
+    stock = nn.MultiheadAttention
+    for where in (nn, torch.nn.modules, activation, transformer):
+        monkeypatch.setattr(where, "MultiheadAttention", MultiheadAttention)
+    return stock
+
+
+def test_a_global_swap_keeps_torchs_refusals_and_the_meta_device(swapped_globally):
+    # mha_ext ran nn.MultiheadAttention, looked up at the call, as torch's
+    # reference: after the swap that was the drop-in itself (a plain
+    # ValueError without torch's message, a RecursionError on meta, a
+    # message nesting "(torch: ..." a hundred times)
+    m = MultiheadAttention(E, H)
+    q = x(L, B, E)
+    with pytest.raises(AssertionError, match="expected `key` and `value` to be 3-D"):
+        m(q, x(S, E), q)
+    with pytest.raises(AssertionError, match="embed_dim must be divisible by num_heads"):
+        MultiheadAttention(6, 4)
+    meta = MultiheadAttention(E, H, device="meta")
+    qm = torch.empty(L, B, E, device="meta")
+    out, w = meta(qm, qm, qm)
+    assert out.shape == (L, B, E) and w.shape == (B, L, L)
+    nt = torch.nested.nested_tensor([x(4, 10), x(6, 10)], layout=torch.jagged)
+    with pytest.raises(AssertionError) as info:
+        MultiheadAttention(10, 5, batch_first=True).eval()(nt, nt, nt)
+    assert str(info.value).count("(torch:") <= 1 and len(str(info.value)) < 2000
+
+
+def test_a_global_swap_leaves_from_torch_and_torchs_layers_to_torchs_class(swapped_globally):
+    torch.manual_seed(0)
+    stock = swapped_globally(E, H, dtype=torch.float64)  # made before the swap
+    ours = MultiheadAttention.from_torch(stock)
+    q = x(L, B, E)
+    close(stock(q, q, q)[0], ours(q, q, q)[0], torch.float64)
+    # a layer built after the swap holds the drop-in, and computes torch's numbers
+    torch.manual_seed(1)
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0,
+                                       dtype=torch.float64)
+    assert type(layer.self_attn) is MultiheadAttention
+    ref = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0,
+                                     dtype=torch.float64)
+    ref.self_attn = swapped_globally(E, H, dtype=torch.float64)
+    ref.load_state_dict(layer.state_dict())
+    close(ref(q), layer(q), torch.float64)
