@@ -26,7 +26,7 @@ from ._convert import as_real, flag
 __all__ = ["kv_width", "LINEARS", "SEED_KEYS", "BIAS_KV", "BLOCK_KEYS", "TORCH_PACKED", "TORCH_SEPARATE",
            "TORCH_KEYS", "TORCH_PARTS", "TORCH_UNSUPPORTED", "IncompatibleKeys", "seed_keys", "shape",
            "tensor", "state_dict", "load_block", "params_block", "grads", "Parts", "parts", "groups",
-           "unpacked"]
+           "unpacked", "kv_tail"]
 
 # the four projections, in the order of the C block
 LINEARS = ("W_q", "W_k", "W_v", "W_o")
@@ -49,6 +49,13 @@ TORCH_PARTS = {"in_proj_weight": (0, 2, 4), "in_proj_bias": (1, 3, 5),
 # torch keys of options a module may lack -> the option (bias_k, bias_v need
 # a module built with it)
 TORCH_UNSUPPORTED = {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}
+
+def kv_tail(bias_k, bias_v):
+    """The last parameters of a call, torch's classes' (their _params and
+    _packed): bias_k, bias_v (tensors or arrays) as (Ekv,) vectors; none
+    without them."""
+    return [] if bias_k is None else [bias_k.reshape(-1), bias_v.reshape(-1)]
+
 
 class IncompatibleKeys(NamedTuple):
     """What load_state_dict returns, as torch's: (missing_keys, unexpected_keys)."""

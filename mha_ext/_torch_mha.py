@@ -37,6 +37,7 @@ from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._nested import forward_nested
+from ._params import kv_tail
 from ._torch_mask_rules import check_hint_mask_rank, check_mask_dtype, warn_mismatched_masks
 from ._torch_errors import (TORCH_MHA, TypeErrorAndRuntimeError, ValueErrorAndRuntimeError,
                             metas, refuse_mixed_dtypes, torchs)
@@ -57,11 +58,6 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 _CORES: OrderedDict[tuple[Any, ...], _Core] = OrderedDict()
 _KEEP = 64
 _LOCK = threading.Lock()  # calls from several threads share the dict
-
-
-def _kv_tail(bias_k, bias_v):
-    """_params' and _packed's last: bias_k, bias_v as (Ekv,) vectors."""
-    return [] if bias_k is None else [bias_k.reshape(-1), bias_v.reshape(-1)]
 
 
 def _use_our_forward(module, args):
@@ -298,7 +294,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         else:
             ws = (q_w, k_w, v_w)
         ws = ws + (out_w,)
-        kv = _kv_tail(bias_k, bias_v)
+        kv = kv_tail(bias_k, bias_v)
         if in_b is None and out_b is None:
             return list(ws) + kv
         if in_b is None:
@@ -322,7 +318,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                 or (in_b is None) != (out_b is None) \
                 or (in_b is not None and tuple(in_b.shape) != (3 * E,)):
             return None
-        kv = _kv_tail(bias_k, bias_v)
+        kv = kv_tail(bias_k, bias_v)
         return ([in_w, out_w] if in_b is None else [in_w, in_b, out_w, out_b]) + kv
 
     def _torch_fast_path(self, query, key, value, attn_mask, key_padding_mask):
@@ -334,9 +330,11 @@ class MultiheadAttention(nn.MultiheadAttention):
         in training), so this reads the parameters where torch's checks
         read them (their last read is _sources()', as torch's functional
         call's)."""
-        floats = ((attn_mask is not None and torch.is_floating_point(attn_mask))
-                  or (key_padding_mask is not None
-                      and torch.is_floating_point(key_padding_mask)))
+        floats = attn_mask is not None and torch.is_floating_point(attn_mask)
+        # key_padding_mask asked also after a float attn_mask: torch's
+        # _canonical_mask asks it next (a NumPy one is torch's TypeError)
+        floats = (key_padding_mask is not None
+                  and torch.is_floating_point(key_padding_mask)) or floats
         if not torch.backends.mha.get_fastpath_enabled() or query.dim() != 3:
             return False
         if query is not key or key is not value:
