@@ -24,7 +24,8 @@ from ._convert import ValueErrorAndRuntimeError, as_real, flag
 from ._convert import seed as seed_value
 from ._masks import block_layout
 
-__all__ = ["sdpa_arrays", "sdpa_check", "sdpa_forward", "sdpa_backward", "sdpa_layout", "sdpa_head_mask"]
+__all__ = ["sdpa_arrays", "sdpa_check", "sdpa_forward", "sdpa_backward", "sdpa_layout",
+           "sdpa_head_mask", "sdpa_output"]
 
 
 def _dtype(*arrays):
@@ -136,8 +137,11 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
     """The arguments checked (sdpa_check) and brought to the C side's form:
     (q (B, H, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) contiguous of one
     dtype, masks [(kind, array)] over (B, H, L, S), is_causal, scale, (lead,
-    lead_kv), dtype): q and k, v are brought to lead and lead_kv before their
-    reshape to (B, H) and (B, Hkv); the output is (*lead, L, Ev)."""
+    lead_kv), shape): q and k, v are brought to lead and lead_kv before their
+    reshape to (B, H) and (B, Hkv); the output's shape is (*lead, L, Ev),
+    or where torch's SDPA returns zeros before computing (no query row, or
+    no value element) query's own leading shape, not broadcast (sdpa_output
+    makes it)."""
     q, k, v, m, c, s, (lead, lead_kv), dtype = sdpa_check(
         query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_and_mask)
     L, E = q.shape[-2:]
@@ -160,7 +164,17 @@ def sdpa_arrays(query, key, value, attn_mask, is_causal, scale, enable_gqa,
         if len(lead) > 2 or m.ndim > 4:
             m = np.broadcast_to(m, lead + (L, S)).reshape(B, H, L, S)
         masks.append((kind, m))
-    return q4, k4, v4, masks, c, s, (lead, lead_kv), dtype
+    early = L == 0 or v.size == 0
+    shape = q.shape[:-1] + (Ev,) if early else lead + (L, Ev)
+    return q4, k4, v4, masks, c, s, (lead, lead_kv), shape
+
+
+def sdpa_output(out, shape):
+    """The C side's (B, H, L, Ev) output as the call's result of `shape`
+    (sdpa_arrays'); where torch returns early (no query row or no value
+    element: out holds zeros or nothing, of the broadcast shape), zeros of
+    `shape` when the sizes differ."""
+    return out.reshape(shape) if out.size == math.prod(shape) else np.zeros(shape, out.dtype)
 
 
 def _seed(seed, p, draw=None):

@@ -12,7 +12,7 @@ from numpy.typing import ArrayLike
 from ._convert import (ValueErrorAndRuntimeError, is_causal_bias, is_tensor, probability,
                        refuse_fx_proxies)
 from ._calls import LOWER_RIGHT, sliding_window
-from ._sdpa import _seed, sdpa_arrays, sdpa_forward, sdpa_head_mask, sdpa_layout
+from ._sdpa import _seed, sdpa_arrays, sdpa_forward, sdpa_head_mask, sdpa_layout, sdpa_output
 from ._types import Causal, Flag, Int, Real, Window
 
 if TYPE_CHECKING:
@@ -165,12 +165,12 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
                 enable_gqa=bool(enable_gqa))) from exc.__cause__
     w = sliding_window(window)
     p = probability(dropout_p, "dropout_p")
-    q4, k4, v4, masks, c, s, (lead, _), _ = sdpa_arrays(query, key, value, attn_mask,
-                                                        is_causal, scale, enable_gqa)
+    q4, k4, v4, masks, c, s, (lead, _), shape = sdpa_arrays(query, key, value, attn_mask,
+                                                            is_causal, scale, enable_gqa)
     out, _ = sdpa_forward(q4, k4, v4, masks, c, s, p, _seed(seed, p), window=w,
                           layout=sdpa_layout(layout, q4, k4),
                           head_mask=sdpa_head_mask(head_mask, q4, lead))
-    return out.reshape(lead + out.shape[2:])
+    return sdpa_output(out, shape)
 
 
 def _causal_bias(attn_mask, is_causal, query, key):

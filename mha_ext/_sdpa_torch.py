@@ -75,9 +75,10 @@ class SDPAFunction(torch.autograd.Function):
         if grad_out is None:
             return (None,) * len(need)
         dt = torch.float64 if q4.dtype == np.float64 else torch.float32
-        if grad_out.numel() == 0:
-            # an empty output (Ev, L or a batch dimension 0): no loss depends on
-            # the inputs; zeros, not the NaN a blocked row's 0 * NaN would give
+        if grad_out.numel() == 0 or q4.shape[2] == 0 or v4.size == 0:
+            # an empty output (Ev, L or a batch dimension 0), or torch's early
+            # zeros (no value element): no loss depends on the inputs; zeros,
+            # not the NaN a blocked row's 0 * NaN would give
             shapes = list(ctx.shapes) + ([ctx.mask[0]] if ctx.mask else []) + \
                 ([ctx.hm_shape] if ctx.hm_shape is not None else [])
             return (None, *(torch.zeros(shape, dtype=dt) if need[1 + i] else None
@@ -126,7 +127,7 @@ def _forward(plan, query, key, value, extra):
     mask_input = plan.get("mask_input", False)
     mask = to_numpy(extra[0].detach(), "attn_mask") if mask_input else plan["attn_mask"]
     head_mask = extra[1:] if mask_input else extra
-    q4, k4, v4, masks, c, s, (lead, lead_kv), _ = _sdpa.sdpa_arrays(
+    q4, k4, v4, masks, c, s, (lead, lead_kv), shape = _sdpa.sdpa_arrays(
         to_numpy(query, "query"), to_numpy(key, "key"), to_numpy(value, "value"),
         mask, plan["is_causal"], plan["scale"], plan["enable_gqa"],
         causal_and_mask=plan["causal_and_mask"])
@@ -136,7 +137,7 @@ def _forward(plan, query, key, value, extra):
         to_numpy(hm, "head_mask") if isinstance(hm, torch.Tensor) else hm, q4, lead)
     out, _ = _sdpa.sdpa_forward(q4, k4, v4, masks, c, s, plan["p"], plan["seed"],
                                 window=plan["window"], layout=lay, head_mask=hm)
-    return (to_tensor(out.reshape(lead + out.shape[2:])),
+    return (to_tensor(_sdpa.sdpa_output(out, shape)),
             (q4, k4, v4, masks, c, s, lead, lead_kv, lay, hm))
 
 
@@ -253,12 +254,12 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         raise RuntimeError("torch.jit.trace would fix this call's dropout draw (made from "
                            "torch's generator outside the traced op) for every later call: "
                            "trace with dropout_p=0, or pass seed=")
-    # (not where torch's SDPA returns early, an empty output or no key: its
-    # result is then made from query, key and value alone, and the mask
-    # gets no gradient, None)
+    # (not where torch's SDPA returns zeros early, no query row or no value
+    # element: the mask then gets no gradient, None; an empty output
+    # otherwise, a batch of 0, gives it zeros)
     mask_input = (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
-                  and torch.is_grad_enabled() and 0 not in query.shape[:-1]
-                  and 0 not in key.shape[:-1] and 0 not in value.shape)
+                  and torch.is_grad_enabled() and query.shape[-2] != 0
+                  and value.numel() != 0)
     anchor = None
     if isinstance(attn_mask, torch.Tensor) and not mask_input:
         anchor = attn_mask if attn_mask.is_floating_point() else None  # (a bool one: copied)

@@ -1,7 +1,10 @@
 """Empty results in torch's memory layout: an output or weights tensor with
 no element (an empty query, batch or head count) has the strides torch's
 own call gives it, for the drop-in class, the functional twin and the SDPA
-twin (docs/API.md §8).  NumPy 2 gives an empty array zero strides, which
+twin (docs/API.md §8), and the SDPA twin's results where torch's returns
+zeros before computing (no query row or no value element: query's own
+leading shape, not broadcast with key's and value's; a learned mask then
+gets no gradient, and zeros where only a batch is empty; §4a).  NumPy 2 gives an empty array zero strides, which
 torch.from_numpy keeps: without care an empty output came out with strides
 (0, 0, 0) where torch's are (8, 16, 1), and a caller's .view or
 as_strided code that reads them would see another layout than torch's.
@@ -15,6 +18,7 @@ Legend: B batch, L query length, S key length, E width, H heads.
 """
 import itertools
 
+import numpy as np
 import pytest
 
 from _support import require_torch
@@ -96,3 +100,34 @@ def test_an_empty_output_of_the_sdpa_twin_has_torchs_strides(shape, grad):
     k = _rand(*shape[:-2], S, shape[-1], grad=grad)
     _same_layout(F.scaled_dot_product_attention(q, k, k),
                  mha_ext.scaled_dot_product_attention(q, k, k))
+
+
+_EARLY = [  # (query, key, value) shapes: torch's early zeros, or a batch of 0
+    ((1, 2, 4, 8), (1, 2, 5, 8), (0, 2, 5, 8)),     # no value element, batch 0
+    ((1, 2, 4, 8), (3, 2, 0, 8), (3, 2, 0, 8)),     # no key: query's batch 1, not 3
+    ((1, 2, 0, 8), (3, 2, 5, 8), (3, 2, 5, 8)),     # no query row
+    ((1, 2, 4, 8), (3, 2, 5, 8), (3, 2, 5, 0)),     # Ev 0
+    ((0, 2, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8)),     # query batch 0: computed, empty
+    ((1, 2, 4, 8), (0, 2, 5, 8), (1, 2, 5, 8)),     # key batch 0
+    ((0, 4, 8), (1, 5, 8), (1, 5, 8)),
+]
+
+
+@pytest.mark.parametrize("shapes", _EARLY)
+def test_the_sdpa_twins_empty_calls_give_torchs_result_and_gradients(shapes):
+    got = []
+    for f in (F.scaled_dot_product_attention, mha_ext.scaled_dot_product_attention):
+        q, k, v = (_rand(*s, grad=True) for s in shapes)
+        mask = _rand(shapes[0][-2], shapes[1][-2], grad=True)
+        out = f(q, k, v, attn_mask=mask)
+        out.sum().backward()
+        got.append((out, mask.grad, *(x.grad for x in (q, k, v))))
+    (a, *ga), (b, *gb) = got
+    _same_layout(a, b)
+    assert torch.equal(a, b)  # zeros, or nothing
+    for x, y in zip(ga, gb):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.shape == y.shape and torch.equal(x, y)
+    ours = mha_ext.scaled_dot_product_attention(*(np.zeros(s, np.float32) for s in shapes))
+    assert ours.shape == tuple(a.shape)
