@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from . import _convert
-from ._torch_errors import ValueErrorAndRuntimeError, metas, torchs
+from ._torch_errors import TypeErrorAndRuntimeError, ValueErrorAndRuntimeError, metas, torchs
 from ._torch_fn import refuse_transformed
 from ._torch_mha import MultiheadAttention
 
@@ -233,8 +233,10 @@ def _module(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in
         raise ValueError(f"embed_dim ({E}) must be divisible by num_heads ({H})")
     out_w = _tensor(out_proj_weight, "out_proj_weight")
     if not out_w.is_floating_point() or out_w.is_complex():
-        raise TypeError(f"the weights must be float32 or float64 (float16 and bfloat16 are "
-                        f"computed in float32), got {out_w.dtype}")
+        # (torch's linear refuses it: its RuntimeError too, which its meta
+        # tensors, checked for shapes alone, do not raise)
+        raise TypeErrorAndRuntimeError(f"the weights must be float32 or float64 (float16 and "
+                                       f"bfloat16 are computed in float32), got {out_w.dtype}")
     if out_w.dim() != 2 or out_w.shape[1] != E:
         raise ValueError(f"out_proj_weight must have shape (output width, embed_dim = {E}), "
                          f"got {tuple(out_w.shape)}")
