@@ -85,7 +85,12 @@ def torchs(ours: BaseException, probe: Callable[[], object]) -> BaseException:
             return ours
         mine = ValueError if isinstance(ours, ValueError) else TypeError
         kind = AssertionError if isinstance(theirs, AssertionError) else RuntimeError
-        both = _BOTH[(mine, kind)](f"{ours} (torch: {theirs})")
+        # theirs may be one of these, torch's words already in it: torch's
+        # module ran mha_ext's functional (a caller's global swap of
+        # F.multi_head_attention_forward); torch's words are said once
+        said = getattr(theirs, "torch_said", str(theirs))
+        both = _BOTH[(mine, kind)](f"{ours} (torch: {said})")
+        both.torch_said = said
         both.__traceback__ = ours.__traceback__
         return both
     except Exception:                  # another refusal, or the probe's own trouble

@@ -256,3 +256,25 @@ def test_a_global_swap_leaves_from_torch_and_torchs_layers_to_torchs_class(swapp
     ref.self_attn = swapped_globally(E, H, dtype=torch.float64)
     ref.load_state_dict(layer.state_dict())
     close(ref(q), layer(q), torch.float64)
+
+
+@pytest.mark.parametrize("bad, torchs_words", [
+    (dict(attn_mask=torch.zeros(7, 7, dtype=torch.float64)), "The shape of the 2D attn_mask is"),
+    (dict(key_padding_mask=torch.zeros(B, 7, dtype=torch.bool)),
+     "Expected key_padded_mask.shape[1] to be"),
+])
+def test_a_global_swap_of_the_functional_too_says_torchs_words_once(
+        swapped_globally, monkeypatch, bad, torchs_words):
+    # the probe runs torch's module in eval mode without grad, and its
+    # forward calls F.multi_head_attention_forward: swapped, that was
+    # mha_ext's, whose refusal already held torch's words, said twice
+    import mha_ext.torch as mt
+    monkeypatch.setattr(torch.nn.functional, "multi_head_attention_forward",
+                        mt.multi_head_attention_forward)
+    m = MultiheadAttention(E, H, dtype=torch.float64).eval()
+    q = x(L, B, E)
+    with torch.no_grad(), pytest.raises(ValueError) as info:
+        m(q, q, q, **bad)
+    said = str(info.value)
+    assert said.count("(torch:") == 1 and said.count(torchs_words) == 1, said
+    assert isinstance(info.value, (AssertionError, RuntimeError))
