@@ -514,35 +514,6 @@ def test_the_function_refuses_what_the_method_refuses():
         m.trace(x, cache=5)
 
 
-def test_formulas_fold_the_offsets_and_gqa_keeps_the_query_path():
-    import mha_ext
-    m = mha_ext.MultiHeadAttention(16, 4, n_kv_heads=2, seed=0).eval()
-    t = m.trace(np.ones((1, 3, 16)), np.ones((1, 5, 16)), is_causal="lower_right",
-                window=(1, 0))
-    formula = t["masked scores"].formula
-    assert "j < i + 1" in formula and "j > i + 2 (window)" in formula, formula
-    assert "[B, H, Sk, Dk]" not in t.shape_flow()
-
-
-def test_grouped_heads_show_both_k_and_v_repeated():
-    # each query head's keys and values, as the scores and the weighted sum read them
-    import mha_ext
-    m = mha_ext.MultiHeadAttention(16, 4, n_kv_heads=2, seed=0).eval()
-    rng = np.random.default_rng(0)
-    t = m.trace(rng.standard_normal((2, 3, 16)), rng.standard_normal((2, 5, 16)))
-    names = [st.name for st in t]
-    assert names.index("K groups") + 1 == names.index("V groups") < names.index("raw scores")
-    for kv in "KV":
-        heads, groups = t[f"{kv} heads"].array, t[f"{kv} groups"].array
-        assert heads.shape == (2, 2, 5, 4) and groups.shape == (2, 4, 5, 4)
-        for h in range(4):
-            np.testing.assert_array_equal(groups[:, h], heads[:, h // 2])
-        assert f"reads {kv} head h // 2" in t[f"{kv} groups"].formula
-    # the weighted sum reads the V groups: each head's context is A·V of its group
-    np.testing.assert_allclose(t["softmax"].array @ t["V groups"].array,
-                               t["context"].array, rtol=1e-12, atol=1e-14)
-
-
 def test_steps_are_read_only_and_info_holds_the_blocked_cells():
     m = mha_ext.MultiHeadAttention(16, 2, seed=0).eval()
     x = np.random.default_rng(0).standard_normal((2, 4, 16))

@@ -1,6 +1,7 @@
 """A trace at its edges (docs/API.md §6, §7): the legend sizes of a call
 through a cross-attention cache (which passes no key), a step number out of
-range, and an infinite input, which the call takes without a word.
+range, an infinite input, which the call takes without a word, and grouped
+heads (n_kv_heads < n_heads): the formulas and the repeated K and V groups.
 
 Legend: B batch, Sq query length, M the cached memory's length, E = d_model,
 H = n_heads, Ek = kdim, Ev = vdim.
@@ -134,3 +135,32 @@ def test_the_output_projection_step_is_the_calls_output_bit_for_bit():
     t = m.trace(x)
     assert np.array_equal(t["output projection"].array, m(x)[0])
     assert np.array_equal(t["output projection"].array, t.output)
+
+
+def test_formulas_fold_the_offsets_and_gqa_keeps_the_query_path():
+    import mha_ext
+    m = mha_ext.MultiHeadAttention(16, 4, n_kv_heads=2, seed=0).eval()
+    t = m.trace(np.ones((1, 3, 16)), np.ones((1, 5, 16)), is_causal="lower_right",
+                window=(1, 0))
+    formula = t["masked scores"].formula
+    assert "j < i + 1" in formula and "j > i + 2 (window)" in formula, formula
+    assert "[B, H, Sk, Dk]" not in t.shape_flow()
+
+
+def test_grouped_heads_show_both_k_and_v_repeated():
+    # each query head's keys and values, as the scores and the weighted sum read them
+    import mha_ext
+    m = mha_ext.MultiHeadAttention(16, 4, n_kv_heads=2, seed=0).eval()
+    rng = np.random.default_rng(0)
+    t = m.trace(rng.standard_normal((2, 3, 16)), rng.standard_normal((2, 5, 16)))
+    names = [st.name for st in t]
+    assert names.index("K groups") + 1 == names.index("V groups") < names.index("raw scores")
+    for kv in "KV":
+        heads, groups = t[f"{kv} heads"].array, t[f"{kv} groups"].array
+        assert heads.shape == (2, 2, 5, 4) and groups.shape == (2, 4, 5, 4)
+        for h in range(4):
+            np.testing.assert_array_equal(groups[:, h], heads[:, h // 2])
+        assert f"reads {kv} head h // 2" in t[f"{kv} groups"].formula
+    # the weighted sum reads the V groups: each head's context is A·V of its group
+    np.testing.assert_allclose(t["softmax"].array @ t["V groups"].array,
+                               t["context"].array, rtol=1e-12, atol=1e-14)
