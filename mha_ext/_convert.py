@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 __all__ = ["batched", "is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "to_tensor",
-           "dense", "as_array", "check_real", "refuse_huge_ints", "as_real", "contiguous",
+           "dense", "broadcast_copy", "as_array", "check_real", "refuse_huge_ints", "as_real", "contiguous",
            "flag", "probability", "seed", "counter"]
 
 
@@ -229,6 +229,15 @@ def dense(t):
     (contiguous() keeps any strides of an empty tensor: all are contiguous)."""
     return t.contiguous() if t.numel() else t.clone(
         memory_format=sys.modules["torch"].contiguous_format)
+
+
+def broadcast_copy(t):
+    """A copy of tensor t that keeps t's broadcast: each dimension of stride
+    0 (an expanded learned bias) is copied once and expanded again, not
+    written out in full as t.clone() writes it.  Differentiable as clone."""
+    once = tuple(slice(0, 1) if step == 0 and n > 1 else slice(None)
+                 for n, step in zip(t.shape, t.stride()))
+    return t[once].clone().expand(t.shape)
 
 
 def _unmasked(x, name):

@@ -18,7 +18,7 @@ import torch
 
 from . import _sdpa
 from . import _calls
-from ._convert import probability, to_numpy, to_tensor
+from ._convert import broadcast_copy, probability, to_numpy, to_tensor
 from ._torch_fn import (COMPILE_REASON, HALF, _has_tangent, _NoDoubleBackward,
                         refuse_traced_tensors, refuse_unrecordable, refused_draws_nothing,
                         save_arrays, saved_arrays, torch_stream)
@@ -276,7 +276,7 @@ def sdpa_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
             # through a copy, the backward's (as the torch classes take it):
             # the caller's mask may change in place before the backward, as
             # on torch's math path, which takes such a mask and keeps none
-            extra.append(attn_mask.clone())
+            extra.append(broadcast_copy(attn_mask))
         if hm_input:
             plan["head_mask"] = None
             extra.append(head_mask)

@@ -22,7 +22,7 @@ from torch.autograd import forward_ad as _forward_ad
 from torch.nn.utils import parametrize
 
 from . import _calls, _params, autograd as _ag
-from ._convert import batched, to_numpy, to_tensor
+from ._convert import batched, broadcast_copy, to_numpy, to_tensor
 from ._params import seed_keys
 
 __all__ = ["AttentionFunction", "DOUBLE_BACKWARD", "HALF", "attention", "attention_kept", "holds",
@@ -168,7 +168,7 @@ def _apply(core, opts, query, key, value, *params):
         # guard, they leave the caller's masks free to change in place before
         # the backward (saved themselves, that was autograd's in-place error)
         return AttentionFunction.apply(core, dict(opts, mask_inputs=names), query, key, value,
-                                       *params, *(opts[n].clone() for n in names))
+                                       *params, *(broadcast_copy(opts[n]) for n in names))
     return AttentionFunction.apply(core, opts, query, key, value, *params)
 
 

@@ -344,3 +344,40 @@ def test_a_learned_mask_of_the_twin_keeps_the_double_backward_refused_and_is_not
     out.sum().backward()
     gc.collect()
     assert ref() is None and base.grad is not None and out.shape == q.shape
+
+
+@pytest.mark.parametrize("kind", ["drop-in", "SDPA twin"])
+def test_an_expanded_learned_mask_is_copied_once_not_written_out(kind):
+    # a learned bias shared by the batch (expanded: stride 0) was cloned,
+    # which wrote it out B times over; the copy now keeps the broadcast,
+    # and the gradients are still torch's (summed over the expanded dims)
+    Bm, Hm, L, Sk, D = 4, 2, 5, 6, 8
+    shape = (Bm * Hm, L, Sk) if kind == "drop-in" else (Bm, Hm, L, Sk)
+    base_shape = (1, L, Sk) if kind == "drop-in" else (1, Hm, L, Sk)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(Bm, L, Hm * D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(Bm, Sk, Hm * D, generator=g, dtype=torch.float64)
+    base = torch.randn(base_shape, generator=g, dtype=torch.float64, requires_grad=True)
+    mods = [torch.nn.MultiheadAttention(Hm * D, Hm, batch_first=True, dtype=torch.float64)]
+    mods.append(mt.MultiheadAttention.from_torch(mods[0]))
+    got, saved = [], []
+
+    def pack(t):
+        if t.shape == shape and torch.equal(t, base.expand(shape)):
+            saved.append(t.untyped_storage().nbytes())
+        return t
+    for ours in (False, True):
+        mask = base.expand(shape)
+        with torch.autograd.graph.saved_tensors_hooks(pack if ours else (lambda t: t),
+                                                      lambda t: t):
+            if kind == "drop-in":
+                out = mods[ours](q, k, k, attn_mask=mask, need_weights=False)[0]
+            else:
+                f = (mha_ext.scaled_dot_product_attention if ours
+                     else torch.nn.functional.scaled_dot_product_attention)
+                heads = [t.view(Bm, -1, Hm, D).transpose(1, 2) for t in (q, k)]
+                out = f(heads[0], heads[1], heads[1], attn_mask=mask)
+        got.append(torch.autograd.grad(out.square().sum(), [q, base]))
+    for ours, theirs in zip(got[1], got[0]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+    assert saved and max(saved) == base.numel() * base.element_size(), saved
