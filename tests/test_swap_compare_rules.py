@@ -39,6 +39,9 @@ def _x(*shape, dtype=torch.float32):
 
 
 class _One(nn.Module):
+    """att (torch's module made under seed 0, by default) on x as query,
+    key and value; the models below change forward only."""
+
     def __init__(self, att=None):
         super().__init__()
         torch.manual_seed(0)
@@ -215,13 +218,8 @@ def test_bias_kv_attention_swapped_computes_as_torch():
 
 # ---------------------------------------------------------------- compare
 
-class _Float64Nan(nn.Module):
+class _Float64Nan(_One):
     """NaN in the float64 copy's output only (at [0, 0, 0])."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.att = nn.MultiheadAttention(E, H, batch_first=True)
 
     def forward(self, x):
         out = self.att(x, x, x)[0].clone()
@@ -236,12 +234,7 @@ def test_a_nan_only_the_truth_has_is_left_out_of_the_errors():
     assert 0 < row.torch_error < 1e-5 and 0 < row.mha_ext_error < 1e-5, row
 
 
-class _AllNan(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.att = nn.MultiheadAttention(E, H, batch_first=True)
-
+class _AllNan(_One):
     def forward(self, x):
         return self.att(x, x, x)[0] * math.nan
 
@@ -288,12 +281,7 @@ def test_dropout_warning_names_the_module_holding_an_nn_dropout():
         mha_ext.compare(model, _x(B, S, E))
 
 
-class _Draws(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.att = nn.MultiheadAttention(E, H, batch_first=True)
-
+class _Draws(_One):
     def forward(self, x):
         x = x + torch.randn(x.shape).to(x.dtype)
         return self.att(x, x, x)[0]
@@ -316,12 +304,7 @@ def test_the_dtype_is_the_models_and_a_float64_model_compares():
     assert mha_ext.compare(_One().eval(), _x(B, S, E)).dtype == "float32"
 
 
-class _DictOut(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.att = nn.MultiheadAttention(E, H, batch_first=True)
-
+class _DictOut(_One):
     def forward(self, x):
         return {"hidden": self.att(x, x, x)[0], "n": 3}
 
@@ -337,13 +320,8 @@ def test_compare_refuses_mha_exts_own_module():
         mha_ext.compare(MultiheadAttention(E, H, batch_first=True), _x(B, S, E))
 
 
-class _NestedOut(nn.Module):
+class _NestedOut(_One):
     """returns a ragged nested tensor (sequence 1 one step shorter)"""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.att = nn.MultiheadAttention(E, H, batch_first=True)
 
     def forward(self, x):
         out = self.att(x, x, x)[0]
@@ -356,13 +334,8 @@ def test_a_nested_output_is_compared_padded():
     assert 0 < row.torch_error < 1e-5 and 0 < row.mha_ext_error < 1e-5, row
 
 
-class _Gather(nn.Module):
+class _Gather(_One):
     """takes the positions to keep as a NumPy int array"""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.att = nn.MultiheadAttention(E, H, batch_first=True)
 
     def forward(self, x, keep):
         out = self.att(x, x, x)[0]
@@ -374,13 +347,11 @@ def test_an_int_array_input_stays_int_for_the_float64_copy():
     assert 0 < row.torch_error < 1e-5 and 0 < row.mha_ext_error < 1e-5, row
 
 
-class _NanScale(nn.Module):
+class _NanScale(_One):
     """a parameter holding a NaN, saved for the backward of its product"""
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.att = nn.MultiheadAttention(E, H, batch_first=True)
         self.scale = nn.Parameter(torch.ones(E))
         with torch.no_grad():
             self.scale[0] = math.nan
