@@ -112,11 +112,15 @@ def _installed_package(source_dir: str) -> types.ModuleType:
             name="mha_ext._core")
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    previous = sys.modules.get("mha_ext")
     sys.modules["mha_ext"] = module      # what `import mha_ext` returns
     try:
         spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules["mha_ext"] = sys.modules.get(__name__, module)
+    except BaseException:                # the entry as it was, not the failed module
+        if previous is None:
+            sys.modules.pop("mha_ext", None)
+        else:
+            sys.modules["mha_ext"] = previous
         raise
     return module
 
