@@ -32,7 +32,7 @@ import pytest
 import mha_ext
 import mha_ext.__main__ as demo
 from mha_ext import _core
-from _support import PKG_ROOT, has
+from _support import PKG_ROOT, has, need
 
 SMALL = ["--no-torch", "--seq", "3", "--d-model", "16", "--heads", "2"]
 
@@ -108,7 +108,7 @@ def test_median_times_takes_repeat_timed_runs_of_each(repeat, monkeypatch):
 def _run_compare(monkeypatch, capsys, argv, times=(0.002, 0.006)):
     """main(argv) with torch, the timing replaced by one that records the
     thread counts it runs under and returns `times` (ours, torch's)."""
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     seen = []
 
     def fake(fns, repeat):
@@ -121,7 +121,7 @@ def _run_compare(monkeypatch, capsys, argv, times=(0.002, 0.006)):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_threads_set_both_libraries_and_torchs_count_is_given_back(threads, monkeypatch, capsys):
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     old_torch, old_ours = torch.get_num_threads(), mha_ext.get_num_threads()
     other = 3 if threads != 3 else 4
     torch.set_num_threads(other)
