@@ -45,6 +45,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _teach
+from ._convert import too_large
 from ._types import Real
 
 if TYPE_CHECKING:
@@ -194,7 +195,9 @@ def _required_arguments(fn: Callable[..., object]) -> bool:
 
 
 def _loss_value(loss: Callable[[], SupportsFloat]) -> float:
-    """loss() as a float, or a TypeError saying loss() must return a number"""
+    """loss() as a float, or a TypeError saying loss() must return a number
+    (an int too large for a float: the ValueError that is also an
+    OverflowError)"""
     value: Any = loss()
     if callable(getattr(value, "detach", None)):
         value = value.detach()  # a loss tensor that requires grad: its value
@@ -206,7 +209,9 @@ def _loss_value(loss: Callable[[], SupportsFloat]) -> float:
             callable(is_complex) and is_complex())
         if not refused:
             return float(value)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
+    except OverflowError:  # an int past a float's range: the error of docs/API.md §7
+        raise too_large(value, "the value loss() returns") from None
+    except (TypeError, ValueError, RuntimeError):
         pass
     raise TypeError("loss() must return a real number (a float, a 0-d array or a "
                     "one-element tensor), got %s" % (repr(value)[:80],))
