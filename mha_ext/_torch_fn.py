@@ -543,12 +543,14 @@ def _forward_plain(core, q, k, v, parts, opts):
 
 
 # what the attention weights do not depend on: the values' path and W_o
-_WEIGHTS_ONLY = ("value", "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias", "bias_v")
+_WEIGHTS_ONLY = ("value",) + _ag.VALUE_PATH
 
 def _gradients(ctx, saved, saved_tensors, grad_out, grad_weights):
     # [d query, d key, d value, d params...] as tensors, None where not needed
     # (saved: the forward's context, filled again)
     core = ctx.core
+    if grad_out is None:  # a loss on the weights alone: no 0·NaN from the value path
+        saved = _ag.without_value_path(core, saved)
     go = np.zeros_like(saved.output) if grad_out is None else to_numpy(grad_out, "grad_out")
     gw = None
     if grad_weights is not None and saved.weights is not None:

@@ -199,6 +199,36 @@ def hollow(ctx: ForwardContext) -> tuple[ForwardContext, list[np.ndarray | None]
     return h, arrays
 
 
+# the value path: what the attention weights do not depend on
+VALUE_PATH = ("W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias", "bias_v")
+
+
+def without_value_path(mha: Any, ctx: ForwardContext) -> ForwardContext:
+    """ctx, or, where a NaN or infinity sits on its value path (the value,
+    its projection, the output projection, bias_v, a saved V), a copy with
+    that path zeroed: the backward of a loss on the weights alone (a zero
+    output gradient) then forms no 0·NaN there, as torch's graph, which has
+    no such term, forms none.  The gradients it gives of the value path are
+    not the call's; the caller leaves them out."""
+    block = _params.grads(mha, ctx._params)
+    path = [ctx._value, *(block[k] for k in VALUE_PATH if k in block)]
+    if ctx._saved is not None:
+        path.append(ctx._saved[2])
+    if all(np.isfinite(a).all() for a in path):
+        return ctx                        # as it is: the same bits as before
+    clean = ForwardContext(**{k: getattr(ctx, k) for k in ForwardContext.__slots__})
+    clean._params = ctx._params.copy()
+    for k, a in _params.grads(mha, clean._params).items():
+        if k in VALUE_PATH:
+            a[...] = 0
+    clean._value = np.zeros_like(ctx._value)
+    if ctx._saved is not None:
+        sv = list(ctx._saved)
+        sv[2] = np.zeros_like(sv[2])
+        clean._saved = tuple(sv)
+    return clean
+
+
 def filled(h: ForwardContext, arrays: list[Any]) -> ForwardContext:
     """hollow()'s context with its arrays back (a new object)."""
     ctx = ForwardContext(**{k: getattr(h, k) for k in ForwardContext.__slots__})

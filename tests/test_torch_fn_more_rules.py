@@ -5,7 +5,9 @@ draws nothing from torch's generator, as torch's module; a value that is the
 query (not the key) read as the value on the plain path; torch.jit.trace's
 refusal naming every mask it cannot record, not the first alone;
 MultiHeadAttention's blocking `mask` as a tensor not requiring grad taken
-under grad mode (only one requiring grad is refused) (docs/API.md §8).
+under grad mode (only one requiring grad is refused); a NaN or infinity on
+the value path (the value, W_v, the output projection, bias_v) kept out of
+the gradients of a loss on the weights alone (docs/API.md §8).
 
 Each expectation is torch's nn.MultiheadAttention on the same parameters
 (float64: 1e-10) doing the same, or the seed module of tests/torch_seed.py
@@ -143,15 +145,50 @@ def test_a_loss_on_the_weights_alone_gives_in_proj_zero_value_rows():
                                **TOL)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the C backward multiplies the zero output "
-                   "gradient by the value (0 * nan = nan) where torch has no such term")
-def test_bug_a_nan_in_the_value_reaches_a_weights_only_loss_gradient():
-    # torch: the weights read only query and key, so their gradient is finite
-    # whatever the value holds; ours: nan in the query's and the q/k rows'
-    ref, ours, (want_x, got_x) = _weights_loss_grads((0, 1, 2))
-    assert torch.isfinite(want_x).all() and torch.isfinite(ref.in_proj_weight.grad).all()
-    torch.testing.assert_close(ours.in_proj_weight.grad, ref.in_proj_weight.grad, **TOL)
-    torch.testing.assert_close(got_x, want_x, **TOL)
+@pytest.mark.parametrize("where", ["value", "W_v", "out_proj.weight", "out_proj.bias",
+                                   "bias_v", "value inf"])
+@pytest.mark.parametrize("kw", [dict(), dict(average_attn_weights=False, batch_first=False),
+                                dict(kdim=6, vdim=10, dtype=torch.float32)])
+def test_a_nan_on_the_value_path_stays_out_of_a_weights_only_loss_gradient(where, kw):
+    # torch: the weights read only query and key, so their gradients are
+    # finite whatever the value path holds; ours had NaN in the query's and
+    # the q/k projections' (the C backward formed 0 * nan with the zero
+    # output gradient)
+    kw = dict(kw)
+    dtype = kw.pop("dtype", F64)
+    average = kw.pop("average_attn_weights", True)
+    batch_first = kw.pop("batch_first", True)
+    if where == "bias_v":
+        kw["add_bias_kv"] = True
+    ref, ours = _pair(dtype=dtype, batch_first=batch_first, **kw)
+    shape = (lambda d: (B, L, d)) if batch_first else (lambda d: (L, B, d))
+    q = _x(dtype, shape(E), seed=1)
+    k, v = _x(dtype, shape(kw.get("kdim", E)), seed=2), _x(dtype, shape(kw.get("vdim", E)), 3)
+    bad = float("inf") if where == "value inf" else float("nan")
+    if where.startswith("value"):
+        v[1, 1, 2] = bad
+    with torch.no_grad():
+        for m in (ref, ours):
+            if where == "W_v":
+                w = m.v_proj_weight if "kdim" in kw else m.in_proj_weight[2 * E:]
+                w[3, 1] = bad
+            elif where != "value" and where != "value inf":
+                t = m.bias_v if where == "bias_v" else \
+                    getattr(m.out_proj, where.split(".")[1])
+                t.view(-1)[2] = bad
+    got = []
+    for m in (ref, ours):
+        x = q.clone().requires_grad_()
+        w = m(x, k, v, average_attn_weights=average)[1]
+        (w * w).sum().backward()
+        got.append([x.grad] + [p.grad for p in m.parameters()])
+    tol = TOL if dtype == F64 else dict(rtol=1e-5, atol=1e-6)
+    for want, ours_g in zip(*got):
+        if want is None or ours_g is None:
+            assert want is None and ours_g is None
+            continue
+        assert torch.isfinite(want).all()
+        torch.testing.assert_close(ours_g, want, **tol)
 
 
 # --------------------------------- bias_k never seen under the causal hint
