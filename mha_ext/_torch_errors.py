@@ -89,7 +89,7 @@ def torchs(ours: BaseException, probe: Callable[[], object]) -> BaseException:
         # module ran mha_ext's functional (a caller's global swap of
         # F.multi_head_attention_forward); torch's words are said once
         said = getattr(theirs, "torch_said", str(theirs))
-        both = _BOTH[(mine, kind)](f"{ours} (torch: {said})")
+        both: Any = _BOTH[(mine, kind)](f"{ours} (torch: {said})")
         both.torch_said = said
         both.__traceback__ = ours.__traceback__
         return both

@@ -223,9 +223,8 @@ def without_value_path(mha: Any, ctx: ForwardContext) -> ForwardContext:
             a[...] = 0
     clean._value = np.zeros_like(ctx._value)
     if ctx._saved is not None:
-        sv = list(ctx._saved)
-        sv[2] = np.zeros_like(sv[2])
-        clean._saved = tuple(sv)
+        q, k, v, context, p = ctx._saved
+        clean._saved = (q, k, np.zeros_like(v), context, p)
     return clean
 
 

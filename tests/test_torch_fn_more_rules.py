@@ -22,23 +22,10 @@ from _support import require_torch
 torch = require_torch()
 
 import mha_ext.torch as mt  # noqa: E402
-from torch import nn  # noqa: E402
 
-E, H, B, L = 16, 4, 2, 5
-F64 = torch.float64
+from test_torch_fn_rules import B, E, F64, H, L, _pair, _x  # noqa: E402
+
 TOL = dict(rtol=1e-10, atol=1e-10)
-
-
-def _pair(dtype=F64, batch_first=True, **kw):
-    torch.manual_seed(0)
-    ref = nn.MultiheadAttention(E, H, batch_first=batch_first, dtype=dtype, **kw)
-    ours = mt.MultiheadAttention(E, H, batch_first=batch_first, dtype=dtype, **kw)
-    ours.load_state_dict(ref.state_dict())
-    return ref, ours
-
-
-def _x(dtype=F64, shape=(B, L, E), seed=1):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
 # ----------------------------------------------- dropout: torch's generator

@@ -27,10 +27,10 @@ class Identity(nn.Module):
         return w
 
 
-def _pair(dtype=F64, **kw):
+def _pair(dtype=F64, batch_first=True, **kw):
     torch.manual_seed(0)
-    ref = nn.MultiheadAttention(E, H, batch_first=True, dtype=dtype, **kw)
-    ours = mt.MultiheadAttention(E, H, batch_first=True, dtype=dtype, **kw)
+    ref = nn.MultiheadAttention(E, H, batch_first=batch_first, dtype=dtype, **kw)
+    ours = mt.MultiheadAttention(E, H, batch_first=batch_first, dtype=dtype, **kw)
     ours.load_state_dict(ref.state_dict())
     return ref, ours
 
