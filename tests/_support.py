@@ -53,3 +53,26 @@ def has(name):
 def require_torch():
     """torch (the reference of every parity test), as need() gives it."""
     return need("torch")
+
+
+def torch_testing(module):
+    """torch.testing._internal.<module> (torch's own test inputs: module_db,
+    op_db).  torch's testing package imports ``expecttest``, a test-only
+    dependency of torch that its wheel does not install; when it is missing
+    a stand-in with its one used name (``TestCase``) is registered for that
+    import only."""
+    import sys
+    import types
+    import unittest
+    try:
+        importlib.import_module("expecttest")
+        stub = None
+    except ImportError:
+        stub = types.ModuleType("expecttest")
+        stub.TestCase = unittest.TestCase
+        sys.modules["expecttest"] = stub
+    try:
+        return importlib.import_module("torch.testing._internal." + module)
+    finally:
+        if stub is not None and sys.modules.get("expecttest") is stub:
+            del sys.modules["expecttest"]

@@ -11,22 +11,17 @@ and without add_bias_kv / add_zero_attn.
 
 Run with `-s` for the counts and the worst errors.
 
-torch's testing package imports ``expecttest`` (a test-only dependency of
-torch, not installed with the wheel).  When it is missing a stand-in module
-with its one used name (``TestCase``) is registered for that import only.
+torch's testing package is imported by _support.torch_testing (a stand-in
+for ``expecttest``, a test-only dependency of torch, when it is missing).
 
 Legend: B batch, L target length, S source length, E = embed_dim.
 """
 import copy
-import importlib
-import sys
-import types
-import unittest
 import warnings
 
 import pytest
 
-from _support import require_torch
+from _support import require_torch, torch_testing
 
 torch = require_torch()
 from torch import nn  # noqa: E402
@@ -42,18 +37,7 @@ WORST_EXTRA = {}  # (module, dtype) -> worst error of the add_bias_kv / add_zero
 
 
 def _module_db():
-    try:
-        importlib.import_module("expecttest")
-        stub = None
-    except ImportError:
-        stub = types.ModuleType("expecttest")
-        stub.TestCase = unittest.TestCase
-        sys.modules["expecttest"] = stub
-    try:
-        from torch.testing._internal.common_modules import module_db
-    finally:
-        if stub is not None and sys.modules.get("expecttest") is stub:
-            del sys.modules["expecttest"]
+    module_db = torch_testing("common_modules").module_db
     return {info.module_cls.__name__: info for info in module_db
             if info.module_cls.__name__ in MODULES}
 
