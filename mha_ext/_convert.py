@@ -15,8 +15,8 @@ import sys
 import numpy as np
 
 __all__ = ["batched", "is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "to_tensor",
-           "dense", "broadcast_copy", "as_array", "check_real", "refuse_huge_ints", "as_real", "contiguous",
-           "flag", "probability", "seed", "counter"]
+           "dense", "broadcast_copy", "as_array", "check_real", "refuse_huge_ints", "as_real",
+           "contiguous", "flag", "probability", "seed", "counter"]
 
 
 _TENSOR_TYPES: set[type] = set()  # the types is_tensor has found to be tensors

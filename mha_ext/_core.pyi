@@ -201,7 +201,8 @@ class _Editing:
     def __exit__(self, *exc_info: object) -> bool: ...
 
 class _Guarded:
-    """A context manager's base whose __enter__ / __exit__ call _enter() / _exit() from C (_exit again if an exception stopped it)."""
+    """A context manager's base whose __enter__ / __exit__ call _enter() /
+    _exit() from C (_exit again if an exception stopped it)."""
     def __enter__(self) -> Any: ...
     def __exit__(self, *exc_info: object) -> Optional[bool]: ...
 

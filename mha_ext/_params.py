@@ -23,10 +23,10 @@ import numpy as np
 
 from ._convert import as_real, flag
 
-__all__ = ["kv_width", "LINEARS", "SEED_KEYS", "BIAS_KV", "BLOCK_KEYS", "TORCH_PACKED", "TORCH_SEPARATE",
-           "TORCH_KEYS", "TORCH_PARTS", "TORCH_UNSUPPORTED", "IncompatibleKeys", "seed_keys", "shape",
-           "tensor", "state_dict", "load_block", "params_block", "grads", "Parts", "parts", "groups",
-           "unpacked", "kv_tail"]
+__all__ = ["kv_width", "LINEARS", "SEED_KEYS", "BIAS_KV", "BLOCK_KEYS", "TORCH_PACKED",
+           "TORCH_SEPARATE", "TORCH_KEYS", "TORCH_PARTS", "TORCH_UNSUPPORTED", "IncompatibleKeys",
+           "seed_keys", "shape", "tensor", "state_dict", "load_block", "params_block", "grads",
+           "Parts", "parts", "groups", "unpacked", "kv_tail"]
 
 # the four projections, in the order of the C block
 LINEARS = ("W_q", "W_k", "W_v", "W_o")

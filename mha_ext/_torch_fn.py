@@ -337,10 +337,10 @@ MAKE_FX = ("torch.fx's make_fx (a proxy tensor mode) cannot record mha_ext's C c
            "trace a model that uses torch's own attention (torch.nn.MultiheadAttention, "
            "F.scaled_dot_product_attention), or call mha_ext outside the trace")
 FUNC_TRANSFORMS = ("is a tensor of a torch.func transform (grad, jacrev, jacfwd, jvp, "
-                   "hessian, functionalize), which mha_ext's C kernels cannot read and its autograd function "
-                   "cannot take; use torch.autograd.grad or torch.autograd.functional (their "
-                   "first derivatives run through mha_ext's C backward), or torch's own "
-                   "attention under torch.func")
+                   "hessian, functionalize), which mha_ext's C kernels cannot read and its "
+                   "autograd function cannot take; use torch.autograd.grad or "
+                   "torch.autograd.functional (their first derivatives run through mha_ext's "
+                   "C backward), or torch's own attention under torch.func")
 
 
 _MASKS_AND_HEAD = (*MASKS, "head_mask")

@@ -413,12 +413,14 @@ def _guard_models() -> None:
     """Wrap transformers' PreTrainedModel.get_correct_attn_implementation
     (once): a model class that cannot take a registered implementation (its
     attention code does not use ALL_ATTENTION_FUNCTIONS: _own_attention)
-    refuses a name of _NAMES with a ValueError.  transformers would accept the name, build that model's
-    masks with sdpa_mask and hand them to its eager attention, which
+    refuses a name of _NAMES with a ValueError.  transformers would accept
+    the name, build that model's masks with sdpa_mask and hand them to its
+    eager attention, which
     expects an additive float mask: Bloom lost its causal mask (None),
     MPT's padding was inverted, CodeGen and XGLM computed other numbers, all
     without an error and without calling mha_ext.  So does a built model
-    holding such layers under its own config (_holds_own_attention).  Runs at construction (from_config, from_pretrained) and in
+    holding such layers under its own config (_holds_own_attention).  Runs
+    at construction (from_config, from_pretrained) and in
     set_attn_implementation, which skips such a model with transformers'
     own warning before asking."""
     from transformers import PreTrainedModel

@@ -244,7 +244,8 @@ class Trace:
                 % (cell, e(s.name), cell, e(s.formula), cell, e(_fmt_dims(s.dims)),
                    cell, e(_fmt_shape(s.shape)), preview))
         parts.append("</tbody></table>")
-        parts.append('<p class="mha-trace-flow" style="text-align:left;font-family:system-ui,sans-serif"><small>shape flow: '
+        parts.append('<p class="mha-trace-flow" '
+                     'style="text-align:left;font-family:system-ui,sans-serif"><small>shape flow: '
                      "<code>%s</code></small></p>" % e(self.shape_flow()))
         body = "\n".join(parts)
         if not full_page:
