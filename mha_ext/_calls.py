@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _core
-from ._convert import as_real, contiguous, flag, too_large
+from ._convert import as_real, contiguous, flag, too_large, unmasked
 from ._habits import causal_call
 from ._masks import block_layout, masks as _masks
 from .cache import KVCache
@@ -71,6 +71,7 @@ def score_scale(scale):
     turns every score NaN into a row of zeros, its other paths into NaN)."""
     if scale is None:
         return None
+    scale = unmasked(scale, "scale")  # a masked 0-d array: float() would read NaN
     boolean = isinstance(scale, (bool, np.bool_)) or \
         str(getattr(scale, "dtype", "")) in ("bool", "torch.bool")  # 0-d bool arrays too
     bad = (boolean or isinstance(scale, (str, bytes, complex, np.complexfloating))

@@ -15,8 +15,8 @@ import sys
 import numpy as np
 
 __all__ = ["batched", "is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "to_tensor",
-           "dense", "broadcast_copy", "as_array", "check_real", "refuse_huge_ints", "as_real",
-           "contiguous", "flag", "probability", "seed", "counter"]
+           "dense", "broadcast_copy", "unmasked", "as_array", "check_real", "refuse_huge_ints",
+           "as_real", "contiguous", "flag", "probability", "seed", "counter"]
 
 
 _TENSOR_TYPES: set[type] = set()  # the types is_tensor has found to be tensors
@@ -240,7 +240,7 @@ def broadcast_copy(t):
     return t[once].clone().expand(t.shape)
 
 
-def _unmasked(x, name):
+def unmasked(x, name):
     """A NumPy masked array's data, when no entry is masked; one with masked
     entries is a TypeError naming `name`: the C code reads the data alone,
     so its mask would be dropped without a word (np.asarray and
@@ -291,7 +291,7 @@ def as_array(x, name) -> np.ndarray:
         check_tensor(x, name)
     else:
         refuse_fx_proxies(x)
-        x = _unmasked(x, name)
+        x = unmasked(x, name)
     try:
         x = to_numpy(x, name)
         if isinstance(x, np.ndarray):
@@ -369,6 +369,7 @@ def flag(value, name) -> bool:
     naming `name` (NumPy's own message does not say which argument)."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
+    value = unmasked(value, name)  # a masked 0-d array: its hidden value
     ndim = getattr(value, "ndim", None)
     if ndim == 0 and getattr(value, "shape", None) == ():
         value = value.item() if hasattr(value, "item") else value
@@ -407,9 +408,10 @@ def too_large(value, name, what="a real number") -> ValueErrorAndOverflowError:
 
 
 def as_float(value, name, what="a real number") -> float:
-    """float(value); a value too large for a float is too_large's error."""
+    """float(value); a value too large for a float is too_large's error, a
+    masked 0-d array (float() would read NaN) unmasked's."""
     try:
-        return float(value)
+        return float(unmasked(value, name))
     except OverflowError:
         raise too_large(value, name, what) from None
 
@@ -424,7 +426,7 @@ def probability(value, name) -> float:
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
         # a 0-d real array: its value, as the module's dropout reads it (a
         # masked one with its value masked: refused, as wherever arrays are read)
-        value = np.asarray(_unmasked(value, name)).item()
+        value = np.asarray(unmasked(value, name)).item()
     real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     ok = real
     if ok:

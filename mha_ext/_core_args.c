@@ -103,6 +103,33 @@ fail:
     return rc;
 }
 
+/* A NumPy masked array whose value is masked (np.ma.masked_array(0.5,
+ * mask=True)) where one value is taken: its data is a hidden value, and
+ * float() reads it as NaN.  A TypeError naming the argument, as wherever
+ * arrays are read (_convert.unmasked); only an ndarray subclass is looked
+ * at, and only when numpy.ma is imported. */
+static int refuse_masked(PyObject *obj, const char *name)
+{
+    PyObject *mod_name, *ma, *r;
+    int masked;
+    if (!PyArray_Check(obj) || PyArray_CheckExact(obj)) return 0;
+    if (!(mod_name = PyUnicode_FromString("numpy.ma"))) return -1;
+    ma = PyImport_GetModule(mod_name);
+    Py_DECREF(mod_name);
+    if (!ma) return PyErr_Occurred() ? -1 : 0;
+    r = PyObject_CallMethod(ma, "is_masked", "O", obj);
+    Py_DECREF(ma);
+    if (!r) return -1;
+    masked = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (masked < 0) return -1;
+    if (masked)
+        PyErr_Format(PyExc_TypeError, "%s is a NumPy masked array with its value masked: "
+                     "mha_ext would read the hidden value (or NaN); fill it first "
+                     "(.filled(value))", name);
+    return masked ? -1 : 0;
+}
+
 /* A flag: one truth value (a bool, NumPy bool, number, 0-d array, None),
  * taken as Python's `if` takes it.  Arrays with dimensions, sequences and
  * strings are ambiguous: a TypeError naming the argument (NumPy's own
@@ -114,6 +141,7 @@ int parse_flag(PyObject *obj, const char *name, int *out)
                            : PySequence_Check(obj) || PyUnicode_Check(obj) ||
                                  PyBytes_Check(obj) || PyAnySet_Check(obj) || PyDict_Check(obj);
     if (ambiguous) goto type;
+    if (refuse_masked(obj, name) < 0) return -1;
     if ((v = PyObject_IsTrue(obj)) < 0) {
         PyErr_Clear();
         goto type;
@@ -139,6 +167,7 @@ int parse_causal(PyObject *obj, int *out)
                      "Sq), got %R", obj);
         return -1;
     }
+    if (refuse_masked(obj, "is_causal") < 0) return -1;
     if (parse_flag(obj, "is_causal", &v) < 0) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "is_causal must be True or False, or \"lower_right\", "
@@ -182,6 +211,7 @@ int parse_scale(PyObject *obj, int *has, double *out)
     double s;
     *has = 0;
     if (obj == Py_None) return 0;
+    if (refuse_masked(obj, "scale") < 0) return -1;
     if (bool_like(obj) || PyComplex_Check(obj) || PyUnicode_Check(obj) ||
         (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) != 0))
         goto type;
@@ -214,6 +244,7 @@ static void raise_too_large(PyObject *obj, const char *name, const char *what)
 int parse_dropout(PyObject *obj, const char *name, double *out)
 {
     double p;
+    if (refuse_masked(obj, name) < 0) return -1;
     if (bool_like(obj) || PyComplex_Check(obj) ||
         (PyArray_Check(obj) && PyArray_NDIM((PyArrayObject *)obj) != 0))
         goto type;

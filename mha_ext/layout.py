@@ -36,6 +36,9 @@ __all__ = ["BlockLayout", "local_blocks", "strided", "global_local", "bigbird"]
 BlockSize = Union[Int, tuple[Int, Int], list[Int]]
 
 
+_MAX_BLOCK = 2**63 - 1
+
+
 def _block_size(block_size: BlockSize) -> tuple[int, int]:
     """block_size checked: an int > 0, or a pair (q_block, k_block) of them."""
     pair = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
@@ -48,6 +51,8 @@ def _block_size(block_size: BlockSize) -> tuple[int, int]:
             raise TypeError(f"block_size's {name} must be an int > 0, got {b!r}")
         if int(b) <= 0:
             raise ValueError(f"block_size's {name} must be an int > 0, got {int(b)}")
+        if int(b) > _MAX_BLOCK:  # the C core's sizes are int64: every call would refuse it
+            raise ValueError(f"block_size's {name} is too large: {int(b)} (at most 2**63 - 1)")
         out.append(int(b))
     return out[0], out[1]
 

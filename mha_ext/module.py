@@ -354,7 +354,9 @@ class MultiHeadAttention(_core.MultiHeadAttention):
 
     # ------------------------------------------------------------ modes
     def train(self, mode: Flag = True) -> MultiHeadAttention:
-        """Training mode (dropout active) when mode is True; returns self."""
+        """Training mode (dropout active) when mode is True; returns self.
+        mode is a bool (Python's or NumPy's), else a ValueError, as torch's
+        nn.Module.train."""
         if not isinstance(mode, (bool, np.bool_)):
             raise ValueError(f"train(mode): the training mode must be a bool, got {mode!r}")
         self.training = bool(mode)
