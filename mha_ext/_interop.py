@@ -52,6 +52,17 @@ def from_torch(cls, module, dtype=None, seed=None, names=None, n_heads=None,
     else:
         found = _find(module, names)
         m = _from_linears(cls, module, found, dtype, seed, n_heads)
+        extra = _extra_parameters(module, found)  # after _from_linears' own checks
+        if extra:
+            shown = ", ".join(map(repr, extra[:6])) + (", ..." if len(extra) > 6 else "")
+            raise ValueError(
+                f"from_torch: this {type(module).__name__} holds parameters besides its four "
+                f"projections ({shown}), which its forward presumably uses (a q_norm/k_norm, "
+                f"a learned bias or temperature, LoRA weights); from_torch copies the "
+                f"projections, not the forward, so the copy would compute other numbers "
+                f"without a word. Copy a module holding only the projections, or build the "
+                f"copy yourself (MultiHeadAttention(...).load_state_dict) if plain attention "
+                f"over them is what you want")
         buffer = _causal_buffer(module) if causal is None else None
         if buffer is not None:
             raise ValueError(
@@ -66,6 +77,28 @@ def from_torch(cls, module, dtype=None, seed=None, names=None, n_heads=None,
     if causal is not None:
         m.causal = causal
     return m
+
+
+_PROJECTIONS = {n for lay in _LAYOUTS for n in lay[:3] + lay[3]} | set(_OUTS)
+
+
+def _extra_parameters(module, found):
+    """The names of `module`'s parameters (its children's included) that are
+    neither the weight or bias of one of the projections `found` (_find's)
+    nor of another linear child under a projection's name (an o_proj beside
+    the out_proj that _find took)."""
+    named = getattr(module, "named_parameters", None)
+    if not callable(named):
+        return []
+    ours = set()
+    others = [getattr(module, n, None) for n in _PROJECTIONS]
+    for x in [*found.values(), *(o for o in others if _is_linear(o))]:
+        for lin in (x if isinstance(x, list) else [x]):
+            for attr in ("weight", "bias"):
+                p = getattr(lin, attr, None)
+                if p is not None:
+                    ours.add(id(p))
+    return [name for name, p in named() if id(p) not in ours]
 
 
 def _causal_buffer(module):
