@@ -7,10 +7,10 @@ them, is copied as before, and its copy gives the module's numbers."""
 import pytest
 
 from _support import need, require_torch
-from torch_seed import make_seed_module
 
 torch = require_torch()
 from torch import nn  # noqa: E402
+from torch_seed import make_seed_module  # noqa: E402 (it imports torch)
 
 import mha_ext  # noqa: E402
 
