@@ -34,6 +34,19 @@ def _torch_twin(torch, m):
     return t.eval()
 
 
+def _same_as_torch(torch, m):
+    """m's self-attention output and per-head weights on a (2, 3, 8) input
+    equal its torch twin's (float64); returns the twin."""
+    t = _torch_twin(torch, m)
+    x = _rand(2, 3, 8, seed=1)
+    out, w = m(x)
+    with torch.no_grad():
+        t_out, t_w = t(*(torch.from_numpy(x),) * 3, average_attn_weights=False)
+    np.testing.assert_allclose(out, t_out.numpy(), **F64)
+    np.testing.assert_allclose(w, t_w.numpy(), **F64)
+    return t
+
+
 # -- scale that float() cannot read (_calls.py: the TypeError/ValueError of float())
 
 @pytest.mark.parametrize("scale", [[0.5], object()])
@@ -75,13 +88,7 @@ def test_assigning_weights_and_biases_changes_the_call_as_torchs_parameters():
         lin.bias = b
         np.testing.assert_array_equal(lin.weight, w)
         np.testing.assert_array_equal(lin.bias, b)
-    t = _torch_twin(torch, m)
-    x = _rand(2, 3, 8, seed=1)
-    out, w = m(x)
-    with torch.no_grad():
-        t_out, t_w = t(*(torch.from_numpy(x),) * 3, average_attn_weights=False)
-    np.testing.assert_allclose(out, t_out.numpy(), **F64)
-    np.testing.assert_allclose(w, t_w.numpy(), **F64)
+    _same_as_torch(torch, m)
 
 
 def test_setting_a_bias_the_module_does_not_have_is_an_attributeerror_that_says_why():
@@ -104,13 +111,9 @@ def test_assigning_bias_v_changes_the_call_as_torchs_bias_v():
     m.bias_k = new_k
     np.testing.assert_array_equal(m.bias_v, new_v)
     np.testing.assert_array_equal(m.bias_k, new_k)
-    t = _torch_twin(torch, m)        # copies bias_k / bias_v as they now are
+    t = _same_as_torch(torch, m)     # its twin copies bias_k / bias_v as they now are
     x = _rand(2, 3, 8, seed=1)
-    out, w = m(x)
-    with torch.no_grad():
-        t_out, t_w = t(*(torch.from_numpy(x),) * 3, average_attn_weights=False)
-    np.testing.assert_allclose(out, t_out.numpy(), **F64)
-    np.testing.assert_allclose(w, t_w.numpy(), **F64)
+    out, _ = m(x)
     # and the value path does read it: the bias_v key gets weight > 0
     with torch.no_grad():
         t.bias_v.copy_(torch.from_numpy(new_v * 0).reshape(1, 1, 8))
