@@ -76,3 +76,17 @@ def torch_testing(module):
     finally:
         if stub is not None and sys.modules.get("expecttest") is stub:
             del sys.modules["expecttest"]
+
+
+def dead_row_outputs(ref, ours, x, *, value=None, **kw):
+    """torch's module or nn.TransformerEncoderLayer `ref` and its copy with
+    our drop-in `ours` on `x` (B, S, E), under a boolean mask whose query row
+    1 sees no key: (torch's output, ours), computed without autograd."""
+    torch = require_torch()
+    mask = torch.zeros(x.shape[1], x.shape[1], dtype=torch.bool)
+    mask[1] = True                                  # row 1 sees no key
+    with torch.no_grad():
+        if isinstance(ref, torch.nn.TransformerEncoderLayer):
+            return ref(x, src_mask=mask), ours(x, src_mask=mask)
+        v = x if value is None else value
+        return ref(x, x, v, attn_mask=mask, **kw)[0], ours(x, x, v, attn_mask=mask, **kw)[0]

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 
-from _support import require_torch
+from _support import dead_row_outputs, require_torch
 
 torch = require_torch()
 from torch import nn  # noqa: E402
@@ -27,27 +27,16 @@ def test_an_encoder_layer_with_an_odd_head_count_keeps_a_dead_rows_finite_output
                                      batch_first=True).eval()
     ours = copy.deepcopy(ref)
     ours.self_attn = MultiheadAttention.from_torch(ref.self_attn)
-    x = torch.randn(2, 4, E)
-    mask = torch.zeros(4, 4, dtype=torch.bool)
-    mask[1] = True                                  # row 1 sees no key
-    with torch.no_grad():
-        want, got = ref(x, src_mask=mask), ours(x, src_mask=mask)
+    want, got = dead_row_outputs(ref, ours, torch.randn(2, 4, E))
     assert not want.isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _dead_row_case(ref, ours, *, value=None, **kw):
+def _dead_row_case(ref, ours, **kw):
     """torch's module (or layer) and ours on a batch whose query row 1 sees
     no key: the same numbers, NaN where torch's fused kernel gives NaN"""
     torch.manual_seed(1)
-    x = torch.randn(2, 4, 8)
-    mask = torch.zeros(4, 4, dtype=torch.bool)
-    mask[1] = True
-    with torch.no_grad():
-        if isinstance(ref, nn.TransformerEncoderLayer):
-            return ref(x, src_mask=mask), ours(x, src_mask=mask)
-        v = x if value is None else value
-        return (ref(x, x, v, attn_mask=mask, **kw)[0], ours(x, x, v, attn_mask=mask, **kw)[0])
+    return dead_row_outputs(ref, ours, torch.randn(2, 4, 8), **kw)
 
 
 def test_a_layer_whose_norms_differ_in_eps_keeps_a_dead_rows_finite_output():
