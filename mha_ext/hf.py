@@ -19,8 +19,10 @@ one under the name a ValueError (transformers 5.23: Bloom, MPT, CodeGen,
 Falcon, GPT-J, GPT-Neo, XGLM, RoFormer, MegatronBERT, WavLM and others):
 transformers would otherwise hand their eager attention the masks built for
 the name, SDPA's (None for a causal one, True = attend), and compute wrong
-numbers without an error.  The test is the one transformers'
-``_can_set_attn_implementation()`` makes (the model's module defines an
+numbers without an error.  A refused ``from_config`` leaves the config it
+was given as it was (transformers writes the name into it first, and a
+model already built on it would then compute so).  The test is the one
+transformers' ``_can_set_attn_implementation()`` makes (the model's module defines an
 attention class of its own and does not call the interface), except that a
 model whose source cannot be read (a notebook's class) is let through, as
 is one indexing ``ALL_ATTENTION_FUNCTIONS[...]`` (transformers 4's
@@ -65,10 +67,11 @@ scaled_dot_product_attention``:
   from the twin (the C backward's gradient of the masked scores).
 
 Refused with a clear error instead of computed wrongly: ``softcap``,
-attention sinks (``s_aux``), a ``head_mask`` (gone from transformers 5),
-sparse attention ``indices`` or ``block_indices`` (DeepSeek-V3.2's and
-MiniMax-M3's indexers), a paged cache (continuous batching).  ``output_attentions=True`` gives
-``None`` weights, as with "sdpa".
+attention sinks (``s_aux``, or ``sinks`` as Inkling 2 names them), a
+``head_mask`` (gone from transformers 5), sparse attention ``indices`` or
+``block_indices`` (DeepSeek-V3.2's and MiniMax-M3's indexers), a paged
+cache (continuous batching).  ``output_attentions=True`` gives ``None``
+weights, as with "sdpa".
 
 This module is imported only on request; it needs torch and transformers.
 """
@@ -110,10 +113,11 @@ def _refuse_unsupported(kwargs: Dict[str, Any]) -> None:
         raise ValueError(
             "attn_implementation='mha_ext' does not support softcap (logit "
             "soft-capping); use 'eager' for this model")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(
-            "attn_implementation='mha_ext' does not support attention sinks "
-            "(s_aux); use 'eager' for this model")
+    for name in ("s_aux", "sinks"):  # GPT-OSS's and others'; Inkling 2's
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                "attn_implementation='mha_ext' does not support attention sinks "
+                f"({name}); use 'eager' for this model")
     if kwargs.get("head_mask") is not None:
         raise ValueError(
             "attn_implementation='mha_ext' does not take a head_mask (removed "
@@ -425,6 +429,7 @@ def _guard_models() -> None:
     own warning before asking."""
     from transformers import PreTrainedModel
 
+    _keep_configs_on_refusal()
     original = PreTrainedModel.get_correct_attn_implementation
     if getattr(original, "_mha_ext_guard", False):
         return
@@ -453,3 +458,51 @@ def _guard_models() -> None:
     get_correct_attn_implementation.__wrapped__ = original  # type: ignore[attr-defined]
     get_correct_attn_implementation.__doc__ = original.__doc__
     setattr(PreTrainedModel, "get_correct_attn_implementation", get_correct_attn_implementation)
+
+
+def _config_tree(config: Any) -> list:
+    """`config` and its sub-configs (text_config, vision_config, ...), nested."""
+    seen: list = []
+    stack = [config]
+    while stack:
+        c = stack.pop()
+        if c is None or any(c is s for s in seen):
+            continue
+        seen.append(c)
+        stack.extend(getattr(c, k, None) for k in (getattr(c, "sub_configs", None) or {}))
+    return seen
+
+
+def _keep_configs_on_refusal() -> None:
+    """Wrap transformers' PreTrainedModel._from_config (once) so that a
+    construction that fails after taking a name of _NAMES (the guard's
+    ValueError) leaves the config it was given as it was.  transformers
+    writes the requested implementation into that config before building
+    (from_config copies nothing, unlike from_pretrained), so a refused
+    ``from_config(model.config, attn_implementation="mha_ext")`` left the
+    config on "mha_ext": the model already built on it (Falcon, Bloom, MPT,
+    ...: their own attention code) then ran its eager attention on the SDPA
+    masks built for the name, other numbers without an error."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["_from_config"].__func__
+    if getattr(original, "_mha_ext_guard", False):
+        return
+
+    def _from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
+        before = [(c, getattr(c, "_attn_implementation_internal", None))
+                  for c in _config_tree(config)]
+        try:
+            return original(cls, config, **kwargs)
+        except BaseException:
+            now = [getattr(c, "_attn_implementation_internal", None) for c, _ in before]
+            if any(isinstance(v, str) and v in _NAMES and v != was
+                   for v, (_, was) in zip(now, before)):
+                for c, was in before:
+                    c._attn_implementation_internal = was
+            raise
+
+    _from_config._mha_ext_guard = True  # type: ignore[attr-defined]
+    _from_config.__wrapped__ = original  # type: ignore[attr-defined]
+    _from_config.__doc__ = original.__doc__
+    setattr(PreTrainedModel, "_from_config", classmethod(_from_config))
