@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _core
-from ._convert import as_real, contiguous, flag, too_large, unmasked
+from ._convert import as_int, as_real, contiguous, flag, too_large, unmasked
 from ._habits import causal_call
 from ._masks import block_layout, masks as _masks
 from .cache import KVCache
@@ -96,13 +96,15 @@ def score_scale(scale):
 
 
 def _window_bound(x, side):
+    # an int as _convert.as_int reads one (a 0-d integer array or tensor
+    # too; never a bool)
     if x is None:
         return None
-    if (isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer))
-            or int(x) < 0):
+    i = as_int(x, f"window's {side} bound")
+    if i is None or i < 0:
         raise ValueError(f"window's {side} bound must be None (unbounded) or an int >= 0, "
                          f"got {x!r}")
-    return int(x)
+    return i
 
 
 def sliding_window(window):

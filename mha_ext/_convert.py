@@ -10,13 +10,14 @@ recognised by its type's module.
 from __future__ import annotations
 
 import numbers
+import operator
 import sys
 
 import numpy as np
 
 __all__ = ["batched", "is_tensor", "is_causal_bias", "check_tensor", "to_numpy", "to_tensor",
            "dense", "broadcast_copy", "unmasked", "as_array", "check_real", "refuse_huge_ints",
-           "as_real", "contiguous", "flag", "probability", "seed", "counter"]
+           "as_real", "contiguous", "flag", "probability", "as_int", "seed", "counter"]
 
 
 _TENSOR_TYPES: set[type] = set()  # the types is_tensor has found to be tensors
@@ -441,34 +442,72 @@ def probability(value, name) -> float:
     return float(value)
 
 
+def as_int(value, name):
+    """value as an int if it is one integer, else None: a Python or NumPy
+    int, a 0-d integer array or tensor, or anything else whose __index__
+    gives an int (torch reads its int arguments so: torch.tensor(8) as an
+    embed_dim).  A bool of any kind (Python's, NumPy's, a 0-d bool array or
+    tensor, whose __index__ gives 0 or 1) is no integer here, nor a float
+    or an array with dimensions.  A NumPy masked array with its value
+    masked is a TypeError naming `name`."""
+    if type(value) is int:  # the usual case, first
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, np.ndarray):
+        if value.ndim != 0 or value.dtype.kind not in "iu":
+            return None
+        ma = sys.modules.get("numpy.ma")
+        if ma is not None and ma.is_masked(value):  # as the C code's refuse_masked says it
+            raise TypeError(f"{name} is a NumPy masked array with its value masked: mha_ext "
+                            f"would read the hidden value; fill it first (.filled(value))")
+        return int(value)
+    if is_tensor(value):  # torch's int dtypes; a bool tensor's __index__ would give 0 or 1
+        if value.dim() != 0 or value.dtype.is_floating_point or value.dtype.is_complex \
+                or str(value.dtype) == "torch.bool" or value.is_meta:
+            return None
+        try:
+            return int(value)
+        except Exception:  # a tensor without data of its own (a fake tensor)
+            return None
+    if not hasattr(type(value), "__index__"):
+        return None
+    try:
+        return operator.index(value)
+    except Exception:  # a __index__ refusing this value (NumPy's for a float array)
+        return None
+
+
 def integer(value, name, low=1) -> int:
-    """An int >= low (Python's or NumPy's, not a bool) as an int, as the
-    constructors take their sizes: TypeError for another type, ValueError
-    below low."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    """An int >= low (as_int's: Python's, NumPy's, a 0-d integer array or
+    tensor; not a bool) as an int, as the constructors take their sizes:
+    TypeError for another type, ValueError below low."""
+    i = as_int(value, name)
+    if i is None:
         raise TypeError(f"{name} must be an int >= {low}, not {type(value).__name__}")
-    if int(value) < low:
+    if i < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
+    return i
 
 
 def seed(value, name="seed") -> int:
-    """An int in [0, 2**64) (Python's or NumPy's, not a bool), as the
-    module's constructor takes its seed: TypeError for another type,
-    ValueError outside the range."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    """An int in [0, 2**64) (as_int's: Python's, NumPy's, a 0-d integer
+    array or tensor; not a bool), as the module's constructor takes its
+    seed: TypeError for another type, ValueError outside the range."""
+    i = as_int(value, name)
+    if i is None:
         raise TypeError(f"{name} must be an int in [0, 2**64), not {type(value).__name__}")
-    if not 0 <= int(value) < 2 ** 64:
+    if not 0 <= i < 2 ** 64:
         raise ValueError(f"{name} must be in [0, 2**64), got {value!r}")
-    return int(value)
+    return i
 
 
 def counter(value, name) -> int:
-    """An integer in [0, 2**64) (Python's or NumPy's, not a bool) as an int;
+    """An integer in [0, 2**64) (as_int's, not a bool) as an int;
     ValueError naming `name` otherwise."""
-    ok = (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-          and 0 <= int(value) < 2 ** 64)
-    if not ok:
+    i = as_int(value, name)
+    if i is None or not 0 <= i < 2 ** 64:
         raise ValueError(f"{name} must be an int in [0, 2**64), got {value!r}")
-    return int(value)
-
+    return i

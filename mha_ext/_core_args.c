@@ -10,24 +10,47 @@
 
 /* ------------------------------------------------------------ scalars */
 
+static int bool_like(PyObject *obj);
+static int refuse_masked(PyObject *obj, const char *name);
+
+/* Whether obj, not an int, carries dimensions (ndim > 0): a one-element
+ * torch tensor, whose __index__ gives its value, is no scalar. */
+static int has_dims(PyObject *obj)
+{
+    PyObject *nd;
+    long n;
+    if (PyLong_Check(obj) || PyArray_IsScalar(obj, Generic)) return 0;
+    nd = PyObject_GetAttrString(obj, "ndim");
+    if (!nd) {
+        PyErr_Clear();
+        return 0;
+    }
+    n = PyLong_Check(nd) ? PyLong_AsLong(nd) : 0;
+    Py_DECREF(nd);
+    if (n == -1 && PyErr_Occurred()) PyErr_Clear();
+    return n != 0;
+}
+
 /* An integer (a Python int or anything with __index__, such as NumPy's
- * integers; not a bool, a float or an array) as a new reference. */
+ * integers, a 0-d integer array or a 0-d integer torch tensor, as torch
+ * reads its int arguments; not a bool of any kind, whose __index__ may give
+ * 0 or 1, nor a float or an array with dimensions) as a new reference.
+ * The rule of _convert.as_int in Python. */
 static PyObject *as_index(PyObject *obj, const char *name, const char *want)
 {
     PyObject *i;
-    if (PyBool_Check(obj) || PyArray_IsScalar(obj, Bool) || PyArray_Check(obj) ||
-        !PyIndex_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s must be %s, not %.100s", name, want,
-                     Py_TYPE(obj)->tp_name);
-        return NULL;
-    }
+    if (PyArray_Check(obj) && (PyArray_NDIM((PyArrayObject *)obj) != 0 ||
+                               !PyArray_ISINTEGER((PyArrayObject *)obj)))
+        goto type;
+    if (bool_like(obj) || !PyIndex_Check(obj) || has_dims(obj)) goto type;
+    if (refuse_masked(obj, name) < 0) return NULL;
     i = PyNumber_Index(obj);
-    if (!i) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s must be %s, not %.100s", name, want,
-                     Py_TYPE(obj)->tp_name);
-    }
-    return i;
+    if (i) return i;
+    PyErr_Clear();
+type:
+    PyErr_Format(PyExc_TypeError, "%s must be %s, not %.100s", name, want,
+                 Py_TYPE(obj)->tp_name);
+    return NULL;
 }
 
 int positive_int(PyObject *obj, const char *name, int64_t *out)

@@ -93,11 +93,9 @@ def _out_bias(x, n):
 
 
 def _size(x, name):
-    """embed_dim_to_check or num_heads: an int, or a 0-d integer tensor as
-    torch's functional takes one (it only compares and divides them)."""
-    if isinstance(x, torch.Tensor) and x.dim() == 0 and not (
-            x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
-        x = int(x)
+    """embed_dim_to_check or num_heads: an int, or a 0-d integer tensor or
+    NumPy array, as torch's functional takes one (it only compares and
+    divides them); _convert.as_int's rule."""
     return _convert.integer(x, name)
 
 

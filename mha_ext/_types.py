@@ -13,7 +13,8 @@ __all__ = ["Flag", "Causal", "Int", "Real", "Window", "MaskedRows"]
 Flag = Union[bool, np.bool_]
 # is_causal: False, True (top-left) or "lower_right"
 Causal = Union[bool, np.bool_, Literal["lower_right"]]
-# a Python or NumPy integer (not a bool at run time)
+# a Python or NumPy integer (not a bool at run time, which also takes a 0-d
+# integer array or tensor: _convert.as_int)
 Int = Union[int, np.integer[Any]]
 # a Python or NumPy real number (an int is a float to the checkers)
 Real = Union[float, np.floating[Any], np.integer[Any]]

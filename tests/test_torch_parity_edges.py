@@ -1,0 +1,149 @@
+"""Edges where mha_ext differed from torch 2.13, each compared with torch
+itself (docs/API.md §1, §3.1, §4a, §8):
+
+- an int argument (a window bound, a seed, the drop-in's sizes, the
+  functional's embed_dim_to_check and num_heads) given as a 0-d integer
+  NumPy array or tensor: torch reads one as its int (its __index__), so do
+  we; a bool of any kind stays refused;
+- kdim=0 / vdim=0 in the drop-in: torch builds the module and computes
+  (an empty key projects to its bias alone): the same numbers and
+  gradients;
+- the SDPA twin with an empty value, and the drop-in's gradients of empty
+  inputs: torch's shapes, strides and values."""
+import operator
+
+import numpy as np
+import pytest
+
+from _support import require_torch
+
+torch = require_torch()
+import torch.nn.functional as F  # noqa: E402
+
+import mha_ext  # noqa: E402
+import mha_ext.torch as mt  # noqa: E402
+
+# 0-d integers of every kind torch reads as an int (operator.index gives it)
+INTS = [np.int64(3), np.array(3), np.array(3, np.uint8), torch.tensor(3),
+        torch.tensor(3, dtype=torch.int32)]
+INT_IDS = ["np.int64", "np.array", "np.array_uint8", "torch.tensor", "torch.tensor_int32"]
+# bools whose __index__ gives 0 or 1 (a Python bool too): refused, as elsewhere
+BOOLS = [True, np.True_, np.array(True), torch.tensor(True)]
+BOOL_IDS = ["bool", "np.bool_", "np.array_bool", "torch.tensor_bool"]
+
+
+def _t(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("n", INTS, ids=INT_IDS)
+def test_torch_reads_these_as_ints(n):
+    # the premise: torch takes them where it takes an int
+    assert operator.index(n) == 3
+    assert torch.zeros(n).shape == (3,)
+
+
+# ------------------------------------------------------------ 1. window bounds
+@pytest.mark.parametrize("n", INTS, ids=INT_IDS)
+def test_window_bound_takes_a_0d_integer(n):
+    q, k, v = _t(2, 2, 6, 4, seed=1), _t(2, 2, 6, 4, seed=2), _t(2, 2, 6, 4, seed=3)
+    i, j = torch.arange(6)[:, None], torch.arange(6)[None, :]
+    keep = (j >= i - 3) & (j <= i + 1)  # the window (3, 1) as torch's boolean mask
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    got = mha_ext.scaled_dot_product_attention(q, k, v, window=(n, 1))
+    torch.testing.assert_close(got, want)
+    got = mha_ext.scaled_dot_product_attention(q, k, v, window=(3, torch.tensor(1)))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("bad", BOOLS + [torch.tensor(3.0), np.array([3]), torch.tensor([3]),
+                                         torch.tensor(-1), np.array(-1)],
+                         ids=BOOL_IDS + ["float_tensor", "1d_array", "1d_tensor", "neg_tensor",
+                                         "neg_array"])
+def test_window_bound_refuses_bools_floats_arrays_negatives(bad):
+    q = _t(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="window's left bound must be None"):
+        mha_ext.scaled_dot_product_attention(q, q, q, window=(bad, 1))
+
+
+# ------------------------------------------------------------ 2. seeds
+@pytest.mark.parametrize("n", INTS, ids=INT_IDS)
+def test_seed_takes_a_0d_integer(n):
+    # torch's own seed reads one so
+    assert torch.manual_seed(n).initial_seed() == 3
+    q = _t(2, 2, 5, 4)
+    want = mha_ext.scaled_dot_product_attention(q, q, q, dropout_p=0.5, seed=3)
+    got = mha_ext.scaled_dot_product_attention(q, q, q, dropout_p=0.5, seed=n)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    x = q[0].numpy().astype(np.float32)
+    assert mha_ext.MultiHeadAttention(8, 2, seed=n).seed == 3
+    a = mha_ext.MultiHeadAttention(4, 2, dropout=0.5, seed=n)
+    b = mha_ext.MultiHeadAttention(4, 2, dropout=0.5, seed=3)
+    np.testing.assert_array_equal(a.forward_train(x).output, b.forward_train(x).output)
+
+
+@pytest.mark.parametrize("bad", BOOLS + [torch.tensor([3]), np.array([3])],
+                         ids=BOOL_IDS + ["1d_tensor", "1d_array"])
+def test_seed_refuses_bools_and_arrays(bad):
+    q = _t(1, 1, 4, 4)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        mha_ext.scaled_dot_product_attention(q, q, q, dropout_p=0.5, seed=bad)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        mha_ext.MultiHeadAttention(8, 2, seed=bad)
+
+
+# ------------------------------------------------------------ 4. the drop-in's sizes
+def _same_module(sizes):
+    """torch's module and ours built from `sizes`, ours with torch's
+    parameters: their outputs and weights."""
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(*sizes["args"], **sizes["kw"]).double()
+    ours = mt.MultiheadAttention(*sizes["args"], **sizes["kw"]).double()
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    E = 8
+    kdim = int(sizes["kw"].get("kdim", E))
+    q, k, v = _t(5, 2, E, seed=4), _t(3, 2, kdim, seed=5), _t(3, 2, E, seed=6)
+    for m in (ref, ours):
+        assert m.embed_dim == 8 and m.num_heads == 2 and m.head_dim == 4
+    a, b = ref(q, k, v), ours(q, k, v)
+    torch.testing.assert_close(b[0], a[0])
+    torch.testing.assert_close(b[1], a[1])
+
+
+@pytest.mark.parametrize("sizes", [
+    dict(args=(torch.tensor(8), 2), kw={}),
+    dict(args=(np.array(8), 2), kw={}),
+    dict(args=(8, torch.tensor(2)), kw={}),
+    # (not a tensor divided by an array: torch's own module warns then)
+    dict(args=(torch.tensor(8), torch.tensor(2)), kw=dict(kdim=np.array(6))),
+], ids=["embed_tensor", "embed_array", "heads_tensor", "all_0d"])
+def test_dropin_takes_0d_integer_sizes_as_torch(sizes):
+    _same_module(sizes)
+
+
+@pytest.mark.parametrize("bad", [torch.tensor(True), torch.tensor(8.0), 8.0, torch.tensor([8])],
+                         ids=["bool_tensor", "float_tensor", "float", "1d_tensor"])
+def test_dropin_refuses_other_sizes(bad):
+    with pytest.raises(TypeError, match="embed_dim must be an int"):
+        mt.MultiheadAttention(bad, 2)
+
+
+# ------------------------------------------------------------ 5. the functional's sizes
+def _functional(fn, e, h):
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(8, 2).double()
+    q = _t(5, 2, 8, seed=6)
+    return fn(q, q, q, e, h, m.in_proj_weight, m.in_proj_bias, None, None, False, 0.0,
+              m.out_proj.weight, m.out_proj.bias, training=False)
+
+
+@pytest.mark.parametrize("e, h", [(torch.tensor(8), 2), (np.array(8), 2), (8, np.array(2)),
+                                  (np.array(8), torch.tensor(2))],
+                         ids=["embed_tensor", "embed_array", "heads_array", "both"])
+def test_functional_takes_0d_integer_sizes_as_torch(e, h):
+    want = _functional(F.multi_head_attention_forward, e, h)
+    got = _functional(mt.multi_head_attention_forward, e, h)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
