@@ -118,7 +118,9 @@ class MultiheadAttention(nn.MultiheadAttention):
     add_bias_kv appends the learned key bias_k and value bias_v to every
     sequence's keys and values, add_zero_attn then a zero key and value,
     as torch does (the weights have S + 1 or S + 2 keys).  float32 and
-    float64 on the CPU.
+    float64 on the CPU.  The sizes are ints, 0-d integer tensors too (as
+    torch's); kdim=0 or vdim=0 as torch's: an empty key or value projects
+    to its bias alone.
 
     forward(query, key, value, key_padding_mask=None, need_weights=True,
             attn_mask=None, average_attn_weights=True, is_causal=False)
@@ -148,8 +150,10 @@ class MultiheadAttention(nn.MultiheadAttention):
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         nn.Module.__init__(self)  # not torch's constructor: the parameters are made below
         self.embed_dim = embed_dim
-        self.kdim = embed_dim if kdim is None else _convert.integer(kdim, "kdim")
-        self.vdim = embed_dim if vdim is None else _convert.integer(vdim, "vdim")
+        # kdim or vdim 0, as torch's module takes them: the projection of an
+        # empty key or value is its bias alone (see _widen_empty)
+        self.kdim = embed_dim if kdim is None else _convert.integer(kdim, "kdim", low=0)
+        self.vdim = embed_dim if vdim is None else _convert.integer(vdim, "vdim", low=0)
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
         self.num_heads = num_heads
         self.dropout = dropout
@@ -236,7 +240,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         so that no module carries one: a model's memory, torch.save, pickle
         and deepcopy hold the parameters once, as torch's do."""
         bias = self._has_bias()
-        config = (self.embed_dim, self.num_heads, bias, self.kdim, self.vdim, name, extra)
+        kdim, vdim = max(self.kdim, 1), max(self.vdim, 1)  # (0: _widen_empty's one column)
+        config = (self.embed_dim, self.num_heads, bias, kdim, vdim, name, extra)
         with _LOCK:
             core = _CORES.get(config)
             if core is not None:
@@ -245,7 +250,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         # seed 0: the dropout mask depends on torch's generator alone
         # (_torch_fn.torch_stream draws each call's), as torch's does
         core = _Core.__new__(_Core, self.embed_dim, self.num_heads, bias=bias,
-                             kdim=self.kdim, vdim=self.vdim, dtype=name, seed=0,
+                             kdim=kdim, vdim=vdim, dtype=name, seed=0,
                              add_bias_kv=extra[0], add_zero_attn=extra[1], _empty=True)
         with _LOCK:
             while len(_CORES) >= _KEEP:
@@ -537,6 +542,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         q, k, v = (x.to(dtype) for x in (query, key, value))
         if batched and not self.batch_first:  # (S, B, E) -> (B, S, E)
             q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+        if self.kdim == 0 or self.vdim == 0:
+            k, v, sources = self._widen_empty(k, v, sources)
         opts = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=causal,
                     need_weights=bool(need_weights),
                     average_weights=bool(average_attn_weights),
@@ -574,6 +581,21 @@ class MultiheadAttention(nn.MultiheadAttention):
         if torch_fast and query.numel() == 0:
             weights = None  # torch's fused path returns no weights for an empty query
         return out, (weights if need_weights else None)
+
+    def _widen_empty(self, k, v, sources):
+        """kdim or vdim 0 (torch's module takes them): torch projects the
+        key (S, 0) to its bias alone (bias + key @ k_proj_weight.T, a sum
+        of no terms), every key alike.  The C core takes widths >= 1: the
+        empty key (value) and k_proj_weight (v_proj_weight) get one zero
+        column each, which adds 0 to the bias, torch's numbers; the
+        gradients reach the caller's empty tensors through the pads."""
+        in_w, q_w, k_w, v_w, *rest = sources
+        pad = torch.nn.functional.pad
+        if self.kdim == 0:
+            k, k_w = pad(k, (0, 1)), pad(k_w, (0, 1))
+        if self.vdim == 0:
+            v, v_w = pad(v, (0, 1)), pad(v_w, (0, 1))
+        return k, v, (in_w, q_w, k_w, v_w, *rest)
 
     def _causal_over_extra_keys(self, dtype, opts, q, k, v, params):
         # torch's SDPA path with the is_causal hint applies its top-left

@@ -147,3 +147,55 @@ def test_functional_takes_0d_integer_sizes_as_torch(e, h):
     got = _functional(mt.multi_head_attention_forward, e, h)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
+
+
+# ------------------------------------------------------------ 3. kdim=0, vdim=0
+@pytest.mark.parametrize("kdim, vdim", [(0, 0), (0, 6), (6, 0)])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_dropin_zero_kdim_vdim_as_torch(kdim, vdim, batch_first, need_weights):
+    # torch builds the module (k_proj_weight (E, 0)) and computes: an empty
+    # key projects to its bias alone, so every key scores alike
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(8, 2, kdim=kdim, vdim=vdim, add_bias_kv=kdim == vdim,
+                                      batch_first=batch_first).double()
+    with torch.no_grad():  # nonzero biases (torch starts them at 0): nonzero results
+        for p in ref.parameters():
+            p.uniform_(-1, 1)
+    ours = mt.MultiheadAttention(8, 2, kdim=kdim, vdim=vdim, add_bias_kv=kdim == vdim,
+                                 batch_first=batch_first).double()
+    ours.load_state_dict(ref.state_dict())
+    assert ours.k_proj_weight.shape == (8, kdim) and ours.v_proj_weight.shape == (8, vdim)
+    q, k, v = _t(5, 2, 8, seed=7), _t(3, 2, kdim, seed=8), _t(3, 2, vdim, seed=9)
+    if batch_first:
+        q, k, v = (x.transpose(0, 1).contiguous() for x in (q, k, v))
+    results = []
+    for m in (ref, ours):
+        ins = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, weights = m(*ins, need_weights=need_weights)
+        (out * _t(*out.shape, seed=10)).sum().backward()
+        grads = [x.grad for x in ins] + [p.grad for p in m.parameters()]
+        results.append((out, weights, grads))
+    (a, aw, ag), (b, bw, bg) = results
+    torch.testing.assert_close(b, a)
+    torch.testing.assert_close(bw, aw)
+    for x, y in zip(ag, bg):
+        torch.testing.assert_close(y, x)
+        assert y.stride() == x.stride()
+
+
+def test_functional_zero_kdim_as_torch():
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(8, 2, kdim=0, vdim=0).double()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.uniform_(-1, 1)
+    q, k = _t(5, 2, 8), _t(3, 2, 0)
+    args = (q, k, k, 8, 2, None, m.in_proj_bias, None, None, False, 0.0, m.out_proj.weight,
+            m.out_proj.bias)
+    kw = dict(use_separate_proj_weight=True, q_proj_weight=m.q_proj_weight,
+              k_proj_weight=m.k_proj_weight, v_proj_weight=m.v_proj_weight, training=False)
+    want = F.multi_head_attention_forward(*args, **kw)
+    got = mt.multi_head_attention_forward(*args, **kw)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
