@@ -199,3 +199,85 @@ def test_functional_zero_kdim_as_torch():
     got = mt.multi_head_attention_forward(*args, **kw)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
+
+
+# ------------------------------------------------------------ 6. SDPA, empty value
+def _sdpa_run(fn, shapes, mask, **kw):
+    ins = [_t(*s, seed=i).requires_grad_() for i, s in enumerate(shapes)]
+    m = None
+    if mask:
+        m = _t(shapes[0][-2], shapes[1][-2], seed=11).requires_grad_()
+    out = fn(*ins, attn_mask=m, **kw)
+    (out * _t(*out.shape, seed=12)).sum().backward()
+    return out, [x.grad for x in ins] + [None if m is None else m.grad]
+
+
+@pytest.mark.parametrize("shapes", [
+    ((2, 2, 5, 4), (2, 2, 3, 4), (2, 2, 3, 0)),   # value width 0
+    ((2, 2, 5, 4), (2, 2, 0, 4), (2, 2, 0, 6)),   # no key (S = 0)
+    ((2, 2, 0, 4), (2, 2, 3, 4), (2, 2, 3, 6)),   # no query (L = 0)
+    ((2, 2, 5, 0), (2, 2, 3, 0), (2, 2, 3, 6)),   # E = 0: every score 0
+    ((0, 2, 5, 4), (0, 2, 3, 4), (0, 2, 3, 6)),   # no batch
+    ((5, 4), (3, 4), (3, 0)),                     # 2-D, value width 0
+], ids=["Ev0", "S0", "L0", "E0", "B0", "2d_Ev0"])
+# (not a mask with is_causal: torch refuses the two together)
+@pytest.mark.parametrize("mask, is_causal", [(False, False), (False, True), (True, False)],
+                         ids=["plain", "causal", "float_mask"])
+def test_sdpa_empty_inputs_as_torch(shapes, mask, is_causal):
+    want, want_g = _sdpa_run(F.scaled_dot_product_attention, shapes, mask, is_causal=is_causal)
+    got, got_g = _sdpa_run(mha_ext.scaled_dot_product_attention, shapes, mask,
+                           is_causal=is_causal)
+    torch.testing.assert_close(got, want)
+    assert got.stride() == want.stride()
+    for x, y in zip(want_g, got_g):  # query, key, value, then the mask's (None or not)
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(y, x)
+            assert y.stride() == x.stride()
+
+
+# ------------------------------------------------------------ 7. the drop-in, empty inputs
+@pytest.mark.parametrize("shapes", [
+    ((0, 2, 8), (3, 2, 4), (3, 2, 6)),   # L = 0
+    ((5, 2, 8), (0, 2, 4), (0, 2, 6)),   # S = 0
+    ((5, 0, 8), (3, 0, 4), (3, 0, 6)),   # B = 0
+    ((0, 8), (3, 4), (3, 6)),            # unbatched, L = 0
+    ((5, 8), (0, 4), (0, 6)),            # unbatched, S = 0
+], ids=["L0", "S0", "B0", "2d_L0", "2d_S0"])
+@pytest.mark.parametrize("same_dims", [True, False], ids=["packed", "kdim_vdim"])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_dropin_grads_of_empty_inputs_as_torch(shapes, same_dims, batch_first, need_weights):
+    if same_dims:
+        shapes = tuple(s[:-1] + (8,) for s in shapes)
+    kdim, vdim = shapes[1][-1], shapes[2][-1]
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(8, 2, kdim=kdim, vdim=vdim,
+                                      batch_first=batch_first).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.uniform_(-1, 1)
+    ours = mt.MultiheadAttention(8, 2, kdim=kdim, vdim=vdim, batch_first=batch_first).double()
+    ours.load_state_dict(ref.state_dict())
+    if batch_first and len(shapes[0]) == 3:
+        shapes = tuple((s[1], s[0], s[2]) for s in shapes)
+    results = []
+    for m in (ref, ours):
+        ins = [_t(*s, seed=i).requires_grad_() for i, s in enumerate(shapes)]
+        out, weights = m(*ins, need_weights=need_weights)
+        loss = out.sum() + (0 if weights is None else weights.sum())
+        loss.backward()
+        results.append((out, weights, [x.grad for x in ins],
+                        {n: p.grad for n, p in m.named_parameters()}))
+    (a, aw, ag, ap), (b, bw, bg, bp) = results
+    torch.testing.assert_close(b, a)
+    assert b.stride() == a.stride()
+    torch.testing.assert_close(bw, aw)
+    for x, y in zip(ag, bg):  # query, key, value: torch's shapes, strides and values
+        torch.testing.assert_close(y, x)
+        assert y.stride() == x.stride()
+    assert list(bp) == list(ap)
+    for n in ap:
+        assert (ap[n] is None) == (bp[n] is None), n
+        if ap[n] is not None:
+            torch.testing.assert_close(bp[n], ap[n])
