@@ -442,7 +442,7 @@ def probability(value, name) -> float:
     return float(value)
 
 
-def as_int(value, name):
+def as_int(value, name) -> int | None:
     """value as an int if it is one integer, else None: a Python or NumPy
     int, a 0-d integer array or tensor, or anything else whose __index__
     gives an int (torch reads its int arguments so: torch.tensor(8) as an
