@@ -16,6 +16,7 @@ loads).
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -26,7 +27,7 @@ from ._convert import as_real, flag
 __all__ = ["kv_width", "LINEARS", "SEED_KEYS", "BIAS_KV", "BLOCK_KEYS", "TORCH_PACKED",
            "TORCH_SEPARATE", "TORCH_KEYS", "TORCH_PARTS", "TORCH_UNSUPPORTED", "IncompatibleKeys",
            "seed_keys", "shape", "tensor", "state_dict", "load_block", "params_block", "grads",
-           "Parts", "parts", "groups", "unpacked", "kv_tail"]
+           "Parts", "parts", "groups", "unpacked", "kv_tail", "widen_empty"]
 
 # the four projections, in the order of the C block
 LINEARS = ("W_q", "W_k", "W_v", "W_o")
@@ -55,6 +56,30 @@ def kv_tail(bias_k, bias_v):
     _packed): bias_k, bias_v (tensors or arrays) as (Ekv,) vectors; none
     without them."""
     return [] if bias_k is None else [bias_k.reshape(-1), bias_v.reshape(-1)]
+
+
+def widen_empty(k, v, sources, kdim, vdim):
+    """The key and value tensors of a call of torch's classes and their
+    sources (_torch_mha's _sources() order) as the C core takes them when
+    kdim or vdim is 0 (torch's module takes them, and projects a key (S, 0)
+    to its bias alone, bias + key @ k_proj_weight.T being a sum of no
+    terms): the C core takes widths >= 1, so the empty key (value) and
+    k_proj_weight (v_proj_weight) get one zero column each, which adds 0
+    to the bias, torch's numbers; the gradients reach the caller's empty
+    tensors through the pads.  Unchanged otherwise."""
+    if kdim and vdim:
+        return k, v, sources
+    pad = sys.modules["torch"].nn.functional.pad  # (tensors: torch is imported)
+    in_w, q_w, k_w, v_w, *rest = sources
+    for name, x, dim in (("key", k, kdim), ("value", v, vdim)):
+        if dim == 0 and x.shape[-1] != 0:  # (padded, it would be refused as 1 wide)
+            raise ValueError(f"{name} must be 0 wide ({name[0]}dim = 0), got "
+                             f"{x.shape[-1]} wide")
+    if kdim == 0:
+        k, k_w = pad(k, (0, 1)), pad(k_w, (0, 1))
+    if vdim == 0:
+        v, v_w = pad(v, (0, 1)), pad(v_w, (0, 1))
+    return k, v, (in_w, q_w, k_w, v_w, *rest)
 
 
 class IncompatibleKeys(NamedTuple):

@@ -37,7 +37,7 @@ from .module import MultiHeadAttention as _Core
 from ._calls import causal as _causal
 from ._habits import seq_first_shapes
 from ._nested import forward_nested
-from ._params import kv_tail
+from ._params import kv_tail, widen_empty
 from ._torch_mask_rules import check_hint_mask_rank, check_mask_dtype, warn_mismatched_masks
 from ._torch_errors import (TORCH_MHA, TypeErrorAndRuntimeError, ValueErrorAndRuntimeError,
                             metas, refuse_mixed_dtypes, torchs)
@@ -118,9 +118,7 @@ class MultiheadAttention(nn.MultiheadAttention):
     add_bias_kv appends the learned key bias_k and value bias_v to every
     sequence's keys and values, add_zero_attn then a zero key and value,
     as torch does (the weights have S + 1 or S + 2 keys).  float32 and
-    float64 on the CPU.  The sizes are ints, 0-d integer tensors too (as
-    torch's); kdim=0 or vdim=0 as torch's: an empty key or value projects
-    to its bias alone.
+    float64 on the CPU; kdim=0 or vdim=0 as torch's (_params.widen_empty).
 
     forward(query, key, value, key_padding_mask=None, need_weights=True,
             attn_mask=None, average_attn_weights=True, is_causal=False)
@@ -150,8 +148,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         nn.Module.__init__(self)  # not torch's constructor: the parameters are made below
         self.embed_dim = embed_dim
-        # kdim or vdim 0, as torch's module takes them: the projection of an
-        # empty key or value is its bias alone (see _widen_empty)
+        # kdim or vdim 0 as torch's: the C core's 1 (_params.widen_empty)
         self.kdim = embed_dim if kdim is None else _convert.integer(kdim, "kdim", low=0)
         self.vdim = embed_dim if vdim is None else _convert.integer(vdim, "vdim", low=0)
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
@@ -240,7 +237,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         so that no module carries one: a model's memory, torch.save, pickle
         and deepcopy hold the parameters once, as torch's do."""
         bias = self._has_bias()
-        kdim, vdim = max(self.kdim, 1), max(self.vdim, 1)  # (0: _widen_empty's one column)
+        kdim, vdim = max(self.kdim, 1), max(self.vdim, 1)  # (0: see __init__)
         config = (self.embed_dim, self.num_heads, bias, kdim, vdim, name, extra)
         with _LOCK:
             core = _CORES.get(config)
@@ -542,8 +539,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         q, k, v = (x.to(dtype) for x in (query, key, value))
         if batched and not self.batch_first:  # (S, B, E) -> (B, S, E)
             q, k, v = (x.transpose(0, 1) for x in (q, k, v))
-        if self.kdim == 0 or self.vdim == 0:
-            k, v, sources = self._widen_empty(k, v, sources)
+        k, v, sources = widen_empty(k, v, sources, self.kdim, self.vdim)  # kdim or vdim 0
         opts = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=causal,
                     need_weights=bool(need_weights),
                     average_weights=bool(average_attn_weights),
@@ -581,21 +577,6 @@ class MultiheadAttention(nn.MultiheadAttention):
         if torch_fast and query.numel() == 0:
             weights = None  # torch's fused path returns no weights for an empty query
         return out, (weights if need_weights else None)
-
-    def _widen_empty(self, k, v, sources):
-        """kdim or vdim 0 (torch's module takes them): torch projects the
-        key (S, 0) to its bias alone (bias + key @ k_proj_weight.T, a sum
-        of no terms), every key alike.  The C core takes widths >= 1: the
-        empty key (value) and k_proj_weight (v_proj_weight) get one zero
-        column each, which adds 0 to the bias, torch's numbers; the
-        gradients reach the caller's empty tensors through the pads."""
-        in_w, q_w, k_w, v_w, *rest = sources
-        pad = torch.nn.functional.pad
-        if self.kdim == 0:
-            k, k_w = pad(k, (0, 1)), pad(k_w, (0, 1))
-        if self.vdim == 0:
-            v, v_w = pad(v, (0, 1)), pad(v_w, (0, 1))
-        return k, v, (in_w, q_w, k_w, v_w, *rest)
 
     def _causal_over_extra_keys(self, dtype, opts, q, k, v, params):
         # torch's SDPA path with the is_causal hint applies its top-left

@@ -184,6 +184,17 @@ def test_dropin_zero_kdim_vdim_as_torch(kdim, vdim, batch_first, need_weights):
         assert y.stride() == x.stride()
 
 
+def test_dropin_zero_kdim_refuses_a_wider_key_as_torch():
+    ref = torch.nn.MultiheadAttention(8, 2, kdim=0, vdim=0)
+    ours = mt.MultiheadAttention(8, 2, kdim=0, vdim=0)
+    q, k = torch.randn(5, 2, 8), torch.randn(3, 2, 3)
+    with pytest.raises(AssertionError):  # torch's
+        ref(q, k, k)
+    with pytest.raises(ValueError, match=r"key must be 0 wide \(kdim = 0\), got 3 wide") as e:
+        ours(q, k, k)
+    assert isinstance(e.value, AssertionError)  # torch's type too
+
+
 def test_functional_zero_kdim_as_torch():
     torch.manual_seed(0)
     m = torch.nn.MultiheadAttention(8, 2, kdim=0, vdim=0).double()
