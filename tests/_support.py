@@ -78,15 +78,19 @@ def torch_testing(module):
             del sys.modules["expecttest"]
 
 
-def dead_row_outputs(ref, ours, x, *, value=None, **kw):
+def dead_row_outputs(ref, ours, x, *, grad=False, value=None, **kw):
     """torch's module or nn.TransformerEncoderLayer `ref` and its copy with
-    our drop-in `ours` on `x` (B, S, E), under a boolean mask whose query row
-    1 sees no key: (torch's output, ours), computed without autograd."""
+    our drop-in `ours` on `x` ((B, S, E), or (S, B, E) when not batch
+    first), under a boolean mask whose query row 1 sees no key: (torch's
+    output, ours), computed with grad mode `grad`."""
     torch = require_torch()
-    mask = torch.zeros(x.shape[1], x.shape[1], dtype=torch.bool)
+    layer = isinstance(ref, torch.nn.TransformerEncoderLayer)
+    first = (ref.self_attn if layer else ref).batch_first
+    n = x.shape[1] if first else x.shape[0]
+    mask = torch.zeros(n, n, dtype=torch.bool)
     mask[1] = True                                  # row 1 sees no key
-    with torch.no_grad():
-        if isinstance(ref, torch.nn.TransformerEncoderLayer):
+    with torch.set_grad_enabled(grad):
+        if layer:
             return ref(x, src_mask=mask), ours(x, src_mask=mask)
         v = x if value is None else value
         return ref(x, x, v, attn_mask=mask, **kw)[0], ours(x, x, v, attn_mask=mask, **kw)[0]

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 
-from _support import require_torch
+from _support import dead_row_outputs, require_torch
 
 torch = require_torch()
 from torch import nn  # noqa: E402
@@ -34,12 +34,6 @@ def _layer_pair(batch_first=True, **kw):
     return ref, ours
 
 
-def _dead_row_mask():
-    mask = torch.zeros(L, L, dtype=torch.bool)
-    mask[1] = True                                  # query row 1 sees no key
-    return mask
-
-
 def _same(got, want):
     assert got.isnan().eq(want.isnan()).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
@@ -54,8 +48,7 @@ def test_a_layer_off_its_fused_kernel_for_training_or_grad_keeps_a_dead_row_fini
     x = torch.randn(B, L, E, generator=torch.Generator().manual_seed(1))
     for m in (ref, ours):
         m.train(mode.startswith("train"))
-    with torch.set_grad_enabled(mode != "train no_grad"):
-        want, got = ref(x, src_mask=_dead_row_mask()), ours(x, src_mask=_dead_row_mask())
+    want, got = dead_row_outputs(ref, ours, x, grad=mode != "train no_grad")
     assert not want.isnan().any()
     _same(got.detach(), want.detach())
 
@@ -65,8 +58,7 @@ def test_a_sequence_first_layer_keeps_a_dead_row_finite():
     ref, ours = _layer_pair(batch_first=False)
     ref.eval(), ours.eval()
     x = torch.randn(L, B, E, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want, got = ref(x, src_mask=_dead_row_mask()), ours(x, src_mask=_dead_row_mask())
+    want, got = dead_row_outputs(ref, ours, x)
     assert not want.isnan().any()
     _same(got, want)
 
@@ -77,8 +69,7 @@ def test_a_fusing_layer_gives_its_kernels_nan_for_a_dead_row():
     ref, ours = _layer_pair()
     ref.eval(), ours.eval()
     x = torch.randn(B, L, E, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want, got = ref(x, src_mask=_dead_row_mask()), ours(x, src_mask=_dead_row_mask())
+    want, got = dead_row_outputs(ref, ours, x)
     assert want.isnan().any()
     _same(got, want)
 
