@@ -21,7 +21,8 @@ transformers would otherwise hand their eager attention the masks built for
 the name, SDPA's (None for a causal one, True = attend), and compute wrong
 numbers without an error.  A refused ``from_config`` leaves the config it
 was given as it was (transformers writes the name into it first, and a
-model already built on it would then compute so).  The test is the one
+model already built on it would then compute so), and a refused
+``set_attn_implementation`` the model's config and sub-configs.  The test is the one
 transformers' ``_can_set_attn_implementation()`` makes (the model's module defines an
 attention class of its own and does not call the interface), except that a
 model whose source cannot be read (a notebook's class) is let through, as
@@ -474,35 +475,48 @@ def _config_tree(config: Any) -> list:
 
 
 def _keep_configs_on_refusal() -> None:
-    """Wrap transformers' PreTrainedModel._from_config (once) so that a
-    construction that fails after taking a name of _NAMES (the guard's
-    ValueError) leaves the config it was given as it was.  transformers
-    writes the requested implementation into that config before building
-    (from_config copies nothing, unlike from_pretrained), so a refused
-    ``from_config(model.config, attn_implementation="mha_ext")`` left the
-    config on "mha_ext": the model already built on it (Falcon, Bloom, MPT,
-    ...: their own attention code) then ran its eager attention on the SDPA
-    masks built for the name, other numbers without an error."""
+    """Wrap transformers' PreTrainedModel._from_config and
+    set_attn_implementation (once each) so that a call that fails after
+    taking a name of _NAMES (the guard's ValueError) leaves the config it
+    was given, or the model's, as it was, nested sub-configs included.
+    transformers writes the requested implementation into that config
+    first: from_config copies nothing (unlike from_pretrained), so a
+    refused ``from_config(model.config, attn_implementation="mha_ext")``
+    left the config on "mha_ext" and the model already built on it
+    (Falcon, Bloom, MPT, ...: their own attention code) then ran its eager
+    attention on the SDPA masks built for the name, other numbers without
+    an error; a refused ``set_attn_implementation`` of a composite model
+    (SAM) left its top config on the name."""
     from transformers import PreTrainedModel
 
-    original = PreTrainedModel.__dict__["_from_config"].__func__
-    if getattr(original, "_mha_ext_guard", False):
-        return
+    def keeping(original: Any, config_of: Any) -> Any:
+        if getattr(original, "_mha_ext_guard", False):
+            return None
 
-    def _from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
-        before = [(c, getattr(c, "_attn_implementation_internal", None))
-                  for c in _config_tree(config)]
-        try:
-            return original(cls, config, **kwargs)
-        except BaseException:
-            now = [getattr(c, "_attn_implementation_internal", None) for c, _ in before]
-            if any(isinstance(v, str) and v in _NAMES and v != was
-                   for v, (_, was) in zip(now, before)):
-                for c, was in before:
-                    c._attn_implementation_internal = was
-            raise
+        def call(first: Any, *args: Any, **kwargs: Any) -> Any:
+            config = config_of(first, args, kwargs)
+            before = [(c, getattr(c, "_attn_implementation_internal", None))
+                      for c in _config_tree(config)]
+            try:
+                return original(first, *args, **kwargs)
+            except BaseException:
+                now = [getattr(c, "_attn_implementation_internal", None) for c, _ in before]
+                if any(isinstance(v, str) and v in _NAMES and v != was
+                       for v, (_, was) in zip(now, before)):
+                    for c, was in before:
+                        c._attn_implementation_internal = was
+                raise
 
-    _from_config._mha_ext_guard = True  # type: ignore[attr-defined]
-    _from_config.__wrapped__ = original  # type: ignore[attr-defined]
-    _from_config.__doc__ = original.__doc__
-    setattr(PreTrainedModel, "_from_config", classmethod(_from_config))
+        call._mha_ext_guard = True  # type: ignore[attr-defined]
+        call.__wrapped__ = original  # type: ignore[attr-defined]
+        call.__doc__ = original.__doc__
+        return call
+
+    from_config = keeping(PreTrainedModel.__dict__["_from_config"].__func__,
+                          lambda cls, args, kwargs: args[0] if args else kwargs.get("config"))
+    if from_config is not None:
+        setattr(PreTrainedModel, "_from_config", classmethod(from_config))
+    set_impl = keeping(PreTrainedModel.set_attn_implementation,
+                       lambda model, args, kwargs: getattr(model, "config", None))
+    if set_impl is not None:
+        setattr(PreTrainedModel, "set_attn_implementation", set_impl)

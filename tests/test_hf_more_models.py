@@ -5,7 +5,8 @@ Cohere, SmolLM3, ModernBERT, Inkling: all gave "sdpa"'s numbers).  Here only
 what the audit found and the paths no other test takes:
 
 - a refused construction leaves the config it was given as it was (the model
-  already built on that config keeps its numbers);
+  already built on that config keeps its numbers), a refused switch of a
+  built composite model (SAM) its configs;
 - attention sinks passed as ``sinks=`` (Inkling 2's name) are refused like
   ``s_aux``, not ignored;
 - a static cache (keys beyond the filled part of the cache, sliding layers
@@ -61,6 +62,25 @@ def test_a_refused_construction_leaves_the_shared_config_as_it_was(kind, build, 
         torch.testing.assert_close(model(**x)[0], before, rtol=0, atol=0)
     # the config still builds a model, on its own implementation
     assert type(model)._from_config(model.config).config._attn_implementation == was
+
+
+def test_a_refused_switch_of_a_composite_model_leaves_its_configs_as_they_were():
+    """SAM's vision encoder has its own attention code: the guard refuses
+    set_attn_implementation("mha_ext"), after transformers wrote the name
+    into the top config (its sub-configs kept theirs)."""
+    cfg = transformers.SamConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           output_channels=16, image_size=64, patch_size=16, mlp_dim=32,
+                           global_attn_indexes=[0], num_pos_feats=8),
+        prompt_encoder_config=dict(hidden_size=16, image_size=64, patch_size=16),
+        mask_decoder_config=dict(hidden_size=16, num_attention_heads=2, mlp_dim=16,
+                                 iou_head_hidden_dim=16))
+    model = transformers.SamModel(cfg)
+    configs = hf._config_tree(model.config)
+    was = [c._attn_implementation_internal for c in configs]
+    with pytest.raises(ValueError, match="its own code"):
+        model.set_attn_implementation(hf.NAME)
+    assert [c._attn_implementation_internal for c in configs] == was
 
 
 def test_attention_sinks_named_sinks_are_refused_not_ignored():
