@@ -449,7 +449,7 @@ def as_int(value, name) -> int | None:
     embed_dim).  A bool of any kind (Python's, NumPy's, a 0-d bool array or
     tensor, whose __index__ gives 0 or 1) is no integer here, nor a float
     or an array with dimensions.  A NumPy masked array with its value
-    masked is a TypeError naming `name`."""
+    masked is unmasked()'s TypeError naming `name`."""
     if type(value) is int:  # the usual case, first
         return value
     if isinstance(value, (bool, np.bool_)):
@@ -459,11 +459,7 @@ def as_int(value, name) -> int | None:
     if isinstance(value, np.ndarray):
         if value.ndim != 0 or value.dtype.kind not in "iu":
             return None
-        ma = sys.modules.get("numpy.ma")
-        if ma is not None and ma.is_masked(value):  # as the C code's refuse_masked says it
-            raise TypeError(f"{name} is a NumPy masked array with its value masked: mha_ext "
-                            f"would read the hidden value; fill it first (.filled(value))")
-        return int(value)
+        return int(unmasked(value, name))  # (masked with its value masked: refused)
     if is_tensor(value):  # torch's int dtypes; a bool tensor's __index__ would give 0 or 1
         if value.dim() != 0 or value.dtype.is_floating_point or value.dtype.is_complex \
                 or str(value.dtype) == "torch.bool" or value.is_meta:

@@ -77,3 +77,18 @@ def test_train_takes_a_bool_as_torchs():
     for mode in (None, 0, np.array(True)):
         with pytest.raises(ValueError, match="must be a bool"):
             m.train(mode)
+
+
+@pytest.mark.parametrize("where", ["seed", "window", "d_model"])
+def test_a_masked_0d_int_is_refused_where_an_int_is_taken(where):
+    # a 0-d integer array is an int (as torch reads one); masked with its
+    # value masked it is a TypeError naming the argument, not NumPy's MaskError
+    m = np.ma.masked_array(np.array(3), mask=True)
+    q = np.ones((1, 2, 4, 8), np.float32)
+    with pytest.raises(TypeError, match="masked"):
+        if where == "seed":
+            mha_ext.scaled_dot_product_attention(q, q, q, dropout_p=0.5, seed=m)
+        elif where == "window":
+            mha_ext.scaled_dot_product_attention(q, q, q, window=(m, 0))
+        else:
+            mha_ext.MultiHeadAttention(m, 1)
