@@ -2,11 +2,12 @@
 against src/.
 
 They need no Python or NumPy: a hand-computed case, masks, float32 against
-float64, the fast path against the reference (forward and, against
-mha_backward_ref, backward, on every instruction set), the reference backward
-against finite differences, the vector exp over its whole negative range
-(defect 4), the poll hook (stop -> MHA_ERR_INTERRUPTED, then a normal call),
-size overflow as a status (test_core.c); the saved path (mha_forward_save's
+float64, the fast forward against the reference on every instruction set,
+the vector exp over its whole negative range (defect 4), the poll hook (stop
+-> MHA_ERR_INTERRUPTED, then a normal call), size overflow as a status
+(test_core.c); the fast backward against mha_backward_ref on every
+instruction set and the reference backward against finite differences
+(test_backward.c); the saved path (mha_forward_save's
 kept projections, P and copies, mha_backward_saved, the masked scores'
 gradient of every backward: test_saved.c); the options of issue 12 on the
 module path: lower-right causal alignment, the scale override, add_bias_kv
@@ -31,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 
 
-PROGRAMS = ["test_core", "test_saved", "test_options", "test_sdpa", "test_cache"]
+PROGRAMS = ["test_core", "test_backward", "test_saved", "test_options", "test_sdpa", "test_cache"]
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")

@@ -1,5 +1,5 @@
-/* check.h: what the C test programs after test_core.c share (test_saved.c,
- * test_options.c, test_sdpa.c, test_cache.c): the CHECK counter, a deterministic random stream, and the
+/* check.h: what the C test programs after test_core.c share (test_backward.c,
+ * test_saved.c, test_options.c, test_sdpa.c, test_cache.c): the CHECK counter, a deterministic random stream, and the
  * comparison of a fast result with its reference.  Each program includes it
  * once and prints "N passed, N failed". */
 #ifndef MHA_TEST_CHECK_H
