@@ -20,6 +20,8 @@ stay at a few ulps of the values (about 1e-6 in float32, 1e-15 in float64).
 Run with `-s` for the table of worst errors per model.
 Legend: B batch, L query length, S key length, H heads, D head width.
 """
+import copy
+
 import pytest
 
 from _support import need, require_torch
@@ -365,10 +367,14 @@ def test_from_config_with_the_registered_name():
     torch.manual_seed(0)
     model, _ = _llama()
     torch.manual_seed(0)
-    cfg = model.config
+    # a copy: from_config writes the name into the config it is given, and
+    # model (sharing it) would then compute on "mha_ext" too, the reference
+    # compared with itself
+    cfg = copy.deepcopy(model.config)
     ours = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=hf.NAME)
     ours.load_state_dict(model.state_dict())
     assert ours.config._attn_implementation == hf.NAME
+    assert model.config._attn_implementation == "sdpa"
     x = inputs("llama")
     with torch.no_grad():
         _close("llama", torch.float32, "from_config logits",
