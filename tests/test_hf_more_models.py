@@ -8,7 +8,7 @@ what the audit found and the paths no other test takes:
   already built on that config keeps its numbers), a refused switch of a
   built composite model (SAM) its configs;
 - attention sinks passed as ``sinks=`` (Inkling 2's name) are refused like
-  ``s_aux``, not ignored;
+  ``s_aux``, not ignored, and GPT-OSS built on the name refuses its first call;
 - a static cache (keys beyond the filled part of the cache, sliding layers
   among full ones) and packed sequences (``position_ids`` restarting, no
   attention mask) give "sdpa"'s tokens and numbers.
@@ -92,6 +92,21 @@ def test_attention_sinks_named_sinks_are_refused_not_ignored():
     q = k = v = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match=r"attention sinks \(sinks\)"):
         hf.attention_forward(layer, q, k, v, None, sinks=torch.zeros(1, 2, 3, 1))
+
+
+def test_gpt_oss_built_on_the_name_refuses_its_sinks_at_the_first_call():
+    """GPT-OSS (attention sinks, passed as ``s_aux=``) builds on the name,
+    as transformers lets it, and its first forward is refused with the
+    reason, not run without its sink column."""
+    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                    num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=hf.NAME)
+    assert model.config._attn_implementation == hf.NAME
+    with torch.no_grad(), pytest.raises(ValueError, match=r"attention sinks \(s_aux\)"):
+        model(torch.tensor([[1, 2, 3]]))
 
 
 def _qwen2_sliding(dtype=torch.float32):
