@@ -94,3 +94,15 @@ def dead_row_outputs(ref, ours, x, *, grad=False, value=None, **kw):
             return ref(x, src_mask=mask), ours(x, src_mask=mask)
         v = x if value is None else value
         return ref(x, x, v, attn_mask=mask, **kw)[0], ours(x, x, v, attn_mask=mask, **kw)[0]
+
+
+def on_name_and_sdpa(model, fn, name):
+    """(fn(model) with attention implementation `name`, fn(model) with
+    "sdpa"): a Hugging Face model's one set of weights run both ways; the
+    model is left on "sdpa"."""
+    model.set_attn_implementation(name)
+    try:
+        ours = fn(model)
+    finally:
+        model.set_attn_implementation("sdpa")
+    return ours, fn(model)

@@ -55,12 +55,6 @@ def test_fully_masked_row_with_nan_value_online(S):
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
 
-def _layout_mask(keep, qb, kb, L, S):
-    """the layout's keep (..., nqb, nkb) as SDPA's bool mask (..., L, S), True = attend"""
-    m = np.repeat(np.repeat(keep, qb, axis=-2), kb, axis=-1)
-    return m[..., :L, :S]
-
-
 def test_block_layout_past_the_first_block_of_keys():
     """A block layout over 1100 keys (key blocks of 100, so online blocks of
     512 start inside a layout block) against torch's bool mask; and a row's
@@ -80,7 +74,7 @@ def test_block_layout_past_the_first_block_of_keys():
     keep[1, :, [0, 1, 3, 4, 5], 0] = True
     lay = BlockLayout(keep, (1, kb))
     got = mha_ext.scaled_dot_product_attention(q, k, v, layout=lay)
-    want = _torch_sdpa(q, k, v, attn_mask=_layout_mask(keep, 1, kb, L, S))
+    want = _torch_sdpa(q, k, v, attn_mask=lay.to_dense(L, S))
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
     np.testing.assert_array_equal(got[0, :, 2], got[1, :, 2])
 
@@ -157,8 +151,7 @@ def test_grouped_query_decode_with_a_per_head_layout(L):
     keep[1, :, 8] = keep[3, :, 9] = True
     lay = BlockLayout(keep, (L, kb))
     got = mha_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True, layout=lay)
-    mask = _layout_mask(keep, L, kb, L, S)
-    want = _torch_sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    want = _torch_sdpa(q, k, v, attn_mask=lay.to_dense(L, S), enable_gqa=True)
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
 
@@ -183,17 +176,10 @@ def test_cached_call_with_a_long_window_gives_the_full_calls_bits(need_weights):
 
 
 def _torch_pair(E, H, seed=0):
-    """torch.nn.MultiheadAttention (float64, batch_first) and a
-    mha_ext.MultiHeadAttention holding its parameters"""
+    """torch.nn.MultiheadAttention (float64, batch_first) and its copy"""
     torch.manual_seed(seed)
     t = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64).eval()
-    m = mha_ext.MultiHeadAttention(E, H, dtype="float64")
-    W, b = t.in_proj_weight.detach().numpy(), t.in_proj_bias.detach().numpy()
-    m.load_state_dict({"W_q.weight": W[:E], "W_k.weight": W[E:2 * E], "W_v.weight": W[2 * E:],
-                       "W_q.bias": b[:E], "W_k.bias": b[E:2 * E], "W_v.bias": b[2 * E:],
-                       "W_o.weight": t.out_proj.weight.detach().numpy(),
-                       "W_o.bias": t.out_proj.bias.detach().numpy()})
-    return t, m
+    return t, mha_ext.MultiHeadAttention.from_torch(t)
 
 
 @pytest.mark.parametrize("need_weights", [False, True])

@@ -15,7 +15,7 @@ what the audit found and the paths no other test takes:
 """
 import pytest
 
-from _support import need, require_torch
+from _support import need, on_name_and_sdpa, require_torch
 
 torch = require_torch()
 transformers = need("transformers")
@@ -121,13 +121,7 @@ def _qwen2_sliding(dtype=torch.float32):
 
 
 def _both(model, fn):
-    model.set_attn_implementation("sdpa")
-    ref = fn(model)
-    model.set_attn_implementation(hf.NAME)
-    try:
-        return fn(model), ref
-    finally:
-        model.set_attn_implementation("sdpa")
+    return on_name_and_sdpa(model, fn, hf.NAME)
 
 
 def test_static_cache_generate_with_sliding_layers_gives_sdpas_tokens():

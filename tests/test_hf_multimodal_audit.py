@@ -20,7 +20,7 @@ mask paths no other test takes, each a comparison against "sdpa":
 """
 import pytest
 
-from _support import need, require_torch
+from _support import need, on_name_and_sdpa, require_torch
 
 torch = require_torch()
 transformers = need("transformers")
@@ -38,13 +38,7 @@ VISION = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_att
 
 
 def _both(model, fn):
-    """fn(model) on "mha_ext", then on "sdpa" (the same weights)."""
-    model.set_attn_implementation(hf.NAME)
-    try:
-        ours = fn(model)
-    finally:
-        model.set_attn_implementation("sdpa")
-    return ours, fn(model)
+    return on_name_and_sdpa(model, fn, hf.NAME)
 
 
 def _logits_and_grads(inputs, grad_key):
