@@ -288,6 +288,7 @@ static int parse_cache(MHAObject *self, PyObject *obj, struct call *c)
         PyObject *x = PyTuple_GET_ITEM(obj, i);
         PyArrayObject *arr;
         if (!PyArray_Check(x) || PyArray_TYPE((PyArrayObject *)x) != typenum_of(self) ||
+            !PyArray_ISNOTSWAPPED((PyArrayObject *)x) || /* '>f8' is float64's number too */
             !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)x) ||
             !PyArray_ISWRITEABLE((PyArrayObject *)x) || !PyArray_ISALIGNED((PyArrayObject *)x) ||
             PyArray_NDIM((PyArrayObject *)x) != 4) {
