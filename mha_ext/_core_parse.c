@@ -293,7 +293,7 @@ static int parse_cache(MHAObject *self, PyObject *obj, struct call *c)
             !PyArray_ISWRITEABLE((PyArrayObject *)x) || !PyArray_ISALIGNED((PyArrayObject *)x) ||
             PyArray_NDIM((PyArrayObject *)x) != 4) {
             PyErr_Format(PyExc_ValueError, "%s must be a writeable C-contiguous 4-D array of "
-                         "the module's dtype", names[i]);
+                         "the module's dtype in native byte order", names[i]);
             return -1;
         }
         arr = (PyArrayObject *)x;

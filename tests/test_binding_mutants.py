@@ -435,7 +435,7 @@ def test_cache_refuses_byteswapped_arrays():
     for i in range(2):
         kv = [k, v]
         kv[i] = kv[i].astype(kv[i].dtype.newbyteorder())
-        with pytest.raises(ValueError, match="of the module's dtype"):
+        with pytest.raises(ValueError, match="of the module's dtype in native byte order"):
             m._forward(x, x, x, cache=(kv[0], kv[1], 0))
         assert not kv[i].any()
     # native ones: the call with no cache, and K, V hold the projected keys
@@ -473,8 +473,9 @@ WRITER_FIRST = """
 import signal, threading, time
 import numpy as np
 import mha_ext
-m = mha_ext.MultiHeadAttention(256, 4, seed=0).eval()
-x = np.random.default_rng(0).standard_normal((2, 1024, 256)).astype(np.float32)
+m = mha_ext.MultiHeadAttention(512, 8, seed=0).eval()
+# a call of ~0.25 s (Zen 4): it polls for signals (every 50 ms) several times
+x = np.random.default_rng(0).standard_normal((4, 2048, 512)).astype(np.float32)
 order, threads, busy = [], [], []
 
 def writer():
@@ -549,8 +550,9 @@ FORK_IN_CALL = """
 import os, signal, threading, time
 import numpy as np
 import mha_ext
-m = mha_ext.MultiHeadAttention(256, 4, seed=0).eval()
-x = np.random.default_rng(0).standard_normal((2, 1024, 256)).astype(np.float32)
+m = mha_ext.MultiHeadAttention(512, 8, seed=0).eval()
+# a call of ~0.25 s (Zen 4): it polls for signals (every 50 ms) several times
+x = np.random.default_rng(0).standard_normal((4, 2048, 512)).astype(np.float32)
 pids, busy = [], []
 
 def handler(sig, frame):
