@@ -205,8 +205,14 @@ def multi_head_attention_forward(
 
 def _probe(args, kwargs):
     """torch's own function on meta twins of the call's arguments (the same
-    tensor passed twice stays one: torch's self-attention path reads that)."""
+    tensor passed twice stays one: torch's self-attention path reads that).
+    A 0-d bias_k / bias_v gets its meta twin too (metas keeps 0-d tensors,
+    whose values torch may read; these it repeats unread): on the CPU beside
+    meta keys it met the probe's device error, not torch's refusal."""
     twins = metas(*args, *kwargs.values())
+    for i in (7, 8):  # bias_k, bias_v
+        if isinstance(args[i], torch.Tensor) and args[i].dim() == 0:
+            twins[i] = torch.empty((), dtype=args[i].dtype, device="meta")
     return _TORCH_MHA_FORWARD(*twins[:len(args)], **dict(zip(kwargs, twins[len(args):])))
 
 
