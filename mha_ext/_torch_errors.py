@@ -24,7 +24,8 @@ import torch
 
 from ._convert import ValueErrorAndRuntimeError  # noqa: F401 (here too, as ever)
 
-__all__ = ["TORCH_MHA", "torchs", "metas", "refuse_mixed_dtypes", "linear_adds_bias"]
+__all__ = ["TORCH_MHA", "torchs", "metas", "own_shapes", "refuse_mixed_dtypes",
+           "linear_adds_bias"]
 
 # torch's own module class, as torch defined it: the probes run it, and the
 # swaps and checks look for it, also after a caller's global
@@ -100,6 +101,20 @@ def torchs(ours: BaseException, probe: Callable[[], object]) -> BaseException:
 
 PARAMETERS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
               "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v")
+
+
+def own_shapes(ref: Any, sources: tuple[Any, ...]) -> Any:
+    """ref, torch's module made on meta from a module's configuration, given
+    meta twins of the shapes among sources (PARAMETERS' order) that its
+    constructor never makes (a 0-d bias_k, say; in ref's dtype): torch's
+    forward then refuses them as torch's module holding them would."""
+    for name, p in zip(PARAMETERS, sources):
+        owner, attr = (ref.out_proj, name[9:]) if name.startswith("out_proj.") else (ref, name)
+        theirs = getattr(owner, attr, None)
+        if isinstance(p, torch.Tensor) and theirs is not None and p.shape != theirs.shape:
+            setattr(owner, attr, torch.nn.Parameter(
+                torch.empty(p.shape, dtype=theirs.dtype, device="meta")))
+    return ref
 
 
 def linear_adds_bias(x: Any) -> bool:

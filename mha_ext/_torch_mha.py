@@ -40,7 +40,7 @@ from ._nested import forward_nested
 from ._params import kv_tail, widen_empty
 from ._torch_mask_rules import check_hint_mask_rank, check_mask_dtype, warn_mismatched_masks
 from ._torch_errors import (TORCH_MHA, TypeErrorAndRuntimeError, ValueErrorAndRuntimeError,
-                            metas, refuse_mixed_dtypes, torchs)
+                            metas, own_shapes, refuse_mixed_dtypes, torchs)
 from ._torch_fn import (COMPILE_REASON, HALF, attention, attention_kept, holds,
                         refuse_script, refuse_transformed, register_our_pre_hook)
 from ._types import Int, Window
@@ -469,7 +469,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             add_bias_kv=holds(self, "bias_k"), add_zero_attn=self.add_zero_attn,
             kdim=self.kdim, vdim=self.vdim, batch_first=self.batch_first, device="meta",
             dtype=self.out_proj.weight.dtype).train(self.training)
-        ref(*metas(*args))
+        own_shapes(ref, self._sources())(*metas(*args))
 
     def _forward_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                       average_attn_weights, is_causal, window, layout):

@@ -30,7 +30,9 @@ the module's weights, refused where torch's module refuses it):
 - the functional's 0-d bias_k / bias_v of a model wider than 1 is torch's
   RuntimeError too (the bug this round found: the probe kept the 0-d bias
   on the CPU beside its meta keys, met its own device error and left ours
-  a plain ValueError; mha_ext/_torch_functional.py's _probe).
+  a plain ValueError; mha_ext/_torch_functional.py's _probe), and so is
+  the drop-in's 0-d bias_k / bias_v parameter (its probe's module, made
+  from the configuration, held torch's (1, 1, E) ones and took the call).
 
 mha_ext.hf (its module docstring; docs/API.md §4a): T5's position bias on a
 one-query step of a causal layer without a mask sees every key, as "sdpa";
@@ -207,6 +209,28 @@ def test_a_zero_d_bias_k_torch_cannot_repeat_is_refused_with_torchs_runtime_erro
     assert isinstance(got.value, RuntimeError), str(got.value)
     # torch's words as its meta kernel says them (its CPU kernel's differ after these)
     assert "Sizes of tensors must match" in str(want.value)
+    assert "(torch: Sizes of tensors must match" in str(got.value)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_the_drop_ins_zero_d_bias_k_is_refused_with_torchs_runtime_error_too(training):
+    """The drop-in with a 0-d bias_k and bias_v assigned (parameters that
+    require grad): torch's module refuses the call (its cat of the keys, a
+    RuntimeError), ours too, with torch's type and words (docs/API.md §7).
+    torch is asked on a module of its own made on meta from the
+    configuration, which held (1, 1, E) biases, took the call and left ours
+    a plain ValueError: it now holds meta twins of the shapes its
+    constructor never makes (_torch_errors.own_shapes)."""
+    mods = _modules(add_bias_kv=True)
+    for m in mods:
+        m.bias_k, m.bias_v = nn.Parameter(torch.tensor(0.5)), nn.Parameter(torch.tensor(0.5))
+        m.train(training)
+    x = torch.randn(L, B, E, generator=torch.Generator().manual_seed(13))
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+        mods[0](x, x, x)
+    with pytest.raises(ValueError, match="must have the shape") as got:
+        mods[1](x, x, x)
+    assert isinstance(got.value, RuntimeError), str(got.value)
     assert "(torch: Sizes of tensors must match" in str(got.value)
 
 
