@@ -469,14 +469,35 @@ def test_cache_hold_gives_back_only_its_own_token():
     assert d == {}
 
 
-WRITER_FIRST = """
-import signal, threading, time
+# the start of the scripts below: a module, calls of ~0.25 s on Zen 4 (the
+# core polls for signals every 50 ms: several times a call), and a test a
+# SIGALRM handler makes of where it runs
+IN_A_CALL = """
+import os, signal, threading, time
 import numpy as np
 import mha_ext
 m = mha_ext.MultiHeadAttention(512, 8, seed=0).eval()
-# a call of ~0.25 s (Zen 4): it polls for signals (every 50 ms) several times
 x = np.random.default_rng(0).standard_normal((4, 2048, 512)).astype(np.float32)
-order, threads, busy = [], [], []
+busy = []
+
+def first_time_inside_a_call():
+    \"\"\"True the first time a handler runs inside the main thread's call
+    (which holds a read, so a write hold fails there), the timer then
+    stopped; False between calls and ever after.\"\"\"
+    if busy:
+        return False
+    busy.append(1)
+    try:
+        m._write_unlock(m._write_lock())
+    except RuntimeError:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        return True
+    busy.pop()
+    return False
+"""
+
+WRITER_FIRST = IN_A_CALL + """
+order, threads = [], []
 
 def writer():
     with m.editing():
@@ -487,15 +508,8 @@ def reader():
     order.append("reader")
 
 def handler(sig, frame):
-    if busy:  # once (a nested handler returns at once)
+    if not first_time_inside_a_call():
         return
-    busy.append(1)
-    try:  # a write hold taken here: no call of this thread runs
-        m._write_unlock(m._write_lock())
-        busy.pop()
-        return
-    except RuntimeError:  # inside the main thread's call, which holds a read
-        signal.setitimer(signal.ITIMER_REAL, 0)
     threads.append(threading.Thread(target=writer))
     threads[0].start()
     time.sleep(0.5)  # the writer waits for the call
@@ -546,25 +560,11 @@ def test_edits_count_outer_write_holds():
     assert m._edits() == e0 + 2
 
 
-FORK_IN_CALL = """
-import os, signal, threading, time
-import numpy as np
-import mha_ext
-m = mha_ext.MultiHeadAttention(512, 8, seed=0).eval()
-# a call of ~0.25 s (Zen 4): it polls for signals (every 50 ms) several times
-x = np.random.default_rng(0).standard_normal((4, 2048, 512)).astype(np.float32)
-pids, busy = [], []
+FORK_IN_CALL = IN_A_CALL + """
+pids = []
 
 def handler(sig, frame):
-    if busy:  # once (a nested handler returns at once)
-        return
-    busy.append(1)
-    try:  # a write hold taken here: no call of this thread runs
-        m._write_unlock(m._write_lock())
-        busy.pop()
-        return
-    except RuntimeError:  # inside the main thread's call: fork here
-        signal.setitimer(signal.ITIMER_REAL, 0)
+    if first_time_inside_a_call():  # fork here
         pids.append(os.fork())
 
 def edit():

@@ -5,8 +5,10 @@ Cohere, SmolLM3, ModernBERT, Inkling: all gave "sdpa"'s numbers).  Here only
 what the audit found and the paths no other test takes:
 
 - a refused construction leaves the config it was given as it was (the model
-  already built on that config keeps its numbers), a refused switch of a
-  built composite model (SAM) its configs;
+  already built on that config keeps its numbers), also one failing
+  otherwise than by the guard and a refused one of a composite model (SAM)
+  each sub-config (helper-152's mutation round), and a refused switch of a
+  built composite model its configs;
 - attention sinks passed as ``sinks=`` (Inkling 2's name) are refused like
   ``s_aux``, not ignored, and GPT-OSS built on the name refuses its first call;
 - a static cache (keys beyond the filled part of the cache, sliding layers
@@ -64,18 +66,55 @@ def test_a_refused_construction_leaves_the_shared_config_as_it_was(kind, build, 
     assert type(model)._from_config(model.config).config._attn_implementation == was
 
 
-def test_a_refused_switch_of_a_composite_model_leaves_its_configs_as_they_were():
-    """SAM's vision encoder has its own attention code: the guard refuses
-    set_attn_implementation("mha_ext"), after transformers wrote the name
-    into the top config (its sub-configs kept theirs)."""
-    cfg = transformers.SamConfig(
+def test_a_from_config_failing_otherwise_than_by_the_guard_leaves_the_config_as_it_was():
+    """transformers writes the requested implementation into the config it
+    is given before it builds the model; a from_config under the name that
+    then fails for any reason (here a keyword the model's constructor does
+    not take: its TypeError, not the guard's ValueError) leaves that config
+    as it was (mha_ext/hf.py's module docstring: "A refused from_config
+    leaves the config it was given as it was"), so a model already built on
+    it keeps computing as before."""
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    cfg._attn_implementation = "eager"
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=hf.NAME,
+                                                   not_a_keyword=1)
+    assert cfg._attn_implementation == "eager"
+
+
+def _sam_config():
+    return transformers.SamConfig(
         vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                            output_channels=16, image_size=64, patch_size=16, mlp_dim=32,
                            global_attn_indexes=[0], num_pos_feats=8),
         prompt_encoder_config=dict(hidden_size=16, image_size=64, patch_size=16),
         mask_decoder_config=dict(hidden_size=16, num_attention_heads=2, mlp_dim=16,
                                  iou_head_hidden_dim=16))
-    model = transformers.SamModel(cfg)
+
+
+def test_a_refused_from_config_of_a_composite_model_leaves_its_sub_configs_as_they_were():
+    """SAM's vision layers pick their attention from a table of their own
+    (refused under the name).  transformers writes the requested name into
+    every sub-config before building; the refusal puts each back (read
+    here from the config's own sub_configs, not through mha_ext.hf), so the
+    same config still builds a SAM model afterwards (with a sub-config left
+    on the name, that construction was refused too)."""
+    cfg = _sam_config()
+    subs = {k: getattr(cfg, k) for k in cfg.sub_configs}
+    was = {k: c._attn_implementation_internal for k, c in subs.items()}
+    with pytest.raises(ValueError, match="SAM_VISION_ATTENTION_CLASSES"):
+        transformers.SamModel._from_config(cfg, attn_implementation=hf.NAME)
+    assert {k: c._attn_implementation_internal for k, c in subs.items()} == was
+    transformers.SamModel(cfg)
+
+
+def test_a_refused_switch_of_a_composite_model_leaves_its_configs_as_they_were():
+    """SAM's vision encoder has its own attention code: the guard refuses
+    set_attn_implementation("mha_ext"), after transformers wrote the name
+    into the top config (its sub-configs kept theirs)."""
+    model = transformers.SamModel(_sam_config())
     configs = hf._config_tree(model.config)
     was = [c._attn_implementation_internal for c in configs]
     with pytest.raises(ValueError, match="its own code"):

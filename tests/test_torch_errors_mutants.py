@@ -35,10 +35,9 @@ the module's weights, refused where torch's module refuses it):
   from the configuration, held torch's (1, 1, E) ones and took the call).
 
 mha_ext.hf (its module docstring; docs/API.md §4a): T5's position bias on a
-one-query step of a causal layer without a mask sees every key, as "sdpa";
-a from_config under the name failing otherwise than by the guard, and a
-refused one of a composite model (SAM), leave the config and each
-sub-config as they were.
+one-query step of a causal layer without a mask sees every key, as "sdpa".
+(The round's two tests of a failed from_config are in
+tests/test_hf_more_models.py, beside the others of that rule.)
 
 Expected values from torch's own nn.MultiheadAttention, nn.Linear and
 F.multi_head_attention_forward, and transformers' sdpa_attention_forward.
@@ -301,55 +300,3 @@ def test_a_refusal_of_a_call_torch_has_not_is_ours_alone(ours_kw):
         ours(q, k, k, **ours_kw)
     assert not isinstance(info.value, AssertionError)
     assert "(torch: " not in str(info.value)
-
-
-# --------------------------------- mha_ext.hf: a failed from_config's config
-
-def test_a_from_config_failing_otherwise_than_by_the_guard_leaves_the_config_as_it_was():
-    """transformers writes the requested implementation into the config it
-    is given before it builds the model; a from_config under the name that
-    then fails for any reason (here a keyword the model's constructor does
-    not take: its TypeError, not the guard's ValueError) leaves that config
-    as it was (mha_ext/hf.py's module docstring: "A refused from_config
-    leaves the config it was given as it was"), so a model already built on
-    it keeps computing as before."""
-    transformers = need("transformers")
-    import mha_ext.hf as hf
-    hf.register()
-    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
-                                   num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2)
-    cfg._attn_implementation = "eager"
-    with pytest.raises(TypeError, match="unexpected keyword argument"):
-        transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=hf.NAME,
-                                                   not_a_keyword=1)
-    assert cfg._attn_implementation == "eager"
-
-
-def _sam_config(transformers):
-    return transformers.SamConfig(
-        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           output_channels=16, image_size=64, patch_size=16, mlp_dim=32,
-                           global_attn_indexes=[0], num_pos_feats=8),
-        prompt_encoder_config=dict(hidden_size=16, image_size=64, patch_size=16),
-        mask_decoder_config=dict(hidden_size=16, num_attention_heads=2, mlp_dim=16,
-                                 iou_head_hidden_dim=16))
-
-
-def test_a_refused_from_config_of_a_composite_model_leaves_its_sub_configs_as_they_were():
-    """SAM's vision layers pick their attention from a table of their own
-    (refused under the name).  transformers writes the requested name into
-    every sub-config before building; the refusal puts each back (read
-    here from the config's own sub_configs, not through mha_ext.hf), so the
-    same config still builds a SAM model afterwards (with a sub-config left
-    on the name, that construction was refused too)."""
-    transformers = need("transformers")
-    import mha_ext.hf as hf
-    hf.register()
-    cfg = _sam_config(transformers)
-    subs = {k: getattr(cfg, k) for k in cfg.sub_configs}
-    was = {k: c._attn_implementation_internal for k, c in subs.items()}
-    with pytest.raises(ValueError, match="SAM_VISION_ATTENTION_CLASSES"):
-        transformers.SamModel._from_config(cfg, attn_implementation=hf.NAME)
-    assert {k: c._attn_implementation_internal for k, c in subs.items()} == was
-    transformers.SamModel(cfg)
