@@ -230,7 +230,10 @@ static int parse_parts(MHAObject *self, PyObject *obj, struct call *c)
     const mha_config *cfg = &self->cfg;
     const int64_t E = cfg->d_model, Ekv = mha_kv_heads(cfg) * (E / cfg->n_heads);
     const int64_t out[4] = {E, Ekv, Ekv, E}, in[4] = {E, cfg->kdim, cfg->vdim, E};
-    char name[16];
+    static const char *names[MHA_NPARAM] = {"W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias",
+                                            "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias",
+                                            "bias_k", "bias_v"};
+    char name[32];
     Py_ssize_t i;
     if (PyTuple_GET_SIZE(obj) != MHA_NPARAM) {
         PyErr_Format(PyExc_ValueError, "params as a tuple must hold %d arrays (the block's "
@@ -241,13 +244,13 @@ static int parse_parts(MHAObject *self, PyObject *obj, struct call *c)
         PyObject *item = PyTuple_GET_ITEM(obj, i);
         if (self->size[i] == 0) {
             if (item != Py_None) {
-                PyErr_Format(PyExc_ValueError, "params[%zd] must be None: this module has "
-                             "no such tensor", i);
+                PyErr_Format(PyExc_ValueError, "params[%zd] (%s) must be None: this module "
+                             "has no such tensor", i, names[i]);
                 return -1;
             }
             continue;
         }
-        PyOS_snprintf(name, sizeof name, "params[%d]", (int)i);
+        PyOS_snprintf(name, sizeof name, "params[%d] (%s)", (int)i, names[i]);
         if (!(c->parts[i] = input_array(self, item, name))) return -1;
         {
             const int weight = i < 8 && i % 2 == 0;

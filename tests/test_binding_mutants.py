@@ -106,7 +106,7 @@ def test_params_tuple_with_grouped_bias_kv():
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(w_got, w_want)
     wide = parts[:8] + (np.zeros(8), np.zeros(8))
-    with pytest.raises(ValueError, match=r"params\[8\] must have the shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"params\[8\] \(bias_k\) must have the shape \(4,\)"):
         m._forward(x, x, x, params=wide)
 
 
@@ -118,7 +118,7 @@ def test_params_tuple_holds_none_where_the_module_has_no_tensor():
     assert parts[1] is None
     x = _x(1, 3, 8)
     np.testing.assert_array_equal(m._forward(x, x, x, params=parts)[0], m._forward(x, x, x)[0])
-    with pytest.raises(ValueError, match=r"params\[1\] must be None"):
+    with pytest.raises(ValueError, match=r"params\[1\] \(W_q\.bias\) must be None"):
         m._forward(x, x, x, params=(parts[0], np.zeros(8)) + parts[2:])
 
 

@@ -227,7 +227,8 @@ def test_the_drop_ins_zero_d_bias_k_is_refused_with_torchs_runtime_error_too(tra
     x = torch.randn(L, B, E, generator=torch.Generator().manual_seed(13))
     with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
         mods[0](x, x, x)
-    with pytest.raises(ValueError, match="must have the shape") as got:
+    # the parameter named by its place in the block and its name
+    with pytest.raises(ValueError, match=r"params\[8\] \(bias_k\) must have the shape") as got:
         mods[1](x, x, x)
     assert isinstance(got.value, RuntimeError), str(got.value)
     assert "(torch: Sizes of tensors must match" in str(got.value)

@@ -137,7 +137,7 @@ def test_a_transposed_weight_is_refused():
     parts = list(_module_parts(m))
     parts[2] = np.ascontiguousarray(parts[2].T)
     q, k = np.zeros((1, 2, 16), np.float32), np.zeros((1, 3, 8), np.float32)
-    with pytest.raises(ValueError, match=r"params\[2\] must have the shape \(16, 8\), "
+    with pytest.raises(ValueError, match=r"params\[2\] \(W_k\.weight\) must have the shape \(16, 8\), "
                                          r"got \(8, 16\)"):
         m._forward(q, k, k, params=tuple(parts))
 
@@ -188,18 +188,18 @@ def test_parts_errors():
         m._forward(x, x, x, params=tuple(parts[:9]))
     bad = list(parts)
     bad[2] = bad[2][:-1]
-    with pytest.raises(ValueError, match=r"params\[2\] must have the shape \(16, 16\), "
+    with pytest.raises(ValueError, match=r"params\[2\] \(W_k\.weight\) must have the shape \(16, 16\), "
                                          r"got \(15, 16\)"):
         m._forward(x, x, x, params=tuple(bad))
     bad[2] = parts[2].reshape(-1)  # the right number of scalars, not the shape
-    with pytest.raises(ValueError, match=r"params\[2\] must have the shape \(16, 16\)"):
+    with pytest.raises(ValueError, match=r"params\[2\] \(W_k\.weight\) must have the shape \(16, 16\)"):
         m._forward(x, x, x, params=tuple(bad))
     bad[2] = None  # a tensor the module has
-    with pytest.raises(TypeError, match=r"params\[2\]"):
+    with pytest.raises(TypeError, match=r"params\[2\] \(W_k\.weight\)"):
         m._forward(x, x, x, params=tuple(bad))
     bad = list(parts)
     bad[1] = np.zeros(16, np.float32)  # W_q.bias: this module has none
-    with pytest.raises(ValueError, match=r"params\[1\] must be None"):
+    with pytest.raises(ValueError, match=r"params\[1\] \(W_q\.bias\) must be None"):
         m._forward(x, x, x, params=tuple(bad))
     bad = list(parts)
     bad[0] = "weights"
